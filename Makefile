@@ -1,0 +1,25 @@
+# Two commands do all the set-up on a fresh machine:
+#   make demo   runs the main job on the embedded default
+#   make test   runs the whole test suite
+VENV ?= .venv
+STAMP := $(VENV)/.marucache-installed
+
+.PHONY: setup demo test bench-index clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml scripts/bootstrap.sh
+	VENV=$(VENV) bash scripts/bootstrap.sh
+	touch $@
+
+demo: $(STAMP)
+	$(VENV)/bin/marucache demo
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest tests
+
+bench-index: $(STAMP)
+	$(VENV)/bin/marucache bench index
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

