@@ -1,0 +1,235 @@
+"""A real vLLM CPU engine in its own process, driven over a pipe.
+
+Engine starts are the expensive part of an end-to-end test, so one
+`EngineProcess` serves many requests: the parent sends prompts (token ids),
+the child runs them through `vllm.LLMEngine` with greedy sampling and answers
+with the output token ids and each request's time to first token (TTFT).
+
+The child is a plain `python -m maru_connector.testing.engine_server`
+subprocess (not `multiprocessing`), so callers need no `__main__` guard, and
+vLLM's own processes (EngineCore, workers) are its children: `close()` ends
+the whole tree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+
+class EngineError(RuntimeError):
+    """The engine process failed to start or died; the message ends with its log."""
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """How to start one engine. `kv_transfer_config=None` runs without a connector."""
+
+    model_dir: str
+    kv_transfer_config: dict[str, Any] | None = None
+    block_size: int = 32
+    max_model_len: int = 2048
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 8
+    kvcache_space_gib: int = 1
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = False
+    # False: EngineCore runs inside the engine process (starts in ~4 s);
+    # True: vLLM's usual three processes (caller, EngineCore, worker).
+    multiprocessing: bool = False
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    """What one request produced."""
+
+    token_ids: list[int]
+    ttft_s: float
+    latency_s: float
+    num_prompt_tokens: int
+    aborted: bool = False
+
+
+class EngineProcess:
+    """One vLLM engine in a child process. Use as a context manager or `close()`."""
+
+    def __init__(self, spec: EngineSpec, log_path: str | os.PathLike, start_timeout_s: float = 300.0):
+        self.spec = spec
+        self.log_path = Path(log_path)
+        parent_sock, child_sock = socket.socketpair()
+        env = dict(os.environ)
+        env.update(_engine_env(spec))
+        self._log = open(self.log_path, "ab")
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "maru_connector.testing.engine_server", str(child_sock.fileno())],
+            pass_fds=(child_sock.fileno(),),
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,  # close() signals the whole process group
+        )
+        child_sock.close()
+        self._conn = Connection(parent_sock.detach())
+        self.pid = self._proc.pid
+        try:
+            self._conn.send(("start", dataclasses.asdict(spec)))
+            self.start_info = self._receive(start_timeout_s, "start")
+        except BaseException:
+            self.close()
+            raise
+
+    # -- requests ---------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_tokens: int = 8,
+        *,
+        concurrent: bool = False,
+        abort_after_steps: int | None = None,
+        timeout_s: float = 600.0,
+    ) -> list[RequestResult]:
+        """Run `prompts` with greedy sampling; results are in prompt order.
+
+        `concurrent=False` runs them one after another (each TTFT is that of
+        a request alone); `True` submits them all at once. With
+        `abort_after_steps`, every request still unfinished after that many
+        engine steps is aborted (its result has `aborted=True`).
+        """
+        self._conn.send(("generate", {
+            "prompts": [list(map(int, p)) for p in prompts],
+            "max_tokens": max_tokens,
+            "concurrent": concurrent,
+            "abort_after_steps": abort_after_steps,
+        }))
+        reply = self._receive(timeout_s, "generate")
+        return [RequestResult(**r) for r in reply]
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the engine process and all its children."""
+        try:
+            proc = psutil.Process(self.pid)
+            procs = [proc, *proc.children(recursive=True)]
+            return sum(p.memory_info().rss for p in procs if p.is_running())
+        except psutil.NoSuchProcess as exc:
+            raise EngineError(f"engine process {self.pid} is gone") from exc
+
+    def call(self, name: str, timeout_s: float = 60.0, **kwargs: Any) -> Any:
+        """Run a named probe in the engine process (see `engine_server.PROBES`)."""
+        self._conn.send(("probe", {"name": name, **kwargs}))
+        return self._receive(timeout_s, name)
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    def alive(self) -> bool:
+        return self._proc.poll() is None
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop the engine and every process it started; idempotent."""
+        if self._proc.poll() is None:
+            try:
+                self._conn.send(("shutdown", {}))
+                self._proc.wait(timeout=timeout_s)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        _kill_group(self._proc)
+        self._conn.close()
+        self._log.close()
+
+    def __enter__(self) -> "EngineProcess":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def _receive(self, timeout_s: float, what: str) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while not self._conn.poll(0.5):
+            if self._proc.poll() is not None:
+                raise EngineError(
+                    f"engine process exited with {self._proc.returncode} during {what}; log:\n"
+                    + self.log_tail()
+                )
+            if time.monotonic() > deadline:
+                raise EngineError(f"engine gave no answer to {what} within {timeout_s}s; log:\n" + self.log_tail())
+        try:
+            status, payload = self._conn.recv()
+        except EOFError as exc:
+            raise EngineError(f"engine closed its pipe during {what}; log:\n" + self.log_tail()) from exc
+        if status != "ok":
+            raise EngineError(f"engine failed in {what}: {payload}\nlog:\n" + self.log_tail())
+        return payload
+
+
+def _engine_env(spec: EngineSpec) -> dict[str, str]:
+    env = {
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": str(spec.kvcache_space_gib),
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if spec.multiprocessing else "0",
+        # Several engines share the machine's cores: no pinning.
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_LOGGING_LEVEL": "INFO",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    env.update(spec.env)
+    return env
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """End the engine's process group (vLLM's own children included)."""
+    try:
+        pgid = os.getpgid(proc.pid)
+    except ProcessLookupError:
+        pgid = None
+    if pgid is not None and pgid != os.getpgrp():
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=10)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def read_json_lines(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Records of a JSON-lines file; a torn last line (being written) is skipped."""
+    records = []
+    try:
+        with open(path, encoding="utf-8") as fh:
+            for line in fh:
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+    except FileNotFoundError:
+        return []
+    return records

@@ -1,0 +1,163 @@
+"""The child side of `EngineProcess`: one vLLM engine serving a pipe.
+
+Run as `python -m maru_connector.testing.engine_server FD`; FD is one end of
+a socket pair carrying pickled `(command, payload)` tuples. Every command
+gets exactly one `("ok", result)` or `("error", text)` reply.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import time
+import traceback
+from collections import Counter
+from multiprocessing.connection import Connection
+from typing import Any, Callable
+
+
+def _build_engine(spec: dict[str, Any]):
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = dict(
+        model=spec["model_dir"],
+        tokenizer=spec["model_dir"],
+        dtype="bfloat16",
+        max_model_len=spec["max_model_len"],
+        max_num_batched_tokens=spec["max_num_batched_tokens"],
+        max_num_seqs=spec["max_num_seqs"],
+        block_size=spec["block_size"],
+        enforce_eager=True,
+        enable_prefix_caching=spec["enable_prefix_caching"],
+        seed=0,
+    )
+    if spec["num_gpu_blocks_override"] is not None:
+        kwargs["num_gpu_blocks_override"] = spec["num_gpu_blocks_override"]
+    if spec["kv_transfer_config"] is not None:
+        kwargs["kv_transfer_config"] = spec["kv_transfer_config"]
+    return LLM(**kwargs)
+
+
+def _generate(llm, payload: dict[str, Any]) -> list[dict[str, Any]]:
+    """Greedy decoding; TTFT is measured from submission to the first token."""
+    prompts = payload["prompts"]
+    if payload["concurrent"]:
+        return _run_batch(llm, prompts, payload)
+    results = []
+    for prompt in prompts:
+        results.extend(_run_batch(llm, [prompt], payload))
+    return results
+
+
+def _run_batch(llm, prompts: list[list[int]], payload: dict[str, Any]) -> list[dict[str, Any]]:
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=payload["max_tokens"], ignore_eos=True)
+    base = f"r{time.monotonic_ns()}-"
+    submitted: dict[str, float] = {}
+    first_token: dict[str, float] = {}
+    finished: dict[str, dict[str, Any]] = {}
+    for i, prompt in enumerate(prompts):
+        rid = f"{base}{i}"
+        submitted[rid] = time.perf_counter()
+        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+    steps = 0
+    abort_after = payload.get("abort_after_steps")
+    while len(finished) < len(prompts):
+        if abort_after is not None and steps >= abort_after:
+            pending = [rid for rid in submitted if rid not in finished]
+            engine.abort_request(pending)
+            now = time.perf_counter()
+            for rid in pending:
+                finished[rid] = _result(rid, [], submitted, first_token, now, len(prompts[int(rid.rsplit("-", 1)[1])]), True)
+            break
+        outputs = engine.step()
+        steps += 1
+        now = time.perf_counter()
+        for out in outputs:
+            rid = out.request_id
+            tokens = list(out.outputs[0].token_ids) if out.outputs else []
+            if tokens and rid not in first_token:
+                first_token[rid] = now
+            if out.finished:
+                finished[rid] = _result(rid, tokens, submitted, first_token, now, len(out.prompt_token_ids or []), False)
+    return [finished[f"{base}{i}"] for i in range(len(prompts))]
+
+
+def _result(rid, tokens, submitted, first_token, now, n_prompt, aborted) -> dict[str, Any]:
+    start = submitted[rid]
+    return {
+        "token_ids": tokens,
+        "ttft_s": first_token.get(rid, now) - start,
+        "latency_s": now - start,
+        "num_prompt_tokens": n_prompt,
+        "aborted": aborted,
+    }
+
+
+def _probe_object_counts(llm, payload: dict[str, Any]) -> dict[str, int]:
+    """Live objects per type, for types defined in modules starting with `prefix`."""
+    prefix = payload.get("prefix", "maru_")
+    gc.collect()
+    counts: Counter[str] = Counter()
+    for obj in gc.get_objects():
+        module = getattr(type(obj), "__module__", "") or ""
+        if module.startswith(prefix):
+            counts[f"{module}.{type(obj).__qualname__}"] += 1
+    return dict(counts)
+
+
+def _probe_kv_cache_info(llm, payload: dict[str, Any]) -> dict[str, Any]:
+    config = llm.llm_engine.vllm_config
+    return {
+        "block_size": config.cache_config.block_size,
+        "num_gpu_blocks": config.cache_config.num_gpu_blocks,
+        "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
+    }
+
+
+PROBES: dict[str, Callable[[Any, dict[str, Any]], Any]] = {
+    "object_counts": _probe_object_counts,
+    "kv_cache_info": _probe_kv_cache_info,
+}
+
+
+def serve(conn: Connection) -> None:
+    llm = None
+    while True:
+        try:
+            command, payload = conn.recv()
+        except EOFError:
+            return
+        try:
+            if command == "shutdown":
+                conn.send(("ok", None))
+                return
+            if command == "start":
+                started = time.perf_counter()
+                llm = _build_engine(payload)
+                result: Any = {"start_s": time.perf_counter() - started}
+            elif command == "generate":
+                result = _generate(llm, payload)
+            elif command == "probe":
+                result = PROBES[payload["name"]](llm, payload)
+            else:
+                raise ValueError(f"unknown command {command!r}")
+            conn.send(("ok", result))
+        except Exception:  # reported to the parent, which raises EngineError
+            conn.send(("error", traceback.format_exc()))
+            if command == "start":
+                return
+
+
+def main() -> None:
+    conn = Connection(int(sys.argv[1]))
+    try:
+        serve(conn)
+    finally:
+        conn.close()
+
+
+if __name__ == "__main__":
+    main()
