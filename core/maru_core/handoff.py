@@ -1,0 +1,200 @@
+"""Receiving the pool's file descriptor from the sidecar (the connector's side of the hand-off).
+
+The sidecar opens the pool device (or tmpfs file) and listens on a Unix socket
+in a volume shared with the vLLM container. The connector connects, presents
+the cache token, the cache name and its protocol version, and receives the
+pool's file descriptor (`SCM_RIGHTS`) with the pool geometry, the index
+address and the directory for its stats region. It then maps the descriptor
+itself (`Pool.from_fd`): the vLLM container needs no permission on the device,
+and the mapping stays valid whatever later happens to the sidecar.
+
+Wire format, both directions: a 4-byte big-endian length, then a msgpack map.
+Request: `{"op": "handoff", "protocol": int, "token": str | None,
+"cache": str, "client": str, "pid": int}`. Reply: `{"ok": true, "protocol",
+"cache", "geometry": map, "index_url", "stats_dir", "pool_path"}` with one
+descriptor attached, or `{"ok": false, "protocol", "error": {"type",
+"message"}}`; error types are in `ERROR_TYPES`. The framing never changes
+between versions, so a peer of another version always gets a readable refusal.
+
+This module imports nothing beyond the standard library and msgpack (no
+prometheus, no vLLM), so any process can use it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+HANDOFF_PROTOCOL = 1
+MAX_FRAME_BYTES = 64 * 1024
+ERROR_TYPES = ("auth", "wrong_cache", "protocol", "unavailable", "bad_request")
+_LENGTH = struct.Struct(">I")
+
+
+class HandoffError(Exception):
+    """The pool could not be obtained from the sidecar."""
+
+
+class HandoffUnavailable(HandoffError):
+    """No sidecar answered on the socket in time, or it has not attached its pool yet; retry later."""
+
+
+class HandoffRefused(HandoffError):
+    """The sidecar refused the hand-off (wrong token, cache name or protocol version); `type` says which."""
+
+    def __init__(self, error_type: str, message: str):
+        super().__init__(message)
+        self.type = error_type
+
+
+class HandoffProtocolError(HandoffError):
+    """The peer spoke something other than the hand-off protocol."""
+
+
+@dataclass(frozen=True)
+class PoolHandoff:
+    """What the sidecar handed over. The caller owns `fd` and must close it (or give it to `Pool.from_fd`)."""
+
+    fd: int
+    geometry: dict[str, Any]  # the pool header's geometry as the sidecar read it (uuid as a string)
+    index_url: str
+    stats_dir: str  # where `maru_core.stats.ConnectorStats` puts this process's region
+    cache: str
+    pool_path: str  # the path on the sidecar's side, for messages only
+
+
+def fetch_pool(socket_path: str, token: str | None, cache_name: str, timeout_s: float = 5.0) -> PoolHandoff:
+    """Ask the sidecar listening on `socket_path` for the pool of cache `cache_name`.
+
+    Blocks at most about `timeout_s` seconds. Raises `HandoffUnavailable` when
+    no sidecar answers (not started, restarting, pool not attached yet),
+    `HandoffRefused` when it refuses (its message says what to change) and
+    `HandoffProtocolError` on garbage. On success the returned `fd` is a new
+    descriptor of this process, open read-write on the pool.
+    """
+    deadline = time.monotonic() + timeout_s
+    try:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    except OSError as exc:  # pragma: no cover - only without AF_UNIX
+        raise HandoffError(f"cannot create a Unix socket: {exc}") from exc
+    with sock:
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect(socket_path)
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            raise HandoffUnavailable(
+                f"no sidecar listens on {socket_path} ({exc.strerror}); is `marucache sidecar "
+                f"--socket {socket_path}` running and is its directory shared with this container?"
+            ) from exc
+        except OSError as exc:
+            raise HandoffUnavailable(f"cannot connect to the sidecar at {socket_path}: {exc}") from exc
+        request = {
+            "op": "handoff",
+            "protocol": HANDOFF_PROTOCOL,
+            "token": token,
+            "cache": cache_name,
+            "client": f"connector@{socket.gethostname()}",
+            "pid": os.getpid(),
+        }
+        try:
+            send_frame(sock, request)
+            sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            reply, fds = recv_frame(sock, max_fds=1)
+        except TimeoutError as exc:
+            raise HandoffUnavailable(f"the sidecar at {socket_path} did not answer within {timeout_s} s") from exc
+        except (ConnectionError, EOFError) as exc:
+            raise HandoffUnavailable(f"the sidecar at {socket_path} closed the connection: {exc}") from exc
+    return _parse_reply(reply, fds, socket_path, cache_name)
+
+
+def _parse_reply(reply: Any, fds: list[int], socket_path: str, cache_name: str) -> PoolHandoff:
+    try:
+        if not isinstance(reply, dict) or "ok" not in reply:
+            raise HandoffProtocolError(f"the peer at {socket_path} is not a MaruCache sidecar (reply {reply!r:.80})")
+        if not reply["ok"]:
+            error = reply.get("error") or {}
+            error_type, message = str(error.get("type", "unknown")), str(error.get("message", ""))
+            if error_type == "unavailable":
+                raise HandoffUnavailable(f"sidecar at {socket_path}: {message}")
+            raise HandoffRefused(error_type, f"sidecar at {socket_path} refused the hand-off: {message}")
+        if reply.get("protocol") != HANDOFF_PROTOCOL:
+            raise HandoffRefused(
+                "protocol",
+                f"the sidecar at {socket_path} speaks hand-off protocol {reply.get('protocol')}, this "
+                f"connector speaks {HANDOFF_PROTOCOL}; run the same MaruCache version in both containers",
+            )
+        if len(fds) != 1:
+            raise HandoffProtocolError(f"the sidecar at {socket_path} sent {len(fds)} descriptors, expected 1")
+        if reply.get("cache") != cache_name:
+            raise HandoffRefused("wrong_cache", f"the sidecar at {socket_path} serves cache {reply.get('cache')!r}")
+        handoff = PoolHandoff(
+            fd=fds[0],
+            geometry=dict(reply["geometry"]),
+            index_url=str(reply["index_url"]),
+            stats_dir=str(reply["stats_dir"]),
+            cache=str(reply["cache"]),
+            pool_path=str(reply.get("pool_path", "")),
+        )
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return handoff
+
+
+# -- framing, shared with the sidecar's server -------------------------------
+
+
+def send_frame(sock: socket.socket, message: dict[str, Any], fds: tuple[int, ...] = ()) -> None:
+    """Send one framed msgpack message, with `fds` attached to its first byte."""
+    payload = msgpack.packb(message, use_bin_type=True)
+    data = _LENGTH.pack(len(payload)) + payload
+    sent = socket.send_fds(sock, [data], list(fds)) if fds else sock.send(data)
+    if sent < len(data):
+        sock.sendall(data[sent:])
+
+
+def recv_frame(sock: socket.socket, max_fds: int = 0) -> tuple[Any, list[int]]:
+    """Receive one framed message and any descriptors that came with it.
+
+    Raises `EOFError` if the peer closes before a whole frame, and
+    `HandoffProtocolError` for an oversized or undecodable frame or too many
+    descriptors. Descriptors are closed on every error.
+    """
+    fds: list[int] = []
+    try:
+        (length,) = _LENGTH.unpack(_recv_exactly(sock, _LENGTH.size, fds, max_fds))
+        if length > MAX_FRAME_BYTES:
+            raise HandoffProtocolError(f"frame of {length} bytes exceeds {MAX_FRAME_BYTES}")
+        payload = _recv_exactly(sock, length, fds, max_fds)
+        if len(fds) > max_fds:
+            raise HandoffProtocolError(f"peer sent {len(fds)} descriptors, at most {max_fds} expected")
+        try:
+            return msgpack.unpackb(payload, raw=False), fds
+        except (ValueError, msgpack.UnpackException) as exc:
+            raise HandoffProtocolError(f"undecodable frame: {exc}") from exc
+    except BaseException:
+        _close_all(fds)
+        raise
+
+
+def _recv_exactly(sock: socket.socket, size: int, fds: list[int], max_fds: int) -> bytes:
+    buffer = bytearray()
+    while len(buffer) < size:
+        chunk, got_fds, _, _ = socket.recv_fds(sock, size - len(buffer), max(max_fds - len(fds), 1))
+        fds.extend(got_fds)
+        if not chunk:
+            raise EOFError(f"connection closed after {len(buffer)} of {size} bytes")
+        buffer += chunk
+    return bytes(buffer)
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
