@@ -1,0 +1,69 @@
+"""The index protocol: framing, messages, validation, addresses.
+
+See ``docs/architecture.md`` (Index protocol) for the wire format.
+"""
+
+from maru_core.protocol.errors import ErrorType, FrameError, ProtocolError
+from maru_core.protocol.framing import (
+    HEADER_BYTES,
+    MAX_FRAME_BYTES,
+    FrameDecoder,
+    decode_payload,
+    encode_frame,
+    new_packer,
+    payload_length,
+    read_frame,
+)
+from maru_core.protocol.locations import (
+    Location,
+    LocationList,
+    Slot,
+    SlotList,
+    pack_locations,
+    pack_slots,
+)
+from maru_core.protocol.messages import (
+    KEY_BYTES,
+    MAX_BATCH_KEYS,
+    OPS,
+    PROTOCOL_VERSION,
+    Request,
+    error_reply,
+    ok_reply,
+    parse_request,
+    request_id,
+)
+from maru_core.protocol.url import Address, TcpAddress, UnixAddress, parse_url
+
+__all__ = [
+    "Address",
+    "ErrorType",
+    "FrameDecoder",
+    "FrameError",
+    "HEADER_BYTES",
+    "KEY_BYTES",
+    "Location",
+    "LocationList",
+    "MAX_BATCH_KEYS",
+    "MAX_FRAME_BYTES",
+    "OPS",
+    "PROTOCOL_VERSION",
+    "ProtocolError",
+    "Request",
+    "Slot",
+    "SlotList",
+    "TcpAddress",
+    "UnixAddress",
+    "decode_payload",
+    "encode_frame",
+    "error_reply",
+    "new_packer",
+    "ok_reply",
+    "pack_locations",
+    "pack_slots",
+    "parse_request",
+    "payload_length",
+    "read_frame",
+    "request_id",
+    "parse_url",
+]

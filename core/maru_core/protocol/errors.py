@@ -1,0 +1,50 @@
+"""Typed errors of the index protocol.
+
+Every error reply carries one of these types, so that a client can tell a
+request it must change (``bad_request``, ``too_large``, ``unknown_op``) from a
+state it must repair (``auth``, ``no_lease``) or a condition it may retry
+later (``no_space``, ``internal``).
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorType(str, enum.Enum):
+    """The ``error.type`` field of an error reply."""
+
+    BAD_REQUEST = "bad_request"  # a field is missing, of the wrong type or out of range
+    UNKNOWN_OP = "unknown_op"  # the ``op`` names no operation of this protocol version
+    AUTH = "auth"  # ``hello`` carried a wrong or missing token
+    TOO_LARGE = "too_large"  # a batch or frame above the protocol's limits
+    NO_LEASE = "no_lease"  # the connection holds no live lease: send ``hello`` again
+    NO_SPACE = "no_space"  # the pool cannot hold what was reserved, even after eviction
+    INTERNAL = "internal"  # the server failed; the request may be retried
+
+
+class ProtocolError(Exception):
+    """A request the server refuses with a typed error reply.
+
+    ``error_type`` goes to the reply's ``error.type`` and ``str(self)`` to
+    ``error.message``; the message says what the sender must change.
+    """
+
+    def __init__(self, error_type: ErrorType, message: str) -> None:
+        super().__init__(message)
+        self.error_type = ErrorType(error_type)
+
+    @property
+    def message(self) -> str:
+        return str(self)
+
+    def to_wire(self) -> dict[str, str]:
+        return {"type": self.error_type.value, "message": self.message}
+
+
+class FrameError(Exception):
+    """A byte stream that is not a sequence of valid frames.
+
+    The receiver cannot find the next frame boundary it can trust, so it
+    closes the connection (only that one).
+    """

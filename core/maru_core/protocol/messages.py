@@ -1,0 +1,200 @@
+"""Requests and replies of the index protocol, and their validation.
+
+A request is a msgpack map ``{"id": int, "op": str, ...args}``; a reply is
+``{"id": int, "ok": True, ...result}`` or
+``{"id": int, "ok": False, "error": {"type": str, "message": str}}``.
+``parse_request`` checks every field's type and range before the server acts,
+so a wrong request gets a typed error naming the field, never a crash.
+
+Keys travel as one msgpack array of 16-byte bins. Locations and slots travel
+back packed (see ``maru_core.protocol.locations``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+from maru_core.protocol.errors import ErrorType, ProtocolError
+
+PROTOCOL_VERSION = 1
+
+#: Key length in bytes (a blake2b digest, see ``maru_core.keys``).
+KEY_BYTES = 16
+#: Most keys (or items) in one request. A 64k-token prompt stored layerwise
+#: with 16-token chunks on an 80-layer model is 327,680 keys: send it in
+#: several requests.
+MAX_BATCH_KEYS = 131072
+#: Longest client name and token accepted by ``hello``.
+MAX_NAME_CHARS = 256
+MAX_TOKEN_CHARS = 4096
+_U63 = (1 << 63) - 1
+
+OPS = (
+    "hello",
+    "heartbeat",
+    "match_prefix",
+    "retrieve",
+    "unpin",
+    "reserve",
+    "commit",
+    "abort",
+    "stats",
+)
+
+
+class Request(NamedTuple):
+    """A validated request: ``args`` holds exactly the fields of ``op``."""
+
+    id: int
+    op: str
+    args: dict[str, Any]
+
+
+def _bad(field: str, expected: str, value: Any) -> ProtocolError:
+    return ProtocolError(
+        ErrorType.BAD_REQUEST, f"field {field!r} must be {expected}, got {type(value).__name__}"
+    )
+
+
+def _check_keys(field: str, value: Any) -> list[bytes]:
+    if type(value) is not list:
+        raise _bad(field, f"an array of {KEY_BYTES}-byte bins", value)
+    if len(value) > MAX_BATCH_KEYS:
+        raise ProtocolError(
+            ErrorType.TOO_LARGE,
+            f"{len(value)} keys in one request, more than MAX_BATCH_KEYS={MAX_BATCH_KEYS}; "
+            "split the batch",
+        )
+    # set(map(...)) walks the list in C: a few microseconds per thousand keys.
+    if value and (set(map(type, value)) != {bytes} or set(map(len, value)) != {KEY_BYTES}):
+        bad = next(k for k in value if type(k) is not bytes or len(k) != KEY_BYTES)
+        shown = f"{len(bad)} bytes" if type(bad) is bytes else type(bad).__name__
+        raise ProtocolError(
+            ErrorType.BAD_REQUEST,
+            f"field {field!r} must hold {KEY_BYTES}-byte bins only; found {shown}",
+        )
+    return value
+
+
+def _check_lengths(field: str, value: Any) -> list[int]:
+    if type(value) is not list:
+        raise _bad(field, "an array of positive integers", value)
+    if len(value) > MAX_BATCH_KEYS:
+        raise ProtocolError(
+            ErrorType.TOO_LARGE, f"{len(value)} items in one request, more than {MAX_BATCH_KEYS}"
+        )
+    if value and (set(map(type, value)) != {int} or min(value) < 1 or max(value) > _U63):
+        raise ProtocolError(
+            ErrorType.BAD_REQUEST,
+            f"field {field!r} must hold object lengths in bytes, integers from 1 to 2**63-1",
+        )
+    return value
+
+
+def _check_int(field: str, value: Any) -> int:
+    if type(value) is not int or not 0 <= value <= _U63:
+        raise _bad(field, "a non-negative integer", value)
+    return value
+
+
+def _optional_str(limit: int) -> Callable[[str, Any], str | None]:
+    def check(field: str, value: Any) -> str | None:
+        if value is None:
+            return None
+        if type(value) is not str:
+            raise _bad(field, "a string or nil", value)
+        if len(value) > limit:
+            raise ProtocolError(
+                ErrorType.BAD_REQUEST, f"field {field!r} is longer than {limit} characters"
+            )
+        return value
+
+    return check
+
+
+def _check_name(field: str, value: Any) -> str:
+    if type(value) is not str or not 0 < len(value) <= MAX_NAME_CHARS:
+        raise ProtocolError(
+            ErrorType.BAD_REQUEST,
+            f"field {field!r} must be a non-empty string of at most {MAX_NAME_CHARS} characters",
+        )
+    return value
+
+
+_Field = tuple[Callable[[str, Any], Any], bool]  # (checker, required)
+_KEYS: dict[str, _Field] = {"keys": (_check_keys, True)}
+SCHEMAS: dict[str, dict[str, _Field]] = {
+    "hello": {
+        "protocol": (_check_int, True),
+        "client": (_check_name, True),
+        "token": (_optional_str(MAX_TOKEN_CHARS), False),
+        "lease_id": (_optional_str(MAX_NAME_CHARS), False),
+    },
+    "heartbeat": {},
+    "match_prefix": _KEYS,
+    "retrieve": _KEYS,
+    "unpin": _KEYS,
+    "reserve": {"keys": (_check_keys, True), "lengths": (_check_lengths, True)},
+    "commit": _KEYS,
+    "abort": _KEYS,
+    "stats": {},
+}
+
+
+def request_id(message: Any) -> int | None:
+    """The request's id if it has a valid one, else ``None`` (used to address
+    the error reply of a request that fails validation)."""
+    if type(message) is dict:
+        rid = message.get("id")
+        if type(rid) is int and 0 <= rid <= _U63:
+            return rid
+    return None
+
+
+def parse_request(message: Any) -> Request:
+    """Validate a decoded payload into a ``Request``; raise ``ProtocolError``.
+
+    Unknown fields are refused (a misspelt field would otherwise be ignored
+    silently); optional fields that are absent are set to ``None``.
+    """
+    if type(message) is not dict:
+        raise _bad("<request>", "a map", message)
+    rid = request_id(message)
+    if rid is None:
+        raise _bad("id", "an integer from 0 to 2**63-1", message.get("id"))
+    op = message.get("op")
+    if type(op) is not str:
+        raise _bad("op", "a string", op)
+    schema = SCHEMAS.get(op)
+    if schema is None:
+        raise ProtocolError(
+            ErrorType.UNKNOWN_OP,
+            f"unknown op {op[:64]!r}; protocol {PROTOCOL_VERSION} knows {', '.join(OPS)}",
+        )
+    unknown = [k for k in message if k not in schema and k != "id" and k != "op"]
+    if unknown:
+        raise ProtocolError(
+            ErrorType.BAD_REQUEST, f"op {op!r} takes no field(s) {sorted(map(repr, unknown))}"
+        )
+    args = {}
+    for name, (check, required) in schema.items():
+        if name not in message:
+            if required:
+                raise ProtocolError(ErrorType.BAD_REQUEST, f"op {op!r} needs field {name!r}")
+            args[name] = None
+            continue
+        args[name] = check(name, message[name])
+    if op == "reserve" and len(args["keys"]) != len(args["lengths"]):
+        raise ProtocolError(
+            ErrorType.BAD_REQUEST,
+            f"reserve got {len(args['keys'])} keys but {len(args['lengths'])} lengths",
+        )
+    return Request(rid, op, args)
+
+
+def ok_reply(rid: int, **result: Any) -> dict[str, Any]:
+    return {"id": rid, "ok": True, **result}
+
+
+def error_reply(rid: int | None, error: ProtocolError) -> dict[str, Any]:
+    return {"id": rid, "ok": False, "error": error.to_wire()}
