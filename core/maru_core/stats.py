@@ -55,7 +55,8 @@ GAUGES = ("parked_requests",)
 # Failure reasons are a closed set: they become a label, which must stay bounded.
 LOAD_FAILURE_REASONS = (
     "miss",  # a key resolved at lookup was gone at retrieve
-    "short_reply",  # the index answered a different number of locations than keys
+    "short_reply",  # the index answered fewer locations than keys
+    "long_reply",  # the index answered more locations than keys
     "header_mismatch",  # a slot header did not name the key and generation resolved
     "index_error",  # the index refused the request or the connection broke
     "timeout",  # the index did not answer in time
@@ -68,6 +69,7 @@ STORE_FAILURE_REASONS = (
     "index_error",
     "timeout",
     "copy_error",
+    "commit_error",  # the commit was refused or its reply lost
     "aborted",
     "other",
 )

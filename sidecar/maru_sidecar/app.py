@@ -1,0 +1,139 @@
+"""The sidecar's composition root: builds the pool attacher, hand-off server, collectors and endpoints, and runs them."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import uuid
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from maru_sidecar.collector import ConnectorCollector, SidecarCollector
+from maru_sidecar.config import SidecarConfig
+from maru_sidecar.endpoints import EndpointServer
+from maru_sidecar.handoff_server import HandoffServer, PoolNotReady, PoolOffer
+from maru_sidecar.health import IndexProbe
+from maru_sidecar.regions import RegionAggregator
+
+log = logging.getLogger(__name__)
+
+ATTACH_RETRY_S = 1.0
+
+
+class PoolAttacher:
+    """Keeps trying to attach the pool until it exists (the index may create it after the sidecar starts)."""
+
+    def __init__(self, config: SidecarConfig, stop: threading.Event):
+        self._config, self._stop = config, stop
+        self._pool: Any = None
+        self._offer: PoolOffer | None = None
+        self._last_error = "not tried yet"
+        self._thread = threading.Thread(target=self._run, name="maru-pool-attach", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        from maru_core.pool import Pool, PoolError
+
+        logged = None
+        while not self._stop.is_set():
+            try:
+                pool = Pool.attach(str(self._config.pool_path))
+            except PoolError as exc:
+                self._last_error = str(exc)
+                if self._last_error != logged:  # log each new reason once, not every second
+                    log.warning("cannot attach the pool yet (retrying every %.0f s): %s", ATTACH_RETRY_S, exc)
+                    logged = self._last_error
+                self._stop.wait(ATTACH_RETRY_S)
+                continue
+            self._pool = pool
+            self._offer = PoolOffer(fd=pool.fileno(), geometry=_geometry_dict(pool.geometry),
+                                    pool_path=str(self._config.pool_path))  # fmt: skip
+            log.info("attached the pool %s (%s)", self._config.pool_path, self._offer.geometry)
+            return
+
+    def offer(self) -> PoolOffer:
+        if self._offer is None:
+            raise PoolNotReady(f"{self._config.pool_path}: {self._last_error}")
+        return self._offer
+
+    @property
+    def attached(self) -> bool:
+        return self._offer is not None
+
+    def close(self) -> None:
+        self._thread.join()
+        if self._pool is not None:
+            self._offer = None
+            self._pool.close()
+            self._pool = None
+
+
+class Sidecar:
+    """One sidecar process: `start()`, then `stop()` (idempotent) on SIGTERM."""
+
+    def __init__(self, config: SidecarConfig):
+        self.config = config
+        self._stop = threading.Event()
+        self.attacher = PoolAttacher(config, self._stop)
+        self.handoff = HandoffServer(
+            config.socket_path,
+            cache=config.cache,
+            index_url=config.index_url,
+            stats_dir=config.stats_dir,
+            offer=self.attacher.offer,
+            read_token=config.read_token,
+        )
+        self.probe = IndexProbe(config.index_url, config.read_token, config.index_timeout_s, f"sidecar@{config.pod}")
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(ConnectorCollector(RegionAggregator(config.stats_dir).scan, config.labels))
+        self.registry.register(
+            SidecarCollector(lambda: self.attacher.attached, self._handoff_results, config.labels)
+        )
+        self.endpoints = EndpointServer(config.metrics_host, config.metrics_port, self.registry, self.readiness)
+        self._stopped = False
+
+    def start(self) -> None:
+        self.attacher.start()
+        self.handoff.start()
+        self.endpoints.start()
+
+    def readiness(self) -> tuple[bool, str]:
+        """Ready when the pool is attached and the index answers a hello within the timeout."""
+        if not self.attacher.attached:
+            try:
+                self.attacher.offer()
+            except PoolNotReady as exc:
+                return False, f"pool not attached: {exc}"
+        ok, message = self.probe.check()
+        return ok, ("ready: pool attached, " if ok else "not ready: ") + message
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        return self._stop.wait(timeout_s)
+
+    def request_stop(self) -> None:
+        """Signal-safe: only sets a flag; the main thread then calls `stop()`."""
+        self._stop.set()
+
+    def stop(self) -> None:
+        """Stop serving, remove the socket file, close the pool. Connectors keep their own mappings."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._stop.set()
+        self.handoff.stop()
+        self.endpoints.stop()
+        self.attacher.close()
+        self.probe.close()
+
+    def _handoff_results(self) -> dict[str, int]:
+        return dict(self.handoff.results)
+
+
+def _geometry_dict(geometry: Any) -> dict[str, Any]:
+    """The pool geometry as plain msgpack-able values (a UUID becomes its string)."""
+    values = dataclasses.asdict(geometry) if dataclasses.is_dataclass(geometry) else dict(vars(geometry))
+    return {k: str(v) if isinstance(v, uuid.UUID) else v for k, v in values.items()}

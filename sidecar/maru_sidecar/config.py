@@ -1,0 +1,105 @@
+"""The sidecar's settings, parsed once from flags and the downward-API environment."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_METRICS_PORT = 9477
+_INDEX_URL = re.compile(r"^(tcp://[^/\s]+:\d+|unix:///.+)$")
+# A Unix socket path longer than this does not fit in sockaddr_un.
+_MAX_SOCKET_PATH = 107
+
+
+class ConfigError(ValueError):
+    """A setting the sidecar cannot run with; the message names the flag to change."""
+
+
+@dataclass(frozen=True)
+class SidecarConfig:
+    """Everything the sidecar needs to run; built once by `from_args`."""
+
+    pool_path: Path
+    socket_path: Path
+    index_url: str
+    token_file: Path | None
+    cache: str
+    namespace: str
+    pod: str
+    metrics_host: str
+    metrics_port: int  # 0: an ephemeral port, printed at start
+    index_timeout_s: float
+
+    @property
+    def stats_dir(self) -> Path:
+        """The connectors' stats regions live beside the socket, in the shared volume."""
+        return self.socket_path.parent
+
+    @property
+    def labels(self) -> dict[str, str]:
+        return {"cache": self.cache, "namespace": self.namespace, "pod": self.pod}
+
+    def read_token(self) -> str | None:
+        """The cache token, read afresh each time so that a rotated Secret takes effect."""
+        if self.token_file is None:
+            return None
+        try:
+            token = self.token_file.read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"--token-file {self.token_file}: cannot read it ({exc.strerror})") from exc
+        if not token:
+            raise ConfigError(f"--token-file {self.token_file} is empty; it must hold the cache token")
+        return token
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, environ: dict[str, str] | None = None) -> SidecarConfig:
+        env = os.environ if environ is None else environ
+        socket_path = Path(args.socket).absolute()
+        if len(os.fsencode(socket_path)) > _MAX_SOCKET_PATH:
+            raise ConfigError(f"--socket {socket_path} is longer than {_MAX_SOCKET_PATH} bytes; use a shorter path")
+        if not socket_path.parent.is_dir():
+            raise ConfigError(f"--socket {socket_path}: directory {socket_path.parent} does not exist")
+        if not _INDEX_URL.match(args.index):
+            raise ConfigError(f"--index {args.index!r}: expected tcp://HOST:PORT or unix:///PATH")
+        if not 0 <= args.metrics_port <= 65535:
+            raise ConfigError(f"--metrics-port {args.metrics_port}: expected 0..65535")
+        config = cls(
+            pool_path=Path(args.pool),
+            socket_path=socket_path,
+            index_url=args.index,
+            token_file=Path(args.token_file) if args.token_file else None,
+            cache=args.cache or env.get("MARU_CACHE_NAME") or "default",
+            namespace=args.namespace or env.get("POD_NAMESPACE") or "local",
+            pod=args.pod or env.get("POD_NAME") or socket.gethostname(),
+            metrics_host=args.metrics_host,
+            metrics_port=args.metrics_port,
+            index_timeout_s=args.index_timeout,
+        )
+        config.read_token()  # fail at start, not at the first hand-off
+        return config
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `marucache sidecar` flags."""
+    parser.add_argument("--pool", required=True, help="the pool: a DAX device (/dev/daxX.Y) or a tmpfs file")
+    parser.add_argument(
+        "--socket", required=True, help="Unix socket to serve the pool on; its directory holds the stats regions"
+    )
+    parser.add_argument("--index", required=True, help="the index address, tcp://HOST:PORT or unix:///PATH")
+    parser.add_argument("--token-file", help="file holding the cache token (a mounted Secret); without it, no auth")
+    parser.add_argument("--cache", help="the MaruCache name (default: $MARU_CACHE_NAME or 'default')")
+    parser.add_argument("--namespace", help="metrics label (default: $POD_NAMESPACE or 'local')")
+    parser.add_argument("--pod", help="metrics label (default: $POD_NAME or the host name)")
+    parser.add_argument("--metrics-host", default="0.0.0.0", help="address of the HTTP endpoints (default 0.0.0.0)")
+    parser.add_argument(
+        "--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
+        help=f"port of /metrics, /healthz, /readyz (default {DEFAULT_METRICS_PORT}; 0 picks a free one)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--index-timeout", type=float, default=1.0, help="seconds the readiness probe waits for the index"
+    )
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")

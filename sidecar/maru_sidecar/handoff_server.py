@@ -1,0 +1,215 @@
+"""The sidecar's side of the pool hand-off: a Unix socket that gives the pool's descriptor to connectors.
+
+The wire format and the client live in `maru_core.handoff`. Each connection
+carries one request and one reply; a refusal is logged here and sent back with
+a message that says what to change, so both sides tell the same story.
+"""
+
+from __future__ import annotations
+
+import collections
+import hmac
+import logging
+import os
+import socket
+import stat
+import struct
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from maru_core.handoff import HANDOFF_PROTOCOL, HandoffError, recv_frame, send_frame
+
+log = logging.getLogger(__name__)
+
+CONNECTION_TIMEOUT_S = 2.0
+_PEERCRED = struct.Struct("3i")
+
+
+@dataclass(frozen=True)
+class PoolOffer:
+    """What the sidecar hands out: its own descriptor of the pool (sent as a copy) and the pool's geometry."""
+
+    fd: int
+    geometry: dict[str, Any]
+    pool_path: str
+
+
+class PoolNotReady(Exception):
+    """The sidecar has not attached its pool (yet); the message says why."""
+
+
+class Refusal(Exception):
+    def __init__(self, error_type: str, message: str):
+        super().__init__(message)
+        self.type = error_type
+
+
+class HandoffServer:
+    """Serves `maru_core.handoff.fetch_pool` requests on `socket_path`, one thread per connection.
+
+    `offer()` returns the current `PoolOffer` or raises `PoolNotReady`;
+    `read_token()` returns the expected token (None: no auth). `results`
+    counts answers by result (`ok` or an error type) for the metrics.
+    """
+
+    def __init__(
+        self,
+        socket_path: Path,
+        *,
+        cache: str,
+        index_url: str,
+        stats_dir: Path,
+        offer: Callable[[], PoolOffer],
+        read_token: Callable[[], str | None],
+    ):
+        self.socket_path = socket_path
+        self._cache, self._index_url, self._stats_dir = cache, index_url, str(stats_dir)
+        self._offer, self._read_token = offer, read_token
+        self.results: collections.Counter[str] = collections.Counter()
+        self._results_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._sock: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Bind the socket (replacing a stale one left by a killed sidecar) and start serving."""
+        _remove_stale_socket(self.socket_path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(str(self.socket_path))
+        # Who may connect is decided by who mounts the volume, and by the token.
+        os.chmod(self.socket_path, 0o666)
+        sock.listen(64)
+        sock.settimeout(0.2)
+        self._sock = sock
+        self._thread = threading.Thread(target=self._accept_loop, args=(sock,), name="maru-handoff", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop accepting, close the socket and remove its file."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+            self.socket_path.unlink(missing_ok=True)
+
+    def _accept_loop(self, sock: socket.socket) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = sock.accept()
+            except TimeoutError:
+                continue
+            except OSError as exc:
+                if not self._stop.is_set():
+                    log.error("hand-off socket failed: %s", exc)
+                return
+            threading.Thread(target=self._serve, args=(conn,), name="maru-handoff-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(CONNECTION_TIMEOUT_S)
+            peer = _peer_description(conn)
+            try:
+                request, _ = recv_frame(conn, max_fds=0)
+            except (OSError, EOFError, HandoffError) as exc:
+                log.warning("hand-off from %s: unreadable request (%s)", peer, exc)
+                self._count("bad_request")
+                return
+            try:
+                offer = self._answer(request)
+            except Refusal as refusal:
+                log.warning("refused the pool to %s: %s", peer, refusal)
+                self._count(refusal.type)
+                reply = {"ok": False, "protocol": HANDOFF_PROTOCOL,
+                         "error": {"type": refusal.type, "message": str(refusal)}}  # fmt: skip
+                self._send(conn, reply, (), peer)
+                return
+            reply = {
+                "ok": True,
+                "protocol": HANDOFF_PROTOCOL,
+                "cache": self._cache,
+                "geometry": offer.geometry,
+                "index_url": self._index_url,
+                "stats_dir": self._stats_dir,
+                "pool_path": offer.pool_path,
+            }
+            if self._send(conn, reply, (offer.fd,), peer):
+                log.info("handed the pool to %s (%s)", peer, request.get("client", "?"))
+                self._count("ok")
+
+    def _answer(self, request: Any) -> PoolOffer:
+        if not isinstance(request, dict) or request.get("op") != "handoff":
+            raise Refusal("bad_request", "expected a hand-off request ({'op': 'handoff', ...})")
+        protocol = request.get("protocol")
+        if protocol != HANDOFF_PROTOCOL:
+            raise Refusal(
+                "protocol",
+                f"the connector speaks hand-off protocol {protocol}, this sidecar speaks "
+                f"{HANDOFF_PROTOCOL}; run the same MaruCache version in the sidecar and vLLM images",
+            )
+        if request.get("cache") != self._cache:
+            raise Refusal(
+                "wrong_cache",
+                f"this sidecar serves cache {self._cache!r}, the connector asked for "
+                f"{request.get('cache')!r}; point maru_sidecar_socket at the sidecar of that cache",
+            )
+        try:
+            expected = self._read_token()
+        except ValueError as exc:  # the token file vanished or was emptied
+            log.error("%s", exc)
+            raise Refusal("unavailable", "the sidecar cannot read its token file; see its log") from exc
+        token = request.get("token")
+        if expected is not None and not (
+            isinstance(token, str) and hmac.compare_digest(token.encode(), expected.encode())
+        ):
+            raise Refusal("auth", f"the token does not match the token of cache {self._cache!r}")
+        try:
+            return self._offer()
+        except PoolNotReady as exc:
+            raise Refusal("unavailable", f"the pool is not attached yet: {exc}") from exc
+
+    def _send(self, conn: socket.socket, reply: dict[str, Any], fds: tuple[int, ...], peer: str) -> bool:
+        try:
+            send_frame(conn, reply, fds)
+            return True
+        except OSError as exc:
+            log.warning("hand-off to %s: could not send the reply (%s)", peer, exc)
+            self._count("send_failed")
+            return False
+
+    def _count(self, result: str) -> None:
+        with self._results_lock:
+            self.results[result] += 1
+
+
+def _peer_description(conn: socket.socket) -> str:
+    try:
+        pid, uid, _ = _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    except OSError:
+        return "a peer"
+    # pid 0: the peer lives in another PID namespace (another container).
+    return f"pid {pid} uid {uid}" if pid else f"uid {uid} (another PID namespace)"
+
+
+def _remove_stale_socket(path: Path) -> None:
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise FileExistsError(f"--socket {path} exists and is not a socket; remove it or choose another path")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(0.5)
+        probe.connect(str(path))
+    except OSError:
+        log.info("removing the stale socket %s left by a previous sidecar", path)
+        path.unlink(missing_ok=True)
+        return
+    finally:
+        probe.close()
+    raise FileExistsError(f"another sidecar already serves {path}; stop it or choose another --socket")

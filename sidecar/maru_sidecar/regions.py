@@ -1,0 +1,144 @@
+"""Summing the connectors' stats regions, and folding those of finished processes into a retained total.
+
+Every vLLM process writes its counters into its own region file in the stats
+directory (`maru_core.stats`). At each scrape the sidecar sums the files of
+live processes. A file whose writer has gone is folded: its counters (not its
+gauges: a dead process parks nothing) are added to a retained total kept in
+the same directory, then the file is removed. The directory outlives the
+sidecar, so counters stay monotonic across sidecar and vLLM restarts.
+
+Folding is crash-safe: the new total, with the names of the files it
+includes, is written to a temporary file and renamed over the old one before
+those files are removed; a file named in the total is never counted again.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgpack
+
+from maru_core.stats import (
+    GAUGE_SLOTS,
+    LAYOUT_DIGEST,
+    SLOT_NAMES,
+    StatsRegionError,
+    read_region,
+    region_files,
+    zero_values,
+)
+
+log = logging.getLogger(__name__)
+
+RETAINED_NAME = "maru-stats.retained"
+LOCK_NAME = "maru-stats.lock"
+
+
+@dataclass(frozen=True)
+class Aggregate:
+    """The sum over all regions at one scrape."""
+
+    values: list[int | float]  # slot vector, see maru_core.stats.SLOT_NAMES
+    live: int  # files of running processes
+    foreign: int  # files of another counter layout (another MaruCache version), skipped
+    folded: int  # files folded into the retained total during this scrape
+
+
+class RegionAggregator:
+    """Reads and folds the region files of one stats directory. One sidecar per directory."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self._warned_foreign: set[str] = set()
+
+    def scan(self) -> Aggregate:
+        """Sum every region; fold the finished ones. Safe to call from several threads."""
+        with self._directory_lock():
+            retained, folded_names = self._load_retained()
+            live_sum = zero_values()
+            dead: list[tuple[Path, list[int | float]]] = []
+            live = foreign = 0
+            for path in region_files(self.directory):
+                if path.name in folded_names:  # folded before a crash, not removed yet
+                    path.unlink(missing_ok=True)
+                    continue
+                try:
+                    reading = read_region(path)
+                except StatsRegionError as exc:
+                    foreign += 1
+                    self._warn_foreign(path, exc)
+                    continue
+                except OSError:  # removed while we listed
+                    continue
+                if reading.alive:
+                    live += 1
+                    _add_into(live_sum, reading.values)
+                else:
+                    dead.append((path, reading.values))
+            if dead:
+                retained = self._fold(retained, dead)
+            _add_into(live_sum, retained)
+            return Aggregate(values=live_sum, live=live, foreign=foreign, folded=len(dead))
+
+    def _fold(self, retained: list[int | float], dead: list[tuple[Path, list[int | float]]]) -> list[int | float]:
+        total = list(retained)
+        for _, values in dead:
+            _add_into(total, [0 if i in GAUGE_SLOTS else v for i, v in enumerate(values)])
+        names = [path.name for path, _ in dead]
+        record = {"layout": LAYOUT_DIGEST, "slots": list(SLOT_NAMES), "values": total, "folded": names}
+        tmp = self.directory / f".{RETAINED_NAME}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(msgpack.packb(record, use_bin_type=True))
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, self.directory / RETAINED_NAME)
+        for path, _ in dead:
+            path.unlink(missing_ok=True)
+        log.debug("folded %d finished stats regions into the retained total", len(dead))
+        return total
+
+    def _load_retained(self) -> tuple[list[int | float], set[str]]:
+        path = self.directory / RETAINED_NAME
+        try:
+            record = msgpack.unpackb(path.read_bytes(), raw=False)
+        except FileNotFoundError:
+            return zero_values(), set()
+        except (OSError, ValueError, msgpack.UnpackException) as exc:
+            log.warning("ignoring unreadable retained stats %s (%s); counters restart from zero", path, exc)
+            return zero_values(), set()
+        if not isinstance(record, dict) or record.get("layout") != LAYOUT_DIGEST:
+            log.warning("ignoring retained stats %s of another counter layout; counters restart from zero", path)
+            return zero_values(), set()
+        return list(record["values"]), set(record.get("folded", ()))
+
+    def _warn_foreign(self, path: Path, exc: Exception) -> None:
+        if path.name not in self._warned_foreign:
+            self._warned_foreign.add(path.name)
+            log.warning("skipping stats region %s: %s", path, exc)
+
+    def _directory_lock(self) -> _FileLock:
+        return _FileLock(self.directory / LOCK_NAME)
+
+
+class _FileLock:
+    """An exclusive flock on a lock file, held across one scan (also against a second sidecar by mistake)."""
+
+    def __init__(self, path: Path):
+        self._path = path
+        self._fd = -1
+
+    def __enter__(self) -> None:
+        self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self._fd)
+
+
+def _add_into(total: list[int | float], values: list[int | float]) -> None:
+    for i, v in enumerate(values):
+        total[i] += v
