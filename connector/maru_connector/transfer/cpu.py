@@ -1,0 +1,62 @@
+"""CPU backend: torch copies between a view of the pool mapping and the KV
+cache tensors, on one load thread and one store thread (no CUDA needed, so
+CI exercises every path)."""
+
+from __future__ import annotations
+
+import torch
+
+from .engine import TransferEngine, _Job
+from .plan import Run
+
+__all__ = ["CpuTransferEngine"]
+
+
+class CpuTransferEngine(TransferEngine):
+    backend = "cpu"
+
+    def _rows(self, run: Run) -> list[torch.Tensor]:
+        """Pool views ``[blocks, segments, segment_bytes]`` of a run: one view
+        when its rows are adjacent, else one per row."""
+        layout = self.layout
+        shape_tail = (layout.block_segments, layout.segment_bytes)
+        stride_tail = (layout.segment_bytes, 1)
+        bpc = self.fmt.blocks_per_chunk
+        row = self.fmt.layer_bytes
+        if run.stride == row:
+            starts, blocks = [run.offset], run.rows * bpc
+        else:
+            starts, blocks = [run.offset + r * run.stride for r in range(run.rows)], bpc
+        return [
+            torch.as_strided(
+                self.pool, (blocks, *shape_tail),
+                (layout.block_bytes_per_layer, *stride_tail), start,
+            )
+            for start in starts
+        ]
+
+    def _block_ranges(self, run: Run, views: list[torch.Tensor]):
+        first = run.first_block
+        for view in views:
+            yield view, first, first + view.shape[0]
+            first += view.shape[0]
+
+    def _run_load(self, job: _Job) -> None:
+        ids = torch.tensor(job.block_ids, dtype=torch.int64)
+        for layer in range(self.layout.num_layers):
+            dst = self.block_views[layer]
+            for run in self._runs(job, layer):
+                views = self._rows(run)
+                for src, a, b in self._block_ranges(run, views):
+                    dst.index_copy_(0, ids[a:b], src)
+            job.handle._mark_layer(layer)
+
+    def _run_store(self, job: _Job) -> None:
+        ids = torch.tensor(job.block_ids, dtype=torch.int64)
+        for layer in range(self.layout.num_layers):
+            src = self.block_views[layer]
+            for run in self._runs(job, layer):
+                views = self._rows(run)
+                for dst, a, b in self._block_ranges(run, views):
+                    torch.index_select(src, 0, ids[a:b], out=dst)
+        job.handle._finish()

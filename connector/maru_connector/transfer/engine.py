@@ -1,0 +1,202 @@
+"""The transfer engine: one per worker, moving KV bytes between the pool and
+vLLM's paged KV cache, per layer and in true layer order.
+
+Loads from every request share one queue (one copy thread on the CPU, one
+load stream on CUDA) and run in submission order; stores share another. The
+connector calls the same interface whatever the device.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Sequence
+
+import torch
+
+from ..kv_layout import KVCacheLayout, detect_kv_layout
+from ..object_format import ObjectFormat
+from .handles import LoadHandle, StoreHandle, TransferError
+from .plan import ChunkLoad, ChunkStore, Run, check_chunks, layer_runs
+
+__all__ = ["TransferEngine"]
+
+_STOP = object()
+
+
+class _Job:
+    """One submitted load or store, as the copy thread sees it."""
+
+    def __init__(self, handle, block_ids: list[int], offsets: list[tuple[int, ...]]):
+        self.handle = handle
+        self.block_ids = block_ids
+        self.offsets = offsets
+
+
+class TransferEngine:
+    """Copies chunks between the pool and the KV cache; see the module doc.
+
+    Build one with ``TransferEngine.create``. Subclasses implement
+    ``_run_load`` and ``_run_store`` (one job, on the copy thread).
+    """
+
+    backend = "abstract"
+
+    def __init__(self, pool_buffer: memoryview, kv_caches: dict[str, torch.Tensor],
+                 fmt: ObjectFormat) -> None:
+        if pool_buffer.readonly:
+            raise ValueError("the pool buffer is read-only; map the pool writable")
+        self.fmt = fmt
+        self.layout: KVCacheLayout = fmt.layout
+        self.pool_size = pool_buffer.nbytes
+        self._pool_buffer = pool_buffer
+        self.pool = torch.frombuffer(pool_buffer, dtype=torch.uint8)
+        self.kv_caches = [kv_caches[name] for name in self.layout.layer_names]
+        self.block_views = [self.layout.block_view(t) for t in self.kv_caches]
+        self._closed = False
+        self._submit_lock = threading.Lock()
+        self._load_queue: queue.Queue = queue.Queue()
+        self._store_queue: queue.Queue = queue.Queue()
+        self._threads = [
+            threading.Thread(target=self._serve, args=(self._load_queue, self._run_load),
+                             name="maru-load", daemon=True),
+            threading.Thread(target=self._serve, args=(self._store_queue, self._run_store),
+                             name="maru-store", daemon=True),
+        ]
+
+    def _start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    # ------------------------------------------------------------------ create
+    @classmethod
+    def create(cls, pool_buffer: memoryview, kv_caches: dict[str, torch.Tensor],
+               fmt: ObjectFormat, device: str = "auto", **options) -> "TransferEngine":
+        """Build the engine for the device the KV cache lives on.
+
+        Args:
+            pool_buffer: a writable memoryview of the whole pool mapping.
+            kv_caches: the tensors vLLM handed to ``register_kv_caches``.
+            fmt: the object format; its layout must match ``kv_caches``.
+            device: ``"auto"`` (the KV cache's device), ``"cpu"`` or ``"cuda"``.
+            options: backend options (CUDA: ``staging_bytes``).
+        """
+        on_cuda = any(t.is_cuda for t in kv_caches.values())
+        if device == "auto":
+            device = "cuda" if on_cuda else "cpu"
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', not {device!r}")
+        if (device == "cuda") != on_cuda:
+            where = "a CUDA device" if on_cuda else "the CPU"
+            raise ValueError(f"device={device!r} but the KV cache is on {where}")
+        if device == "cuda":
+            from .cuda import CudaTransferEngine as engine_cls
+        else:
+            from .cpu import CpuTransferEngine as engine_cls
+        engine = engine_cls(pool_buffer, kv_caches, fmt, **options)
+        engine._start()
+        return engine
+
+    @staticmethod
+    def detect(kv_caches: dict[str, torch.Tensor], chunk_tokens: int, layerwise: bool,
+               block_size: int | None = None) -> ObjectFormat:
+        """Shortcut: the object format for these KV caches."""
+        return ObjectFormat(detect_kv_layout(kv_caches, block_size), chunk_tokens, layerwise)
+
+    # ----------------------------------------------------------------- submit
+    def submit_load(self, chunks: Sequence[ChunkLoad]) -> LoadHandle:
+        """Queue copies pool -> KV cache for ``chunks``; returns at once.
+
+        Raises ``TransferRequestError`` when a chunk does not fit the format
+        (wrong number of block ids or offsets, block id out of range).
+        Problems found while copying (e.g. an offset outside the pool) end
+        in ``handle.error`` instead.
+        """
+        blocks = check_chunks(self.fmt, chunks, "load")
+        nbytes = len(blocks) * self.layout.block_bytes_per_layer * self.layout.num_layers
+        handle = LoadHandle(self.layout.num_layers if chunks else 0, nbytes)
+        if chunks:
+            self._enqueue(self._load_queue, _Job(handle, blocks, [c[1] for c in chunks]))
+        return handle
+
+    def submit_store(self, chunks: Sequence[ChunkStore]) -> StoreHandle:
+        """Queue copies KV cache -> pool for ``chunks``; returns at once.
+
+        On CUDA the store is ordered after all work queued so far on the
+        caller's current stream (the forward that wrote the KV).
+        """
+        blocks = check_chunks(self.fmt, chunks, "store")
+        nbytes = len(blocks) * self.layout.block_bytes_per_layer * self.layout.num_layers
+        handle = StoreHandle(nbytes)
+        if chunks:
+            job = _Job(handle, blocks, [c[1] for c in chunks])
+            self._prepare_store(job)
+            self._enqueue(self._store_queue, job)
+        return handle
+
+    def _prepare_store(self, job: _Job) -> None:
+        """Hook run on the caller's thread at submit (CUDA records an event)."""
+
+    def _enqueue(self, q: queue.Queue, job: _Job) -> None:
+        with self._submit_lock:  # nothing may queue behind the stop marker
+            if self._closed:
+                raise TransferError("the transfer engine is closed")
+            q.put(job)
+
+    # ------------------------------------------------------------ copy thread
+    def _serve(self, q: queue.Queue, run) -> None:
+        while True:
+            job = q.get()
+            if job is _STOP:
+                return
+            try:
+                run(job)
+            except BaseException as exc:  # every waiter must be released
+                self._fail(job, exc)
+
+    @staticmethod
+    def _fail(job: _Job, exc: BaseException) -> None:
+        if isinstance(job.handle, LoadHandle):
+            job.handle._fail(exc)
+        else:
+            job.handle._finish(exc)
+
+    def _runs(self, job: _Job, layer: int) -> list[Run]:
+        runs = layer_runs(self.fmt, job.offsets, layer)
+        row = self.fmt.layer_bytes
+        for run in runs:
+            if run.offset < 0 or run.end(row) > self.pool_size:
+                raise TransferError(
+                    f"layer {layer}: pool extent [{run.offset}, {run.end(row)}) is "
+                    f"outside the {self.pool_size}-byte pool"
+                )
+        return runs
+
+    def _run_load(self, job: _Job) -> None:
+        raise NotImplementedError
+
+    def _run_store(self, job: _Job) -> None:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ close
+    def close(self) -> None:
+        """Finish queued copies, stop the copy threads, release the pool."""
+        with self._submit_lock:
+            if self._closed:
+                return
+            self._closed = True
+            for q in (self._load_queue, self._store_queue):
+                q.put(_STOP)
+        for thread in self._threads:
+            if thread.is_alive():
+                thread.join()
+        self._release()
+
+    def _release(self) -> None:
+        """Backend hook: undo what the constructor set up."""
+
+    def __enter__(self) -> "TransferEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,184 @@
+"""Completion handles for loads and stores.
+
+A ``LoadHandle`` has one completion per layer position. On the CPU a layer
+is complete when its bytes are in the KV cache. On CUDA the copy thread
+marks a layer once its copies are queued, with a CUDA event recorded after
+them; ``wait_layer`` then waits for that event on the host, and
+``wait_layer_on_device`` only orders the caller's current CUDA stream after it.
+
+A failed copy sets ``error`` and completes every layer not yet landed, so no
+waiter ever hangs; waits then return ``False``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+__all__ = ["LoadHandle", "StoreHandle", "TransferError"]
+
+_POLL_S = 0.0002
+
+
+class TransferError(RuntimeError):
+    """A copy between the pool and the KV cache failed."""
+
+
+def _remaining(deadline: float | None) -> float | None:
+    if deadline is None:
+        return None
+    return max(0.0, deadline - time.monotonic())
+
+
+def _wait_device_event(event: Any, deadline: float | None) -> bool:
+    if deadline is None:
+        event.synchronize()
+        return True
+    while not event.query():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(_POLL_S)
+    return True
+
+
+class LoadHandle:
+    """Progress of one ``submit_load``: per-layer completion, error, timing."""
+
+    def __init__(self, num_layers: int, nbytes: int) -> None:
+        self.num_layers = num_layers
+        self.nbytes = nbytes  # bytes this load copies into the KV cache
+        self.error: BaseException | None = None
+        self.submitted_at = time.monotonic()
+        self.finished_at: float | None = None
+        self._marked = [threading.Event() for _ in range(num_layers)]
+        self._ok = [False] * num_layers
+        self._device_events: list[Any] | None = None
+        self._lock = threading.Lock()
+        self._all_marked = threading.Event()
+        self._remaining = num_layers
+        if num_layers == 0:
+            self._all_marked.set()
+            self.finished_at = self.submitted_at
+
+    # -- called by the copy thread -------------------------------------------
+    def _mark_layer(self, layer: int, device_event: Any = None) -> None:
+        if device_event is not None:
+            if self._device_events is None:
+                self._device_events = [None] * self.num_layers
+            self._device_events[layer] = device_event
+        self._ok[layer] = True
+        self._set(layer)
+
+    def _fail(self, error: BaseException) -> None:
+        with self._lock:
+            if self.error is None:
+                self.error = error
+        for layer in range(self.num_layers):
+            self._set(layer)
+
+    def _set(self, layer: int) -> None:
+        with self._lock:
+            if self._marked[layer].is_set():
+                return
+            self._marked[layer].set()
+            self._remaining -= 1
+            last = self._remaining == 0
+        if last:
+            if self._device_events is None:
+                self.finished_at = time.monotonic()
+            self._all_marked.set()
+
+    def _device_event(self, layer: int) -> Any:
+        return self._device_events[layer] if self._device_events else None
+
+    # -- public ----------------------------------------------------------------
+    def layer_ready(self, layer: int) -> bool:
+        """True once layer ``layer``'s bytes have landed (non-blocking)."""
+        if not (self._marked[layer].is_set() and self._ok[layer]):
+            return False
+        event = self._device_event(layer)
+        return event is None or bool(event.query())
+
+    def wait_layer(self, layer: int, timeout: float | None = None) -> bool:
+        """Block until layer ``layer`` landed; False on timeout or failure."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._marked[layer].wait(timeout):
+            return False
+        if not self._ok[layer]:
+            return False
+        event = self._device_event(layer)
+        return event is None or _wait_device_event(event, deadline)
+
+    def wait_layer_on_device(self, layer: int, timeout: float | None = None) -> bool:
+        """Order the caller's current device stream after layer ``layer``'s
+        copy, without waiting for it on the host (CUDA); same as
+        ``wait_layer`` on the CPU. False on timeout or failure."""
+        if not self._marked[layer].wait(timeout) or not self._ok[layer]:
+            return False
+        event = self._device_event(layer)
+        if event is None:
+            return True
+        import torch
+
+        torch.cuda.current_stream().wait_event(event)
+        return True
+
+    def wait_all(self, timeout: float | None = None) -> bool:
+        """Block until every layer landed; False on timeout or failure."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for layer in range(self.num_layers):
+            if not self.wait_layer(layer, _remaining(deadline)):
+                return False
+        if self.finished_at is None:
+            self.finished_at = time.monotonic()
+        return True
+
+    def done(self) -> bool:
+        """True once the load has finished, successfully or with ``error``."""
+        if not self._all_marked.is_set():
+            return False
+        if self.error is not None:
+            return True
+        return all(self.layer_ready(layer) for layer in range(self.num_layers))
+
+    @property
+    def elapsed_s(self) -> float | None:
+        """Seconds from submit to the last layer (known after ``wait_all``
+        on CUDA); None while running."""
+        if self.finished_at is None:
+            return None
+        return self.finished_at - self.submitted_at
+
+
+class StoreHandle:
+    """Progress of one ``submit_store``: done once every byte is in the pool."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes  # bytes this store writes into the pool
+        self.error: BaseException | None = None
+        self.submitted_at = time.monotonic()
+        self.finished_at: float | None = None
+        self._done = threading.Event()
+        if nbytes == 0:
+            self._finish()
+
+    def _finish(self, error: BaseException | None = None) -> None:
+        if error is not None and self.error is None:
+            self.error = error
+        self.finished_at = time.monotonic()
+        self._done.set()
+
+    def done(self) -> bool:
+        """True once the store has finished, successfully or with ``error``."""
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until done; True only when every byte is in the pool."""
+        return self._done.wait(timeout) and self.error is None
+
+    @property
+    def elapsed_s(self) -> float | None:
+        if self.finished_at is None:
+            return None
+        return self.finished_at - self.submitted_at

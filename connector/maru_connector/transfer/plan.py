@@ -1,0 +1,126 @@
+"""What to copy: chunk requests checked against the format, and per-layer
+runs of coalesced pool extents.
+
+A *run* is ``rows`` layer extents (one per chunk, ``layer_bytes`` each) at a
+constant ``stride`` in the pool: a plain copy when ``stride == layer_bytes``
+(adjacent objects), otherwise one strided 2-D copy. Its destination is the
+``rows * blocks_per_chunk`` block ids that follow ``first_block`` in the
+request's concatenated block-id list.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+from ..object_format import ObjectFormat
+
+__all__ = [
+    "ChunkLoad",
+    "ChunkStore",
+    "Run",
+    "TransferRequestError",
+    "check_chunks",
+    "layer_runs",
+    "split_runs",
+]
+
+
+class TransferRequestError(ValueError):
+    """A load or store request that does not fit the object format."""
+
+
+class ChunkLoad(NamedTuple):
+    """Load one chunk: ``sources`` are the pool data offsets of its objects
+    (chunkwise: ``(offset,)``; layerwise: one per layer position)."""
+
+    block_ids: tuple[int, ...]
+    sources: tuple[int, ...]
+
+
+class ChunkStore(NamedTuple):
+    """Store one chunk into reserved slots at ``destinations`` (same shape
+    as ``ChunkLoad.sources``)."""
+
+    block_ids: tuple[int, ...]
+    destinations: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Run:
+    offset: int       # pool offset of the first row
+    stride: int       # pool bytes between rows
+    rows: int         # chunks in the run
+    first_block: int  # index into the request's concatenated block ids
+
+    def end(self, row_bytes: int) -> int:
+        return self.offset + (self.rows - 1) * self.stride + row_bytes
+
+
+def check_chunks(fmt: ObjectFormat, chunks: Sequence, what: str) -> list[int]:
+    """Validate a request's shape; return its concatenated block ids."""
+    blocks: list[int] = []
+    per_chunk = fmt.objects_per_chunk
+    nb = fmt.layout.num_blocks
+    for i, chunk in enumerate(chunks):
+        ids, offsets = chunk[0], chunk[1]
+        if len(ids) != fmt.blocks_per_chunk:
+            raise TransferRequestError(
+                f"{what} chunk {i} has {len(ids)} block ids; a chunk of "
+                f"{fmt.chunk_tokens} tokens needs {fmt.blocks_per_chunk}"
+            )
+        if len(offsets) != per_chunk:
+            raise TransferRequestError(
+                f"{what} chunk {i} has {len(offsets)} pool offsets; the "
+                f"{fmt.name} format has {per_chunk} object(s) per chunk"
+            )
+        bad = [b for b in ids if not 0 <= b < nb]
+        if bad:
+            raise TransferRequestError(
+                f"{what} chunk {i} names block ids {bad} outside the KV "
+                f"cache's {nb} blocks"
+            )
+        blocks.extend(ids)
+    return blocks
+
+
+def layer_runs(fmt: ObjectFormat, offsets: Sequence[Sequence[int]], layer: int) -> list[Run]:
+    """Coalesce one layer's extents of consecutive chunks into runs."""
+    runs: list[Run] = []
+    bpc = fmt.blocks_per_chunk
+    row_bytes = fmt.layer_bytes
+    for c, chunk_offsets in enumerate(offsets):
+        src = fmt.layer_source(tuple(chunk_offsets), layer)
+        if runs:
+            last = runs[-1]
+            step = src - (last.offset + (last.rows - 1) * last.stride)
+            stride = step if last.rows == 1 else last.stride
+            if step == stride and step >= row_bytes:
+                runs[-1] = Run(last.offset, stride, last.rows + 1, last.first_block)
+                continue
+        runs.append(Run(src, row_bytes, 1, c * bpc))
+    return runs
+
+
+def split_runs(runs: list[Run], max_rows: int, blocks_per_row: int) -> list[list[Run]]:
+    """Group runs into pieces of at most ``max_rows`` rows (staging-sized)."""
+    pieces: list[list[Run]] = [[]]
+    room = max_rows
+    for run in runs:
+        done = 0
+        while done < run.rows:
+            if room == 0:
+                pieces.append([])
+                room = max_rows
+            take = min(room, run.rows - done)
+            pieces[-1].append(
+                Run(
+                    run.offset + done * run.stride,
+                    run.stride,
+                    take,
+                    run.first_block + done * blocks_per_row,
+                )
+            )
+            done += take
+            room -= take
+    return [p for p in pieces if p]
