@@ -1,0 +1,164 @@
+"""Object keys: the identity namespace, chunk keys and layer keys.
+
+A key is 16 bytes, a blake2b digest. Chunk keys are a rolling hash over the
+token ids, seeded with the digest of a ``KeyNamespace`` that binds everything
+that makes KV bytes meaningful (model, dtypes, layout, block and chunk size,
+format, tensor-parallel rank, cache salt, LoRA adapter). Two engines that
+differ in any of these never share a key.
+
+This module is the one owner of the key format: any change to it changes
+``KEY_FORMAT_VERSION``, which is hashed into every namespace digest, so keys
+of two formats can never collide. Python's ``hash()`` is never used: it
+changes from one process to the next.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import sys
+from array import array
+from collections.abc import Iterable, Sequence
+from typing import NewType
+
+import msgpack
+
+Key = NewType("Key", bytes)
+
+#: Bytes in a key.
+KEY_BYTES = 16
+#: Version of the key derivation below; hashed into every namespace digest.
+KEY_FORMAT_VERSION = 1
+#: Object formats: one object per chunk (all layers) or per (chunk, layer).
+FORMATS = ("chunkwise", "layerwise")
+
+_NS_PERSON = b"maru.ns"
+_LAYER_PERSON = b"maru.layer"
+_U32_MAX = 2**32 - 1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KeyNamespace:
+    """Everything that must match for two engines to share KV bytes.
+
+    ``model`` and ``revision`` name the weights; ``dtype`` and ``kv_dtype``
+    the model and KV-cache dtypes (e.g. ``"bfloat16"``, ``"fp8_e4m3"``);
+    ``layout`` the KV layout of the stored bytes (the connector's name for
+    it); ``block_size`` vLLM's block size in tokens; ``chunk_tokens`` the
+    tokens per chunk key, a multiple of ``block_size``; ``fmt`` the object
+    format (``"chunkwise"`` or ``"layerwise"``); ``tp_rank``/``tp_size`` the
+    tensor-parallel position; ``cache_salt`` and ``lora`` isolate requests
+    that must not share a cache (per-user salt, adapter name).
+    """
+
+    model: str
+    revision: str = ""
+    dtype: str
+    kv_dtype: str
+    layout: str
+    block_size: int
+    chunk_tokens: int
+    fmt: str = "chunkwise"
+    tp_rank: int = 0
+    tp_size: int = 1
+    cache_salt: str = ""
+    lora: str = ""
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            expected = int if field.type in ("int", int) else str
+            # bool is an int subclass; a True block size is a caller's mistake.
+            if type(value) is not expected:
+                raise TypeError(
+                    f"KeyNamespace.{field.name} must be {expected.__name__}, "
+                    f"got {type(value).__name__} {value!r}"
+                )
+        if not self.model:
+            raise ValueError("KeyNamespace.model must name the model (e.g. its path or repo id)")
+        for name in ("block_size", "chunk_tokens", "tp_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"KeyNamespace.{name} must be positive, got {getattr(self, name)}")
+        if self.chunk_tokens % self.block_size:
+            raise ValueError(
+                f"KeyNamespace.chunk_tokens ({self.chunk_tokens}) must be a multiple of "
+                f"block_size ({self.block_size}); set maru_kv_chunk_tokens accordingly"
+            )
+        if self.fmt not in FORMATS:
+            raise ValueError(f"KeyNamespace.fmt must be one of {FORMATS}, got {self.fmt!r}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(
+                f"KeyNamespace.tp_rank must be in [0, tp_size={self.tp_size}), got {self.tp_rank}"
+            )
+
+    def canonical_bytes(self) -> bytes:
+        """The msgpack encoding hashed by ``digest``: the format version, then
+        ``[name, value]`` pairs in field order (stable across processes)."""
+        pairs = [[f.name, getattr(self, f.name)] for f in dataclasses.fields(self)]
+        return msgpack.packb([KEY_FORMAT_VERSION, pairs], use_bin_type=True)
+
+    def digest(self) -> Key:
+        """16-byte blake2b of ``canonical_bytes``: the seed of every chunk key."""
+        return Key(hashlib.blake2b(self.canonical_bytes(), digest_size=KEY_BYTES, person=_NS_PERSON).digest())
+
+
+def _tokens_as_le_int32(token_ids: Sequence[int]) -> bytes:
+    try:
+        tokens = array("i", token_ids)
+    except OverflowError as exc:
+        raise ValueError(f"token ids must fit in int32: {exc}") from None
+    except TypeError as exc:
+        raise TypeError(f"token ids must be a sequence of ints: {exc}") from None
+    if tokens.itemsize != 4:  # pragma: no cover - every supported platform has a 32-bit C int
+        raise RuntimeError("this platform's C int is not 32 bits; keys need int32 token ids")
+    if tokens and min(tokens) < 0:
+        raise ValueError(f"token ids must be non-negative, found {min(tokens)}")
+    if sys.byteorder != "little":
+        tokens.byteswap()
+    return tokens.tobytes()
+
+
+def chunk_keys(ns: KeyNamespace, token_ids: Sequence[int]) -> list[Key]:
+    """One key per *full* chunk of ``ns.chunk_tokens`` tokens, in order.
+
+    Key *i* is ``blake2b(key[i-1] || tokens of chunk i as little-endian
+    int32, digest_size=16)`` with ``key[-1] = ns.digest()``: a key names the
+    whole prefix up to the end of its chunk, so the keys of a prompt's first
+    *n* chunks equal the keys of any longer prompt with the same first *n*
+    chunks. A trailing partial chunk gets no key.
+    """
+    data = _tokens_as_le_int32(token_ids)
+    step = ns.chunk_tokens * 4
+    keys: list[Key] = []
+    prev = ns.digest()
+    for start in range(0, len(data) - step + 1, step):
+        prev = Key(hashlib.blake2b(prev + data[start : start + step], digest_size=KEY_BYTES).digest())
+        keys.append(prev)
+    return keys
+
+
+def _check_key(key: bytes, what: str = "key") -> None:
+    if type(key) is not bytes or len(key) != KEY_BYTES:
+        shown = f"{len(key)} bytes" if isinstance(key, (bytes, bytearray)) else type(key).__name__
+        raise ValueError(f"{what} must be {KEY_BYTES} bytes, got {shown}")
+
+
+def layer_key(chunk_key: Key, layer: int) -> Key:
+    """The key of the layerwise object holding ``layer`` of ``chunk_key``'s chunk.
+
+    ``layer`` is the model's true layer index (not a position in some list
+    of layers), so every process derives the same key for the same layer.
+    """
+    _check_key(chunk_key, "chunk_key")
+    if type(layer) is not int or not 0 <= layer <= _U32_MAX:
+        raise ValueError(f"layer must be an int in [0, 2**32), got {layer!r}")
+    return Key(
+        hashlib.blake2b(
+            chunk_key + layer.to_bytes(4, "little"), digest_size=KEY_BYTES, person=_LAYER_PERSON
+        ).digest()
+    )
+
+
+def layer_keys(chunk_key: Key, layers: Iterable[int]) -> list[Key]:
+    """``layer_key(chunk_key, layer)`` for each layer, in the order given."""
+    return [layer_key(chunk_key, layer) for layer in layers]

@@ -1,0 +1,49 @@
+"""The shared-memory pool: one ``mmap(MAP_SHARED)`` of a DAX device or a tmpfs file.
+
+Layout: a 4 KiB header (``header``), a table of 64-byte slot headers, one per
+page (``slots``), then the 2 MiB-aligned data area (``geometry``).
+"""
+
+from maru_core.pool.device import Backing
+from maru_core.pool.errors import (
+    PoolCorrupt,
+    PoolError,
+    PoolExists,
+    PoolForeign,
+    PoolFormatError,
+    PoolGeometryError,
+    PoolNoSpace,
+    PoolNotFound,
+    PoolPermissionError,
+    PoolSizeError,
+    PoolSizeMismatch,
+    PoolTooSmall,
+    PoolVersionError,
+)
+from maru_core.pool.geometry import DEFAULT_PAGE_SIZE, PoolGeometry
+from maru_core.pool.header import PoolHeader
+from maru_core.pool.pool import Pool
+from maru_core.pool.slots import SlotFormat, SlotHeader
+
+__all__ = [
+    "DEFAULT_PAGE_SIZE",
+    "Backing",
+    "Pool",
+    "PoolCorrupt",
+    "PoolError",
+    "PoolExists",
+    "PoolForeign",
+    "PoolFormatError",
+    "PoolGeometry",
+    "PoolGeometryError",
+    "PoolHeader",
+    "PoolNoSpace",
+    "PoolNotFound",
+    "PoolPermissionError",
+    "PoolSizeError",
+    "PoolSizeMismatch",
+    "PoolTooSmall",
+    "PoolVersionError",
+    "SlotFormat",
+    "SlotHeader",
+]

@@ -1,0 +1,106 @@
+"""Slot headers: one 64-byte entry per page, naming the object stored there.
+
+An object occupies a run of pages. The entry of its first page is the
+*head*: it names the object's key, generation, length and format. The
+entries of its other pages are *continuations*, byte-for-byte copies of the
+head except for the state. An object is intact only when its head and every
+continuation are in place, so an object whose pages a later object took over
+(its head or one of its continuations overwritten) is never resurrected
+when the index rebuilds itself from the table.
+
+Entry layout (little-endian), CRC32 over the first 60 bytes:
+
+```
+magic 4s "MSLT" | state u8 | format u8 | reserved u16 | key 16s
+generation u64 | length u64 | page count u32 | reserved 16 bytes | crc32 u32
+```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import struct
+import zlib
+
+from maru_core.pool.geometry import SLOT_HEADER_BYTES
+
+SLOT_MAGIC = b"MSLT"
+_BODY = struct.Struct("<4sBBH16sQQI16x")
+_CRC = struct.Struct("<I")
+if _BODY.size + _CRC.size != SLOT_HEADER_BYTES:  # pragma: no cover - a layout edit gone wrong
+    raise ImportError("slot header entry is not SLOT_HEADER_BYTES long")
+_U64_MAX = 2**64 - 1
+_U32_MAX = 2**32 - 1
+KEY_BYTES = 16
+
+
+class SlotState(enum.IntEnum):
+    EMPTY = 0
+    HEAD = 1
+    CONTINUATION = 2
+
+
+class SlotFormat(enum.IntEnum):
+    """How the object's bytes are grouped (see ``maru_core.keys.FORMATS``)."""
+
+    UNSPECIFIED = 0
+    CHUNKWISE = 1
+    LAYERWISE = 2
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SlotHeader:
+    """What a slot holds: the object's ``key``, the ``generation`` the index
+    gave its slot, its ``length`` in bytes and its ``fmt``."""
+
+    key: bytes
+    generation: int
+    length: int
+    fmt: SlotFormat = SlotFormat.UNSPECIFIED
+
+    def __post_init__(self) -> None:
+        if type(self.key) is not bytes or len(self.key) != KEY_BYTES:
+            raise ValueError(f"SlotHeader.key must be {KEY_BYTES} bytes, got {self.key!r}")
+        if type(self.generation) is not int or not 0 < self.generation <= _U64_MAX:
+            raise ValueError(f"SlotHeader.generation must be an int in [1, 2**64), got {self.generation!r}")
+        if type(self.length) is not int or not 0 < self.length <= _U64_MAX:
+            raise ValueError(f"SlotHeader.length must be a positive int, got {self.length!r}")
+        object.__setattr__(self, "fmt", SlotFormat(self.fmt))
+
+    def names(self, key: bytes, generation: int) -> bool:
+        """Whether this header names ``key`` at ``generation`` (a reader's check after pinning)."""
+        return self.key == key and self.generation == generation
+
+
+def pack_entry(header: SlotHeader, state: SlotState, page_count: int) -> bytes:
+    """One table entry for ``header`` in ``state``."""
+    if not 0 < page_count <= _U32_MAX:
+        raise ValueError(f"an object spans 1 to 2**32-1 pages, not {page_count}")
+    body = _BODY.pack(SLOT_MAGIC, state, header.fmt, 0, header.key, header.generation, header.length, page_count)
+    return body + _CRC.pack(zlib.crc32(body))
+
+
+def unpack_head(entry: bytes | memoryview, page_size: int) -> tuple[SlotHeader, int] | None:
+    """``(header, page_count)`` of a valid head entry, else ``None``.
+
+    Invalid: wrong magic, bad CRC, another state, or a page count that does
+    not match the length.
+    """
+    entry = bytes(entry)
+    if entry[:4] != SLOT_MAGIC or entry[4] != SlotState.HEAD:
+        return None
+    body = entry[: _BODY.size]
+    if zlib.crc32(body) != _CRC.unpack_from(entry, _BODY.size)[0]:
+        return None
+    _, _, fmt, _, key, generation, length, page_count = _BODY.unpack(body)
+    if generation == 0 or length == 0 or page_count != -(-length // page_size) or fmt not in SlotFormat._value2member_map_:
+        return None
+    return SlotHeader(key=key, generation=generation, length=length, fmt=SlotFormat(fmt)), page_count
+
+
+def continuation_of(head_entry: bytes) -> bytes:
+    """The continuation entry that goes with ``head_entry``."""
+    body = bytearray(head_entry[: _BODY.size])
+    body[4] = SlotState.CONTINUATION
+    return bytes(body) + _CRC.pack(zlib.crc32(body))
