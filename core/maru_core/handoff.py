@@ -68,6 +68,26 @@ class PoolHandoff:
     cache: str
     pool_path: str  # the path on the sidecar's side, for messages only
 
+    def open_pool(self) -> Any:
+        """Map the pool (`maru_core.pool.Pool.from_fd`), consuming `fd`.
+
+        Checks that the mapped pool is the one the sidecar described (same
+        UUID and size), so a pool replaced between the two is never used.
+        """
+        from maru_core.pool import Pool
+
+        try:
+            pool = Pool.from_fd(self.fd, expected_size=self.geometry.get("size"))
+        finally:
+            os.close(self.fd)
+        if pool.geometry.uuid != self.geometry.get("uuid"):
+            pool.close()
+            raise HandoffProtocolError(
+                f"the sidecar described pool {self.geometry.get('uuid')} but its descriptor maps "
+                f"pool {pool.geometry.uuid}; the pool at {self.pool_path} was replaced, fetch it again"
+            )
+        return pool
+
 
 def fetch_pool(socket_path: str, token: str | None, cache_name: str, timeout_s: float = 5.0) -> PoolHandoff:
     """Ask the sidecar listening on `socket_path` for the pool of cache `cache_name`.

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
-import uuid
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -50,7 +48,7 @@ class PoolAttacher:
                 self._stop.wait(ATTACH_RETRY_S)
                 continue
             self._pool = pool
-            self._offer = PoolOffer(fd=pool.fileno(), geometry=_geometry_dict(pool.geometry),
+            self._offer = PoolOffer(fd=pool.fileno(), geometry=pool.geometry.to_dict(),
                                     pool_path=str(self._config.pool_path))  # fmt: skip
             log.info("attached the pool %s (%s)", self._config.pool_path, self._offer.geometry)
             return
@@ -65,7 +63,8 @@ class PoolAttacher:
         return self._offer is not None
 
     def close(self) -> None:
-        self._thread.join()
+        if self._thread.ident is not None:
+            self._thread.join()
         if self._pool is not None:
             self._offer = None
             self._pool.close()
@@ -103,11 +102,10 @@ class Sidecar:
 
     def readiness(self) -> tuple[bool, str]:
         """Ready when the pool is attached and the index answers a hello within the timeout."""
-        if not self.attacher.attached:
-            try:
-                self.attacher.offer()
-            except PoolNotReady as exc:
-                return False, f"pool not attached: {exc}"
+        try:
+            self.attacher.offer()
+        except PoolNotReady as exc:
+            return False, f"not ready: pool not attached: {exc}"
         ok, message = self.probe.check()
         return ok, ("ready: pool attached, " if ok else "not ready: ") + message
 
@@ -131,9 +129,3 @@ class Sidecar:
 
     def _handoff_results(self) -> dict[str, int]:
         return dict(self.handoff.results)
-
-
-def _geometry_dict(geometry: Any) -> dict[str, Any]:
-    """The pool geometry as plain msgpack-able values (a UUID becomes its string)."""
-    values = dataclasses.asdict(geometry) if dataclasses.is_dataclass(geometry) else dict(vars(geometry))
-    return {k: str(v) if isinstance(v, uuid.UUID) else v for k, v in values.items()}

@@ -30,9 +30,10 @@ class EndpointServer:
         self._thread.start()
 
     def stop(self) -> None:
-        self._server.shutdown()
+        if self._thread.ident is not None:  # shutdown() waits for serve_forever, which must have started
+            self._server.shutdown()
+            self._thread.join()
         self._server.server_close()
-        self._thread.join()
 
 
 def _make_handler(registry: CollectorRegistry, readiness: Readiness) -> type[BaseHTTPRequestHandler]:
