@@ -1,0 +1,221 @@
+"""The connector's knobs: ``kv_connector_extra_config`` parsed once, strictly.
+
+Every knob is a field of :class:`MaruConfig`, a frozen dataclass built by
+:func:`parse_config` at connector start-up. An unknown key, a value of the
+wrong type or an impossible combination stops start-up with a
+:class:`MaruConfigError` that names the key and says what to change; nothing
+else in the connector reads the raw dict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+CONNECTOR_NAME = "MaruKVConnector"
+CONNECTOR_MODULE = "maru_connector"
+
+
+class MaruConfigError(ValueError):
+    """A knob in ``kv_connector_extra_config`` is unknown, ill-typed or conflicting."""
+
+
+@dataclass(frozen=True)
+class MaruConfig:
+    """The validated connector configuration (DESIGN §5 knob names)."""
+
+    maru_index_url: str
+    maru_pool_path: str | None = None
+    maru_sidecar_socket: str | None = None
+    maru_token: str | None = None
+    maru_token_file: str | None = None
+    maru_cache_name: str = "default"
+    maru_kv_chunk_tokens: int = 256
+    maru_use_layerwise: bool = False
+    maru_async_load: bool = False
+    maru_overlap_load_with_compute: bool = False
+    maru_overlap_release_after_layers: int = 1
+    maru_async_store: bool = True
+    maru_lookup_timeout_s: float = 0.05
+    maru_load_timeout_s: float = 10.0
+    maru_model_id: str | None = None
+    maru_cache_salt: str = ""
+    maru_stats_path: str | None = None
+
+    @property
+    def fmt_name(self) -> str:
+        """The storage format as it appears in the key namespace."""
+        return "layerwise" if self.maru_use_layerwise else "chunkwise"
+
+    def resolve_token(self) -> str | None:
+        """The index token: inline, or read from ``maru_token_file``."""
+        if self.maru_token is not None:
+            return self.maru_token
+        if self.maru_token_file is not None:
+            try:
+                return Path(self.maru_token_file).read_text().strip()
+            except OSError as exc:
+                raise MaruConfigError(
+                    f"maru_token_file={self.maru_token_file!r} cannot be read ({exc}); "
+                    "point it at the file holding the cache's index token"
+                ) from exc
+        return None
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(MaruConfig)}
+_KIND = {
+    str: "a string",
+    int: "an integer",
+    float: "a number",
+    bool: "true or false",
+}
+
+
+def _expected_type(name: str) -> type:
+    annotation = str(_FIELDS[name].type)
+    for kind in (bool, int, float, str):
+        if annotation.startswith(kind.__name__):
+            return kind
+    raise AssertionError(f"unhandled annotation {annotation} for {name}")
+
+
+def _check_value(name: str, value: Any) -> Any:
+    """Check one raw value against its field's type; ints pass for floats."""
+    kind = _expected_type(name)
+    optional = "None" in str(_FIELDS[name].type)
+    if value is None and optional:
+        return None
+    ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not ok:
+        raise MaruConfigError(
+            f"kv_connector_extra_config[{name!r}] must be {_KIND[kind]}, "
+            f"got {type(value).__name__} {value!r}"
+        )
+    return value
+
+
+def _reject_unknown(raw: dict[str, Any]) -> None:
+    for key in raw:
+        if key in _FIELDS:
+            continue
+        close = difflib.get_close_matches(key, list(_FIELDS), n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise MaruConfigError(
+            f"unknown key {key!r} in kv_connector_extra_config{hint} "
+            f"(known keys: {', '.join(sorted(_FIELDS))})"
+        )
+
+
+def _check_combination(cfg: MaruConfig) -> None:
+    if not cfg.maru_index_url.startswith(("tcp://", "unix://")):
+        raise MaruConfigError(
+            f"maru_index_url={cfg.maru_index_url!r} must look like "
+            "tcp://HOST:PORT or unix:///PATH"
+        )
+    if (cfg.maru_pool_path is None) == (cfg.maru_sidecar_socket is None):
+        raise MaruConfigError(
+            "set exactly one of maru_pool_path (attach the pool file directly) "
+            "or maru_sidecar_socket (receive it from the sidecar)"
+        )
+    if cfg.maru_token is not None and cfg.maru_token_file is not None:
+        raise MaruConfigError("set maru_token or maru_token_file, not both")
+    if cfg.maru_kv_chunk_tokens <= 0:
+        raise MaruConfigError(
+            f"maru_kv_chunk_tokens must be positive, got {cfg.maru_kv_chunk_tokens}"
+        )
+    if cfg.maru_overlap_release_after_layers < 1:
+        raise MaruConfigError(
+            "maru_overlap_release_after_layers must be at least 1, got "
+            f"{cfg.maru_overlap_release_after_layers}"
+        )
+    for name in ("maru_lookup_timeout_s", "maru_load_timeout_s"):
+        if getattr(cfg, name) <= 0:
+            raise MaruConfigError(f"{name} must be positive, got {getattr(cfg, name)}")
+
+
+def align_chunk_tokens(chunk_tokens: int, block_size: int) -> int:
+    """Round ``chunk_tokens`` up to a multiple of vLLM's block size (warns)."""
+    if chunk_tokens % block_size == 0:
+        return chunk_tokens
+    aligned = -(-chunk_tokens // block_size) * block_size
+    logger.warning(
+        "maru_kv_chunk_tokens=%d is not a multiple of vLLM's block size %d; "
+        "using %d",
+        chunk_tokens,
+        block_size,
+        aligned,
+    )
+    return aligned
+
+
+def parse_config(raw: dict[str, Any] | None, block_size: int | None = None) -> MaruConfig:
+    """Build the :class:`MaruConfig` from ``kv_connector_extra_config``.
+
+    Args:
+        raw: the extra-config dict as vLLM hands it over.
+        block_size: vLLM's KV block size; when given, ``maru_kv_chunk_tokens``
+            is aligned up to a multiple of it.
+
+    Raises:
+        MaruConfigError: on an unknown key (with the closest known name), a
+            missing ``maru_index_url``, an ill-typed value or a conflict.
+    """
+    raw = dict(raw or {})
+    _reject_unknown(raw)
+    if "maru_index_url" not in raw:
+        raise MaruConfigError(
+            "kv_connector_extra_config needs 'maru_index_url' (tcp://HOST:PORT or "
+            "unix:///PATH of the MaruCache index)"
+        )
+    values = {name: _check_value(name, value) for name, value in raw.items()}
+    cfg = MaruConfig(**values)
+    _check_combination(cfg)
+    if block_size is not None:
+        aligned = align_chunk_tokens(cfg.maru_kv_chunk_tokens, block_size)
+        cfg = dataclasses.replace(cfg, maru_kv_chunk_tokens=aligned)
+    return cfg
+
+
+def make_kv_transfer_config(
+    index_url: str,
+    pool_path: str | None = None,
+    *,
+    sidecar_socket: str | None = None,
+    **knobs: Any,
+) -> dict[str, Any]:
+    """The complete ``--kv-transfer-config`` for MaruCache, validated.
+
+    Args:
+        index_url: the index, ``tcp://HOST:PORT`` or ``unix:///PATH``.
+        pool_path: the pool file (direct attach), or
+        sidecar_socket: the sidecar's Unix socket (fd hand-off).
+        **knobs: further knobs, with or without their ``maru_`` prefix
+            (``async_load=True`` and ``maru_async_load=True`` are the same).
+
+    Returns:
+        A dict for ``KVTransferConfig(**d)`` / ``--kv-transfer-config``; load
+        failures are recomputed (``kv_load_failure_policy="recompute"``).
+    """
+    extra: dict[str, Any] = {"maru_index_url": index_url}
+    if pool_path is not None:
+        extra["maru_pool_path"] = str(pool_path)
+    if sidecar_socket is not None:
+        extra["maru_sidecar_socket"] = str(sidecar_socket)
+    for key, value in knobs.items():
+        extra[key if key.startswith("maru_") else f"maru_{key}"] = value
+    parse_config(extra)
+    return {
+        "kv_connector": CONNECTOR_NAME,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    }

@@ -1,0 +1,178 @@
+"""``MaruKVConnector``: vLLM's KV connector for MaruCache. Routing only.
+
+The connector checks its role once and hands every call to the scheduler half
+(:mod:`maru_connector.scheduler`) or the worker half
+(:mod:`maru_connector.worker`); the halves talk only through the typed
+messages of :mod:`maru_connector.metadata`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from maru_connector.config import parse_config
+from maru_connector.identity import base_namespaces, block_size_of
+from maru_connector.lookup import LookupService
+from maru_connector.metadata import MaruConnectorMetadata
+from maru_connector.scheduler import MaruSchedulerHalf
+from maru_connector.worker import MaruWorkerHalf
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.attention.backends.abstract import AttentionMetadata
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+
+def _tp_rank() -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    try:
+        return get_tensor_model_parallel_rank()
+    except AssertionError:  # no TP group (single-process tools): rank 0
+        return 0
+
+
+def _make_lookup(cfg: Any) -> LookupService:
+    from maru_core.index.client import IndexClient
+
+    token = cfg.resolve_token()
+    return LookupService(
+        lambda: IndexClient(
+            cfg.maru_index_url,
+            token=token,
+            client_name=f"maru-scheduler-{os.getpid()}",
+            timeout_s=max(1.0, cfg.maru_lookup_timeout_s),
+        ),
+        timeout_s=cfg.maru_lookup_timeout_s,
+    )
+
+
+class MaruKVConnector(KVConnectorBase_V1):
+    """Shares prefix KV between vLLM engines through a MaruCache pool."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(
+        self,
+        vllm_config: "VllmConfig",
+        role: KVConnectorRole,
+        kv_cache_config: "KVCacheConfig",
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        block_size = block_size_of(kv_cache_config)
+        cfg = parse_config(self._kv_transfer_config.kv_connector_extra_config, block_size)
+        self.scheduler_half: MaruSchedulerHalf | None = None
+        self.worker_half: MaruWorkerHalf | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            namespaces = base_namespaces(vllm_config, kv_cache_config, cfg)
+            self.scheduler_half = MaruSchedulerHalf(cfg, namespaces, block_size, _make_lookup(cfg))
+        else:
+            self.worker_half = MaruWorkerHalf(cfg, _tp_rank(), block_size)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A best-effort cache: a dropped store is only a future miss.
+        return False
+
+    # ---- worker side --------------------------------------------------------
+
+    def _worker(self) -> MaruWorkerHalf:
+        if self.worker_half is None:
+            raise RuntimeError("worker-side call on the scheduler-side MaruKVConnector")
+        return self.worker_half
+
+    def _meta(self) -> MaruConnectorMetadata:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, MaruConnectorMetadata):
+            raise TypeError(f"expected MaruConnectorMetadata, got {type(meta).__name__}")
+        return meta
+
+    def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
+        self._worker().register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if isinstance(kv_connector_metadata, MaruConnectorMetadata):
+            self._worker().handle_preemptions(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        self._worker().start_load_kv(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._worker().wait_for_layer_load(layer_name)
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: "torch.Tensor",
+        attn_metadata: "AttentionMetadata",
+        **kwargs: Any,
+    ) -> None:
+        # Stores copy whole chunks after the forward (wait_for_save).
+        return
+
+    def wait_for_save(self) -> None:
+        self._worker().wait_for_save(self._meta())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending, recving = self._worker().get_finished(finished_req_ids)
+        return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving = self._worker().get_finished(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker().get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._worker().build_worker_meta()
+
+    def shutdown(self) -> None:
+        if self.worker_half is not None:
+            self.worker_half.shutdown()
+        if self.scheduler_half is not None:
+            self.scheduler_half.shutdown()
+
+    # ---- scheduler side -----------------------------------------------------
+
+    def _scheduler(self) -> MaruSchedulerHalf:
+        if self.scheduler_half is None:
+            raise RuntimeError("scheduler-side call on the worker-side MaruKVConnector")
+        return self.scheduler_half
+
+    def get_num_new_matched_tokens(
+        self, request: "Request", num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._scheduler().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
+    ) -> None:
+        self._scheduler().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        return self._scheduler().build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        self._scheduler().update_connector_output(connector_output)
+
+    def request_finished(
+        self, request: "Request", block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler().request_finished(request, block_ids)

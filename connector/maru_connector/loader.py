@@ -1,0 +1,246 @@
+"""The async loader: parked requests are resolved, copied and released here.
+
+One thread per worker. For each parked request it does the batched
+``retrieve`` (pins), checks the reply and the slot headers, then queues the
+copies on the transfer engine's one shared load queue and releases the
+request once enough layers have landed:
+
+- overlap off: after every layer landed (and the pins are released);
+- overlap on: after ``maru_overlap_release_after_layers`` layers landed; the
+  resumed forward then waits per layer in :meth:`AsyncLoader.wait_layer`.
+
+A failure before release fails the request while it is still parked (its
+blocks are reported as load errors in the same step as its release). After
+release only copies from pinned slots remain; pins are released once every
+copy has completed. The loader keeps state only for loads in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from maru_connector import stats
+from maru_connector.metadata import LoadSpec
+from maru_connector.resolve import LoadFailure, PinnedLoad, release_pins, resolve_load
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.002
+_IDLE: Any = object()  # the inbox was empty for one poll interval
+
+
+def wait_done(handle: Any) -> None:
+    """Block until a transfer handle finished, successfully or not."""
+    handle.wait_all()
+    while not handle.done():  # a failed copy: its events are set as it stops
+        time.sleep(_POLL_S)
+
+
+@dataclass
+class _Load:
+    spec: LoadSpec
+    started: float
+    pinned: PinnedLoad | None = None
+    handle: Any = None
+    released: bool = False
+    aborted: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class LoadResults:
+    """What the loader finished since the last call: released ids, failures."""
+
+    released: set[str] = field(default_factory=set)
+    failed: dict[str, list[int]] = field(default_factory=dict)
+
+
+class AsyncLoader:
+    """Resolves and copies parked requests' KV on its own thread.
+
+    Args:
+        client_factory: builds this thread's index client (its own lease).
+        pool: the attached pool (slot headers are read from it).
+        engine: the worker's transfer engine.
+        tp_rank: picks this rank's keys from each :class:`LoadSpec`.
+        release_after_layers: layers that must land before release (the
+            number of layers when overlap is off).
+    """
+
+    def __init__(
+        self,
+        client_factory: Callable[[], Any],
+        pool: Any,
+        engine: Any,
+        tp_rank: int,
+        release_after_layers: int,
+        counters: stats.ConnectorCounters,
+    ) -> None:
+        self._client_factory = client_factory
+        self._client: Any = None
+        self._pool = pool
+        self._engine = engine
+        self._fmt = engine.fmt
+        self._tp_rank = tp_rank
+        self._num_layers = engine.fmt.layout.num_layers
+        self._release_after = min(release_after_layers, self._num_layers)
+        self._counters = counters
+        self._inbox: queue.Queue[_Load | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._loads: dict[str, _Load] = {}  # in flight: queued, copying or released
+        self._results = LoadResults()
+        self._thread = threading.Thread(target=self._run, name="maru-loader", daemon=True)
+        self._thread.start()
+
+    # ---- engine thread ----------------------------------------------------
+
+    def submit(self, spec: LoadSpec) -> None:
+        load = _Load(spec, time.monotonic())
+        with self._lock:
+            self._loads[spec.req_id] = load
+        self._inbox.put(load)
+
+    def take_results(self) -> LoadResults:
+        """Released and failed requests since the last call, atomically."""
+        with self._lock:
+            results, self._results = self._results, LoadResults()
+        return results
+
+    def wait_layer(self, position: int) -> float:
+        """Block until layer ``position`` of every released load landed; seconds waited."""
+        with self._lock:
+            handles = [ld.handle for ld in self._loads.values() if ld.released]
+        if not handles:
+            return 0.0
+        start = time.perf_counter()
+        for handle in handles:
+            # CUDA: the forward's stream waits on the copy event, not the host.
+            handle.wait_layer_on_device(position)
+        return time.perf_counter() - start
+
+    def drain(self, req_ids: Iterable[str]) -> None:
+        """Before vLLM reuses these requests' blocks: abort and finish their copies.
+
+        A load not yet released is only marked aborted (vLLM keeps a parked
+        request's blocks until the loader reports it); a released load still
+        copying is waited for, because vLLM may already have freed its blocks.
+        """
+        waits = []
+        with self._lock:
+            for req_id in req_ids:
+                load = self._loads.get(req_id)
+                if load is None:
+                    continue
+                load.aborted = True
+                if load.released:
+                    waits.append(load.done)
+        for event in waits:
+            event.wait()
+
+    @property
+    def num_in_flight(self) -> int:
+        with self._lock:
+            return len(self._loads)
+
+    def close(self) -> None:
+        self._inbox.put(None)
+        self._thread.join(timeout=30)
+        if self._client is not None:
+            self._client.close()
+
+    # ---- loader thread ----------------------------------------------------
+
+    def _run(self) -> None:
+        active: list[_Load] = []
+        while True:
+            try:
+                item = self._inbox.get(timeout=_POLL_S) if active else self._inbox.get()
+            except queue.Empty:
+                item = _IDLE
+            if item is None:
+                break
+            if item is not _IDLE:
+                self._start(item, active)
+                continue  # start every queued load before waiting on copies
+            active = [ld for ld in active if not self._advance(ld)]
+        for load in active:  # shutting down: copies from pinned slots still finish
+            wait_done(load.handle)
+            self._finish(load)
+
+    def _start(self, load: _Load, active: list[_Load]) -> None:
+        spec = load.spec
+        if load.aborted:
+            self._report(load, failed=False)
+            return
+        try:
+            if self._client is None:
+                self._client = self._client_factory()
+            load.pinned = resolve_load(
+                self._client, self._pool, self._fmt, spec.keys(self._tp_rank), spec.block_ids
+            )
+        except LoadFailure as exc:
+            self._fail(load, exc.reason, str(exc))
+            return
+        except Exception as exc:  # e.g. the client could not connect
+            self._fail(load, "index_error", f"{type(exc).__name__}: {exc}")
+            return
+        load.handle = self._engine.submit_load(load.pinned.chunks)
+        active.append(load)
+
+    def _advance(self, load: _Load) -> bool:
+        """Release and finish ``load`` as far as its copies allow; True when done."""
+        handle = load.handle
+        if not load.released:
+            if handle.error is not None:
+                if not handle.done():
+                    return False
+                release_pins(self._client, load.pinned)
+                self._fail(load, "copy_error", repr(handle.error))
+                return True
+            need = self._num_layers if load.aborted else self._release_after
+            if not all(handle.layer_ready(i) for i in range(need)):
+                return False
+            self._release(load)
+        if not handle.done():
+            return False
+        if handle.error is not None:
+            # After release a failure can no longer be reported to vLLM.
+            logger.error("KV copy for %s failed after release: %r", load.spec.req_id, handle.error)
+            self._counters.load_failure("copy_error")
+        self._finish(load)
+        return True
+
+    def _release(self, load: _Load) -> None:
+        with self._lock:
+            load.released = True
+            self._results.released.add(load.spec.req_id)
+
+    def _finish(self, load: _Load) -> None:
+        release_pins(self._client, load.pinned)
+        self._counters.add(stats.LOAD_BYTES, load.handle.nbytes)
+        self._counters.observe(
+            stats.LOAD_SECONDS, stats.LOAD_COUNT, time.monotonic() - load.started
+        )
+        with self._lock:
+            self._loads.pop(load.spec.req_id, None)
+        load.done.set()
+
+    def _fail(self, load: _Load, reason: str, detail: str) -> None:
+        logger.warning("KV load for %s failed (%s); vLLM recomputes it", load.spec.req_id, detail)
+        self._counters.load_failure(reason)
+        self._report(load, failed=True)
+
+    def _report(self, load: _Load, failed: bool) -> None:
+        with self._lock:
+            if failed:
+                self._results.failed[load.spec.req_id] = load.spec.all_block_ids()
+            else:
+                self._results.released.add(load.spec.req_id)
+            self._loads.pop(load.spec.req_id, None)
+        load.done.set()

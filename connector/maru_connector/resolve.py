@@ -1,0 +1,126 @@
+"""Resolve a load: pin every object, check the reply and the slot headers.
+
+Used by the synchronous load path and by the async loader alike. Nothing here
+touches a vLLM block: a load only starts copying once :func:`resolve_load`
+has returned, that is once every (chunk, layer) key resolved to a pinned slot
+whose header names that key and generation. Any failure unpins what was
+pinned and raises :class:`LoadFailure` with a bounded ``reason``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from maru_core.keys import layer_key
+
+from maru_connector.transfer import ChunkLoad
+
+logger = logging.getLogger(__name__)
+
+
+class LoadFailure(Exception):
+    """A load that cannot go ahead; ``reason`` is a metric label value."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class PinnedLoad:
+    """Copies ready to submit, and the pinned object keys to unpin after them."""
+
+    chunks: list[ChunkLoad]
+    object_keys: list[bytes]
+
+
+def object_keys(fmt: Any, chunk_keys: Sequence[bytes]) -> list[bytes]:
+    """The keys of the objects of these chunks: chunk-major, then true layer."""
+    if not fmt.layerwise:
+        return list(chunk_keys)
+    indices = fmt.layout.layer_indices
+    return [layer_key(ck, layer) for ck in chunk_keys for layer in indices]
+
+
+def _index_failure(exc: BaseException) -> LoadFailure:
+    text = f"{type(exc).__name__}: {exc}"
+    timed_out = isinstance(exc, TimeoutError) or "timed out" in text.lower() or "timeout" in text.lower()
+    return LoadFailure("timeout" if timed_out else "index_error", text)
+
+
+def _unpin_quietly(client: Any, keys: list[bytes]) -> None:
+    try:
+        client.unpin(keys)
+    except Exception as exc:  # the lease releases the pins if this fails
+        logger.warning("unpin of %d keys failed (%s); the lease will release them", len(keys), exc)
+
+
+def _check_reply(keys: list[bytes], locations: list[Any], object_bytes: int) -> None:
+    if len(locations) < len(keys):
+        raise LoadFailure("short_reply", f"{len(locations)} locations for {len(keys)} keys")
+    if len(locations) > len(keys):
+        raise LoadFailure("long_reply", f"{len(locations)} locations for {len(keys)} keys")
+    misses = sum(loc is None for loc in locations)
+    if misses:
+        raise LoadFailure("miss", f"{misses} of {len(keys)} objects are no longer in the pool")
+    for loc in locations:
+        if loc.length != object_bytes:
+            raise LoadFailure(
+                "header_mismatch", f"object of {loc.length} bytes where {object_bytes} expected"
+            )
+
+
+def _check_headers(pool: Any, keys: list[bytes], locations: list[Any]) -> None:
+    for key, loc in zip(keys, locations):
+        header = pool.read_slot_header(loc.offset)
+        if header is None or not header.names(key, loc.generation):
+            raise LoadFailure(
+                "header_mismatch",
+                f"slot at offset {loc.offset} no longer holds key {key.hex()} "
+                f"generation {loc.generation}",
+            )
+
+
+def resolve_load(
+    client: Any,
+    pool: Any,
+    fmt: Any,
+    chunk_keys: Sequence[bytes],
+    block_ids: Sequence[tuple[int, ...]],
+) -> PinnedLoad:
+    """Pin the objects of ``chunk_keys`` and plan their copies into ``block_ids``.
+
+    Raises:
+        LoadFailure: the index failed or timed out, the reply was short, long
+            or had a miss, or a slot header does not name its key and
+            generation. Nothing stays pinned in that case.
+    """
+    keys = object_keys(fmt, chunk_keys)
+    try:
+        locations = list(client.retrieve(keys))
+    except Exception as exc:
+        raise _index_failure(exc) from exc
+    try:
+        _check_reply(keys, locations, fmt.object_bytes)
+        _check_headers(pool, keys, locations)
+    except LoadFailure:
+        # A well-formed miss pins nothing; anything else may have pinned.
+        _unpin_quietly(client, keys)
+        raise
+    per_chunk = fmt.objects_per_chunk
+    chunks = [
+        ChunkLoad(
+            tuple(blocks),
+            tuple(loc.offset for loc in locations[i * per_chunk : (i + 1) * per_chunk]),
+        )
+        for i, blocks in enumerate(block_ids)
+    ]
+    return PinnedLoad(chunks, keys)
+
+
+def release_pins(client: Any, pinned: PinnedLoad) -> None:
+    """Unpin after every copy from those slots completed (invariant 8)."""
+    _unpin_quietly(client, pinned.object_keys)

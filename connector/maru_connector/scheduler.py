@@ -1,0 +1,236 @@
+"""The scheduler half: lookups, load plans, store plans, parked requests.
+
+Runs in vLLM's engine-core process, on the scheduling thread. It owns no
+bytes: it decides which chunks a request loads (and into which blocks) and
+which freshly computed chunks the workers store, and sends those decisions to
+the worker half as :class:`MaruConnectorMetadata`. Its memory is bounded by
+the number of live requests: per-request state is dropped in
+``request_finished``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from maru_connector import stats
+from maru_connector.config import MaruConfig
+from maru_connector.identity import RequestKeys, request_keys
+from maru_connector.lookup import LookupService
+from maru_connector.metadata import (
+    LoadSpec,
+    MaruConnectorMetadata,
+    MaruWorkerMetadata,
+    StoreSpec,
+)
+
+if TYPE_CHECKING:
+    from maru_core.keys import KeyNamespace
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _RequestState:
+    request: "Request"
+    keys: RequestKeys | None = None
+    local_tokens: int = 0  # vLLM's own (block-aligned) hit at the last lookup
+    hit_tokens: int = 0  # what the last lookup answered beyond local_tokens
+    stored_chunks: int = 0  # chunks [0, stored_chunks) are in the pool or on their way
+    load_failed: bool = False  # a failed load is a miss for the rest of the request
+    parked: bool = False
+    store_sent: bool = False
+
+
+class MaruSchedulerHalf:
+    """Scheduler-side logic of :class:`~maru_connector.MaruKVConnector`.
+
+    Args:
+        cfg: the parsed knobs.
+        namespaces: one key namespace per TP rank (index = rank).
+        block_size: vLLM's KV block size (divides ``cfg.maru_kv_chunk_tokens``).
+        lookup: the time-bounded ``match_prefix`` service.
+    """
+
+    def __init__(
+        self,
+        cfg: MaruConfig,
+        namespaces: tuple["KeyNamespace", ...],
+        block_size: int,
+        lookup: LookupService,
+        counters: stats.ConnectorCounters | None = None,
+    ) -> None:
+        if cfg.maru_kv_chunk_tokens % block_size:
+            raise ValueError(
+                f"chunk of {cfg.maru_kv_chunk_tokens} tokens is not a multiple of "
+                f"block size {block_size}"
+            )
+        self.cfg = cfg
+        self._namespaces = namespaces
+        self._chunk = cfg.maru_kv_chunk_tokens
+        self._blocks_per_chunk = cfg.maru_kv_chunk_tokens // block_size
+        self._lookup = lookup
+        self.counters = counters or stats.ConnectorCounters()
+        self._dumper = stats.StatsDumper(cfg.maru_stats_path, "scheduler", self.counters)
+        self._reqs: dict[str, _RequestState] = {}
+        self._pending_loads: list[LoadSpec] = []
+
+    # ---- lookup -----------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: "Request", num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Tokens beyond ``num_computed_tokens`` that the pool holds.
+
+        Answers ``(None, False)`` while the lookup is in flight, ``(0, False)``
+        on a miss, after a failed load of this request, or when vLLM's own hit
+        does not end on a chunk boundary; otherwise ``(n, maru_async_load)``.
+        At least one prompt token is always left to compute.
+        """
+        state = self._state(request)
+        if state.load_failed or num_computed_tokens % self._chunk:
+            return 0, False
+        keys = self._keys(state)
+        first = num_computed_tokens // self._chunk
+        if keys.num_chunks <= first:
+            return 0, False
+        matched = self._lookup.match(request.request_id, keys.slice(first, keys.num_chunks))
+        if matched is None:
+            return None, False
+        self.counters.add(stats.LOOKUPS)
+        hit_end = min((first + matched) * self._chunk, request.num_tokens - 1)
+        ext = max(0, hit_end - num_computed_tokens)
+        state.local_tokens, state.hit_tokens = num_computed_tokens, ext
+        return ext, bool(ext) and self.cfg.maru_async_load
+
+    def update_state_after_alloc(
+        self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
+    ) -> None:
+        """Plan the load of ``num_external_tokens`` into the allocated blocks."""
+        if num_external_tokens <= 0:
+            return
+        state = self._state(request)
+        local = state.local_tokens
+        first = local // self._chunk
+        end = -(-(local + num_external_tokens) // self._chunk)
+        block_ids = blocks.get_block_ids()[0]
+        end = min(end, len(block_ids) // self._blocks_per_chunk)
+        if end <= first:
+            return
+        keys = self._keys(state)
+        spec = LoadSpec(
+            req_id=request.request_id,
+            keys_by_rank=keys.slice(first, end),
+            block_ids=self._chunk_blocks(block_ids, first, end),
+            is_async=self.cfg.maru_async_load,
+        )
+        self._pending_loads.append(spec)
+        self.counters.add(stats.LOOKUP_HIT_TOKENS, num_external_tokens)
+        state.stored_chunks = max(state.stored_chunks, end)
+        state.parked = spec.is_async
+
+    # ---- per step ---------------------------------------------------------
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> MaruConnectorMetadata:
+        """This step's loads, the stores of chunks this step completes, and drains."""
+        meta = MaruConnectorMetadata(
+            loads=self._pending_loads,
+            preempted_req_ids=set(scheduler_output.preempted_req_ids or ()),
+            finished_req_ids=set(scheduler_output.finished_req_ids),
+        )
+        self._pending_loads = []
+        block_state = scheduler_output.kv_connector_block_state
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            spec = self._plan_store(req_id, num_tokens, block_state)
+            if spec is not None:
+                meta.stores.append(spec)
+        self.counters.set(stats.PARKED_REQUESTS, sum(s.parked for s in self._reqs.values()))
+        self._dumper.maybe_dump()
+        return meta
+
+    def _plan_store(self, req_id: str, num_tokens: int, block_state: Any) -> StoreSpec | None:
+        state = self._reqs.get(req_id)
+        if state is None or state.parked or block_state is None:
+            return None
+        request = state.request
+        prompt_len = len(request.prompt_token_ids or ())
+        computed_after = min(request.num_computed_tokens + num_tokens, prompt_len)
+        full = computed_after // self._chunk
+        if full <= state.stored_chunks:
+            return None
+        groups = block_state.get_block_ids(req_id)
+        if not groups:
+            return None
+        block_ids = groups[0]
+        full = min(full, len(block_ids) // self._blocks_per_chunk)
+        start = state.stored_chunks
+        if full <= start:
+            return None
+        keys = self._keys(state)
+        state.stored_chunks = full
+        state.store_sent = True
+        return StoreSpec(
+            req_id=req_id,
+            keys_by_rank=keys.slice(start, full),
+            block_ids=self._chunk_blocks(block_ids, start, full),
+        )
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        """Turn failed loads into misses and unpark requests whose load ended."""
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, MaruWorkerMetadata):
+            for req_id in meta.failed_load_req_ids:
+                state = self._reqs.get(req_id)
+                if state is not None and not state.load_failed:
+                    state.load_failed = True
+                    self.counters.add(stats.RECOMPUTED_TOKENS, state.hit_tokens)
+        for req_id in connector_output.finished_recving or ():
+            state = self._reqs.get(req_id)
+            if state is not None:
+                state.parked = False
+
+    def request_finished(
+        self, request: "Request", block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Forget the request; keep its blocks while async stores read them.
+
+        A request that ends while parked returns ``False``: vLLM itself holds
+        its blocks until the worker reports the load finished.
+        """
+        state = self._reqs.pop(request.request_id, None)
+        self._lookup.forget(request.request_id)
+        if state is None or state.parked:
+            return False, None
+        return (self.cfg.maru_async_store and state.store_sent), None
+
+    def shutdown(self) -> None:
+        self._dumper.maybe_dump()
+        self._lookup.close()
+
+    # ---- helpers ----------------------------------------------------------
+
+    @property
+    def num_tracked_requests(self) -> int:
+        return len(self._reqs)
+
+    def _state(self, request: "Request") -> _RequestState:
+        state = self._reqs.get(request.request_id)
+        if state is None:
+            state = self._reqs[request.request_id] = _RequestState(request)
+        return state
+
+    def _keys(self, state: _RequestState) -> RequestKeys:
+        if state.keys is None:
+            state.keys = request_keys(self._namespaces, state.request)
+        return state.keys
+
+    def _chunk_blocks(
+        self, block_ids: list[int], first: int, end: int
+    ) -> tuple[tuple[int, ...], ...]:
+        per = self._blocks_per_chunk
+        return tuple(tuple(block_ids[c * per : (c + 1) * per]) for c in range(first, end))

@@ -1,0 +1,262 @@
+"""The worker half: loads into and stores from vLLM's paged KV cache.
+
+Runs in each vLLM worker process. It attaches the pool (directly or through
+the sidecar), builds the transfer engine for the KV caches vLLM registers and
+carries out what the scheduler half planned:
+
+- synchronous loads in ``start_load_kv`` (before the forward): resolve (pin,
+  check reply and slot headers), copy, unpin; with overlap the copies run
+  while the forward waits per layer in ``wait_for_layer_load`` and are
+  finished in ``wait_for_save``;
+- async loads on the :class:`~maru_connector.loader.AsyncLoader` thread;
+- stores in ``wait_for_save`` through the :class:`~maru_connector.store.Storer`.
+
+Failed loads are reported through ``get_block_ids_with_load_errors`` (and to
+the scheduler half as a miss for that request) in the step they are found.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from maru_connector import stats
+from maru_connector.config import MaruConfig
+from maru_connector.loader import AsyncLoader, wait_done
+from maru_connector.metadata import LoadSpec, MaruConnectorMetadata, MaruWorkerMetadata
+from maru_connector.resolve import LoadFailure, PinnedLoad, release_pins, resolve_load
+from maru_connector.store import Storer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerResources:
+    """What a worker needs from the outside world; built at ``register_kv_caches``."""
+
+    pool: Any  # maru_core.pool.Pool: buffer, read_slot_header, write_slot_header
+    engine: Any  # maru_connector.transfer.TransferEngine
+    client_factory: Callable[[str], Any]  # role name -> a new index client (own lease)
+
+    def close(self) -> None:
+        self.engine.close()
+        self.pool.close()
+
+
+def open_resources(cfg: MaruConfig, kv_caches: dict[str, Any], block_size: int) -> WorkerResources:
+    """Attach the pool, detect the KV layout and build the transfer engine."""
+    from maru_core.index.client import IndexClient
+
+    from maru_connector.transfer import TransferEngine
+
+    fmt = TransferEngine.detect(
+        kv_caches, cfg.maru_kv_chunk_tokens, cfg.maru_use_layerwise, block_size
+    )
+    token = cfg.resolve_token()
+    if cfg.maru_sidecar_socket is not None:
+        from maru_core.handoff import fetch_pool
+
+        pool = fetch_pool(cfg.maru_sidecar_socket, token, cfg.maru_cache_name).open_pool()
+    else:
+        from maru_core.pool import Pool
+
+        pool = Pool.attach(cfg.maru_pool_path)
+    engine = TransferEngine.create(pool.buffer, kv_caches, fmt)
+
+    def client_factory(role: str) -> Any:
+        return IndexClient(
+            cfg.maru_index_url,
+            token=token,
+            client_name=f"maru-worker-{role}-{os.getpid()}",
+            timeout_s=cfg.maru_load_timeout_s,
+        )
+
+    return WorkerResources(pool, engine, client_factory)
+
+
+@dataclass
+class _SyncLoad:
+    spec: LoadSpec
+    pinned: PinnedLoad
+    handle: Any
+
+
+class MaruWorkerHalf:
+    """Worker-side logic of :class:`~maru_connector.MaruKVConnector`.
+
+    Args:
+        cfg: the parsed knobs.
+        tp_rank: this worker's tensor-parallel rank (picks its keys).
+        block_size: vLLM's KV block size.
+        resources_factory: builds the pool, engine and clients (tests inject).
+    """
+
+    def __init__(
+        self,
+        cfg: MaruConfig,
+        tp_rank: int,
+        block_size: int,
+        resources_factory: Callable[..., WorkerResources] = open_resources,
+    ) -> None:
+        self.cfg = cfg
+        self._tp_rank = tp_rank
+        self._block_size = block_size
+        self._resources_factory = resources_factory
+        self.counters = stats.ConnectorCounters()
+        self._dumper = stats.StatsDumper(cfg.maru_stats_path, "worker", self.counters)
+        self._res: WorkerResources | None = None
+        self._sync_client: Any = None
+        self._loader: AsyncLoader | None = None
+        self._storer: Storer | None = None
+        self._sync_loads: list[_SyncLoad] = []
+        self._error_blocks: set[int] = set()
+        self._failed_req_ids: set[str] = set()
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        res = self._res = self._resources_factory(self.cfg, kv_caches, self._block_size)
+        self._layout = res.engine.fmt.layout
+        if self.cfg.maru_async_load:
+            release_after = (
+                self.cfg.maru_overlap_release_after_layers
+                if self.cfg.maru_overlap_load_with_compute
+                else self._layout.num_layers
+            )
+            self._loader = AsyncLoader(
+                lambda: res.client_factory("loader"),
+                res.pool,
+                res.engine,
+                self._tp_rank,
+                release_after,
+                self.counters,
+            )
+        self._storer = Storer(
+            lambda: res.client_factory("store"),
+            res.pool,
+            res.engine,
+            self._tp_rank,
+            self.counters,
+            self.cfg.maru_async_store,
+        )
+
+    # ---- before / during the forward -------------------------------------
+
+    def handle_preemptions(self, meta: MaruConnectorMetadata) -> None:
+        """Finish copies that touch blocks vLLM may reuse from this step on."""
+        if self._storer is not None:
+            self._storer.drain(meta.preempted_req_ids)
+        if self._loader is not None:
+            self._loader.drain(meta.preempted_req_ids | meta.finished_req_ids)
+
+    def start_load_kv(self, meta: MaruConnectorMetadata) -> None:
+        for spec in meta.loads:
+            if spec.is_async:
+                if self._loader is None:
+                    raise RuntimeError("async load planned but maru_async_load is off")
+                self._loader.submit(spec)
+            else:
+                self._start_sync_load(spec)
+        if not self.cfg.maru_overlap_load_with_compute:
+            self._finish_sync_loads()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if not self._sync_loads and (self._loader is None or not self._loader.num_in_flight):
+            return
+        position = self._layout.position(layer_name)
+        start = time.perf_counter()
+        for load in self._sync_loads:
+            load.handle.wait_layer_on_device(position)
+        waited = time.perf_counter() - start
+        if self._loader is not None:
+            waited += self._loader.wait_layer(position)
+        self.counters.observe(stats.LAYER_WAIT_SECONDS, stats.LAYER_WAIT_COUNT, waited)
+
+    # ---- after the forward -----------------------------------------------
+
+    def wait_for_save(self, meta: MaruConnectorMetadata) -> None:
+        self._finish_sync_loads()
+        if self._storer is None:
+            return
+        for spec in meta.stores:
+            self._storer.submit(spec)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """(stores finished for finished requests, async loads released or failed)."""
+        sending = self._storer.finished_requests(finished_req_ids) if self._storer else set()
+        recving: set[str] = set()
+        if self._loader is not None:
+            results = self._loader.take_results()
+            recving = results.released | set(results.failed)
+            for req_id, blocks in results.failed.items():
+                self._record_failure(req_id, blocks)
+        self._dumper.maybe_dump()
+        return sending, recving
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        blocks, self._error_blocks = self._error_blocks, set()
+        return blocks
+
+    def build_worker_meta(self) -> MaruWorkerMetadata | None:
+        if not self._failed_req_ids:
+            return None
+        meta = MaruWorkerMetadata(self._failed_req_ids)
+        self._failed_req_ids = set()
+        return meta
+
+    def shutdown(self) -> None:
+        self._finish_sync_loads()
+        for part in (self._loader, self._storer):
+            if part is not None:
+                part.close()
+        if self._sync_client is not None:
+            self._sync_client.close()
+        if self._res is not None:
+            self._res.close()
+        self._dumper.maybe_dump()
+
+    # ---- synchronous loads -------------------------------------------------
+
+    def _start_sync_load(self, spec: LoadSpec) -> None:
+        res = self._require_resources()
+        try:
+            if self._sync_client is None:
+                self._sync_client = res.client_factory("sync")
+            pinned = resolve_load(
+                self._sync_client, res.pool, res.engine.fmt, spec.keys(self._tp_rank), spec.block_ids
+            )
+        except LoadFailure as exc:
+            self._fail_sync(spec, exc.reason, str(exc))
+            return
+        except Exception as exc:  # e.g. the client could not connect
+            self._fail_sync(spec, "index_error", f"{type(exc).__name__}: {exc}")
+            return
+        self._sync_loads.append(_SyncLoad(spec, pinned, res.engine.submit_load(pinned.chunks)))
+
+    def _finish_sync_loads(self) -> None:
+        loads, self._sync_loads = self._sync_loads, []
+        for load in loads:
+            started = load.handle.submitted_at
+            wait_done(load.handle)
+            release_pins(self._sync_client, load.pinned)
+            if load.handle.error is not None:
+                self._fail_sync(load.spec, "copy_error", repr(load.handle.error))
+                continue
+            self.counters.add(stats.LOAD_BYTES, load.handle.nbytes)
+            self.counters.observe(stats.LOAD_SECONDS, stats.LOAD_COUNT, time.monotonic() - started)
+
+    def _fail_sync(self, spec: LoadSpec, reason: str, detail: str) -> None:
+        logger.warning("KV load for %s failed (%s); vLLM recomputes it", spec.req_id, detail)
+        self.counters.load_failure(reason)
+        self._record_failure(spec.req_id, spec.all_block_ids())
+
+    def _record_failure(self, req_id: str, blocks: list[int]) -> None:
+        self._error_blocks.update(blocks)
+        self._failed_req_ids.add(req_id)
+
+    def _require_resources(self) -> WorkerResources:
+        if self._res is None:
+            raise RuntimeError("register_kv_caches has not been called on this worker")
+        return self._res
