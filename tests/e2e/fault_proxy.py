@@ -9,6 +9,8 @@ index or a racing writer would:
 - `miss`: the location at `position` becomes `null` (a miss in the middle
   of a chunk's layers, for the layerwise format);
 - `delay`: the reply is held back `delay_s` seconds (a slow or hung index);
+- `hold_request`: the request is held back `delay_s` seconds before it goes
+  to the index (time to kill the index while a retrieve is in flight);
 - `corrupt_header`: before forwarding, the slot header of the object at
   `position` is rewritten in the pool with another generation, as if the slot
   had been reused between retrieve and copy;
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 
 import msgpack
 
-FAULT_KINDS = ("short", "long", "miss", "delay", "corrupt_header", "drop")
+FAULT_KINDS = ("short", "long", "miss", "delay", "hold_request", "corrupt_header", "drop")
 
 
 @dataclass
@@ -143,6 +145,9 @@ class FaultProxy:
             message = msgpack.unpackb(frame, raw=False)
             if isinstance(message, dict) and "id" in message:
                 ops[message["id"]] = message.get("op", "")
+                fault = self._take_request_fault(message.get("op", ""))
+                if fault is not None:
+                    await asyncio.sleep(fault.delay_s)
             writer.write(_frame(frame))
             await writer.drain()
 
@@ -166,21 +171,33 @@ class FaultProxy:
             writer.write(_frame(frame))
             await writer.drain()
 
+    def _take_request_fault(self, op: str) -> Fault | None:
+        with self._lock:
+            fault = self._fault
+            if fault is None or fault.op != op or fault.kind != "hold_request":
+                return None
+            return self._consume(fault)
+
+    def _consume(self, fault: Fault) -> Fault:
+        fault.count -= 1
+        if fault.count <= 0:
+            self._fault = None
+        self.fired += 1
+        return dataclasses.replace(fault)
+
     def _take_fault(self, op: str, message: dict) -> Fault | None:
         with self._lock:
             fault = self._fault
-            if fault is None or fault.op != op or not message.get("ok"):
+            if fault is None or fault.kind == "hold_request" or fault.op != op or not message.get("ok"):
                 return None
             if op == "retrieve" and not message.get("locations"):
                 return None
-            fault.count -= 1
-            if fault.count <= 0:
-                self._fault = None
-            self.fired += 1
-            return dataclasses.replace(fault)
+            return self._consume(fault)
 
     def _tamper(self, fault: Fault, message: dict) -> dict:
-        locations = list(message["locations"])
+        from maru_core.protocol.locations import LocationList, pack_locations
+
+        locations = list(LocationList.from_wire(message["locations"]))
         position = len(locations) // 2 if fault.position is None else fault.position
         if fault.kind == "short":
             locations = locations[:-1]
@@ -190,7 +207,7 @@ class FaultProxy:
             locations[position] = None
         elif fault.kind == "corrupt_header":
             self._corrupt_header(locations[position][0])
-        return {**message, "locations": locations}
+        return {**message, "locations": pack_locations(locations)}
 
     def _corrupt_header(self, offset: int) -> None:
         from maru_core.pool import Pool

@@ -61,12 +61,17 @@ class RequestResult:
     latency_s: float
     num_prompt_tokens: int
     aborted: bool = False
+    state_at_abort: str | None = None  # the scheduler's status of an aborted request
 
 
 class EngineProcess:
     """One vLLM engine in a child process. Use as a context manager or `close()`."""
 
-    def __init__(self, spec: EngineSpec, log_path: str | os.PathLike, start_timeout_s: float = 300.0):
+    def __init__(
+        self, spec: EngineSpec, log_path: str | os.PathLike, start_timeout_s: float = 300.0, wait: bool = True
+    ):
+        """Start the engine; with `wait=False` call `wait_ready()` before using it
+        (so that several engines can start at once)."""
         self.spec = spec
         self.log_path = Path(log_path)
         parent_sock, child_sock = socket.socketpair()
@@ -85,12 +90,21 @@ class EngineProcess:
         child_sock.close()
         self._conn = Connection(parent_sock.detach())
         self.pid = self._proc.pid
-        try:
-            self._conn.send(("start", dataclasses.asdict(spec)))
-            self.start_info = self._receive(start_timeout_s, "start")
-        except BaseException:
-            self.close()
-            raise
+        self._start_timeout_s = start_timeout_s
+        self.start_info: dict[str, Any] | None = None
+        self._conn.send(("start", dataclasses.asdict(spec)))
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> "EngineProcess":
+        """Block until the engine has started; on failure the process is ended."""
+        if self.start_info is None:
+            try:
+                self.start_info = self._receive(self._start_timeout_s, "start")
+            except BaseException:
+                self.close()
+                raise
+        return self
 
     # -- requests ---------------------------------------------------------------
 

@@ -67,10 +67,13 @@ def _run_batch(llm, prompts: list[list[int]], payload: dict[str, Any]) -> list[d
     while len(finished) < len(prompts):
         if abort_after is not None and steps >= abort_after:
             pending = [rid for rid in submitted if rid not in finished]
+            states = _request_states(llm, pending)
             engine.abort_request(pending)
             now = time.perf_counter()
             for rid in pending:
-                finished[rid] = _result(rid, [], submitted, first_token, now, len(prompts[int(rid.rsplit("-", 1)[1])]), True)
+                n_prompt = len(prompts[int(rid.rsplit("-", 1)[1])])
+                finished[rid] = _result(rid, [], submitted, first_token, now, n_prompt, True)
+                finished[rid]["state_at_abort"] = states.get(rid)
             break
         outputs = engine.step()
         steps += 1
@@ -94,6 +97,42 @@ def _result(rid, tokens, submitted, first_token, now, n_prompt, aborted) -> dict
         "num_prompt_tokens": n_prompt,
         "aborted": aborted,
     }
+
+
+def _scheduler(llm):
+    """The scheduler, when EngineCore runs in this process (multiprocessing off)."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    return getattr(core, "scheduler", None)
+
+
+def _request_states(llm, request_ids: list[str]) -> dict[str, str]:
+    scheduler = _scheduler(llm)
+    if scheduler is None:
+        return {}
+    states = {}
+    wanted = set(request_ids)
+    for rid, request in scheduler.requests.items():
+        external = rid.rsplit("-", 1)[0]  # vLLM appends "-<8 random chars>"
+        if external in wanted:
+            states[external] = request.status.name
+    return states
+
+
+def _probe_preemptions(llm, payload: dict[str, Any]) -> int:
+    """Preemptions since the first call (the first call installs the counter)."""
+    scheduler = _scheduler(llm)
+    if scheduler is None:
+        raise RuntimeError("preemptions are counted only with multiprocessing off")
+    if not hasattr(scheduler, "_maru_test_preemptions"):
+        original = scheduler._preempt_request
+        scheduler._maru_test_preemptions = 0
+
+        def counting(*args, **kwargs):
+            scheduler._maru_test_preemptions += 1
+            return original(*args, **kwargs)
+
+        scheduler._preempt_request = counting
+    return scheduler._maru_test_preemptions
 
 
 def _probe_object_counts(llm, payload: dict[str, Any]) -> dict[str, int]:
@@ -120,6 +159,7 @@ def _probe_kv_cache_info(llm, payload: dict[str, Any]) -> dict[str, Any]:
 PROBES: dict[str, Callable[[Any, dict[str, Any]], Any]] = {
     "object_counts": _probe_object_counts,
     "kv_cache_info": _probe_kv_cache_info,
+    "preemptions": _probe_preemptions,
 }
 
 

@@ -1,0 +1,175 @@
+"""`marucache demo`: two real vLLM engines sharing one cache, on this machine.
+
+The embedded default, end to end: a pool file in `/dev/shm`, an index
+process, and real vLLM CPU engines with a tiny randomly initialised Llama
+built on the spot. The workload is several documents with several questions
+each, so every question shares its document's prefix:
+
+1. a reference engine without the connector serves every request (the
+   recompute baseline: its TTFT and its outputs);
+2. engine A serves the first question of each document: a miss, after which
+   its connector stores the document's KV into the pool;
+3. engine B, another process, serves every question: the documents' KV
+   comes from the pool.
+
+It prints TTFT without the cache and with a hit, the hit rate, the bytes
+loaded and stored and whether every output matched recompute, and writes a
+plot of per-request TTFT. Pool and processes are removed on exit and on
+Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from typing import Any
+
+from .demo_report import DemoReport, print_report, write_plot
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--documents", type=int, default=4, help="shared prefixes (default: %(default)s)")
+    parser.add_argument("--questions", type=int, default=3, help="requests per document (default: %(default)s)")
+    parser.add_argument("--document-tokens", type=int, default=2048, help="tokens per document (default: %(default)s)")
+    parser.add_argument("--question-tokens", type=int, default=48, help="tokens per question (default: %(default)s)")
+    parser.add_argument("--max-tokens", type=int, default=16, help="tokens generated per request (default: %(default)s)")
+    parser.add_argument("--chunk-tokens", type=int, default=256, help="maru_kv_chunk_tokens (default: %(default)s)")
+    parser.add_argument("--layerwise", action="store_true", help="one object per (chunk, layer) instead of per chunk")
+    parser.add_argument("--sync-load", action="store_true", help="load synchronously instead of parking the request")
+    parser.add_argument("--hidden-size", type=int, default=1024, help="model width (default: %(default)s)")
+    parser.add_argument("--layers", type=int, default=4, help="model depth (default: %(default)s)")
+    parser.add_argument("--pool-size", default="1Gi", help="pool size, e.g. 512Mi, 2Gi (default: %(default)s)")
+    parser.add_argument("--plot", default=os.path.join("out", "demo_ttft.png"), help="PNG of per-request TTFT (default: %(default)s)")
+    parser.add_argument("--workdir", default=None, help="where engine and index logs go (default: a temp dir)")
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    for name in ("documents", "questions", "document_tokens", "question_tokens", "max_tokens", "chunk_tokens", "layers"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"marucache demo: --{name.replace('_', '-')} must be at least 1")
+    if args.document_tokens < args.chunk_tokens:
+        raise SystemExit(
+            f"marucache demo: --document-tokens ({args.document_tokens}) must be at least --chunk-tokens "
+            f"({args.chunk_tokens}), or nothing can be shared"
+        )
+    if args.hidden_size % 64:
+        raise SystemExit("marucache demo: --hidden-size must be a multiple of 64 (heads of 64)")
+
+
+def run(args: argparse.Namespace) -> int:
+    _check_args(args)
+    # Ctrl-C and SIGTERM both unwind through the ExitStack below.
+    signal.signal(signal.SIGTERM, _interrupt)
+    workdir = args.workdir or tempfile.mkdtemp(prefix="marucache-demo-")
+    os.makedirs(workdir, exist_ok=True)
+    try:
+        report = _run_demo(args, workdir)
+    except KeyboardInterrupt:
+        print("\nmarucache demo: interrupted; pool and processes removed", file=sys.stderr)
+        return 130
+    print_report(report)
+    if args.plot:
+        write_plot(report, args.plot)
+        print(f"\nper-request TTFT plot: {args.plot}")
+    print(f"logs: {workdir}")
+    return 0 if report.all_matched and report.hit_tokens > 0 else 1
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _run_demo(args: argparse.Namespace, workdir: str) -> DemoReport:
+    from tqdm import tqdm
+
+    from maru_connector.config import make_kv_transfer_config
+    from maru_connector.testing.engine import EngineProcess, EngineSpec
+    from maru_connector.testing.index_process import IndexProcess, unique_pool_path
+    from maru_connector.testing.stats_reader import read_connector_stats
+    from maru_connector.testing.tiny_model import TinyModelSpec, build_tiny_model
+    from maru_connector.testing.workload import shared_prefix_workload
+
+    requests = shared_prefix_workload(args.documents, args.questions, args.document_tokens, args.question_tokens)
+    prompt_len = args.document_tokens + args.question_tokens
+    with ExitStack() as stack, tqdm(total=5, desc="marucache demo", unit="step", file=sys.stderr) as bar:
+        bar.set_postfix_str("building the model")
+        heads = args.hidden_size // 64
+        spec = TinyModelSpec(
+            hidden_size=args.hidden_size, num_layers=args.layers, num_heads=heads,
+            num_kv_heads=max(1, heads // 2), head_dim=64, intermediate_size=args.hidden_size * 11 // 4,
+        )
+        model_dir = str(build_tiny_model(spec))
+        bar.update()
+
+        bar.set_postfix_str("starting the index")
+        index = IndexProcess(unique_pool_path("marucache-demo"), pool_size=args.pool_size, log_dir=workdir)
+        stack.callback(index.close)
+        index.start()
+        bar.update()
+
+        bar.set_postfix_str("starting three vLLM engines")
+        base = EngineSpec(
+            model_dir=model_dir, block_size=32, max_model_len=prompt_len + args.max_tokens + 64,
+            max_num_batched_tokens=max(2048, prompt_len + 64), num_gpu_blocks_override=1024,
+        )
+        knobs = dict(kv_chunk_tokens=args.chunk_tokens, use_layerwise=args.layerwise,
+                     async_load=not args.sync_load, overlap_load_with_compute=not args.sync_load,
+                     lookup_timeout_s=1.0)
+        engines: dict[str, Any] = {}
+        stats_paths: dict[str, str] = {}
+        for name in ("reference", "A", "B"):
+            config = None
+            if name != "reference":
+                stats_paths[name] = os.path.join(workdir, f"stats-{name}.jsonl")
+                config = make_kv_transfer_config(index.url, pool_path=index.pool_path, token=index.token,
+                                                 stats_path=stats_paths[name], **knobs)
+            spec_n = EngineSpec(**{**base.__dict__, "kv_transfer_config": config})
+            engines[name] = EngineProcess(spec_n, os.path.join(workdir, f"engine-{name}.log"), wait=False)
+            stack.callback(engines[name].close)
+        for engine in engines.values():
+            engine.wait_ready()
+        bar.update()
+
+        prompts = [r.token_ids for r in requests]
+        bar.set_postfix_str("reference: recomputing every request")
+        reference = engines["reference"].generate(prompts, args.max_tokens)
+        bar.update()
+
+        bar.set_postfix_str("engine A stores the documents; engine B hits them")
+        first_questions = [i for i, r in enumerate(requests) if r.question == 0]
+        stored = engines["A"].generate([prompts[i] for i in first_questions], args.max_tokens)
+        _wait_stored(index, args.documents * (args.document_tokens // args.chunk_tokens)
+                     * (args.layers if args.layerwise else 1))
+        hits = engines["B"].generate(prompts, args.max_tokens)
+        bar.update()
+
+        stats_a = read_connector_stats(stats_paths["A"])
+        stats_b = read_connector_stats(stats_paths["B"])
+        return DemoReport(
+            requests=requests,
+            reference=reference,
+            stored={i: r for i, r in zip(first_questions, stored)},
+            hits=hits,
+            hit_tokens=int(stats_b["maru_lookup_hit_tokens_total"]),
+            prompt_tokens=sum(len(p) for p in prompts),
+            bytes_loaded=int(stats_b["maru_load_bytes_total"]),
+            bytes_stored=int(stats_a["maru_store_bytes_total"]),
+            load_failures=int(sum(v for k, v in stats_b.items() if k.startswith("maru_load_failures_total"))),
+            config=dict(knobs, model=f"Llama {args.layers}x{args.hidden_size} (random weights, bf16)"),
+        )
+
+
+def _wait_stored(index, expected_keys: int, timeout_s: float = 60.0) -> None:
+    """Stores are asynchronous: wait until the index holds the documents' keys."""
+    deadline = time.monotonic() + timeout_s
+    while int(index.stats()["keys"]) < expected_keys:
+        if time.monotonic() > deadline:
+            print(f"marucache demo: only {index.stats()['keys']} of {expected_keys} keys stored after "
+                  f"{timeout_s:.0f}s; continuing", file=sys.stderr)
+            return
+        time.sleep(0.1)

@@ -1,0 +1,163 @@
+"""Fixtures for the end-to-end tests: real vLLM CPU engines on a real index and pool.
+
+Everything here is session-scoped: one pool and index, one fault proxy in
+front of it, one reference engine without the connector, and an engine farm
+that starts each connector configuration once and shares it between tests
+(an engine start costs tens of seconds on two cores).
+
+Tests isolate themselves by prompt, not by pool: every test draws its own
+prompts (distinct seeds), so its keys are its own.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from maru_connector.config import make_kv_transfer_config
+from maru_connector.testing.cluster import CacheEngine, EngineFarm, wait_until
+from maru_connector.testing.engine import EngineSpec
+from maru_connector.testing.index_process import IndexProcess
+from maru_connector.testing.tiny_model import TinyModelSpec, build_tiny_model
+
+from .fault_proxy import FaultProxy
+
+BLOCK_SIZE = 32
+CHUNK_TOKENS = 64
+NUM_LAYERS = 4
+MODEL_SPEC = TinyModelSpec(num_layers=NUM_LAYERS, seed=0)
+OTHER_MODEL_SPEC = TinyModelSpec(num_layers=NUM_LAYERS, seed=1)
+
+# Lookups on a loaded two-core machine can take longer than the production
+# default; the outage tests set their own short timeout.
+TEST_KNOBS: dict[str, Any] = {
+    "kv_chunk_tokens": CHUNK_TOKENS,
+    "lookup_timeout_s": 2.0,
+    "load_timeout_s": 10.0,
+}
+
+
+@pytest.fixture(scope="session")
+def workdir() -> Iterator[str]:
+    path = tempfile.mkdtemp(prefix="marucache-e2e-")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> str:
+    return str(build_tiny_model(MODEL_SPEC))
+
+
+@pytest.fixture(scope="session")
+def other_model_dir() -> str:
+    return str(build_tiny_model(OTHER_MODEL_SPEC))
+
+
+@pytest.fixture(scope="session")
+def index(workdir: str) -> Iterator[IndexProcess]:
+    proc = IndexProcess(pool_size="512Mi", log_dir=workdir)
+    proc.start()
+    yield proc
+    proc.close()
+
+
+@pytest.fixture(scope="session")
+def proxy(index: IndexProcess) -> Iterator[FaultProxy]:
+    with FaultProxy(index.port, index.pool_path) as p:
+        yield p
+
+
+@pytest.fixture(scope="session")
+def farm(workdir: str, model_dir: str) -> Iterator[EngineFarm]:
+    base = EngineSpec(
+        model_dir=model_dir,
+        block_size=BLOCK_SIZE,
+        max_model_len=4096,
+        max_num_batched_tokens=2048,
+        num_gpu_blocks_override=1024,
+    )
+    farm = EngineFarm(workdir, base, max_alive=int(os.environ.get("MARUCACHE_E2E_MAX_ENGINES", "4")))
+    yield farm
+    farm.close()
+
+
+def connector_config(index: IndexProcess, url: str | None = None, **knobs: Any):
+    """A `kv_transfer_config(stats_path)` factory for `EngineFarm.get`."""
+    merged = {**TEST_KNOBS, **knobs}
+
+    def build(stats_path: str) -> dict[str, Any]:
+        return make_kv_transfer_config(
+            url or index.url, pool_path=index.pool_path, token=index.token, stats_path=stats_path, **merged
+        )
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def reference(farm: EngineFarm) -> "Reference":
+    return Reference(farm)
+
+
+class Reference:
+    """Greedy outputs of an engine without the connector, memoised per prompt."""
+
+    def __init__(self, farm: EngineFarm):
+        self._farm = farm
+        self._memo: dict[tuple[str, tuple[int, ...], int], list[int]] = {}
+
+    def outputs(self, prompts: list[list[int]], max_tokens: int = 8, model: str = "a", **overrides: Any) -> list[list[int]]:
+        missing = [p for p in prompts if (model, tuple(p), max_tokens) not in self._memo]
+        if missing:
+            engine = self._farm.get(f"reference-{model}", None, **overrides)
+            for prompt, out in zip(missing, engine.outputs(missing, max_tokens)):
+                self._memo[(model, tuple(prompt), max_tokens)] = out
+        return [self._memo[(model, tuple(p), max_tokens)] for p in prompts]
+
+
+def pool_state(index: IndexProcess) -> dict[str, Any]:
+    return index.stats()
+
+
+def wait_for_keys(index: IndexProcess, at_least: int, timeout_s: float = 30.0) -> int:
+    """Wait until the index holds at least `at_least` committed keys (stores are async)."""
+    return wait_until(lambda: (k := index_keys(index)) >= at_least and k, timeout_s, what=f">= {at_least} keys")
+
+
+def index_keys(index: IndexProcess) -> int:
+    return int(index.stats()["keys"])
+
+
+def wait_settled(index: IndexProcess, timeout_s: float = 30.0) -> dict[str, Any]:
+    """Wait until nothing is pinned or reserved; returns the stats that showed it."""
+    def settled():
+        stats = index.stats()
+        return stats if no_pins_or_reservations(stats) else None
+
+    return wait_until(settled, timeout_s, interval_s=0.2, what="no pins or reservations")
+
+
+def no_pins_or_reservations(stats: dict[str, Any]) -> bool:
+    return pinned_bytes(stats) == 0 and reserved_bytes(stats) == 0
+
+
+def pinned_bytes(stats: dict[str, Any]) -> int:
+    return int(_pool_bytes(stats, "pinned"))
+
+
+def reserved_bytes(stats: dict[str, Any]) -> int:
+    return int(_pool_bytes(stats, "reserved"))
+
+
+def _pool_bytes(stats: dict[str, Any], state: str) -> int:
+    if isinstance(stats.get("pool_bytes"), dict):
+        return stats["pool_bytes"][state]
+    return stats[f"{state}_bytes"]
+
+
+__all__ = ["CacheEngine", "connector_config", "wait_for_keys", "wait_settled", "index_keys"]

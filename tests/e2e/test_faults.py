@@ -1,0 +1,163 @@
+"""The fault matrix: every failed load ends in recompute, counted, with nothing left pinned.
+
+The engines under test reach the real index through `FaultProxy`, which
+tampers with retrieve replies (short, long, a miss at a middle layer, late,
+a slot header rewritten in the pool) or holds a retrieve while the index is
+killed. Each test checks that the output equals that of an engine without
+the connector, that the connector counted the failure, and that the index
+shows no pin and no reservation afterwards.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from maru_connector.testing.stats_reader import failures
+from maru_connector.testing.workload import random_tokens
+
+from .conftest import CHUNK_TOKENS, NUM_LAYERS, connector_config, index_keys, wait_for_keys, wait_settled
+
+pytestmark = pytest.mark.vllm
+
+MAX_TOKENS = 6
+LOAD_TIMEOUT_S = 2.0
+
+
+def _writer(farm, index, layerwise: bool):
+    fmt = "layerwise" if layerwise else "chunkwise"
+    return farm.get(f"{fmt}-A", connector_config(index, use_layerwise=layerwise))
+
+
+def _faulty(farm, index, proxy, layerwise: bool, async_load: bool = True, **overrides):
+    """An engine whose connector reaches the index through the fault proxy."""
+    name = f"faulty-{'layerwise' if layerwise else 'chunkwise'}-{'async' if async_load else 'sync'}"
+    knobs = dict(use_layerwise=layerwise, async_load=async_load, overlap_load_with_compute=async_load,
+                 load_timeout_s=LOAD_TIMEOUT_S)
+    return farm.get(name, connector_config(index, url=proxy.url, **knobs), **overrides)
+
+
+def _stored_prompt(farm, index, layerwise: bool, seed: int, chunks: int = 4) -> list[int]:
+    prompt = random_tokens(chunks * CHUNK_TOKENS + 13, seed=seed)
+    keys_before = index_keys(index)
+    _writer(farm, index, layerwise).outputs([prompt], MAX_TOKENS)
+    wait_for_keys(index, keys_before + chunks * (NUM_LAYERS if layerwise else 1))
+    return prompt
+
+
+FAULTS = [
+    # (fault kind, layerwise, expected failure reason)
+    ("miss", True, "miss"),
+    ("short", False, "short_reply"),
+    ("short", True, "short_reply"),
+    ("long", False, "long_reply"),
+    ("corrupt_header", False, "header_mismatch"),
+    ("corrupt_header", True, "header_mismatch"),
+]
+
+
+@pytest.mark.parametrize("kind,layerwise,reason", FAULTS, ids=[f"{k}-{'layerwise' if l else 'chunkwise'}" for k, l, _ in FAULTS])
+def test_tampered_retrieve_reply_is_recomputed(farm, index, proxy, reference, kind, layerwise, reason):
+    prompt = _stored_prompt(farm, index, layerwise, seed=2000 + 10 * FAULTS.index((kind, layerwise, reason)))
+    engine = _faulty(farm, index, proxy, layerwise)
+    before = failures(engine.counters())
+    proxy.arm(kind)
+    try:
+        out = engine.outputs([prompt], MAX_TOKENS)[0]
+    finally:
+        proxy.disarm()
+        proxy.restore_headers()
+    assert proxy.fired == 1, "the fault never reached the connector"
+    assert out == reference.outputs([prompt], MAX_TOKENS)[0]
+    after = failures(engine.counters())
+    assert after.get(reason, 0) == before.get(reason, 0) + 1, f"counted {after}, before {before}"
+    wait_settled(index)
+    # The failed load became a miss for that request; the next request hits again.
+    out_again = engine.outputs([prompt], MAX_TOKENS)[0]
+    assert out_again == out
+
+
+@pytest.mark.parametrize("async_load", [True, False], ids=["async", "sync"])
+def test_retrieve_timeout_is_recomputed(farm, index, proxy, reference, async_load):
+    prompt = _stored_prompt(farm, index, False, seed=2100 + int(async_load))
+    engine = _faulty(farm, index, proxy, False, async_load=async_load)
+    before = failures(engine.counters())
+    proxy.arm("delay", delay_s=LOAD_TIMEOUT_S + 1.5)
+    try:
+        out = engine.outputs([prompt], MAX_TOKENS)[0]
+    finally:
+        proxy.disarm()
+    assert proxy.fired == 1
+    assert out == reference.outputs([prompt], MAX_TOKENS)[0]
+    after = failures(engine.counters())
+    assert sum(after.values()) == sum(before.values()) + 1, f"counted {after}, before {before}"
+    # The late reply pinned the objects; the connector must give them back.
+    wait_settled(index, timeout_s=30)
+
+
+def test_abort_while_parked_leaves_nothing_pinned(farm, index, proxy, reference):
+    prompt = _stored_prompt(farm, index, False, seed=2200)
+    engine = _faulty(farm, index, proxy, False)
+    proxy.arm("delay", delay_s=1.5)
+    try:
+        result = engine.run([prompt], MAX_TOKENS, abort_after_steps=3)[0]
+    finally:
+        proxy.disarm()
+    assert result.aborted and result.state_at_abort == "WAITING_FOR_REMOTE_KVS", result
+    time.sleep(2.0)  # let the held retrieve reply arrive after the abort
+    wait_settled(index)
+    # The engine keeps serving, and the same prompt still hits.
+    before = engine.counters()
+    out = engine.outputs([prompt], MAX_TOKENS)[0]
+    after = engine.counters()
+    assert out == reference.outputs([prompt], MAX_TOKENS)[0]
+    assert after["maru_lookup_hit_tokens_total"] > before["maru_lookup_hit_tokens_total"]
+    wait_settled(index)
+
+
+def test_preemption_during_loads(farm, index, proxy, reference):
+    """Few KV blocks, long decodes and slow loads: requests are preempted while loads run."""
+    prompts = [_stored_prompt(farm, index, False, seed=2300 + i, chunks=3) for i in range(6)]
+    # 6 prompts of ~205 tokens decoding 120 tokens need ~66 blocks; 40 force preemptions.
+    engine = _faulty(farm, index, proxy, False, num_gpu_blocks_override=40, max_num_seqs=6)
+    preempted_before = engine.process.call("preemptions")
+    proxy.arm("delay", count=3, delay_s=0.3)
+    try:
+        outputs = engine.outputs(prompts, 120, concurrent=True)
+    finally:
+        proxy.disarm()
+    assert engine.process.call("preemptions") > preempted_before, "the workload never preempted"
+    assert outputs == reference.outputs(prompts, 120)
+    wait_settled(index)
+    farm.close_one(engine.name)
+
+
+def test_index_killed_during_load(farm, index, proxy, reference):
+    prompt = _stored_prompt(farm, index, False, seed=2400)
+    engine = _faulty(farm, index, proxy, False)
+    before = failures(engine.counters())
+    proxy.arm("hold_request", delay_s=2.0)
+    results: list = []
+    runner = threading.Thread(target=lambda: results.append(engine.outputs([prompt], MAX_TOKENS)[0]))
+    runner.start()
+    try:
+        deadline = time.monotonic() + 30
+        while proxy.fired == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert proxy.fired == 1, "the retrieve never went out"
+        index.kill()
+        runner.join(60)
+    finally:
+        proxy.disarm()
+        if not index.alive():
+            index.start()
+    assert results, "the engine did not answer"
+    assert results[0] == reference.outputs([prompt], MAX_TOKENS)[0]
+    after = failures(engine.counters())
+    assert sum(after.values()) > sum(before.values()), f"counted {after}, before {before}"
+    # The restarted index has lost every pin with the old process.
+    wait_settled(index)
+    # And the engine keeps serving through the restarted index.
+    assert engine.outputs([prompt], MAX_TOKENS)[0] == results[0]
