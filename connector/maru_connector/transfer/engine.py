@@ -191,6 +191,9 @@ class TransferEngine:
             if thread.is_alive():
                 thread.join()
         self._release()
+        # Drop every view of the mapping so the pool can be unmapped.
+        self.pool = None
+        self.block_views = []
 
     def _release(self) -> None:
         """Backend hook: undo what the constructor set up."""

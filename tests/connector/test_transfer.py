@@ -1,0 +1,356 @@
+"""The transfer engine's CPU backend: exact round trips through a shared
+memory pool for every layout and both formats, per-layer completion, failure
+handling and the shared load queue."""
+
+import mmap
+import os
+import random
+import threading
+import time
+import uuid
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kv_builders import ALL_KINDS, block_bytes, make_kv_caches
+from maru_connector.kv_layout import detect_kv_layout
+from maru_connector.object_format import ObjectFormat
+from maru_connector.transfer import (
+    ChunkLoad,
+    ChunkStore,
+    TransferEngine,
+    TransferError,
+    TransferRequestError,
+)
+from maru_connector.transfer.plan import Run, layer_runs, split_runs
+
+
+def same_bytes(a, b):
+    """Bitwise equality (random bytes hold NaNs, which ``torch.equal`` rejects)."""
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+class ShmPool:
+    """A tmpfs file mapped shared, as the pool is."""
+
+    def __init__(self, size: int):
+        self.path = f"/dev/shm/maru-transfer-test-{uuid.uuid4().hex}"
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            self.map = mmap.mmap(fd, size, mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        self.buffer = memoryview(self.map)
+
+    def close(self):
+        self.buffer.release()
+        self.map.close()
+        os.unlink(self.path)
+
+
+@pytest.fixture
+def make_pool():
+    pools = []
+
+    def make(size):
+        pools.append(ShmPool(size))
+        return pools[-1]
+
+    yield make
+    for pool in pools:
+        pool.close()
+
+
+@pytest.fixture
+def engines(make_pool):  # engines close before their pools are unmapped
+    made = []
+
+    def make(*args, **kwargs):
+        made.append(TransferEngine.create(*args, **kwargs))
+        return made[-1]
+
+    yield make
+    for engine in made:
+        engine.close()
+
+
+def place_objects(fmt, chunks, adjacent, rng, pool_size):
+    """Pool offsets for every object of ``chunks`` chunks: packed back to back
+    (so runs coalesce) or scattered with gaps (so they do not)."""
+    size = fmt.object_bytes
+    count = chunks * fmt.objects_per_chunk
+    if adjacent:
+        starts = [i * size for i in range(count)]
+        if fmt.layerwise:  # chunk c's layer l next to chunk c+1's layer l
+            starts = [(l * chunks + c) * size for c in range(chunks)
+                      for l in range(fmt.num_layers)]
+    else:
+        slots = rng.sample(range(pool_size // size), count)
+        starts = [s * size for s in slots]
+    per = fmt.objects_per_chunk
+    return [tuple(starts[c * per:(c + 1) * per]) for c in range(chunks)]
+
+
+def round_trip(engines, pool, kind, layerwise, chunks, rng, adjacent, blocks=16,
+               blocks_per_chunk=2, layers=3):
+    src = make_kv_caches(kind, layers=layers, blocks=blocks, seed=rng.randrange(1 << 30))
+    dst = make_kv_caches(kind, layers=layers, blocks=blocks, seed=rng.randrange(1 << 30))
+    before = {n: t.clone() for n, t in dst.items()}
+    layout = detect_kv_layout(src)
+    fmt = ObjectFormat(layout, chunk_tokens=blocks_per_chunk * layout.block_size,
+                       layerwise=layerwise)
+    need = chunks * fmt.blocks_per_chunk
+    src_ids = rng.sample(range(blocks), need)
+    dst_ids = rng.sample(range(blocks), need)
+    offsets = place_objects(fmt, chunks, adjacent, rng, pool.map.size())
+    per = fmt.blocks_per_chunk
+    storer = engines(pool.buffer, src, fmt)
+    loader = engines(pool.buffer, dst, ObjectFormat(detect_kv_layout(dst), fmt.chunk_tokens, layerwise))
+    stored = storer.submit_store([
+        ChunkStore(tuple(src_ids[c * per:(c + 1) * per]), offsets[c]) for c in range(chunks)
+    ])
+    assert stored.wait(10) and stored.error is None
+    loaded = loader.submit_load([
+        ChunkLoad(tuple(dst_ids[c * per:(c + 1) * per]), offsets[c]) for c in range(chunks)
+    ])
+    assert loaded.wait_all(10) and loaded.error is None and loaded.done()
+    assert loaded.nbytes == need * layout.block_bytes_per_layer * layers
+    moved = dict(zip(dst_ids, src_ids))
+    for name in layout.layer_names:
+        for b in range(blocks):
+            want = block_bytes(kind, src[name], moved[b]) if b in moved \
+                else block_bytes(kind, before[name], b)
+            assert torch.equal(block_bytes(kind, dst[name], b), want), (name, b)
+
+
+@pytest.mark.parametrize("kind", ALL_KINDS)
+@pytest.mark.parametrize("layerwise", [False, True], ids=["chunkwise", "layerwise"])
+@pytest.mark.parametrize("adjacent", [True, False], ids=["adjacent", "scattered"])
+def test_store_then_load_round_trips_exactly(engines, make_pool, kind, layerwise, adjacent):
+    pool = make_pool(1 << 20)
+    round_trip(engines, pool, kind, layerwise, chunks=3, rng=random.Random(kind),
+               adjacent=adjacent)
+
+
+@settings(max_examples=30, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(kind=st.sampled_from(ALL_KINDS), layerwise=st.booleans(), adjacent=st.booleans(),
+       chunks=st.integers(1, 5), blocks_per_chunk=st.integers(1, 3),
+       seed=st.integers(0, 1 << 30))
+def test_round_trip_property(engines, make_pool, kind, layerwise, adjacent, chunks,
+                             blocks_per_chunk, seed):
+    pool = make_pool(1 << 20)
+    round_trip(engines, pool, kind, layerwise, chunks, random.Random(seed), adjacent,
+               blocks=16, blocks_per_chunk=blocks_per_chunk, layers=2)
+
+
+# --------------------------------------------------------------- coalescing
+
+def fmt_of(layerwise, layers=4, blocks_per_chunk=2):
+    layout = detect_kv_layout(make_kv_caches("cpu", layers=layers, blocks=8))
+    return ObjectFormat(layout, blocks_per_chunk * layout.block_size, layerwise)
+
+
+def test_adjacent_layerwise_objects_coalesce_into_one_plain_copy():
+    fmt = fmt_of(layerwise=True)
+    size = fmt.object_bytes
+    offsets = [tuple((l * 3 + c) * size for l in range(4)) for c in range(3)]
+    for layer in range(4):
+        assert layer_runs(fmt, offsets, layer) == [Run(layer * 3 * size, size, 3, 0)]
+
+
+def test_adjacent_chunkwise_objects_coalesce_into_one_strided_copy():
+    fmt = fmt_of(layerwise=False)
+    size = fmt.object_bytes
+    offsets = [(c * size,) for c in range(3)]
+    assert layer_runs(fmt, offsets, 2) == [Run(2 * fmt.layer_bytes, size, 3, 0)]
+
+
+def test_scattered_objects_break_runs():
+    fmt = fmt_of(layerwise=True, layers=1)
+    size = fmt.object_bytes
+    offsets = [(0,), (size,), (5 * size,), (3 * size,)]
+    assert layer_runs(fmt, offsets, 0) == [
+        Run(0, size, 2, 0), Run(5 * size, size, 1, 4), Run(3 * size, size, 1, 6)
+    ]
+
+
+def test_split_runs_respects_staging_rows():
+    pieces = split_runs([Run(0, 10, 5, 0), Run(100, 10, 2, 10)], max_rows=3,
+                        blocks_per_row=2)
+    assert pieces == [
+        [Run(0, 10, 3, 0)],
+        [Run(30, 10, 2, 6), Run(100, 10, 1, 10)],
+        [Run(110, 10, 1, 12)],
+    ]
+
+
+# ------------------------------------------------------- per-layer completion
+
+def test_layer_events_fire_in_order_and_after_the_bytes_landed(engines, make_pool):
+    layers, blocks = 24, 64
+    src = make_kv_caches("cpu", layers=layers, blocks=blocks, heads=4, block_size=32,
+                         head_size=64, seed=1)
+    dst = make_kv_caches("cpu", layers=layers, blocks=blocks, heads=4, block_size=32,
+                         head_size=64, seed=2)
+    layout = detect_kv_layout(src)
+    fmt = ObjectFormat(layout, 4 * layout.block_size, layerwise=False)
+    chunks = blocks // 4
+    pool = make_pool(chunks * fmt.object_bytes)
+    ids = list(range(blocks))
+    random.Random(3).shuffle(ids)
+    plan = [(tuple(ids[c * 4:(c + 1) * 4]), (c * fmt.object_bytes,)) for c in range(chunks)]
+    storer = engines(pool.buffer, src, fmt)
+    assert storer.submit_store([ChunkStore(*p) for p in plan]).wait(30)
+    loader = engines(pool.buffer, dst, ObjectFormat(detect_kv_layout(dst), fmt.chunk_tokens, False))
+    handle = loader.submit_load([ChunkLoad(*p) for p in plan])
+    names = layout.layer_names
+    first_seen = []
+    while len(first_seen) < layers:
+        # Read the last layer first: a later read of an earlier layer must
+        # then see it ready too, whatever lands in between.
+        ready = [handle.layer_ready(i) for i in reversed(range(layers))][::-1]
+        # Ready layers always form a prefix: layers complete in true order.
+        assert ready == sorted(ready, reverse=True)
+        for layer in range(len(first_seen), sum(ready)):
+            assert same_bytes(dst[names[layer]], src[names[layer]]), layer
+            first_seen.append(layer)
+    assert first_seen == list(range(layers))
+    assert handle.wait_all(5) and handle.done() and handle.elapsed_s is not None
+
+
+def test_failed_copy_releases_every_waiter_with_an_error(engines, make_pool):
+    kv = make_kv_caches("cpu", layers=6, blocks=8)
+    fmt = ObjectFormat(detect_kv_layout(kv), 16, layerwise=True)
+    pool = make_pool(64 * fmt.object_bytes)
+    engine = engines(pool.buffer, kv, fmt)
+    sources = [i * fmt.object_bytes for i in range(6)]
+    sources[2] = pool.map.size() - fmt.object_bytes // 2  # runs past the end of the pool
+    handle = engine.submit_load([ChunkLoad((5,), tuple(sources))])
+    waiters_done = []
+
+    def wait(layer):
+        waiters_done.append((layer, handle.wait_layer(layer)))
+
+    threads = [threading.Thread(target=wait, args=(layer,)) for layer in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert not any(t.is_alive() for t in threads)
+    assert sorted(waiters_done) == [(0, True), (1, True)] + [(i, False) for i in range(2, 6)]
+    assert handle.wait_all(5) is False and handle.done()
+    assert isinstance(handle.error, TransferError)
+    assert "layer 2" in str(handle.error) and "outside" in str(handle.error)
+    assert [handle.layer_ready(i) for i in range(6)] == [True, True] + [False] * 4
+    # The engine goes on serving after a failure.
+    good = engine.submit_load([ChunkLoad((5,), tuple(i * fmt.object_bytes for i in range(6)))])
+    assert good.wait_all(5) and good.error is None
+
+
+def test_failed_store_reports_an_error(engines, make_pool):
+    kv = make_kv_caches("cpu", layers=2, blocks=8)
+    fmt = ObjectFormat(detect_kv_layout(kv), 32, layerwise=False)
+    pool = make_pool(2 * fmt.object_bytes)
+    engine = engines(pool.buffer, kv, fmt)
+    handle = engine.submit_store([ChunkStore((0, 1), (fmt.object_bytes + 1,))])
+    assert handle.wait(5) is False and handle.done()
+    assert isinstance(handle.error, TransferError)
+    assert engine.submit_store([ChunkStore((0, 1), (0,))]).wait(5)
+
+
+def test_wait_times_out_without_hanging(engines, make_pool):
+    layers = 8
+    kv = make_kv_caches("cpu", layers=layers, blocks=256, heads=8, block_size=32, head_size=128)
+    fmt = ObjectFormat(detect_kv_layout(kv), 32 * 64, layerwise=False)
+    pool = make_pool(4 * fmt.object_bytes)
+    engine = engines(pool.buffer, kv, fmt)
+    # Queue a lot of work; the last layer cannot have landed within 1 ms.
+    handles = [engine.submit_load([ChunkLoad(tuple(range(64 * c, 64 * c + 64)),
+                                            (c * fmt.object_bytes,)) for c in range(4)])
+               for _ in range(3)]
+    started = time.monotonic()
+    assert handles[-1].wait_layer(layers - 1, timeout=0.001) is False
+    assert time.monotonic() - started < 1
+    assert all(h.wait_all(60) for h in handles)
+
+
+# ----------------------------------------------------------- shared queue
+
+def test_concurrent_loads_share_one_queue_in_submission_order(engines, make_pool):
+    src = make_kv_caches("packed_lbnhc", layers=4, blocks=64, heads=2, block_size=16,
+                         head_size=64, seed=5)
+    layout = detect_kv_layout(src)
+    fmt = ObjectFormat(layout, 4 * layout.block_size, layerwise=True)
+    pool = make_pool(16 * 4 * fmt.object_bytes)
+    storer = engines(pool.buffer, src, fmt)
+    plans = []
+    for c in range(16):
+        ids = tuple(range(4 * c, 4 * c + 4))
+        offsets = tuple((c * 4 + l) * fmt.object_bytes for l in range(4))
+        plans.append((ids, offsets))
+    assert storer.submit_store([ChunkStore(*p) for p in plans]).wait(10)
+
+    dst = make_kv_caches("packed_lbnhc", layers=4, blocks=64, heads=2, block_size=16,
+                         head_size=64, seed=6)
+    loader = engines(pool.buffer, dst, ObjectFormat(detect_kv_layout(dst), fmt.chunk_tokens, True))
+    handles = [None] * 8
+    barrier = threading.Barrier(8)
+
+    def request(i):  # eight requests, each loading two chunks, at once
+        barrier.wait()
+        handles[i] = loader.submit_load([ChunkLoad(*plans[2 * i]), ChunkLoad(*plans[2 * i + 1])])
+
+    threads = [threading.Thread(target=request, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert all(h.wait_all(10) for h in handles)
+    for name in layout.layer_names:
+        assert same_bytes(dst[name], src[name])
+    # One copy thread serves every request: loads finish in queue order.
+    order = sorted(range(8), key=lambda i: handles[i].finished_at)
+    starts = sorted(range(8), key=lambda i: handles[i].submitted_at)
+    assert order == starts
+    load_threads = [t for t in threading.enumerate() if t.name == "maru-load"]
+    assert len(load_threads) == 2  # one per engine: storer and loader
+
+
+# -------------------------------------------------------------- bad input
+
+def test_requests_that_do_not_fit_the_format_are_refused(engines, make_pool):
+    kv = make_kv_caches("cpu", layers=2, blocks=8)
+    fmt = ObjectFormat(detect_kv_layout(kv), 32, layerwise=True)
+    pool = make_pool(1 << 16)
+    engine = engines(pool.buffer, kv, fmt)
+    with pytest.raises(TransferRequestError, match="needs 2"):
+        engine.submit_load([ChunkLoad((1,), (0, 4096))])
+    with pytest.raises(TransferRequestError, match="2 object"):
+        engine.submit_load([ChunkLoad((1, 2), (0,))])
+    with pytest.raises(TransferRequestError, match="outside the KV cache's 8 blocks"):
+        engine.submit_store([ChunkStore((1, 8), (0, 4096))])
+    empty = engine.submit_load([])
+    assert empty.done() and empty.wait_all(0)
+    assert engine.submit_store([]).wait(0)
+
+
+def test_create_checks_device_and_buffer(make_pool):
+    kv = make_kv_caches("cpu", layers=2, blocks=8)
+    fmt = ObjectFormat(detect_kv_layout(kv), 32, layerwise=False)
+    pool = make_pool(1 << 16)
+    with pytest.raises(ValueError, match="KV cache is on the CPU"):
+        TransferEngine.create(pool.buffer, kv, fmt, device="cuda")
+    with pytest.raises(ValueError, match="device must be"):
+        TransferEngine.create(pool.buffer, kv, fmt, device="tpu")
+    with pytest.raises(ValueError, match="read-only"):
+        TransferEngine.create(memoryview(bytes(1 << 16)), kv, fmt)
+    engine = TransferEngine.create(pool.buffer, kv, fmt)
+    assert engine.backend == "cpu"
+    engine.close()
+    with pytest.raises(TransferError, match="closed"):
+        engine.submit_load([ChunkLoad((0, 1), (0,))])
+    assert not any(t.is_alive() for t in engine._threads)
