@@ -101,6 +101,11 @@ LAYOUT_DIGEST = hashlib.blake2b(
     repr((SLOT_NAMES, BUCKETS)).encode(), digest_size=16, person=b"maru-stats"
 ).digest()
 REGION_BYTES = HEADER_BYTES + 8 * len(SLOT_NAMES)
+# histogram -> (slot of bucket 0, slot of count, slot of sum), resolved once: recording stays ~1 us.
+_HISTOGRAM_SLOTS = {
+    h: (SLOT_INDEX[f"hist:{h}:bucket:0"], SLOT_INDEX[f"hist:{h}:count"], SLOT_INDEX[f"hist:{h}:sum"])
+    for h in HISTOGRAMS
+}
 
 
 class StatsRegionError(ValueError):
@@ -247,10 +252,10 @@ class ConnectorStats:
         self._ints[SLOT_INDEX[name]] += int(amount)
 
     def _observe(self, histogram: str, seconds: float) -> None:
-        bucket = bisect.bisect_left(BUCKETS, seconds)
-        self._ints[SLOT_INDEX[f"hist:{histogram}:bucket:{bucket}"]] += 1
-        self._floats[SLOT_INDEX[f"hist:{histogram}:sum"]] += float(seconds)
-        self._ints[SLOT_INDEX[f"hist:{histogram}:count"]] += 1
+        first_bucket, count, total = _HISTOGRAM_SLOTS[histogram]
+        self._ints[first_bucket + bisect.bisect_left(BUCKETS, seconds)] += 1  # le: bound included
+        self._floats[total] += float(seconds)
+        self._ints[count] += 1
 
 
 def _reason_slot(kind: str, reason: str, allowed: tuple[str, ...]) -> int:
