@@ -177,6 +177,8 @@ class Storer:
         reserved.extend(k for k, _ in chunk_keys)
         if not self._set_state(job, _RESERVING, _COPYING):
             raise _Cancelled()
+        for _, slot in chunk_keys:  # an old header must never describe half-new data
+            self._pool.invalidate_slot(slot.offset, self._fmt.object_bytes)
         handle = self._engine.submit_store(chunks)
         if not handle.wait():
             raise StoreFailure("copy_error", repr(handle.error))

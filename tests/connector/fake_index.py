@@ -1,0 +1,135 @@
+"""An in-memory stand-in for ``maru_core.index.client.IndexClient`` (unit tests only).
+
+It keeps the index's rules that the connector relies on — write-once commit,
+all-or-nothing pinned retrieve, one location per key in order, reserve that
+skips committed or reserved keys — over a bump allocator on a real pool's
+geometry, and lets a test inject the faults the connector must survive:
+short or long replies, an unreachable index, a slow index.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from typing import Any, NamedTuple
+
+
+class Location(NamedTuple):
+    offset: int
+    length: int
+    generation: int
+
+
+class Slot(NamedTuple):
+    offset: int
+    generation: int
+
+
+class FakeUnavailable(ConnectionError):
+    """Stands in for ``IndexUnavailable``."""
+
+
+class FakeIndex:
+    """Shared state of one fake index; ``client()`` gives a client of it."""
+
+    def __init__(self, geometry: Any) -> None:
+        self._geometry = geometry
+        self._next_page = 0
+        self.lock = threading.Lock()
+        self.committed: dict[bytes, Location] = {}
+        self.reserved: dict[bytes, Location] = {}
+        self.pins: Counter[bytes] = Counter()
+        self.calls: Counter[str] = Counter()
+        self.down = False
+        self.delay_s = 0.0
+        self.retrieve_hook = None  # locations -> locations (fault injection)
+
+    def client(self, *args: Any, **kwargs: Any) -> "FakeClient":
+        return FakeClient(self)
+
+    def _enter(self, op: str) -> None:
+        self.calls[op] += 1
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        if self.down:
+            raise FakeUnavailable(f"index unreachable ({op})")
+
+    def _allocate(self, length: int) -> Location:
+        g = self._geometry
+        pages = -(-length // g.page_size)
+        if self._next_page + pages > g.num_pages:
+            raise RuntimeError("fake index pool full")
+        offset = g.data_offset + self._next_page * g.page_size
+        self._next_page += pages
+        return Location(offset, length, self._next_page)
+
+
+class FakeClient:
+    def __init__(self, index: FakeIndex) -> None:
+        self._ix = index
+        self.closed = False
+
+    def match_prefix(self, keys: list[bytes], **_: Any) -> int:
+        self._ix._enter("match_prefix")
+        with self._ix.lock:
+            n = 0
+            for key in keys:
+                if key not in self._ix.committed:
+                    break
+                n += 1
+            return n
+
+    def retrieve(self, keys: list[bytes], **_: Any) -> list[Location | None]:
+        self._ix._enter("retrieve")
+        with self._ix.lock:
+            locations = [self._ix.committed.get(k) for k in keys]
+            if all(loc is not None for loc in locations):
+                self._ix.pins.update(keys)
+        if self._ix.retrieve_hook is not None:
+            locations = self._ix.retrieve_hook(locations)
+        return locations
+
+    def unpin(self, keys: list[bytes]) -> int:
+        self._ix._enter("unpin")
+        with self._ix.lock:
+            n = 0
+            for key in keys:
+                if self._ix.pins[key] > 0:
+                    self._ix.pins[key] -= 1
+                    n += 1
+            self._ix.pins = +self._ix.pins
+            return n
+
+    def reserve(self, items: list[tuple[bytes, int]]) -> list[Slot | None]:
+        self._ix._enter("reserve")
+        slots: list[Slot | None] = []
+        with self._ix.lock:
+            for key, length in items:
+                if key in self._ix.committed or key in self._ix.reserved:
+                    slots.append(None)
+                    continue
+                loc = self._ix._allocate(length)
+                self._ix.reserved[key] = loc
+                slots.append(Slot(loc.offset, loc.generation))
+        return slots
+
+    def commit(self, keys: list[bytes]) -> list[bool]:
+        self._ix._enter("commit")
+        with self._ix.lock:
+            done = []
+            for key in keys:
+                loc = self._ix.reserved.pop(key, None)
+                ok = loc is not None and key not in self._ix.committed
+                if ok:
+                    self._ix.committed[key] = loc
+                done.append(ok)
+            return done
+
+    def abort(self, keys: list[bytes]) -> int:
+        self._ix._enter("abort")
+        with self._ix.lock:
+            return sum(self._ix.reserved.pop(k, None) is not None for k in keys)
+
+    def close(self) -> None:
+        self.closed = True

@@ -1,0 +1,132 @@
+"""The worker half's synchronous loads and stores on a real pool and CPU engine."""
+
+from __future__ import annotations
+
+import pytest
+from maru_core.pool.slots import SlotHeader
+
+from maru_connector import stats
+from maru_connector.metadata import MaruConnectorMetadata
+
+from worker_env import LAYERS, WorkerEnv, blocks_equal, load_meta, store_meta, tokens
+
+
+@pytest.fixture
+def env():
+    env = WorkerEnv()
+    yield env
+    env.close()
+
+
+def _step(half, meta):
+    """One engine step as vLLM's model runner drives the worker connector."""
+    half.handle_preemptions(meta)
+    half.start_load_kv(meta)
+    for i in range(LAYERS):
+        half.wait_for_layer_load(f"model.layers.{i}.self_attn.attn")
+    half.wait_for_save(meta)
+    sending, recving = half.get_finished(set())
+    return half.get_block_ids_with_load_errors(), half.build_worker_meta()
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_store_then_load_copies_exact_bytes(env, layerwise, overlap):
+    writer, kv_w = env.worker(seed=1, maru_use_layerwise=layerwise, maru_async_store=False)
+    reader, kv_r = env.worker(seed=2, maru_use_layerwise=layerwise,
+                              maru_overlap_load_with_compute=overlap)
+    keys = env.keys(tokens(96))  # three chunks
+    _step(writer, store_meta("w", keys, first_block=0))
+    assert len(env.index.committed) == 3 * (LAYERS if layerwise else 1)
+    assert not blocks_equal(kv_w, range(6), kv_r, range(10, 16))
+
+    errors, meta = _step(reader, load_meta("r", keys, first_block=10))
+
+    assert errors == set() and meta is None
+    assert blocks_equal(kv_w, range(6), kv_r, range(10, 16))
+    assert +env.index.pins == {}  # every pin released after the copies
+    assert reader.counters.get(stats.LOAD_BYTES) > 0
+    assert writer.counters.get(stats.STORE_BYTES) > 0
+
+
+def _stored(env, n_tokens=64):
+    writer, kv_w = env.worker(seed=1, maru_async_store=False)
+    keys = env.keys(tokens(n_tokens))
+    _step(writer, store_meta("w", keys, first_block=0))
+    return keys
+
+
+def _assert_failed_untouched(env, reader, kv_r, before, errors, meta, reason):
+    assert errors == set(range(10, 14))
+    assert meta.failed_load_req_ids == {"r"}
+    assert reader.counters.get(stats.labelled(stats.LOAD_FAILURES, reason)) == 1
+    assert blocks_equal(before, range(10, 14), kv_r, range(10, 14))  # no block touched
+    assert +env.index.pins == {}
+
+
+def _snapshot(kv):
+    return {name: t.clone() for name, t in kv.items()}
+
+
+@pytest.mark.parametrize(
+    "hook, reason",
+    [
+        (lambda locs: locs[:-1], "short_reply"),
+        (lambda locs: locs + locs[-1:], "long_reply"),
+    ],
+)
+def test_bad_reply_length_fails_the_load_before_any_copy(env, hook, reason):
+    keys = _stored(env)
+    reader, kv_r = env.worker(seed=2)
+    before = _snapshot(kv_r)
+    env.index.retrieve_hook = hook
+    errors, meta = _step(reader, load_meta("r", keys, first_block=10))
+    _assert_failed_untouched(env, reader, kv_r, before, errors, meta, reason)
+
+
+def test_miss_fails_the_load(env):
+    keys = _stored(env)
+    reader, kv_r = env.worker(seed=2)
+    before = _snapshot(kv_r)
+    missing = keys[:1] + env.keys(tokens(64, start=500))[1:]
+    errors, meta = _step(reader, load_meta("r", missing, first_block=10))
+    _assert_failed_untouched(env, reader, kv_r, before, errors, meta, "miss")
+
+
+def test_slot_header_naming_another_generation_fails_the_load(env):
+    keys = _stored(env)
+    loc = env.index.committed[keys[1]]
+    env.pool.write_slot_header(loc.offset, SlotHeader(keys[1], loc.generation + 7, loc.length))
+    reader, kv_r = env.worker(seed=2)
+    before = _snapshot(kv_r)
+    errors, meta = _step(reader, load_meta("r", keys, first_block=10))
+    _assert_failed_untouched(env, reader, kv_r, before, errors, meta, "header_mismatch")
+
+
+def test_unreachable_index_is_a_failed_load_not_a_crash(env):
+    keys = _stored(env)
+    reader, kv_r = env.worker(seed=2)
+    before = _snapshot(kv_r)
+    env.index.down = True
+    errors, meta = _step(reader, load_meta("r", keys, first_block=10))
+    _assert_failed_untouched(env, reader, kv_r, before, errors, meta, "index_error")
+    # The next step reports nothing again: errors are per step.
+    env.index.down = False
+    assert _step(reader, MaruConnectorMetadata()) == (set(), None)
+
+
+def test_store_with_index_down_is_a_skipped_store(env):
+    writer, _ = env.worker(seed=1, maru_async_store=False)
+    env.index.down = True
+    _step(writer, store_meta("w", env.keys(tokens(64)), first_block=0))
+    assert env.index.committed == {} and env.index.reserved == {}
+    assert writer.counters.get(stats.labelled(stats.STORE_FAILURES, "index_error")) == 1
+
+
+def test_second_store_of_the_same_chunks_is_skipped(env):
+    writer, _ = env.worker(seed=1, maru_async_store=False)
+    keys = env.keys(tokens(64))
+    _step(writer, store_meta("a", keys, first_block=0))
+    first = dict(env.index.committed)
+    _step(writer, store_meta("b", keys, first_block=8))
+    assert env.index.committed == first and env.index.reserved == {}
