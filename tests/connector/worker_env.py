@@ -45,7 +45,8 @@ class WorkerEnv:
             block_size=BLOCK, chunk_tokens=CHUNK,
         )
 
-    def worker(self, seed: int = 0, **knobs: object) -> tuple[MaruWorkerHalf, dict[str, torch.Tensor]]:
+    def worker(self, seed: int = 0, wrap_engine=None, **knobs: object
+               ) -> tuple[MaruWorkerHalf, dict[str, torch.Tensor]]:
         raw = {"maru_index_url": "tcp://127.0.0.1:1", "maru_pool_path": self.pool_path,
                "maru_kv_chunk_tokens": CHUNK, **knobs}
         cfg = parse_config(raw, BLOCK)
@@ -57,6 +58,8 @@ class WorkerEnv:
                                         cfg.maru_use_layerwise, block_size)
             pool = Pool.attach(self.pool_path)
             engine = TransferEngine.create(pool.buffer, kv_caches, fmt)
+            if wrap_engine is not None:
+                engine = wrap_engine(engine)
             return WorkerResources(pool, engine, self.index.client)
 
         half = MaruWorkerHalf(cfg, tp_rank=0, block_size=BLOCK, resources_factory=resources)
