@@ -1,0 +1,263 @@
+"""What a MaruCache should own in the cluster (pure: spec -> manifests).
+
+Every function here is deterministic: the same cache, placement and token
+give byte-identical manifests, which is what lets a reconcile compare and
+skip writes (idempotence). Names of children:
+
+- `<name>-maru-config`  ConfigMap: `kv-transfer-config.json` (for vLLM's
+  `--kv-transfer-config`) and `sidecar.json` (the sidecar's settings);
+- `<name>-maru-token`   Secret: `token`, the index's shared secret;
+- `<name>-maru-index`   Deployment, Service and NetworkPolicy of the index.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from . import API_VERSION, KIND, LABEL_CACHE, MANAGED_BY
+from .inventory import Device
+from .ledger import Claim
+from .models import CacheRef, CacheSpec
+
+SOCKET_DIR = "/var/run/maru"
+SOCKET_PATH = f"{SOCKET_DIR}/sidecar.sock"
+TOKEN_DIR = "/var/run/maru-token"
+TOKEN_FILE = f"{TOKEN_DIR}/token"
+SHM_MOUNT = "/var/lib/marucache/pool"
+CONFIG_KEY = "kv-transfer-config.json"
+SIDECAR_KEY = "sidecar.json"
+LABEL_INDEX_OF = "maru.io/index-of"  # on index pods; never maru.io/cache, which opts pods into injection
+
+
+def config_map_name(name: str) -> str:
+    return f"{name}-maru-config"
+
+
+def secret_name(name: str) -> str:
+    return f"{name}-maru-token"
+
+
+def index_name(name: str) -> str:
+    return f"{name}-maru-index"
+
+
+def index_url(ref: CacheRef, spec: CacheSpec) -> str:
+    return f"tcp://{index_name(ref.name)}.{ref.namespace}.svc:{spec.index.port}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where a cache's pool lives: a claimed region and the nodes that reach it.
+
+    `host_path` is the DAX device's path (the same on every node in `nodes`)
+    or the tmpfs directory of an `shm` node; `pool_path` is what the index
+    and the sidecar open inside their containers.
+    """
+
+    device_class: str
+    device_uuid: str
+    host_path: str
+    offset: int
+    size: int
+    nodes: tuple[str, ...]
+    pool_path: str
+
+    def to_status(self) -> dict[str, Any]:
+        return {"deviceUUID": self.device_uuid, "deviceClass": self.device_class, "offset": self.offset,
+                "size": self.size, "nodes": list(self.nodes), "paths": {n: self.host_path for n in self.nodes}}
+
+
+def place(ref: CacheRef, claim: Claim, device: Device) -> Placement:
+    """Pick the device path and nodes for a claim.
+
+    A device behind a CXL switch may have different paths on different
+    nodes; a pod spec can mount only one, so the most common path wins
+    (ties: the smallest) and pods are kept to the nodes that use it.
+    """
+    counts: dict[str, int] = {}
+    for path in device.paths.values():
+        counts[path] = counts.get(path, 0) + 1
+    host_path = min(counts, key=lambda p: (-counts[p], p))
+    nodes = tuple(sorted(n for n, p in device.paths.items() if p == host_path))
+    if claim.device_class == "shm":
+        pool_path = f"{SHM_MOUNT}/{ref.namespace}.{ref.name}.{claim.region.size}.pool"
+    else:
+        pool_path = host_path
+    return Placement(claim.device_class, device.uuid, host_path, claim.region.offset, claim.region.size,
+                     nodes, pool_path)
+
+
+def owner_reference(ref: CacheRef) -> dict[str, Any]:
+    return {"apiVersion": API_VERSION, "kind": KIND, "name": ref.name, "uid": ref.uid,
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def labels(ref: CacheRef, component: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "marucache", "app.kubernetes.io/instance": ref.name,
+            "app.kubernetes.io/component": component, "app.kubernetes.io/managed-by": MANAGED_BY}
+
+
+def _metadata(ref: CacheRef, name: str, component: str) -> dict[str, Any]:
+    return {"name": name, "namespace": ref.namespace, "labels": labels(ref, component),
+            "ownerReferences": [owner_reference(ref)]}
+
+
+def kv_transfer_config(ref: CacheRef, spec: CacheSpec) -> dict[str, Any]:
+    """The `--kv-transfer-config` every vLLM pod of this cache runs with."""
+    return {
+        "kv_connector": "MaruKVConnector",
+        "kv_connector_module_path": "maru_connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "maru_index_url": index_url(ref, spec),
+            "maru_sidecar_socket": SOCKET_PATH,
+            "maru_token_file": TOKEN_FILE,
+            "maru_cache_name": ref.name,
+            "maru_kv_chunk_tokens": spec.storage.chunk_tokens,
+            "maru_use_layerwise": spec.storage.layout == "layerwise",
+            "maru_async_load": spec.load.async_load,
+            "maru_overlap_load_with_compute": spec.load.overlap_with_compute,
+            "maru_overlap_release_after_layers": spec.load.release_after_layers,
+        },
+    }
+
+
+def pool_args(placement: Placement) -> list[str]:
+    """Flags that name the pool; `--pool-offset` only for a region past a device's start."""
+    args = ["--pool", placement.pool_path, "--pool-size", str(placement.size)]
+    if placement.offset:
+        args += ["--pool-offset", str(placement.offset)]
+    return args
+
+
+def sidecar_settings(ref: CacheRef, spec: CacheSpec, placement: Placement) -> dict[str, Any]:
+    return {"cache": ref.name, "namespace": ref.namespace, "pool": placement.pool_path,
+            "poolOffset": placement.offset, "poolSize": placement.size, "deviceClass": placement.device_class,
+            "socket": SOCKET_PATH, "index": index_url(ref, spec), "tokenFile": TOKEN_FILE,
+            "metricsPort": spec.sidecar.metrics_port, "nodes": list(placement.nodes)}
+
+
+def config_map(ref: CacheRef, spec: CacheSpec, placement: Placement) -> dict[str, Any]:
+    dump = lambda obj: json.dumps(obj, sort_keys=True, separators=(",", ":"))  # noqa: E731
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": _metadata(ref, config_map_name(ref.name), "config"),
+            "data": {CONFIG_KEY: dump(kv_transfer_config(ref, spec)),
+                     SIDECAR_KEY: dump(sidecar_settings(ref, spec, placement))}}
+
+
+def token_secret(ref: CacheRef, token: str) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": _metadata(ref, secret_name(ref.name), "token"),
+            "stringData": {"token": token}}
+
+
+def node_affinity(nodes: tuple[str, ...]) -> dict[str, Any]:
+    """Keep a pod on the nodes that reach the pool."""
+    term = {"matchFields": [{"key": "metadata.name", "operator": "In", "values": list(nodes)}]}
+    return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}}}
+
+
+def pool_volume(placement: Placement) -> dict[str, Any]:
+    if placement.device_class == "shm":
+        return {"name": "maru-pool", "hostPath": {"path": placement.host_path, "type": "DirectoryOrCreate"}}
+    return {"name": "maru-pool", "hostPath": {"path": placement.host_path, "type": "CharDevice"}}
+
+
+def pool_mount(placement: Placement) -> dict[str, Any]:
+    target = SHM_MOUNT if placement.device_class == "shm" else placement.host_path
+    return {"name": "maru-pool", "mountPath": target}
+
+
+def token_volume(ref: CacheRef) -> dict[str, Any]:
+    return {"name": "maru-token", "secret": {"secretName": secret_name(ref.name), "defaultMode": 0o440}}
+
+
+TOKEN_MOUNT = {"name": "maru-token", "mountPath": TOKEN_DIR, "readOnly": True}
+_SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
+def index_deployment(ref: CacheRef, spec: CacheSpec, placement: Placement) -> dict[str, Any]:
+    """One index per pool: `Recreate`, so two never serve the same pool at once."""
+    pod_labels = {**labels(ref, "index"), LABEL_INDEX_OF: ref.name}
+    container = {
+        "name": "index",
+        "image": spec.index.image,
+        "command": ["marucache", "index", *pool_args(placement),
+                    "--listen", f"tcp://0.0.0.0:{spec.index.port}", "--token-file", TOKEN_FILE,
+                    "--metrics-port", str(spec.index.metrics_port)],
+        "ports": [{"name": "index", "containerPort": spec.index.port, "protocol": "TCP"},
+                  {"name": "metrics", "containerPort": spec.index.metrics_port, "protocol": "TCP"}],
+        "readinessProbe": {"tcpSocket": {"port": "index"}, "periodSeconds": 5},
+        "livenessProbe": {"tcpSocket": {"port": "index"}, "periodSeconds": 10, "failureThreshold": 6},
+        "resources": dict(spec.index.resources),
+        "securityContext": _SECURITY,
+        "volumeMounts": [pool_mount(placement), TOKEN_MOUNT],
+    }
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": _metadata(ref, index_name(ref.name), "index"),
+        "spec": {
+            "replicas": 1,
+            "strategy": {"type": "Recreate"},
+            "selector": {"matchLabels": {LABEL_INDEX_OF: ref.name}},
+            "template": {
+                "metadata": {"labels": pod_labels},
+                "spec": {"containers": [container], "affinity": node_affinity(placement.nodes),
+                         "volumes": [pool_volume(placement), token_volume(ref)]},
+            },
+        },
+    }
+
+
+def index_service(ref: CacheRef, spec: CacheSpec) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": _metadata(ref, index_name(ref.name), "index"),
+            "spec": {"selector": {LABEL_INDEX_OF: ref.name},
+                     "ports": [{"name": "index", "port": spec.index.port, "targetPort": "index", "protocol": "TCP"},
+                               {"name": "metrics", "port": spec.index.metrics_port, "targetPort": "metrics",
+                                "protocol": "TCP"}]}}
+
+
+def index_network_policy(ref: CacheRef, spec: CacheSpec) -> dict[str, Any]:
+    """Only pods labelled `maru.io/cache=<name>` reach the index port; metrics stay scrapeable."""
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": _metadata(ref, index_name(ref.name), "index"),
+            "spec": {"podSelector": {"matchLabels": {LABEL_INDEX_OF: ref.name}},
+                     "policyTypes": ["Ingress"],
+                     "ingress": [
+                         {"from": [{"podSelector": {"matchLabels": {LABEL_CACHE: ref.name}}}],
+                          "ports": [{"protocol": "TCP", "port": spec.index.port}]},
+                         {"ports": [{"protocol": "TCP", "port": spec.index.metrics_port}]}]}}
+
+
+def children(ref: CacheRef, spec: CacheSpec, placement: Placement) -> list[dict[str, Any]]:
+    """Every child except the Secret (its token is made once, see `token_secret`)."""
+    return [config_map(ref, spec, placement), index_deployment(ref, spec, placement),
+            index_service(ref, spec), index_network_policy(ref, spec)]
+
+
+def differs(desired: Mapping[str, Any], actual: Mapping[str, Any]) -> bool:
+    """True when `actual` lacks or contradicts anything `desired` sets.
+
+    Fields the API server adds (status, uid, defaults in nested objects) are
+    ignored, so a reconcile writes only when the operator's intent changed.
+    """
+    for key, want in desired.items():
+        have = actual.get(key)
+        if isinstance(want, Mapping):
+            if not isinstance(have, Mapping) or differs(want, have):
+                return True
+        elif isinstance(want, list):
+            if not isinstance(have, list) or len(have) != len(want):
+                return True
+            for w, h in zip(want, have):
+                if (isinstance(w, Mapping) and (not isinstance(h, Mapping) or differs(w, h))) or \
+                        (not isinstance(w, Mapping) and w != h):
+                    return True
+        elif want != have:
+            return True
+    return False

@@ -1,0 +1,187 @@
+"""kopf handlers, registered into an explicit registry (no import-time globals).
+
+Change handlers (create, update of the spec, resume after a restart) and a
+resync timer all run the same idempotent `reconciler.reconcile`, serialised
+per object. The timer is how a cache that waits (for capacity, for nodes,
+for its index Deployment) converges without a new event. Indices keep the
+node inventory, index Deployments and caches in memory so a reconcile or an
+admission review lists nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import kopf
+
+from . import GROUP, MANAGED_BY, PLURAL, VERSION, reconciler
+from .conditions import phase, refresh_index
+from .injection import cache_info
+from .inventory import NodeInfo, parse_node
+from .k8s import KubeApi, LedgerStore
+from .ledger import rebuild
+from .metrics import OperatorMetrics
+from .models import CacheRef
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class OperatorContext:
+    """Everything the handlers share; built once by the composition root (`cli`)."""
+
+    api: KubeApi
+    ledger: LedgerStore
+    metrics: OperatorMetrics
+    resync_seconds: float = 5.0
+    full_resync_seconds: float = 60.0  # a cache that is not Ready gets its children checked this often
+    last_full: dict[str, float] = dataclasses.field(default_factory=dict)
+    locks: dict[str, asyncio.Lock] = dataclasses.field(default_factory=dict)
+
+    def lock(self, uid: str) -> asyncio.Lock:
+        return self.locks.setdefault(uid, asyncio.Lock())
+
+
+def _nodes(index: Any) -> Iterable[NodeInfo]:
+    return list(index.get("nodes", ())) if index is not None else []
+
+
+def _available(index: Any, namespace: str, name: str) -> int | None:
+    store = index.get((namespace, name)) if index is not None else None
+    return max(store) if store else None
+
+
+def apply_status(patch: kopf.Patch, old: Mapping[str, Any], new: Mapping[str, Any]) -> None:
+    """Write only the status keys that changed (nothing, when nothing did)."""
+    for key, value in new.items():
+        if old.get(key) != value:
+            patch.status[key] = value
+
+
+async def run_reconcile(ctx: OperatorContext, body: kopf.Body, patch: kopf.Patch, maru_nodes: Any,
+                        maru_deployments: Any) -> None:
+    meta = body.get("metadata") or {}
+    ctx.last_full[str(meta.get("uid"))] = time.monotonic()
+    async with ctx.lock(str(meta.get("uid"))):
+        with ctx.metrics.timed():
+            try:
+                outcome = await reconciler.reconcile(
+                    ctx.api, ctx.ledger, body, _nodes(maru_nodes),
+                    _available(maru_deployments, str(meta.get("namespace")), str(meta.get("name"))))
+            except Exception:
+                ctx.metrics.reconciles.labels(result="error").inc()
+                raise
+        ctx.metrics.reconciles.labels(result=outcome.result).inc()
+    apply_status(patch, body.get("status") or {}, outcome.status)
+    for kind, reason, message in outcome.events:
+        kopf.event(body, type=kind, reason=reason, message=message)
+
+
+def _is_settled(body: Mapping[str, Any], available: int | None) -> bool:
+    status = body.get("status") or {}
+    generation = (body.get("metadata") or {}).get("generation") or 1
+    return status.get("phase") == "Ready" and status.get("observedGeneration") == generation and bool(available)
+
+
+def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
+    """A fresh registry with every handler of the operator."""
+    registry = kopf.OperatorRegistry()
+    resource = (GROUP, VERSION, PLURAL)
+
+    @kopf.on.login(registry=registry)
+    def login(**_: Any) -> kopf.ConnectionInfo:
+        return connection_info(ctx.api)
+
+    @kopf.on.startup(registry=registry)
+    async def rebuild_ledger(**_: Any) -> None:
+        before, _version = await ctx.ledger.read()
+        bodies = await ctx.api.list_caches()
+        live: dict[str, CacheRef] = {}
+        recorded = []
+        for body in bodies:
+            meta = body.get("metadata") or {}
+            if meta.get("uid"):
+                live[meta["uid"]] = CacheRef(str(meta.get("namespace")), str(meta.get("name")), str(meta["uid"]))
+                recorded += reconciler.claims_from_status(body)
+        ctx.ledger.forget()
+        known = frozenset(c.owner.uid for c in before.claims)
+        problems = await ctx.ledger.update(lambda led: rebuild(led, live, recorded, known))
+        for problem in problems:
+            logger.warning("ledger rebuild: %s", problem)
+        logger.info("ledger rebuilt: %d caches, %d problems", len(live), len(problems))
+
+    @kopf.index("", "v1", "nodes", id="maru_nodes", registry=registry)
+    def maru_nodes(body: kopf.Body, **_: Any) -> dict[str, NodeInfo]:
+        info = parse_node(body)
+        for problem in info.problems:
+            logger.warning("%s", problem)
+        return {"nodes": info} if info.devices else {}
+
+    @kopf.index("apps", "v1", "deployments", id="maru_deployments",
+                labels={"app.kubernetes.io/managed-by": MANAGED_BY}, registry=registry)
+    def maru_deployments(body: kopf.Body, namespace: str, **_: Any) -> dict[tuple[str, str], int]:
+        instance = (body.get("metadata") or {}).get("labels", {}).get("app.kubernetes.io/instance")
+        return {(namespace, instance): int((body.get("status") or {}).get("availableReplicas") or 0)}
+
+    @kopf.index(*resource, id="maru_caches", registry=registry)
+    def maru_caches(body: kopf.Body, namespace: str, name: str, **_: Any) -> dict[tuple[str, str], Any]:
+        return {(namespace, name): cache_info(body)}
+
+    @kopf.on.resume(*resource, registry=registry)
+    @kopf.on.create(*resource, registry=registry)
+    @kopf.on.update(*resource, field="spec", registry=registry)
+    async def reconcile(body: kopf.Body, patch: kopf.Patch, maru_nodes: Any, maru_deployments: Any,
+                        **_: Any) -> None:
+        await run_reconcile(ctx, body, patch, maru_nodes, maru_deployments)
+
+    @kopf.timer(*resource, interval=ctx.resync_seconds, registry=registry)
+    async def resync(body: kopf.Body, patch: kopf.Patch, maru_nodes: Any, maru_deployments: Any,
+                     **_: Any) -> None:
+        meta = body.get("metadata") or {}
+        if meta.get("deletionTimestamp"):
+            return
+        available = _available(maru_deployments, meta.get("namespace"), meta.get("name"))
+        if _is_settled(body, available):
+            return
+        status = body.get("status") or {}
+        uid = str(meta.get("uid"))
+        due = time.monotonic() - ctx.last_full.get(uid, 0.0) >= ctx.full_resync_seconds
+        if status.get("phase") in ("Starting", "Ready") and not due:
+            # Only the index Deployment's availability can have changed: no API calls.
+            conds = refresh_index(status, bool(available), int(meta.get("generation") or 1))
+            if conds is not None:
+                apply_status(patch, status, {"conditions": conds, "phase": phase(conds)})
+                return
+        await run_reconcile(ctx, body, patch, maru_nodes, maru_deployments)
+
+    @kopf.on.delete(*resource, registry=registry)
+    async def release(body: kopf.Body, **_: Any) -> None:
+        uid = str(body.get("metadata", {}).get("uid"))
+        async with ctx.lock(uid):
+            claim = await reconciler.release(ctx.ledger, uid)
+        ctx.locks.pop(uid, None)
+        ctx.last_full.pop(uid, None)
+        ctx.metrics.reconciles.labels(result="released").inc()
+        if claim is not None:
+            kopf.event(body, type="Normal", reason="Released",
+                       message=f"region of {reconciler.human_bytes(claim.region.size)} at offset "
+                               f"{claim.region.offset} of device {claim.region.device_uuid} returned")
+
+    return registry
+
+
+def connection_info(api: KubeApi) -> kopf.ConnectionInfo:
+    """kopf's credentials from the same configuration `KubeApi` uses."""
+    config = api.configuration
+    header = config.get_api_key_with_prefix("BearerToken") or config.get_api_key_with_prefix("authorization")
+    parts = header.split(" ", 1) if header else []
+    scheme, token = (None, None) if not parts else (None, parts[0]) if len(parts) == 1 else (parts[0], parts[1])
+    return kopf.ConnectionInfo(
+        server=config.host, ca_path=config.ssl_ca_cert, insecure=not config.verify_ssl,
+        username=config.username or None, password=config.password or None, scheme=scheme, token=token,
+        certificate_path=config.cert_file, private_key_path=config.key_file)

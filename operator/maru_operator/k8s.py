@@ -1,0 +1,238 @@
+"""The only module that calls the Kubernetes API (kopf's own watches aside).
+
+`KubeApi` finds the cluster the way kubectl does (in-cluster service
+account, else `KUBECONFIG` / `~/.kube/config`) through the official client's
+config loaders, and speaks JSON to the API with merge patches. Blocking
+client calls run in worker threads so kopf's event loop keeps going.
+
+`LedgerStore` keeps the region ledger in a ConfigMap and changes it only by
+compare-and-swap on `metadata.resourceVersion`: two operators (or two
+reconciles) that race for the same bytes cannot both win, and a restarted
+operator reads back exactly what was claimed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import kubernetes.client
+import kubernetes.config
+from kubernetes.client.exceptions import ApiException
+
+from . import API_VERSION, PLURAL
+from .desired import differs
+from .ledger import Ledger
+
+T = TypeVar("T")
+LEDGER_KEY = "ledger.json"
+_PLURALS = {"ConfigMap": "configmaps", "Secret": "secrets", "Service": "services", "Deployment": "deployments",
+            "NetworkPolicy": "networkpolicies", "Event": "events", "Node": "nodes", "Pod": "pods",
+            "MaruCache": PLURAL}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        super().__init__(f"HTTP {status} {reason}: {message}")
+        self.status = status
+        self.reason = reason
+
+
+class Conflict(ApiError):
+    """409: the object exists already, or its resourceVersion moved on."""
+
+
+def object_path(api_version: str, kind: str, namespace: str | None = None, name: str | None = None,
+                subresource: str | None = None) -> str:
+    root = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    parts = [root]
+    if namespace:
+        parts.append(f"namespaces/{namespace}")
+    parts.append(_PLURALS[kind])
+    if name:
+        parts.append(name)
+    if subresource:
+        parts.append(subresource)
+    return "/".join(parts)
+
+
+def load_configuration(kubeconfig: str | None = None, context: str | None = None) -> kubernetes.client.Configuration:
+    """In-cluster service account first, then a kubeconfig file, like kubectl."""
+    config = kubernetes.client.Configuration()
+    if kubeconfig is None:
+        try:
+            kubernetes.config.load_incluster_config(client_configuration=config)
+            return config
+        except kubernetes.config.ConfigException:
+            pass
+    kubernetes.config.load_kube_config(config_file=kubeconfig, context=context, client_configuration=config,
+                                       persist_config=False)
+    return config
+
+
+class KubeApi:
+    """JSON-in, JSON-out access to the API server."""
+
+    def __init__(self, configuration: kubernetes.client.Configuration) -> None:
+        self.configuration = configuration
+        self._client = kubernetes.client.ApiClient(configuration)
+
+    def close(self) -> None:
+        self._client.close()
+
+    def _call(self, method: str, path: str, body: Any = None, content_type: str | None = None,
+              query: Mapping[str, str] | None = None) -> Any:
+        headers = {"Accept": "application/json"}
+        if content_type:
+            headers["Content-Type"] = content_type
+        params = self._client.param_serialize(method, path, query_params=list((query or {}).items()) or None,
+                                              header_params=headers, body=body, auth_settings=["BearerToken"])
+        try:
+            response = self._client.call_api(*params, _request_timeout=30)
+        except ApiException as exc:
+            raise self._error(exc.status or 0, exc.body) from None
+        data = response.read()
+        if response.status >= 400:
+            raise self._error(response.status, data)
+        return json.loads(data) if data else None
+
+    @staticmethod
+    def _error(status: int, raw: Any) -> ApiError:
+        try:
+            doc = json.loads(raw)
+            reason, message = str(doc.get("reason", "")), str(doc.get("message", ""))
+        except (TypeError, ValueError):
+            reason, message = "", str(raw)[:500]
+        cls = Conflict if status == 409 else ApiError
+        return cls(status, reason, message)
+
+    async def request(self, method: str, path: str, body: Any = None, content_type: str | None = None,
+                      query: Mapping[str, str] | None = None) -> Any:
+        return await asyncio.to_thread(self._call, method, path, body, content_type, query)
+
+    async def get(self, path: str) -> dict[str, Any] | None:
+        try:
+            return await self.request("GET", path)
+        except ApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    async def list(self, path: str) -> list[dict[str, Any]]:
+        return list((await self.request("GET", path) or {}).get("items") or [])
+
+    async def create(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        return await self.request("POST", path, dict(body))
+
+    async def merge_patch(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        return await self.request("PATCH", path, dict(body), content_type="application/merge-patch+json")
+
+    async def ensure(self, manifest: Mapping[str, Any]) -> str:
+        """Make the object match `manifest`: "created", "updated" or "unchanged".
+
+        Create first (the common case costs one call); on a conflict, read and
+        patch only when the operator's fields differ.
+        """
+        meta = manifest["metadata"]
+        collection = object_path(manifest["apiVersion"], manifest["kind"], meta["namespace"])
+        try:
+            await self.create(collection, manifest)
+            return "created"
+        except Conflict:
+            pass
+        path = f"{collection}/{meta['name']}"
+        actual = await self.get(path)
+        if actual is None:  # deleted between the two calls: next reconcile creates it
+            return "unchanged"
+        if not differs(manifest, actual):
+            return "unchanged"
+        await self.merge_patch(path, manifest)
+        return "updated"
+
+    async def ensure_once(self, manifest: Mapping[str, Any]) -> str:
+        """Create the object unless it exists; never touch an existing one (the index token)."""
+        meta = manifest["metadata"]
+        try:
+            await self.create(object_path(manifest["apiVersion"], manifest["kind"], meta["namespace"]), manifest)
+            return "created"
+        except Conflict:
+            return "kept"
+
+    async def patch_cache_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
+        await self.merge_patch(object_path(API_VERSION, "MaruCache", namespace, name, "status"),
+                               {"status": dict(status)})
+
+    async def list_caches(self) -> list[dict[str, Any]]:
+        return await self.list(object_path(API_VERSION, "MaruCache"))
+
+
+class LedgerStore:
+    """The region ledger, persisted in one ConfigMap with compare-and-swap writes.
+
+    Within one process, updates are serialised by a lock (so concurrent
+    reconciles do not spin on conflicts); across processes the
+    resourceVersion precondition decides, and the loser re-reads and retries.
+    """
+
+    def __init__(self, api: KubeApi, namespace: str, name: str = "marucache-ledger", max_attempts: int = 20) -> None:
+        self.api = api
+        self.namespace = namespace
+        self.name = name
+        self.max_attempts = max_attempts
+        self._lock = asyncio.Lock()
+        self._cached: tuple[Ledger, str | None] | None = None
+        self.conflicts = 0
+
+    @property
+    def path(self) -> str:
+        return object_path("v1", "ConfigMap", self.namespace, self.name)
+
+    async def read(self) -> tuple[Ledger, str | None]:
+        """The stored ledger and its resourceVersion (None: not created yet)."""
+        obj = await self.api.get(self.path)
+        if obj is None:
+            return Ledger(), None
+        return Ledger.from_json((obj.get("data") or {}).get(LEDGER_KEY)), obj["metadata"].get("resourceVersion")
+
+    async def update(self, change: Callable[[Ledger], tuple[Ledger, T]]) -> T:
+        """Apply a pure `change` atomically; returns its result.
+
+        `change` may run several times (after a conflict) and must not have
+        side effects. Exceptions it raises propagate without a write.
+        """
+        async with self._lock:
+            for attempt in range(self.max_attempts):
+                ledger, version = self._cached if self._cached is not None else await self.read()
+                new, result = change(ledger)
+                if new == ledger and version is not None:
+                    self._cached = (ledger, version)
+                    return result
+                try:
+                    self._cached = (new, await self._write(new, version))
+                    return result
+                except Conflict:
+                    self.conflicts += 1
+                    self._cached = None
+                    await asyncio.sleep(random.uniform(0, 0.01 * (attempt + 1)))
+            raise ApiError(409, "Conflict", f"ledger {self.namespace}/{self.name} kept changing; "
+                                            f"gave up after {self.max_attempts} attempts")
+
+    async def _write(self, ledger: Ledger, version: str | None) -> str:
+        data = {LEDGER_KEY: ledger.to_json()}
+        if version is None:
+            body = {"apiVersion": "v1", "kind": "ConfigMap",
+                    "metadata": {"name": self.name, "namespace": self.namespace,
+                                 "labels": {"app.kubernetes.io/name": "marucache",
+                                            "app.kubernetes.io/component": "ledger"}},
+                    "data": data}
+            created = await self.api.create(object_path("v1", "ConfigMap", self.namespace), body)
+            return created["metadata"].get("resourceVersion") or ""
+        patched = await self.api.merge_patch(self.path, {"metadata": {"resourceVersion": version}, "data": data})
+        return patched["metadata"].get("resourceVersion") or ""
+
+    def forget(self) -> None:
+        """Drop the cached copy (the next update re-reads)."""
+        self._cached = None

@@ -1,0 +1,45 @@
+"""The operator's Prometheus metrics, in an explicit registry."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+
+RESULTS = ("ready", "progressing", "invalid", "waiting", "error", "released")
+
+
+@dataclasses.dataclass
+class OperatorMetrics:
+    registry: CollectorRegistry
+    reconciles: Counter
+    duration: Histogram
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry | None = None) -> OperatorMetrics:
+        registry = registry if registry is not None else CollectorRegistry()
+        reconciles = Counter("maru_operator_reconciles", "MaruCache reconciles by result", ["result"],
+                             registry=registry)
+        duration = Histogram("maru_operator_reconcile_duration_seconds", "Time one MaruCache reconcile took",
+                             registry=registry,
+                             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+        for result in RESULTS:
+            reconciles.labels(result=result)
+        return cls(registry, reconciles, duration)
+
+    @contextmanager
+    def timed(self) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.duration.observe(time.perf_counter() - start)
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> tuple[WSGIServer, threading.Thread]:
+        """Serve `/metrics`; stop with `server.shutdown()`."""
+        return start_http_server(port, addr=addr, registry=self.registry)

@@ -1,0 +1,304 @@
+"""Typed MaruCache spec, parsed once from the resource body.
+
+`parse_cache(body)` applies the same defaults as the CRD schema (kmock and
+old API servers do not default) and raises `SpecError` naming the field and
+what to change. Everything downstream works on these frozen dataclasses,
+never on raw dicts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import decimal
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from kubernetes.utils import parse_quantity
+
+KNOWN_DEVICE_CLASSES = ("dax", "shm")
+LAYOUTS = ("chunkwise", "layerwise")
+EVICTION_POLICIES = ("lru",)
+DEFAULT_IMAGE = "ghcr.io/marucache/marucache:0.1.0"
+MAX_NAME_LENGTH = 52  # "<name>-maru-index" must fit a 63-character DNS label
+MIN_POOL_BYTES = 64 * 1024 * 1024
+_SELECTOR_OPERATORS = ("In", "NotIn", "Exists", "DoesNotExist")
+
+
+class SpecError(ValueError):
+    """A spec that cannot be served. `field` is the dotted path to change."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"spec.{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolSpec:
+    device_class: str
+    size: int  # bytes
+    size_text: str  # as the user wrote it, for status and events
+    node_selector: Mapping[str, str]
+
+
+@dataclasses.dataclass(frozen=True)
+class StorageSpec:
+    layout: str = "chunkwise"
+    chunk_tokens: int = 256
+    block_size: int = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadSpec:
+    async_load: bool = True
+    overlap_with_compute: bool = True
+    release_after_layers: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class EvictionSpec:
+    policy: str = "lru"
+    high_watermark: float = 0.95
+    low_watermark: float = 0.85
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexSpec:
+    image: str = DEFAULT_IMAGE
+    port: int = 7070
+    metrics_port: int = 9090
+    resources: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class SidecarSpec:
+    image: str = DEFAULT_IMAGE
+    metrics_port: int = 9091
+    resources: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectorRequirement:
+    key: str
+    operator: str
+    values: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class LabelSelector:
+    """A Kubernetes label selector; the empty selector matches everything."""
+
+    match_labels: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    match_expressions: tuple[SelectorRequirement, ...] = ()
+
+    def matches(self, labels: Mapping[str, str]) -> bool:
+        if any(labels.get(k) != v for k, v in self.match_labels.items()):
+            return False
+        for req in self.match_expressions:
+            present = req.key in labels
+            ok = {
+                "In": present and labels.get(req.key) in req.values,
+                "NotIn": not present or labels.get(req.key) not in req.values,
+                "Exists": present,
+                "DoesNotExist": not present,
+            }[req.operator]
+            if not ok:
+                return False
+        return True
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSpec:
+    pool: PoolSpec
+    storage: StorageSpec
+    load: LoadSpec
+    eviction: EvictionSpec
+    index: IndexSpec
+    sidecar: SidecarSpec
+    pod_selector: LabelSelector
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheRef:
+    """Identity of one MaruCache; `uid` tells a re-created namesake apart."""
+
+    namespace: str
+    name: str
+    uid: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+def parse_quantity_bytes(value: Any, field: str) -> int:
+    """A Kubernetes quantity (`64Gi`, `512M`, `1073741824`) as whole bytes."""
+    try:
+        amount = parse_quantity(value)
+    except (ValueError, TypeError, decimal.InvalidOperation):
+        raise SpecError(field, f"{value!r} is not a Kubernetes quantity; write e.g. 64Gi or 512Mi") from None
+    if amount != amount.to_integral_value() or amount <= 0:
+        raise SpecError(field, f"{value!r} must be a positive whole number of bytes, e.g. 64Gi")
+    return int(amount)
+
+
+def parse_cache(body: Mapping[str, Any]) -> tuple[CacheRef, CacheSpec]:
+    """Parse a MaruCache body into its identity and typed spec.
+
+    Raises `SpecError` for anything the operator cannot serve, including
+    values the CRD schema would have rejected (the operator must not trust
+    that every API server validated the object).
+    """
+    meta = body.get("metadata") or {}
+    ref = CacheRef(namespace=str(meta.get("namespace") or "default"), name=str(meta.get("name") or ""),
+                   uid=str(meta.get("uid") or ""))
+    if not ref.name or len(ref.name) > MAX_NAME_LENGTH:
+        raise SpecError("metadata.name", f"must be 1 to {MAX_NAME_LENGTH} characters; rename the MaruCache")
+    spec = body.get("spec")
+    if not isinstance(spec, Mapping):
+        raise SpecError("", "the MaruCache has no spec; add spec.pool.deviceClass and spec.pool.size")
+    return ref, CacheSpec(
+        pool=_parse_pool(_section(spec, "pool")),
+        storage=_parse_storage(_section(spec, "storage")),
+        load=_parse_load(_section(spec, "load")),
+        eviction=_parse_eviction(_section(spec, "eviction")),
+        index=_parse_index(_section(spec, "index")),
+        sidecar=_parse_sidecar(_section(spec, "sidecar")),
+        pod_selector=parse_selector(spec.get("podSelector"), "podSelector"),
+    )
+
+
+def _section(spec: Mapping[str, Any], name: str) -> Mapping[str, Any]:
+    value = spec.get(name)
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise SpecError(name, f"must be an object, got {type(value).__name__}")
+    return value
+
+
+def _typed(section: Mapping[str, Any], prefix: str, key: str, kind: type, default: Any,
+           low: float | None = None, high: float | None = None) -> Any:
+    value = section.get(key, default)
+    field = f"{prefix}.{key}"
+    # bool is an int in Python; a YAML `true` must not pass as a port number.
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+        raise SpecError(field, f"must be a {kind.__name__}, got {value!r}")
+    if low is not None and value < low or high is not None and value > high:
+        raise SpecError(field, f"must be between {low} and {high}, got {value!r}")
+    return value
+
+
+def _parse_pool(section: Mapping[str, Any]) -> PoolSpec:
+    device_class = section.get("deviceClass")
+    if not isinstance(device_class, str) or not device_class:
+        raise SpecError("pool.deviceClass", "is required: set it to 'dax' or 'shm'")
+    if device_class not in KNOWN_DEVICE_CLASSES:
+        raise SpecError("pool.deviceClass",
+                        f"unknown device class {device_class!r}; use one of {', '.join(KNOWN_DEVICE_CLASSES)}")
+    if "size" not in section:
+        raise SpecError("pool.size", "is required, e.g. 64Gi")
+    size = parse_quantity_bytes(section["size"], "pool.size")
+    if size < MIN_POOL_BYTES:
+        raise SpecError("pool.size", f"{section['size']} is below the minimum of 64Mi")
+    selector = section.get("nodeSelector") or {}
+    if not isinstance(selector, Mapping) or not all(isinstance(v, str) for v in selector.values()):
+        raise SpecError("pool.nodeSelector", "must map label names to string values")
+    return PoolSpec(device_class=device_class, size=size, size_text=str(section["size"]),
+                    node_selector=dict(selector))
+
+
+def _parse_storage(section: Mapping[str, Any]) -> StorageSpec:
+    layout = section.get("layout", "chunkwise")
+    if layout not in LAYOUTS:
+        raise SpecError("storage.layout", f"{layout!r} is not a layout; use chunkwise or layerwise")
+    chunk = _typed(section, "storage", "chunkTokens", int, 256, 1, 1 << 20)
+    block = _typed(section, "storage", "blockSize", int, 16, 1, 1 << 16)
+    if chunk % block:
+        lower = chunk - chunk % block
+        choices = " or ".join(str(c) for c in (lower, lower + block) if c > 0)
+        raise SpecError("storage.chunkTokens",
+                        f"{chunk} is not a multiple of storage.blockSize {block}; use {choices}")
+    return StorageSpec(layout=layout, chunk_tokens=chunk, block_size=block)
+
+
+def _parse_load(section: Mapping[str, Any]) -> LoadSpec:
+    return LoadSpec(
+        async_load=_typed(section, "load", "async", bool, True),
+        overlap_with_compute=_typed(section, "load", "overlapWithCompute", bool, True),
+        release_after_layers=_typed(section, "load", "releaseAfterLayers", int, 1, 1, 4096),
+    )
+
+
+def _parse_eviction(section: Mapping[str, Any]) -> EvictionSpec:
+    policy = section.get("policy", "lru")
+    if policy not in EVICTION_POLICIES:
+        raise SpecError("eviction.policy", f"{policy!r} is not supported; use lru")
+    high = _typed(section, "eviction", "highWatermark", float, 0.95, 0.05, 1.0)
+    low = _typed(section, "eviction", "lowWatermark", float, 0.85, 0.0, 0.99)
+    if low >= high:
+        raise SpecError("eviction.lowWatermark", f"{low} must be below eviction.highWatermark {high}")
+    return EvictionSpec(policy=policy, high_watermark=high, low_watermark=low)
+
+
+def _parse_index(section: Mapping[str, Any]) -> IndexSpec:
+    spec = IndexSpec(
+        image=_image(section, "index"),
+        port=_typed(section, "index", "port", int, 7070, 1, 65535),
+        metrics_port=_typed(section, "index", "metricsPort", int, 9090, 1, 65535),
+        resources=_resources(section, "index"),
+    )
+    if spec.port == spec.metrics_port:
+        raise SpecError("index.metricsPort", f"must differ from index.port {spec.port}")
+    return spec
+
+
+def _parse_sidecar(section: Mapping[str, Any]) -> SidecarSpec:
+    return SidecarSpec(
+        image=_image(section, "sidecar"),
+        metrics_port=_typed(section, "sidecar", "metricsPort", int, 9091, 1, 65535),
+        resources=_resources(section, "sidecar"),
+    )
+
+
+def _image(section: Mapping[str, Any], prefix: str) -> str:
+    image = section.get("image", DEFAULT_IMAGE)
+    if not isinstance(image, str) or not image.strip():
+        raise SpecError(f"{prefix}.image", "must be a container image reference")
+    return image
+
+
+def _resources(section: Mapping[str, Any], prefix: str) -> Mapping[str, Any]:
+    resources = section.get("resources") or {}
+    if not isinstance(resources, Mapping) or set(resources) - {"requests", "limits", "claims"}:
+        raise SpecError(f"{prefix}.resources", "must be a container resources object (requests, limits)")
+    return dict(resources)
+
+
+_LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+
+
+def parse_selector(raw: Any, field: str) -> LabelSelector:
+    """Parse a `metav1.LabelSelector`; None or {} selects everything."""
+    if raw is None:
+        return LabelSelector()
+    if not isinstance(raw, Mapping):
+        raise SpecError(field, "must be a label selector with matchLabels and/or matchExpressions")
+    labels = raw.get("matchLabels") or {}
+    if not isinstance(labels, Mapping) or not all(isinstance(v, str) for v in labels.values()):
+        raise SpecError(f"{field}.matchLabels", "must map label names to string values")
+    requirements = []
+    for i, expr in enumerate(raw.get("matchExpressions") or []):
+        where = f"{field}.matchExpressions[{i}]"
+        if not isinstance(expr, Mapping) or not _LABEL_KEY.match(str(expr.get("key", ""))):
+            raise SpecError(where, "needs a valid label key")
+        if expr.get("operator") not in _SELECTOR_OPERATORS:
+            raise SpecError(f"{where}.operator", f"use one of {', '.join(_SELECTOR_OPERATORS)}")
+        values = tuple(str(v) for v in expr.get("values") or ())
+        if expr["operator"] in ("In", "NotIn") and not values:
+            raise SpecError(f"{where}.values", f"{expr['operator']} needs at least one value")
+        requirements.append(SelectorRequirement(expr["key"], expr["operator"], values))
+    return LabelSelector(match_labels=dict(labels), match_expressions=tuple(requirements))

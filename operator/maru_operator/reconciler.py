@@ -1,0 +1,166 @@
+"""One reconcile of one MaruCache: spec -> region -> children -> status.
+
+Idempotent by construction: the ledger returns an existing claim unchanged,
+`KubeApi.ensure` writes a child only when it differs, the token Secret is
+created once and never rewritten, and the returned status equals the stored
+one when nothing changed — so the same event twice changes nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from . import desired
+from .conditions import Observation, build, now_rfc3339, phase, with_transition_times
+from .inventory import Device, NodeInfo, candidate_devices
+from .k8s import KubeApi, LedgerStore
+from .ledger import AllocationError, Claim, Impossible, Ledger, Region
+from .models import CacheRef, CacheSpec, SpecError, parse_cache
+
+Event = tuple[str, str, str]  # (type, reason, message)
+
+
+@dataclasses.dataclass
+class Outcome:
+    status: dict[str, Any]
+    events: list[Event]
+    result: str  # label of maru_operator_reconciles_total
+
+
+def human_bytes(n: int) -> str:
+    for unit, scale in (("Ti", 1 << 40), ("Gi", 1 << 30), ("Mi", 1 << 20), ("Ki", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return f"{n}B" if n < 1024 else f"{n / (1 << 30):.2f}Gi"
+
+
+def _finish(body: Mapping[str, Any], observation: Observation, extra: Mapping[str, Any],
+            events: list[Event], result: str) -> Outcome:
+    old = body.get("status") or {}
+    generation = int((body.get("metadata") or {}).get("generation") or 1)
+    conds = with_transition_times(build(observation, generation), old.get("conditions"), now_rfc3339())
+    status = {**{k: v for k, v in old.items() if k in ("used",)}, **extra,
+              "phase": phase(conds), "observedGeneration": generation, "conditions": conds}
+    return Outcome(status, events, result)
+
+
+def _invalid(body: Mapping[str, Any], reason: str, message: str, result: str = "invalid") -> Outcome:
+    old = body.get("status") or {}
+    # Keep what an earlier valid spec allocated: an edit that went wrong must not drop a live pool.
+    kept = {k: old[k] for k in ("allocations", "indexEndpoint", "configMapName", "tokenSecretName") if k in old}
+    events: list[Event] = []
+    if _condition_message(old, "ConfigValid") != message:
+        events.append(("Warning", reason, message))
+    return _finish(body, Observation(config=(False, reason, message)), kept, events, result)
+
+
+def _condition_message(status: Mapping[str, Any], kind: str) -> str | None:
+    return next((c.get("message") for c in status.get("conditions") or () if c.get("type") == kind), None)
+
+
+def unsatisfiable_message(spec: CacheSpec, nodes: list[NodeInfo], error: Impossible) -> str:
+    pool = spec.pool
+    if candidate_devices(nodes, pool.device_class, {}) and not candidate_devices(
+            nodes, pool.device_class, pool.node_selector):
+        return (f"no node matching spec.pool.nodeSelector {dict(pool.node_selector)} offers a "
+                f"{pool.device_class} device; change spec.pool.nodeSelector or label such a node")
+    if not candidate_devices(nodes, pool.device_class, pool.node_selector):
+        label = "maru.io/cxl=true with the maru.io/dax-devices annotation" if pool.device_class == "dax" \
+            else "maru.io/shm=true with the maru.io/shm-size annotation"
+        return f"no node offers a {pool.device_class} device; label a node {label} (see docs/operator.md)"
+    largest = max(d.size for d in candidate_devices(nodes, pool.device_class, pool.node_selector))
+    return (f"spec.pool.size {pool.size_text} is larger than the largest {pool.device_class} device "
+            f"on matching nodes ({human_bytes(largest)}); lower spec.pool.size to at most {human_bytes(largest)}")
+
+
+async def reconcile(api: KubeApi, ledger: LedgerStore, body: Mapping[str, Any], nodes: Iterable[NodeInfo],
+                    index_available: int | None) -> Outcome:
+    """Bring one MaruCache's region and children in line with its spec.
+
+    `nodes` is the current node inventory; `index_available` the index
+    Deployment's available replicas as last seen (None: not seen yet).
+    Returns the status to store and the Events to post; raises only on API
+    errors (kopf retries the handler).
+    """
+    nodes = list(nodes)
+    try:
+        ref, spec = parse_cache(body)
+    except SpecError as exc:
+        return _invalid(body, "InvalidSpec", str(exc))
+    devices = candidate_devices(nodes, spec.pool.device_class, spec.pool.node_selector)
+    try:
+        claim, previous = await ledger.update(lambda led: _allocate(led, ref, spec, devices))
+    except Impossible as exc:
+        return _invalid(body, "Unsatisfiable", unsatisfiable_message(spec, nodes, exc))
+    except AllocationError as exc:
+        observation = Observation(config=(True, "Valid", "the spec can be served"),
+                                  devices=(False, "InsufficientCapacity", f"{exc}; waiting for a region to be released"))
+        events = [] if _condition_message(body.get("status") or {}, "DevicesAllocated") == observation.devices[2] \
+            else [("Warning", "InsufficientCapacity", observation.devices[2])]
+        return _finish(body, observation, {}, events, "waiting")
+    events: list[Event] = []
+    if previous != claim:
+        events.append(("Normal", "Allocated", f"region of {human_bytes(claim.region.size)} at offset "
+                                              f"{claim.region.offset} of {claim.device_class} device "
+                                              f"{claim.region.device_uuid}"))
+    device = next((d for d in devices if d.uuid == claim.region.device_uuid), None)
+    if device is None:
+        observation = Observation(config=(True, "Valid", "the spec can be served"),
+                                  devices=(False, "DeviceUnavailable",
+                                           f"device {claim.region.device_uuid} holding this cache's region is no "
+                                           "longer advertised by a matching node"))
+        return _finish(body, observation, {}, events, "waiting")
+    placement = desired.place(ref, claim, device)
+    events += await _ensure_children(api, ref, spec, placement)
+    index_ok = bool(index_available)
+    observation = Observation(
+        config=(True, "Valid", "the spec can be served"),
+        devices=(True, "Allocated", f"{human_bytes(claim.region.size)} on {claim.device_class} device "
+                                    f"{claim.region.device_uuid}, nodes {', '.join(placement.nodes)}"),
+        index=(True, "Available", "the index Deployment has an available replica") if index_ok else
+        (False, "Unavailable", "waiting for the index Deployment to become available"))
+    extra = {"allocations": [placement.to_status()], "indexEndpoint": desired.index_url(ref, spec),
+             "configMapName": desired.config_map_name(ref.name), "tokenSecretName": desired.secret_name(ref.name)}
+    return _finish(body, observation, extra, events, "ready" if index_ok else "progressing")
+
+
+def _allocate(led: Ledger, ref: CacheRef, spec: CacheSpec,
+              devices: list[Device]) -> tuple[Ledger, tuple[Claim, Claim | None]]:
+    previous = led.claim_of(ref.uid)
+    new, claim = led.allocate(ref, spec.pool.device_class, spec.pool.size, devices)
+    return new, (claim, previous)
+
+
+async def _ensure_children(api: KubeApi, ref: CacheRef, spec: CacheSpec,
+                           placement: desired.Placement) -> list[Event]:
+    events: list[Event] = []
+    secret = desired.token_secret(ref, secrets.token_urlsafe(32))
+    if await api.ensure_once(secret) == "created":
+        events.append(("Normal", "Created", f"Secret {secret['metadata']['name']} with the index token"))
+    for manifest in desired.children(ref, spec, placement):
+        action = await api.ensure(manifest)
+        if action != "unchanged":
+            events.append(("Normal", action.capitalize(), f"{manifest['kind']} {manifest['metadata']['name']}"))
+    return events
+
+
+async def release(ledger: LedgerStore, uid: str) -> Claim | None:
+    """Return a deleted cache's region to the ledger; the released claim, if any."""
+    return await ledger.update(lambda led: (led.release(uid), led.claim_of(uid)))
+
+
+def claims_from_status(body: Mapping[str, Any]) -> list[Claim]:
+    """The claims a cache's status records (for rebuilding the ledger)."""
+    meta = body.get("metadata") or {}
+    ref = CacheRef(str(meta.get("namespace")), str(meta.get("name")), str(meta.get("uid")))
+    claims = []
+    for raw in (body.get("status") or {}).get("allocations") or ():
+        try:
+            claims.append(Claim(ref, str(raw.get("deviceClass")),
+                                Region(str(raw["deviceUUID"]), int(raw["offset"]), int(raw["size"]))))
+        except (KeyError, TypeError, ValueError):
+            continue
+    return claims
