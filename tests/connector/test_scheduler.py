@@ -1,0 +1,201 @@
+"""The scheduler half driven with vLLM's own Request and SchedulerOutput."""
+
+from __future__ import annotations
+
+import time
+import tracemalloc
+
+import pytest
+from maru_core.keys import KeyNamespace
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.sched.output import KVConnectorBlockState, SchedulerOutput
+from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.request import Request
+
+from maru_connector import stats
+from maru_connector.config import parse_config
+from maru_connector.lookup import LookupService
+from maru_connector.metadata import MaruWorkerMetadata
+from maru_connector.scheduler import MaruSchedulerHalf
+
+from fake_index import FakeIndex, Location
+
+BLOCK, CHUNK = 16, 32
+
+
+class Geometry:  # what the fake index allocates over
+    page_size, num_pages, data_offset = 4096, 4096, 0
+
+
+class Blocks:
+    """vLLM's KVCacheBlocks as the connector sees it: one group of block ids."""
+
+    def __init__(self, ids):
+        self.ids = list(ids)
+
+    def get_block_ids(self):
+        return (self.ids,)
+
+
+def make_half(index, **knobs):
+    cfg = parse_config({"maru_index_url": "tcp://127.0.0.1:1", "maru_pool_path": "/x",
+                        "maru_kv_chunk_tokens": CHUNK, **knobs}, BLOCK)
+    ns = (KeyNamespace(model="m", dtype="bfloat16", kv_dtype="auto", layout="cpu/x",
+                       block_size=BLOCK, chunk_tokens=CHUNK),)
+    return MaruSchedulerHalf(cfg, ns, BLOCK, LookupService(index.client, timeout_s=0.2))
+
+
+def request(req_id, n_tokens, start=1):
+    return Request(req_id, list(range(start, start + n_tokens)), SamplingParams(max_tokens=4), None)
+
+
+def commit_prefix(index, half, req, n_chunks):
+    keys = half._keys(half._state(req)).by_rank[0]
+    for i, key in enumerate(keys[:n_chunks]):
+        index.committed[key] = Location(i * 4096, 4096, 1)
+    half._reqs.pop(req.request_id)
+
+
+def step_output(scheduled: dict, block_ids: dict, preempted=(), finished=()):
+    out = SchedulerOutput.make_empty()
+    out.num_scheduled_tokens = dict(scheduled)
+    out.preempted_req_ids = set(preempted)
+    out.finished_req_ids = set(finished)
+    out.kv_connector_block_state = KVConnectorBlockState(
+        req_ids=set(scheduled), resolve_block_ids=lambda r: (block_ids[r],),
+        boundary_state_offloads={})
+    return out
+
+
+@pytest.fixture
+def index():
+    return FakeIndex(Geometry())
+
+
+def test_partial_hit_loads_whole_chunks_into_the_allocated_blocks(index):
+    half = make_half(index)
+    req = request("a", 100)
+    commit_prefix(index, half, req, 2)
+    assert half.get_num_new_matched_tokens(req, 0) == (64, False)
+    half.update_state_after_alloc(req, Blocks(range(10, 17)), 64)
+    meta = half.build_connector_meta(step_output({"a": 36}, {"a": list(range(10, 17))}))
+    (load,) = meta.loads
+    assert load.block_ids == ((10, 11), (12, 13)) and not load.is_async
+    assert half.counters.get(stats.LOOKUP_HIT_TOKENS) == 64
+
+
+@pytest.mark.parametrize("async_load", [False, True])
+def test_full_prompt_hit_holds_back_one_token(index, async_load):
+    half = make_half(index, maru_async_load=async_load)
+    req = request("a", 96)  # a round length: three whole chunks
+    commit_prefix(index, half, req, 3)
+    assert half.get_num_new_matched_tokens(req, 0) == (95, async_load)
+    half.update_state_after_alloc(req, Blocks(range(6)), 95)
+    (load,) = half.build_connector_meta(step_output({}, {})).loads
+    assert load.num_chunks == 3  # the whole last chunk is loaded, one token recomputed
+
+
+def test_local_hit_not_on_a_chunk_boundary_asks_for_nothing(index):
+    half = make_half(index)
+    req = request("a", 100)
+    commit_prefix(index, half, req, 3)
+    assert half.get_num_new_matched_tokens(req, BLOCK) == (0, False)
+    assert half.get_num_new_matched_tokens(req, CHUNK)[0] == 64
+
+
+def test_failed_load_is_a_miss_for_that_request_next_time(index):
+    half = make_half(index, maru_async_load=True)
+    req = request("a", 100)
+    commit_prefix(index, half, req, 3)
+    assert half.get_num_new_matched_tokens(req, 0) == (96, True)
+    half.update_state_after_alloc(req, Blocks(range(7)), 96)
+    half.build_connector_meta(step_output({}, {}))
+    half.update_connector_output(KVConnectorOutput(
+        finished_recving={"a"}, kv_connector_worker_meta=MaruWorkerMetadata({"a"})))
+    assert half.get_num_new_matched_tokens(req, 0) == (0, False)  # no livelock
+    assert half.counters.get(stats.RECOMPUTED_TOKENS) == 96
+    other = request("b", 100)  # the same prefix for another request still hits
+    assert half.get_num_new_matched_tokens(other, 0) == (96, True)
+
+
+def test_slow_index_answers_ask_again_then_the_result(index):
+    half = make_half(index)
+    req = request("a", 100)
+    commit_prefix(index, half, req, 1)
+    index.delay_s = 0.5
+    start = time.monotonic()
+    assert half.get_num_new_matched_tokens(req, 0) == (None, False)
+    assert time.monotonic() - start < 0.4  # the engine thread waited only the lookup timeout
+    time.sleep(0.5)
+    assert half.get_num_new_matched_tokens(req, 0) == (32, False)
+
+
+def test_unreachable_index_is_a_miss_and_hits_resume_when_it_is_back(index):
+    half = make_half(index)
+    half._lookup._retry_after_s = 0.2
+    req = request("a", 100)
+    commit_prefix(index, half, req, 2)
+    index.down = True
+    assert half.get_num_new_matched_tokens(req, 0) == (0, False)
+    calls = index.calls["match_prefix"]
+    assert half.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert index.calls["match_prefix"] == calls  # no RPC queued behind a dead index
+    index.down = False
+    time.sleep(0.25)
+    assert half.get_num_new_matched_tokens(req, 0) == (64, False)
+
+
+def test_every_chunked_prefill_step_stores_its_new_chunks(index):
+    half = make_half(index)
+    req = request("a", 150)
+    assert half.get_num_new_matched_tokens(req, 0) == (0, False)
+    blocks = {"a": list(range(10))}
+    stores = []
+    for computed, scheduled in ((0, 40), (40, 40), (80, 70)):
+        req.num_computed_tokens = computed
+        meta = half.build_connector_meta(step_output({"a": scheduled}, blocks))
+        stores.append([s.block_ids for s in meta.stores])
+    assert stores == [
+        [((0, 1),)],
+        [((2, 3),)],
+        [((4, 5), (6, 7))],  # tokens 64..127; the partial last chunk is not stored
+    ]
+    assert half.request_finished(req, list(range(10))) == (True, None)  # async store in flight
+
+
+def test_request_finishing_while_parked_leaves_the_blocks_to_vllm(index):
+    half = make_half(index, maru_async_load=True)
+    req = request("a", 100)
+    commit_prefix(index, half, req, 2)
+    assert half.get_num_new_matched_tokens(req, 0) == (64, True)
+    half.update_state_after_alloc(req, Blocks(range(7)), 64)
+    half.build_connector_meta(step_output({}, {}))
+    assert half.counters.get(stats.PARKED_REQUESTS) == 1
+    assert half.request_finished(req, []) == (False, None)
+    meta = half.build_connector_meta(step_output({}, {}, finished={"a"}))
+    assert meta.finished_req_ids == {"a"}
+    assert half.counters.get(stats.PARKED_REQUESTS) == 0
+
+
+def test_memory_does_not_grow_with_the_number_of_requests(index):
+    half = make_half(index)
+
+    def run(n, offset):
+        for i in range(n):
+            req = request(f"r{offset + i}", 70, start=offset + i)
+            half.get_num_new_matched_tokens(req, 0)
+            req.num_computed_tokens = 0
+            half.build_connector_meta(step_output({req.request_id: 70},
+                                                  {req.request_id: list(range(5))}))
+            half.request_finished(req, list(range(5)))
+
+    run(200, 0)
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot()
+    run(2000, 10_000)
+    after = tracemalloc.take_snapshot()
+    tracemalloc.stop()
+    growth = sum(s.size_diff for s in after.compare_to(before, "filename")
+                 if "maru_connector" in str(s.traceback))
+    assert half.num_tracked_requests == 0 and half._lookup.num_pending == 0
+    assert growth < 64 * 1024
