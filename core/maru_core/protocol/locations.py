@@ -180,11 +180,15 @@ class SlotList(_PackedList):
         return self._words[1::2]
 
 
-def pack_locations(locations: list) -> bytes:
-    """Pack ``[Location | None, ...]`` (or 3-tuples) into the wire form."""
+def pack_locations(locations: "LocationList | list") -> bytes:
+    """Pack a ``LocationList`` or ``[Location | None, ...]`` (3-tuples) into the wire form."""
+    if isinstance(locations, LocationList):
+        return locations.to_wire()
     return _pack(locations, 3, "location")
 
 
-def pack_slots(slots: list) -> bytes:
-    """Pack ``[Slot | None, ...]`` (or 2-tuples) into the wire form."""
+def pack_slots(slots: "SlotList | list") -> bytes:
+    """Pack a ``SlotList`` or ``[Slot | None, ...]`` (2-tuples) into the wire form."""
+    if isinstance(slots, SlotList):
+        return slots.to_wire()
     return _pack(slots, 2, "slot")

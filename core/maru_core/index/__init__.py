@@ -1,0 +1,1 @@
+"""The index: registry (pure), server, clients, metrics and the `marucache index` command."""

@@ -1,0 +1,173 @@
+"""``marucache index``: run the index service of one pool.
+
+    marucache index --pool /dev/shm/maru.pool --pool-size 2Gi \\
+        --listen tcp://0.0.0.0:7700 --token-file /etc/maru/token --metrics-port 9400
+
+Creates the pool when ``--pool-size`` is given and nothing is at ``--pool``;
+attaches to it otherwise, rebuilding the index from the slot headers. Prints
+one ``listening on ADDRESS`` line on stdout once it accepts connections, and
+stops cleanly on SIGTERM or SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import re
+import signal
+import stat
+import sys
+from typing import Any
+
+log = logging.getLogger("maru_core.index")
+
+_SIZE = re.compile(r"^\s*(\d+)\s*([KMGTP]i?)?B?\s*$")
+_UNITS = {"": 1}
+for _i, _p in enumerate("KMGTP", start=1):
+    _UNITS[_p] = 1000**_i
+    _UNITS[_p + "i"] = 1024**_i
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``"1073741824"``, ``"512Mi"`` (binary) or ``"2G"`` (decimal), as
+    Kubernetes quantities read them; ``ValueError`` saying what is accepted."""
+    match = _SIZE.match(str(text))
+    if not match or int(match.group(1)) == 0:
+        raise ValueError(
+            f"{text!r} is not a size: use bytes (1073741824), binary units (512Mi, 2Gi) "
+            "or decimal units (2G)"
+        )
+    return int(match.group(1)) * _UNITS[match.group(2) or ""]
+
+
+def _size_arg(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
+
+
+def _address_arg(text: str) -> Any:
+    from maru_core.protocol import parse_url
+
+    try:
+        return parse_url(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--pool", required=True, metavar="PATH",
+                        help="pool file (tmpfs, e.g. /dev/shm/maru.pool) or DAX device (/dev/daxX.Y)")
+    parser.add_argument("--pool-size", type=_size_arg, metavar="SIZE",
+                        help="create the pool with this size if PATH does not exist (512Mi, 2Gi, 2G, bytes)")
+    parser.add_argument("--page-size", type=_size_arg, metavar="SIZE",
+                        help="page size of a pool created here (a power of two, default 64Ki)")
+    parser.add_argument("--listen", required=True, type=_address_arg, metavar="ADDR",
+                        help="tcp://HOST:PORT or unix:///PATH (port 0 picks a free port)")
+    parser.add_argument("--token-file", metavar="FILE",
+                        help="file holding the token clients must present; without it, no token is needed")
+    parser.add_argument("--metrics-port", type=int, metavar="N", help="serve Prometheus /metrics on this port")
+    parser.add_argument("--metrics-addr", default="0.0.0.0", metavar="HOST", help="address for /metrics")
+    parser.add_argument("--lease-ttl", type=_positive_seconds, default=10.0, metavar="S",
+                        help="seconds a client's lease lives without a heartbeat (default 10)")
+    parser.add_argument("--reservation-ttl", type=_positive_seconds, default=30.0, metavar="S",
+                        help="seconds a reservation may stay uncommitted (default 30)")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+def read_token(path: str) -> str:
+    """The token in ``path`` (surrounding whitespace removed); ``ValueError`` if unusable."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            token = fh.read().strip()
+    except OSError as exc:
+        raise ValueError(f"cannot read --token-file {path}: {exc.strerror}") from None
+    if not token:
+        raise ValueError(f"--token-file {path} is empty: write the cache's token into it")
+    return token
+
+
+def open_pool(path: str, size: int | None, page_size: int | None) -> tuple[Any, bool]:
+    """Create the pool at ``path`` or attach the one there (see the module
+    docstring); return it and whether it was created just now."""
+    from maru_core.pool import DEFAULT_PAGE_SIZE, Pool
+
+    if not os.path.exists(path):
+        if size is None:
+            raise ValueError(f"no pool at {path}: pass --pool-size to create one")
+        return Pool.create(path, size, page_size or DEFAULT_PAGE_SIZE, creator="marucache index"), True
+    if not stat.S_ISREG(os.stat(path).st_mode):  # a DAX device: initialised here if blank
+        pool = Pool.create(path, size, page_size or DEFAULT_PAGE_SIZE, exist_ok=True, creator="marucache index")
+        return pool, False
+    pool = Pool.attach(path, expected_size=size)
+    if page_size is not None and page_size != pool.geometry.page_size:
+        pool.close()
+        raise ValueError(
+            f"the pool at {path} has {pool.geometry.page_size}-byte pages, not --page-size {page_size}"
+        )
+    return pool, False
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from maru_core.pool import PoolError
+
+    try:
+        token = read_token(args.token_file) if args.token_file else None
+        pool, fresh = open_pool(args.pool, args.pool_size, args.page_size)
+    except (ValueError, PoolError) as exc:
+        print(f"marucache index: error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, ValueError) else 1
+    try:
+        return asyncio.run(_serve(args, pool, token, fresh))
+    except OSError as exc:
+        print(f"marucache index: error: cannot listen on {args.listen}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    finally:
+        pool.close()
+
+
+async def _serve(args: argparse.Namespace, pool: Any, token: str | None, fresh: bool) -> int:
+    from maru_core.index.service import build_service
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    service = build_service(
+        pool,
+        token=token,
+        lease_ttl_s=args.lease_ttl,
+        reservation_ttl_s=args.reservation_ttl,
+        with_metrics=args.metrics_port is not None,
+        fresh_pool=fresh,
+    )
+    bound = await service.server.start(args.listen)
+    try:
+        if args.metrics_port is not None:
+            port = service.metrics.serve(args.metrics_port, args.metrics_addr)
+            print(f"marucache index: metrics on http://{args.metrics_addr}:{port}/metrics", flush=True)
+        g = pool.geometry
+        print(
+            f"marucache index: pool {args.pool} ({g.capacity_bytes} bytes in {g.num_pages} pages, "
+            f"uuid {g.uuid}, {service.restored} objects restored); listening on {bound}",
+            flush=True,
+        )
+        await stop.wait()
+        log.info("shutting down")
+    finally:
+        await service.close()
+    return 0

@@ -1,0 +1,282 @@
+"""Clients of the index: ``IndexClient`` (blocking, thread-safe) and
+``AsyncIndexClient`` (asyncio, in ``maru_core.index.async_client``).
+
+Both connect lazily, hold a lease that a background heartbeat keeps alive,
+and reconnect by themselves: a lost connection is re-established on the next
+call (or by the heartbeat), resuming the same lease when that is safe. Calls
+that fail raise ``IndexUnavailable`` (unreachable, timed out) or
+``IndexRejected`` (an error reply); neither ever blocks past ``timeout_s``.
+
+Typical use by a reader::
+
+    locations = client.retrieve(keys)      # pins every key, or none
+    if None in locations: ...              # a miss: recompute
+    # check slot headers, copy, then
+    client.unpin(keys)
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Iterable, Sequence
+
+from maru_core.index.channel import Channel, open_socket
+from maru_core.index.client_ops import (
+    DEFAULT_RECONNECT_BACKOFF_S,
+    DEFAULT_TIMEOUT_S,
+    IndexError_,
+    IndexRejected,
+    IndexUnavailable,
+    check_reply,
+    default_client_name,
+    hello_request,
+    keys_request,
+    parse_committed,
+    parse_count,
+    parse_hello,
+    parse_locations,
+    parse_slots,
+    reserve_request,
+)
+from maru_core.protocol import ErrorType, Location, LocationList, Slot, SlotList, parse_url
+
+__all__ = [
+    "AsyncIndexClient",
+    "IndexClient",
+    "IndexError_",
+    "IndexRejected",
+    "IndexUnavailable",
+    "Location",
+    "LocationList",
+    "Slot",
+    "SlotList",
+]
+
+log = logging.getLogger(__name__)
+
+
+class IndexClient:
+    """A blocking, thread-safe client of one index.
+
+    ``url`` is ``tcp://HOST:PORT`` or ``unix:///PATH``; ``token`` the
+    cache's token (``None`` when the index runs without one); ``timeout_s``
+    bounds every call, connecting included. ``heartbeat=False`` leaves lease
+    renewal to the caller's own traffic (tests of lease expiry use it).
+    Nothing connects until the first call or ``connect()``.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        client_name: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        *,
+        heartbeat: bool = True,
+        reconnect_backoff_s: float = DEFAULT_RECONNECT_BACKOFF_S,
+    ) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        self.address = parse_url(url)
+        self.url = url
+        self.timeout_s = timeout_s
+        self.client_name = client_name or default_client_name()
+        self._token = token
+        self._backoff_s = reconnect_backoff_s
+        self._lock = threading.Lock()  # guards the channel and the lease fields
+        self._channel: Channel | None = None
+        self._lease_id: str | None = None
+        self._lease_ttl_s: float | None = None
+        self.geometry: dict[str, Any] | None = None
+        self._retry_at = 0.0
+        self._last_error: IndexError_ | None = None
+        self._closed = False
+        self._stop = threading.Event()
+        self._heartbeat_thread: threading.Thread | None = None
+        self._want_heartbeat = heartbeat
+
+    # -- public operations ---------------------------------------------------
+
+    @property
+    def lease_id(self) -> str | None:
+        return self._lease_id
+
+    @property
+    def lease_ttl_s(self) -> float | None:
+        return self._lease_ttl_s
+
+    def connect(self) -> "IndexClient":
+        """Connect and open the lease now rather than on the first call."""
+        self._ensure_channel(time.monotonic() + self.timeout_s)
+        return self
+
+    def heartbeat(self) -> float:
+        """Renew the lease now; return its TTL in seconds."""
+        return float(self._call({"op": "heartbeat"})["lease_ttl_s"])
+
+    def match_prefix(self, keys: Sequence[bytes], *, timeout_s: float | None = None) -> int:
+        """How many leading ``keys`` are committed (pins nothing)."""
+        reply = self._call(keys_request("match_prefix", keys), timeout_s)
+        return parse_count("match_prefix", reply, "matched", len(keys))
+
+    def retrieve(self, keys: Sequence[bytes], *, timeout_s: float | None = None) -> LocationList:
+        """One ``Location`` or ``None`` per key, in order, as a ``LocationList``.
+
+        Every key is pinned when all hit; nothing is pinned when any misses.
+        The answer always has exactly ``len(keys)`` entries.
+        """
+        reply = self._call(keys_request("retrieve", keys), timeout_s)
+        return parse_locations(reply, len(keys))
+
+    def unpin(self, keys: Sequence[bytes]) -> int:
+        """Release this lease's pins on ``keys``; return how many were released."""
+        return parse_count("unpin", self._call(keys_request("unpin", keys)), "unpinned", len(keys))
+
+    def reserve(self, items: Iterable[tuple[bytes, int]]) -> SlotList:
+        """Reserve a slot per ``(key, length)``: a ``Slot``, or ``None`` when the
+        key is already committed or reserved. Raises ``IndexRejected`` with
+        type ``no_space`` when the pool cannot hold them even after eviction."""
+        request = reserve_request(items)
+        return parse_slots(self._call(request), len(request["keys"]))
+
+    def commit(self, keys: Sequence[bytes]) -> list[bool]:
+        """Make reserved keys visible, once their data and slot headers are
+        written. ``False`` for a key that could not be committed (a duplicate,
+        an expired reservation or a slot header that does not name it)."""
+        return parse_committed(self._call(keys_request("commit", keys)), len(keys))
+
+    def abort(self, keys: Sequence[bytes]) -> int:
+        """Release reservations that will not be committed; return how many."""
+        return parse_count("abort", self._call(keys_request("abort", keys)), "aborted", len(keys))
+
+    def stats(self) -> dict[str, Any]:
+        """The index's counters and pool bytes by state."""
+        reply = dict(self._call({"op": "stats"}))
+        for name in ("id", "ok"):
+            reply.pop(name, None)
+        return reply
+
+    def close(self) -> None:
+        """Stop the heartbeat and close the connection (the lease lapses by itself)."""
+        self._stop.set()
+        with self._lock:
+            self._closed = True
+            channel, self._channel = self._channel, None
+        if channel is not None:
+            channel.close()
+        thread = self._heartbeat_thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=self.timeout_s)
+
+    def __enter__(self) -> "IndexClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- calls, connection and lease -----------------------------------------
+
+    def _call(self, message: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        op = message["op"]
+        for attempt in (1, 2):
+            channel = self._ensure_channel(deadline)
+            try:
+                reply = channel.call(dict(message), deadline)
+            except IndexUnavailable:
+                self._drop(channel)
+                raise
+            try:
+                return check_reply(op, reply)
+            except IndexRejected as exc:
+                if exc.error_type != ErrorType.NO_LEASE.value or attempt == 2:
+                    raise
+                self._reopen_lease(channel, deadline)  # the lease lapsed: open a fresh one, retry once
+        raise AssertionError("unreachable")
+
+    def _ensure_channel(self, deadline: float) -> Channel:
+        with self._lock:
+            if self._closed:
+                raise IndexUnavailable("the index client was closed")
+            if self._channel is not None and not self._channel.failed:
+                return self._channel
+            if self._channel is not None:
+                self._forget(self._channel)
+            if time.monotonic() < self._retry_at and self._last_error is not None:
+                raise IndexUnavailable(f"{self._last_error} (retrying in the background)")
+            try:
+                self._channel = self._open(deadline)
+            except IndexError_ as exc:
+                self._retry_at = time.monotonic() + self._backoff_s
+                self._last_error = exc
+                raise
+        self._start_heartbeat()
+        return self._channel
+
+    def _open(self, deadline: float) -> Channel:
+        remaining = max(deadline - time.monotonic(), 0.001)
+        channel = Channel(open_socket(self.address, remaining), self.timeout_s)
+        try:
+            self._hello(channel, self._lease_id, deadline)
+        except BaseException:
+            channel.close()
+            raise
+        return channel
+
+    def _hello(self, channel: Channel, lease_id: str | None, deadline: float) -> None:
+        reply = check_reply("hello", channel.call(hello_request(self.client_name, self._token, lease_id), deadline))
+        self._lease_id, self._lease_ttl_s, self.geometry = parse_hello(reply)
+
+    def _reopen_lease(self, channel: Channel, deadline: float) -> None:
+        with self._lock:
+            log.info("lease %s lapsed on the index; opening a new one", self._lease_id)
+            self._hello(channel, None, deadline)
+
+    def _drop(self, channel: Channel) -> None:
+        with self._lock:
+            if self._channel is channel:
+                self._forget(channel)
+
+    def _forget(self, channel: Channel) -> None:
+        # Called with the lock held, for a failed channel.
+        if channel.lease_state_unknown:
+            # A pin or reservation may have been granted without us hearing of
+            # it: let that lease lapse on the index rather than resume it.
+            self._lease_id = None
+        channel.close()
+        self._channel = None
+
+    # -- heartbeat -----------------------------------------------------------
+
+    def _start_heartbeat(self) -> None:
+        if not self._want_heartbeat or self._heartbeat_thread is not None:
+            return
+        with self._lock:
+            if self._heartbeat_thread is None and not self._closed:
+                self._heartbeat_thread = threading.Thread(
+                    target=self._heartbeat_loop, name="maru-index-heartbeat", daemon=True
+                )
+                self._heartbeat_thread.start()
+
+    def _heartbeat_interval(self) -> float:
+        ttl = self._lease_ttl_s or 3.0
+        return max(0.05, min(ttl / 3.0, 5.0))
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self._heartbeat_interval()):
+            try:
+                self.heartbeat()
+            except IndexError_ as exc:
+                log.debug("index heartbeat failed: %s", exc)
+
+
+def __getattr__(name: str) -> Any:
+    # The asyncio client lives in its own module; importing it lazily keeps
+    # this one free of asyncio for threads-only users.
+    if name == "AsyncIndexClient":
+        from maru_core.index.async_client import AsyncIndexClient
+
+        return AsyncIndexClient
+    raise AttributeError(name)

@@ -1,0 +1,145 @@
+"""What the sync and async index clients share: errors, request builders,
+reply checks, and the lease policy on reconnect.
+
+Every reply is checked before it is handed out: a retrieve that answers a
+different number of locations than keys were asked, or a reply of the wrong
+shape, raises ``IndexRejected`` instead of being sliced by position.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any, Iterable, Sequence
+
+from maru_core.protocol import (
+    PROTOCOL_VERSION,
+    ErrorType,
+    LocationList,
+    SlotList,
+)
+
+#: Ops whose effect on the lease (pins, reservations) is unknown when their
+#: reply is lost. If one was in flight when a connection failed, the client
+#: opens a fresh lease on reconnect and lets the old one lapse, so a pin or a
+#: reservation it cannot know about is released by the index, never leaked.
+LEASE_STATE_OPS = frozenset({"retrieve", "unpin", "reserve", "commit", "abort"})
+
+DEFAULT_TIMEOUT_S = 5.0
+#: After a failed connect, calls fail fast for this long instead of each
+#: waiting for a connect timeout; the heartbeat keeps trying meanwhile.
+DEFAULT_RECONNECT_BACKOFF_S = 0.5
+
+
+class IndexError_(Exception):
+    """Any failure of an index call. The trailing underscore keeps the
+    builtin ``IndexError`` usable next to it."""
+
+
+class IndexUnavailable(IndexError_):
+    """The index could not be reached, or did not answer within the timeout.
+
+    Treat it as a miss (loads) or a skipped store; the client reconnects by
+    itself on a later call.
+    """
+
+
+class IndexRejected(IndexError_):
+    """The index answered with an error (or with a reply that breaks the
+    protocol). ``error_type`` is the protocol's error type (an ``ErrorType``
+    value), ``op`` the operation refused."""
+
+    def __init__(self, error_type: str, message: str, op: str) -> None:
+        super().__init__(f"index refused {op}: [{error_type}] {message}")
+        self.error_type = error_type
+        self.message = message
+        self.op = op
+
+
+def default_client_name() -> str:
+    """A readable client name; identity comes from the lease, not from this."""
+    return f"{socket.gethostname()}/{os.getpid()}"
+
+
+def hello_request(client_name: str, token: str | None, lease_id: str | None) -> dict[str, Any]:
+    return {
+        "op": "hello",
+        "protocol": PROTOCOL_VERSION,
+        "client": client_name,
+        "token": token,
+        "lease_id": lease_id,
+    }
+
+
+def keys_request(op: str, keys: Sequence[bytes]) -> dict[str, Any]:
+    return {"op": op, "keys": keys if type(keys) is list else list(keys)}
+
+
+def reserve_request(items: Iterable[tuple[bytes, int]]) -> dict[str, Any]:
+    items = list(items)
+    return {"op": "reserve", "keys": [k for k, _ in items], "lengths": [n for _, n in items]}
+
+
+def _broken(op: str, what: str) -> IndexRejected:
+    return IndexRejected(ErrorType.INTERNAL.value, f"malformed reply: {what}", op)
+
+
+def check_reply(op: str, reply: Any) -> dict[str, Any]:
+    """The reply map of a successful call; raise ``IndexRejected`` for an error reply."""
+    if type(reply) is not dict or "ok" not in reply:
+        raise _broken(op, "not a reply map")
+    if reply["ok"] is True:
+        return reply
+    error = reply.get("error")
+    if type(error) is not dict:
+        raise _broken(op, "error reply without an error map")
+    raise IndexRejected(str(error.get("type")), str(error.get("message")), op)
+
+
+def _field(op: str, reply: dict, name: str, kind: type) -> Any:
+    value = reply.get(name)
+    if type(value) is not kind:
+        raise _broken(op, f"field {name!r} is {type(value).__name__}, expected {kind.__name__}")
+    return value
+
+
+def parse_count(op: str, reply: dict, name: str, at_most: int) -> int:
+    value = _field(op, reply, name, int)
+    if not 0 <= value <= at_most:
+        raise _broken(op, f"{name}={value} for {at_most} keys")
+    return value
+
+
+def parse_locations(reply: dict, count: int) -> LocationList:
+    try:
+        locations = LocationList.from_wire(_field("retrieve", reply, "locations", bytes))
+    except ValueError as exc:
+        raise _broken("retrieve", str(exc)) from exc
+    if len(locations) != count:
+        raise _broken("retrieve", f"{len(locations)} locations for {count} keys")
+    return locations
+
+
+def parse_slots(reply: dict, count: int) -> SlotList:
+    try:
+        slots = SlotList.from_wire(_field("reserve", reply, "slots", bytes))
+    except ValueError as exc:
+        raise _broken("reserve", str(exc)) from exc
+    if len(slots) != count:
+        raise _broken("reserve", f"{len(slots)} slots for {count} items")
+    return slots
+
+
+def parse_committed(reply: dict, count: int) -> list[bool]:
+    committed = _field("commit", reply, "committed", list)
+    if len(committed) != count or set(map(type, committed)) - {bool}:
+        raise _broken("commit", f"'committed' must be {count} booleans")
+    return committed
+
+
+def parse_hello(reply: dict) -> tuple[str, float, dict[str, Any]]:
+    lease_id = _field("hello", reply, "lease_id", str)
+    ttl = reply.get("lease_ttl_s")
+    if type(ttl) not in (int, float) or ttl <= 0:
+        raise _broken("hello", "lease_ttl_s must be a positive number")
+    return lease_id, float(ttl), _field("hello", reply, "geometry", dict)

@@ -1,0 +1,110 @@
+"""Prometheus metrics of the index, on an explicit ``CollectorRegistry``.
+
+Pool, key, eviction and lease figures are read from the registry's stats at
+scrape time (a collector keeps no state between scrapes); RPC durations and
+errors are recorded by the server as requests are answered. Names and labels
+are those of ``docs/architecture.md`` (Metrics).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+log = logging.getLogger(__name__)
+
+#: RPC duration buckets in seconds: from a small lookup (tens of
+#: microseconds) to a stalled request.
+RPC_BUCKETS = (
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+)
+POOL_STATES = ("free", "reserved", "committed", "pinned")
+
+
+class PoolCollector:
+    """Reads the registry's stats at scrape time.
+
+    ``read_stats`` returns the registry's ``RegistryStats`` (or ``None`` when
+    it cannot be read right now: the scrape then carries no pool figures
+    rather than failing). ``capacity_bytes`` is the pool's data area.
+    """
+
+    def __init__(self, read_stats: Callable[[], Any], capacity_bytes: int) -> None:
+        self._read_stats = read_stats
+        self._capacity_bytes = capacity_bytes
+
+    def collect(self) -> Iterator[Metric]:
+        capacity = GaugeMetricFamily(
+            "maru_pool_capacity_bytes", "Bytes of the pool's data area.", value=self._capacity_bytes
+        )
+        yield capacity
+        try:
+            stats = self._read_stats()
+        except Exception:
+            log.warning("registry stats unavailable for this scrape", exc_info=True)
+            return
+        if stats is None:
+            return
+        by_state = GaugeMetricFamily(
+            "maru_pool_bytes", "Bytes of the pool's data area by state.", labels=["state"]
+        )
+        for state in POOL_STATES:
+            by_state.add_metric([state], getattr(stats, f"{state}_bytes"))
+        yield by_state
+        yield GaugeMetricFamily("maru_keys", "Committed keys in the index.", value=stats.keys)
+        yield CounterMetricFamily(
+            "maru_evictions", "Objects evicted to make room.", value=stats.evictions
+        )
+        yield GaugeMetricFamily("maru_leases", "Live client leases.", value=stats.leases)
+
+
+class IndexMetrics:
+    """The index's metrics. ``observe_rpc`` is thread-safe and cheap (a few µs)."""
+
+    def __init__(
+        self,
+        read_stats: Callable[[], Any],
+        capacity_bytes: int,
+        registry: CollectorRegistry | None = None,
+        *,
+        process_metrics: bool = True,
+    ) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._duration = Histogram(
+            "maru_index_rpc_duration_seconds",
+            "Time the index took to answer a request, by op.",
+            ["op"],
+            buckets=RPC_BUCKETS,
+            registry=self.registry,
+        )
+        self._errors = Counter(
+            "maru_index_rpc_errors",
+            "Requests answered with an error, by op and error type.",
+            ["op", "type"],
+            registry=self.registry,
+        )
+        self.registry.register(PoolCollector(read_stats, capacity_bytes))
+        if process_metrics:
+            ProcessCollector(registry=self.registry)
+        self._http: Any = None
+        self._thread: threading.Thread | None = None
+
+    def observe_rpc(self, op: str, seconds: float, error_type: str | None = None) -> None:
+        self._duration.labels(op).observe(seconds)
+        if error_type is not None:
+            self._errors.labels(op, error_type).inc()
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> int:
+        """Serve ``/metrics`` on ``addr:port`` from a daemon thread; return the bound port."""
+        self._http, self._thread = start_http_server(port, addr=addr, registry=self.registry)
+        return self._http.server_port
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None

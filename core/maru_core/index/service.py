@@ -1,0 +1,78 @@
+"""Composition root of the index process: registry, restore, server, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from typing import Any
+
+from maru_core.index.metrics import IndexMetrics
+from maru_core.index.registry import Registry
+from maru_core.index.server import IndexServer
+from maru_core.protocol import Location
+
+log = logging.getLogger(__name__)
+
+#: How long a scrape waits for the event loop to hand over the stats.
+_STATS_TIMEOUT_S = 2.0
+
+
+@dataclasses.dataclass
+class IndexService:
+    server: IndexServer
+    metrics: IndexMetrics | None
+    restored: int
+
+    async def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+        await self.server.close()
+
+
+def restore_registry(registry: Registry, pool: Any) -> int:
+    """Rebuild ``registry`` from the intact objects in ``pool``'s slot table;
+    return how many it kept. This also starts the registry's quarantine (no
+    slot handed out for one lease period): writers of the previous index may
+    still be copying into slots it had reserved."""
+    return registry.restore(
+        (header.key, Location(offset, header.length, header.generation))
+        for offset, header in pool.iter_slot_headers()
+    )
+
+
+def build_service(
+    pool: Any,
+    *,
+    token: str | None,
+    lease_ttl_s: float,
+    reservation_ttl_s: float,
+    with_metrics: bool,
+    fresh_pool: bool = False,
+    expiry_interval_s: float | None = None,
+) -> IndexService:
+    """Build the index of ``pool``; call inside the running loop that will serve it.
+
+    ``fresh_pool`` says the pool was just created: nothing to restore and no
+    writer of an earlier index to wait for.
+    """
+    registry = Registry(pool.geometry, lease_ttl_s=lease_ttl_s, reservation_ttl_s=reservation_ttl_s)
+    restored = 0
+    if not fresh_pool:
+        restored = restore_registry(registry, pool)
+        log.info("restored %d objects from the slot headers; no new slots for %.3g s", restored, registry.quarantine_s)
+    metrics = None
+    if with_metrics:
+        loop = asyncio.get_running_loop()
+
+        async def stats() -> Any:
+            return registry.stats()
+
+        # Scrapes arrive on the HTTP thread; the registry belongs to the loop.
+        def read_stats() -> Any:
+            return asyncio.run_coroutine_threadsafe(stats(), loop).result(_STATS_TIMEOUT_S)
+
+        metrics = IndexMetrics(read_stats, pool.geometry.capacity_bytes)
+    interval = expiry_interval_s or min(1.0, lease_ttl_s / 4)
+    server = IndexServer(registry, pool, token=token, expiry_interval_s=interval, metrics=metrics)
+    return IndexService(server=server, metrics=metrics, restored=restored)

@@ -1,0 +1,257 @@
+"""The index server over real sockets, with a real pool and registry, run on
+a thread of the test process so its registry can be inspected."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import pytest
+
+from maru_core.index.launcher import ThreadedIndex, unique_shm_path
+from maru_core.pool import Pool, SlotHeader
+from maru_core.protocol import (
+    MAX_BATCH_KEYS,
+    MAX_FRAME_BYTES,
+    PROTOCOL_VERSION,
+    FrameDecoder,
+    LocationList,
+    SlotList,
+    encode_frame,
+    parse_url,
+)
+
+TOKEN = "s3cret-token"
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+class Raw:
+    """A bare protocol connection: frames out, decoded replies in."""
+
+    def __init__(self, url: str) -> None:
+        address = parse_url(url)
+        self.sock = socket.create_connection((address.host, address.port), timeout=5)
+        self.decoder = FrameDecoder()
+        self.pending: list = []
+        self.next_id = 1
+
+    def send(self, message: dict) -> int:
+        message.setdefault("id", self.next_id)
+        self.next_id += 1
+        self.sock.sendall(encode_frame(message))
+        return message["id"]
+
+    def recv(self) -> dict:
+        while not self.pending:
+            data = self.sock.recv(1 << 20)
+            if not data:
+                raise ConnectionError("closed")
+            self.pending += self.decoder.feed(data)
+        return self.pending.pop(0)
+
+    def call(self, **message) -> dict:
+        rid = self.send(message)
+        reply = self.recv()
+        assert reply["id"] == rid
+        return reply
+
+    def hello(self, token: str | None = TOKEN) -> dict:
+        return self.call(op="hello", protocol=PROTOCOL_VERSION, client="raw", token=token)
+
+    def closed_by_peer(self) -> bool:
+        self.sock.settimeout(5)
+        try:
+            return self.sock.recv(1 << 16) == b""
+        except ConnectionResetError:
+            return True
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def pool():
+    path = unique_shm_path("test-server")
+    pool = Pool.create(path, 32 * 1024 * 1024, page_size=64 * 1024)
+    yield pool
+    pool.close()
+    os.unlink(path)
+
+
+@pytest.fixture
+def index(pool):
+    with ThreadedIndex(pool, token=TOKEN, lease_ttl_s=0.5, reservation_ttl_s=30.0) as index:
+        yield index
+
+
+@pytest.fixture
+def raw(index):
+    conn = Raw(index.url)
+    yield conn
+    conn.close()
+
+
+def store(raw: Raw, pool: Pool, keys: list[bytes], length: int = 1000, header: bool = True) -> list[bool]:
+    slots = SlotList.from_wire(raw.call(op="reserve", keys=keys, lengths=[length] * len(keys))["slots"])
+    for k, slot in zip(keys, slots):
+        if header:
+            pool.write_slot_header(slot.offset, SlotHeader(key=k, generation=slot.generation, length=length))
+    return raw.call(op="commit", keys=keys)["committed"]
+
+
+def test_hello_returns_lease_and_geometry(raw, pool):
+    reply = raw.hello()
+    assert reply["ok"] and reply["protocol"] == PROTOCOL_VERSION
+    assert reply["lease_id"] and reply["lease_ttl_s"] == 0.5
+    assert reply["geometry"] == pool.geometry.to_dict()
+
+
+def test_requests_before_hello_get_no_lease(raw):
+    reply = raw.call(op="match_prefix", keys=[key(1)])
+    assert reply["error"]["type"] == "no_lease" and "hello" in reply["error"]["message"]
+
+
+@pytest.mark.parametrize("token", [None, "wrong", TOKEN + "x"])
+def test_bad_token_is_refused(raw, token):
+    reply = raw.hello(token)
+    assert not reply["ok"] and reply["error"]["type"] == "auth"
+    assert raw.call(op="stats")["error"]["type"] == "no_lease"  # still no lease
+
+
+def test_protocol_mismatch_is_a_bad_request(raw):
+    reply = raw.call(op="hello", protocol=PROTOCOL_VERSION + 1, client="c", token=TOKEN)
+    assert reply["error"]["type"] == "bad_request" and "protocol" in reply["error"]["message"]
+
+
+def test_store_then_retrieve_pins_and_unpin(raw, pool, index):
+    raw.hello()
+    keys = [key(i) for i in range(4)]
+    assert store(raw, pool, keys) == [True] * 4
+    assert raw.call(op="match_prefix", keys=keys + [key(99)])["matched"] == 4
+    locations = LocationList.from_wire(raw.call(op="retrieve", keys=keys)["locations"])
+    assert len(locations) == 4 and locations.misses() == 0
+    for k, loc in zip(keys, locations):
+        assert pool.read_slot_header(loc.offset).names(k, loc.generation)
+    assert index.on_loop(lambda: index.service.server.registry.stats().pinned_keys) == 4
+    assert raw.call(op="unpin", keys=keys)["unpinned"] == 4
+    assert raw.call(op="stats")["pinned_keys"] == 0
+
+
+def test_retrieve_with_a_miss_pins_nothing(raw, pool):
+    raw.hello()
+    store(raw, pool, [key(1)])
+    locations = LocationList.from_wire(raw.call(op="retrieve", keys=[key(1), key(2)])["locations"])
+    assert len(locations) == 2 and locations[1] is None
+    assert raw.call(op="stats")["pinned_keys"] == 0
+
+
+def test_commit_verifies_the_slot_header(raw, pool):
+    raw.hello()
+    assert store(raw, pool, [key(1)], header=False) == [False]  # no header written
+    slots = SlotList.from_wire(raw.call(op="reserve", keys=[key(2)], lengths=[10])["slots"])
+    pool.write_slot_header(slots[0].offset, SlotHeader(key=key(3), generation=slots[0].generation, length=10))
+    assert raw.call(op="commit", keys=[key(2)])["committed"] == [False]  # names another key
+    slots = SlotList.from_wire(raw.call(op="reserve", keys=[key(4)], lengths=[10])["slots"])
+    pool.write_slot_header(slots[0].offset, SlotHeader(key=key(4), generation=slots[0].generation + 1, length=10))
+    assert raw.call(op="commit", keys=[key(4)])["committed"] == [False]  # wrong generation
+    assert raw.call(op="match_prefix", keys=[key(1)])["matched"] == 0
+    assert raw.call(op="stats")["reserved_keys"] == 0  # rejected slots are released
+
+
+def test_duplicate_reserve_and_abort(raw, pool):
+    raw.hello()
+    store(raw, pool, [key(1)])
+    slots = SlotList.from_wire(raw.call(op="reserve", keys=[key(1), key(2)], lengths=[5, 5])["slots"])
+    assert slots[0] is None and slots[1] is not None
+    assert raw.call(op="abort", keys=[key(2)])["aborted"] == 1
+    assert raw.call(op="stats")["reserved_keys"] == 0
+
+
+def test_wrong_types_get_typed_errors_and_the_connection_stays(raw):
+    raw.hello()
+    assert raw.call(op="retrieve", keys="nope")["error"]["type"] == "bad_request"
+    assert raw.call(op="retrieve", keys=[b"short"])["error"]["type"] == "bad_request"
+    assert raw.call(op="fly")["error"]["type"] == "unknown_op"
+    reply = raw.call(op="match_prefix", keys=[key(0)] * (MAX_BATCH_KEYS + 1))
+    assert reply["error"]["type"] == "too_large"
+    raw.sock.sendall(encode_frame([1, 2, 3]))  # not a map: no id to answer to
+    reply = raw.recv()
+    assert reply["id"] is None and reply["error"]["type"] == "bad_request"
+    assert "must be a map" in reply["error"]["message"]
+    assert raw.call(op="heartbeat")["ok"]
+
+
+def test_pipelined_requests_are_answered_in_order(raw):
+    raw.hello()
+    frames = b"".join(
+        encode_frame({"id": i, "op": op, **({"keys": []} if op == "match_prefix" else {})})
+        for i, op in [(10, "heartbeat"), (11, "match_prefix"), (12, "fly"), (13, "stats")]
+    )
+    raw.sock.sendall(frames)
+    replies = [raw.recv() for _ in range(4)]
+    assert [r["id"] for r in replies] == [10, 11, 12, 13]
+    assert [r["ok"] for r in replies] == [True, True, False, True]
+
+
+def test_garbage_closes_only_that_connection(index, raw):
+    raw.hello()
+    bad = Raw(index.url)
+    bad.sock.sendall(b"\x00\x00\x00\x03\xc1\xc1\xc1")  # a frame whose payload is not msgpack
+    assert bad.closed_by_peer()
+    assert raw.call(op="heartbeat")["ok"]
+
+
+def test_oversized_frame_gets_too_large_then_close(index, raw):
+    raw.hello()
+    big = Raw(index.url)
+    big.sock.sendall((MAX_FRAME_BYTES + 1).to_bytes(4, "big"))
+    reply = big.recv()
+    assert reply["id"] is None and reply["error"]["type"] == "too_large"
+    assert big.closed_by_peer()
+    assert raw.call(op="heartbeat")["ok"]
+
+
+def test_lapsed_lease_releases_reservations_and_pins(index, raw, pool):
+    raw.hello()
+    store(raw, pool, [key(1)])
+    raw.call(op="retrieve", keys=[key(1)])
+    raw.call(op="reserve", keys=[key(2)], lengths=[100])
+    stats = raw.call(op="stats")
+    assert (stats["pinned_keys"], stats["reserved_keys"]) == (1, 1)
+    deadline = time.monotonic() + 5
+    registry = index.service.server.registry
+    while time.monotonic() < deadline:  # the expiry task runs every lease_ttl/4
+        stats = index.on_loop(registry.stats)
+        if stats.leases == 0:
+            break
+        time.sleep(0.05)
+    assert (stats.leases, stats.pinned_keys, stats.reserved_keys, stats.keys) == (0, 0, 0, 1)
+    assert raw.call(op="heartbeat")["error"]["type"] == "no_lease"
+
+
+def test_resumed_lease_keeps_its_pins(index, raw, pool):
+    lease_id = raw.hello()["lease_id"]
+    store(raw, pool, [key(1)])
+    raw.call(op="retrieve", keys=[key(1)])
+    raw.close()
+    again = Raw(index.url)
+    reply = again.call(op="hello", protocol=PROTOCOL_VERSION, client="raw", token=TOKEN, lease_id=lease_id)
+    assert reply["lease_id"] == lease_id
+    assert again.call(op="unpin", keys=[key(1)])["unpinned"] == 1
+    again.close()
+
+
+def test_unix_socket(pool, tmp_path):
+    url = f"unix://{tmp_path}/index.sock"
+    with ThreadedIndex(pool, listen=url) as index:
+        sock = socket.socket(socket.AF_UNIX)
+        sock.connect(str(tmp_path / "index.sock"))
+        sock.sendall(encode_frame({"id": 1, "op": "hello", "protocol": PROTOCOL_VERSION, "client": "u"}))
+        reply = FrameDecoder().feed(sock.recv(65536))[0]
+        assert reply["ok"] and index.url == url
+        sock.close()
+    assert not (tmp_path / "index.sock").exists()
