@@ -1,0 +1,283 @@
+"""IndexClient and AsyncIndexClient against a real server on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+from maru_core.index.client import AsyncIndexClient, IndexClient, IndexRejected, IndexUnavailable
+from maru_core.index.client_ops import check_reply, parse_committed, parse_locations, parse_slots
+from maru_core.index.launcher import ThreadedIndex, unique_shm_path
+from maru_core.pool import Pool, SlotHeader
+from maru_core.protocol import Location, LocationList
+
+TOKEN = "client-token"
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+@pytest.fixture
+def pool():
+    path = unique_shm_path("test-client")
+    pool = Pool.create(path, 32 * 1024 * 1024, page_size=64 * 1024)
+    yield pool
+    pool.close()
+    os.unlink(path)
+
+
+@pytest.fixture
+def index(pool):
+    with ThreadedIndex(pool, token=TOKEN, lease_ttl_s=0.6) as index:
+        yield index
+
+
+@pytest.fixture
+def client(index):
+    client = IndexClient(index.url, token=TOKEN, client_name="test", timeout_s=2.0)
+    yield client
+    client.close()
+
+
+def store(client: IndexClient, pool: Pool, keys: list[bytes], length: int = 3000) -> list[bool]:
+    slots = client.reserve([(k, length) for k in keys])
+    for k, slot in zip(keys, slots):
+        pool.view(slot.offset, length)[:] = k * (length // 16) + k[: length % 16]
+        pool.write_slot_header(slot.offset, SlotHeader(key=k, generation=slot.generation, length=length))
+    return client.commit(keys)
+
+
+def pinned(index: ThreadedIndex) -> int:
+    return index.on_loop(lambda: index.service.server.registry.stats().pinned_keys)
+
+
+def test_round_trip(client, pool, index):
+    keys = [key(i) for i in range(10)]
+    assert client.lease_id is None  # lazy: nothing connected yet
+    assert store(client, pool, keys) == [True] * 10
+    assert client.geometry == pool.geometry.to_dict() and client.lease_ttl_s == 0.6
+    assert client.match_prefix(keys + [key(50)] + keys) == 10
+    locations = client.retrieve(keys)
+    assert isinstance(locations, LocationList) and len(locations) == 10 and None not in locations
+    for k, loc in zip(keys, locations):
+        assert isinstance(loc, Location) and loc.length == 3000
+        assert bytes(pool.view(loc.offset, 16)) == k
+    assert pinned(index) == 10
+    assert client.unpin(keys) == 10 and pinned(index) == 0
+    misses = client.retrieve([key(1), key(77)])
+    assert misses[1] is None and misses.misses() == 1 and pinned(index) == 0
+    assert client.reserve([(key(1), 10), (key(2), 10)]) == [None, None]
+    slots = client.reserve([(key(20), 10)])
+    assert client.abort([key(20)]) == 1
+    assert slots[0].offset >= pool.geometry.data_offset
+    stats = client.stats()
+    assert stats["keys"] == 10 and stats["leases"] == 1 and stats["reserved_keys"] == 0
+
+
+def test_empty_batches(client):
+    assert client.match_prefix([]) == 0
+    assert list(client.retrieve([])) == [] and client.commit([]) == [] and list(client.reserve([])) == []
+
+
+def test_bad_token_raises_rejected(index):
+    with IndexClient(index.url, token="wrong") as bad:
+        with pytest.raises(IndexRejected) as info:
+            bad.connect()
+        assert info.value.error_type == "auth" and info.value.op == "hello"
+
+
+def test_unreachable_index_fails_fast_then_recovers(pool):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"tcp://127.0.0.1:{port}"
+    client = IndexClient(url, timeout_s=1.0, reconnect_backoff_s=0.2)
+    try:
+        with pytest.raises(IndexUnavailable, match="cannot connect"):
+            client.match_prefix([key(1)])
+        started = time.monotonic()
+        with pytest.raises(IndexUnavailable, match="retrying"):
+            client.match_prefix([key(1)])  # within the backoff: no new connect
+        assert time.monotonic() - started < 0.1
+        with ThreadedIndex(pool, listen=url):
+            deadline = time.monotonic() + 5
+            while True:
+                try:
+                    assert client.match_prefix([key(1)]) == 0
+                    break
+                except IndexUnavailable:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.05)
+    finally:
+        client.close()
+
+
+def test_silent_index_times_out():
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    try:
+        client = IndexClient(f"tcp://127.0.0.1:{listener.getsockname()[1]}", timeout_s=0.3)
+        started = time.monotonic()
+        with pytest.raises(IndexUnavailable, match="within the timeout"):
+            client.connect()
+        assert 0.25 < time.monotonic() - started < 2.0
+        client.close()
+    finally:
+        listener.close()
+
+
+def test_broken_connection_resumes_the_same_lease(client, pool, index):
+    store(client, pool, [key(1)])
+    client.retrieve([key(1)])
+    lease = client.lease_id
+    client._channel._sock.shutdown(socket.SHUT_RDWR)  # the network drops the connection
+    with pytest.raises(IndexUnavailable):
+        client.match_prefix([key(1)])
+    assert client.match_prefix([key(1)]) == 1  # reconnected
+    assert client.lease_id == lease and client.unpin([key(1)]) == 1
+
+
+def test_timed_out_retrieve_gives_up_its_lease(client, pool, index):
+    store(client, pool, [key(1)])
+    lease = client.lease_id
+    index._loop.call_soon_threadsafe(time.sleep, 0.5)  # the index stalls
+    with pytest.raises(IndexUnavailable, match="timeout"):
+        client.retrieve([key(1)], timeout_s=0.1)
+    time.sleep(0.5)
+    # The stalled retrieve did pin; the client cannot know, so it opens a new
+    # lease and the old one (with that pin) lapses on the index.
+    assert client.match_prefix([key(1)]) == 1 and client.lease_id != lease
+    deadline = time.monotonic() + 5
+    while pinned(index) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pinned(index) == 0
+
+
+def test_lapsed_lease_is_replaced_transparently(index, pool):
+    with IndexClient(index.url, token=TOKEN, heartbeat=False) as client:
+        client.connect()
+        lease = client.lease_id
+        time.sleep(1.0)  # lease_ttl_s=0.6 with no heartbeat
+        assert client.match_prefix([key(1)]) == 0
+        assert client.lease_id != lease
+
+
+def test_heartbeat_keeps_the_lease(client, pool, index):
+    store(client, pool, [key(1)])
+    client.retrieve([key(1)])
+    lease = client.lease_id
+    time.sleep(1.5)  # 2.5 TTLs with no call from the test
+    assert client.lease_id == lease and pinned(index) == 1
+    assert client.unpin([key(1)]) == 1
+
+
+def test_threads_share_one_client(client, pool, index):
+    keys = [key(i) for i in range(64)]
+    store(client, pool, keys)
+    errors: list[BaseException] = []
+
+    def worker(offset: int) -> None:
+        try:
+            for n in range(40):
+                mine = keys[(offset + n) % 32 :][:16]
+                locations = client.retrieve(mine)
+                assert [bytes(pool.view(l.offset, 16)) for l in locations] == mine
+                assert client.unpin(mine) == 16
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and pinned(index) == 0
+
+
+def test_no_space_is_rejected(client):
+    with pytest.raises(IndexRejected) as info:
+        client.reserve([(key(1), 1 << 40)])
+    assert info.value.error_type == "no_space"
+
+
+def test_closed_client_refuses_calls(client):
+    client.close()
+    with pytest.raises(IndexUnavailable, match="closed"):
+        client.match_prefix([])
+
+
+def test_malformed_replies_are_rejected_not_sliced():
+    with pytest.raises(IndexRejected, match="1 locations for 2 keys"):
+        parse_locations({"locations": bytes(24)}, 2)
+    with pytest.raises(IndexRejected, match="3 slots for 2"):
+        parse_slots({"slots": bytes(48)}, 2)
+    with pytest.raises(IndexRejected, match="booleans"):
+        parse_committed({"committed": [True, 1]}, 2)
+    with pytest.raises(IndexRejected, match="not a reply map"):
+        check_reply("stats", [1])
+    with pytest.raises(IndexRejected) as info:
+        check_reply("retrieve", {"ok": False, "error": {"type": "no_space", "message": "full"}})
+    assert info.value.error_type == "no_space" and "full" in str(info.value)
+
+
+# -- asyncio client ----------------------------------------------------------
+
+def test_async_client_round_trip_and_concurrency(index, pool):
+    with IndexClient(index.url, token=TOKEN) as sync_client:
+        store(sync_client, pool, [key(i) for i in range(32)])
+
+    async def main() -> None:
+        async with AsyncIndexClient(index.url, token=TOKEN, client_name="async") as client:
+            assert await client.match_prefix([key(i) for i in range(40)]) == 32
+            batches = [[key(j) for j in range(i, i + 8)] for i in range(0, 24, 2)]
+            results = await asyncio.gather(*(client.retrieve(b) for b in batches))
+            for batch, locations in zip(batches, results):
+                assert [bytes(pool.view(l.offset, 16)) for l in locations] == batch
+            assert pinned(index) == 30
+            counts = await asyncio.gather(*(client.unpin(b) for b in batches))
+            assert sum(counts) == 8 * len(batches) and pinned(index) == 0
+            slots = await client.reserve([(key(100), 10)])
+            assert await client.abort([key(100)]) == 1 and slots[0] is not None
+            assert (await client.stats())["keys"] == 32
+            assert await client.heartbeat() == 0.6
+
+    asyncio.run(main())
+
+
+def test_async_client_errors(index):
+    async def main() -> None:
+        bad = AsyncIndexClient(index.url, token="nope")
+        with pytest.raises(IndexRejected, match="auth"):
+            await bad.connect()
+        await bad.close()
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        gone = AsyncIndexClient(f"tcp://127.0.0.1:{port}", timeout_s=0.5)
+        with pytest.raises(IndexUnavailable):
+            await gone.match_prefix([key(1)])
+        await gone.close()
+
+    asyncio.run(main())
+
+
+def test_async_client_times_out_on_a_stalled_index(index):
+    async def main() -> None:
+        async with AsyncIndexClient(index.url, token=TOKEN, timeout_s=2.0) as client:
+            await client.connect()
+            lease = client.lease_id
+            index._loop.call_soon_threadsafe(time.sleep, 0.5)
+            with pytest.raises(IndexUnavailable, match="timeout"):
+                await client.retrieve([key(1)], timeout_s=0.1)
+            await asyncio.sleep(0.5)
+            assert await client.match_prefix([key(1)]) == 0
+            assert client.lease_id != lease  # a retrieve was in flight: fresh lease
+
+    asyncio.run(main())
