@@ -43,18 +43,20 @@ class VersionedEmulator(kmock.KubernetesEmulator):
         super().__attrs_post_init__()
         self._versions = itertools.count(1)
         self._write_lock = asyncio.Lock()
-        self.faults: list[tuple[str, str, int]] = []  # (method, path substring, status)
+        self.faults: list[tuple[str, str, int, bool]] = []  # (method, path substring, status, sticky)
         self.writes = 0
         self.conflicts = 0
 
-    def fail_next(self, method: str, path_part: str, status: int = 500) -> None:
-        """Answer the next `method` request whose path contains `path_part` with an error, changing nothing."""
-        self.faults.append((method.upper(), path_part, status))
+    def fail(self, method: str, path_part: str, status: int = 500, sticky: bool = False) -> None:
+        """Answer the next (`sticky`: every) `method` request whose path contains `path_part`
+        with an error, changing nothing."""
+        self.faults.append((method.upper(), path_part, status, sticky))
 
     async def _handle(self, request: kmock.Request) -> Any:
         for fault in list(self.faults):
             if request.method.value == fault[0] and fault[1] in request.url.path:
-                self.faults.remove(fault)
+                if not fault[3]:
+                    self.faults.remove(fault)
                 raise kmock.KubernetesError(status=fault[2], reason="InjectedFault", message="injected by the test")
         if request.resource is None or request.action not in (kmock.action.CREATE, kmock.action.UPDATE):
             return await super()._handle(request)

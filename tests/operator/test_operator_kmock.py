@@ -1,0 +1,159 @@
+"""The real kopf operator against kmock: create, update, concurrency, delete, restart, bad specs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from conftest import Kube, condition, wait_for
+from maru_operator import reconciler
+from maru_operator.inventory import parse_node
+from maru_operator.k8s import KubeApi, LedgerStore, load_configuration
+from maru_operator.testing import OperatorThread
+
+GiB = 1 << 30
+
+
+def ready(kube: Kube, name: str) -> dict:
+    return wait_for(lambda: (c := kube.cache(name)) and (condition(c, "Ready") or {}).get("status") == "True" and c,
+                    what=f"{name} Ready")
+
+
+def test_create_makes_children_and_becomes_ready(kube: Kube, operator: OperatorThread):
+    kube.apply_cache("demo", {"pool": {"deviceClass": "dax", "size": "4Gi"}, "storage": {"chunkTokens": 512}})
+    body = wait_for(lambda: (c := kube.cache("demo")) and (condition(c, "DevicesAllocated") or {}).get(
+        "status") == "True" and c, what="allocation")
+    assert condition(body, "Ready")["status"] == "False" and body["status"]["phase"] == "Starting"
+    uid = body["metadata"]["uid"]
+    for resource, name in [("v1/configmaps", "demo-maru-config"), ("v1/secrets", "demo-maru-token"),
+                           ("apps/v1/deployments", "demo-maru-index"), ("v1/services", "demo-maru-index"),
+                           ("networking.k8s.io/v1/networkpolicies", "demo-maru-index")]:
+        child = kube.objects(resource)[("default", name)]
+        assert child["metadata"]["ownerReferences"][0]["uid"] == uid, resource
+    config = json.loads(kube.objects("v1/configmaps")[("default", "demo-maru-config")]["data"]["kv-transfer-config.json"])
+    extra = config["kv_connector_extra_config"]
+    assert config["kv_connector"] == "MaruKVConnector" and config["kv_load_failure_policy"] == "recompute"
+    assert extra["maru_index_url"] == "tcp://demo-maru-index.default.svc:7070" and extra["maru_kv_chunk_tokens"] == 512
+    deploy = kube.objects("apps/v1/deployments")[("default", "demo-maru-index")]
+    command = deploy["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[:4] == ["marucache", "index", "--pool", "/dev/dax0.0"] and "--token-file" in command
+    kube.make_index_available("demo")
+    body = ready(kube, "demo")
+    assert body["status"]["phase"] == "Ready" and body["status"]["observedGeneration"] == 1
+    alloc = body["status"]["allocations"][0]
+    assert alloc["deviceUUID"] == "cxl-a" and alloc["nodes"] == ["rack-a-1", "rack-a-2"] and alloc["size"] == 4 * GiB
+    assert {e["reason"] for e in kube.events()} >= {"Allocated", "Created"}
+    assert operator.metrics.registry.get_sample_value("maru_operator_reconciles_total", {"result": "progressing"}) >= 1
+    assert operator.metrics.registry.get_sample_value("maru_operator_reconcile_duration_seconds_count") >= 1
+
+
+def test_spec_change_updates_children_but_never_the_token(kube: Kube, operator: OperatorThread):
+    kube.apply_cache("edit", {"pool": {"deviceClass": "dax", "size": "2Gi"}})
+    wait_for(lambda: ("default", "edit-maru-config") in kube.objects("v1/configmaps"), what="config map")
+    token = kube.objects("v1/secrets")[("default", "edit-maru-token")]["stringData"]["token"]
+    kube.patch_cache("edit", {"storage": {"layout": "layerwise", "chunkTokens": 128},
+                              "pool": {"deviceClass": "dax", "size": "6Gi"}})
+
+    def updated():
+        cm = kube.objects("v1/configmaps")[("default", "edit-maru-config")]
+        extra = json.loads(cm["data"]["kv-transfer-config.json"])["kv_connector_extra_config"]
+        return extra["maru_use_layerwise"] and extra["maru_kv_chunk_tokens"] == 128
+    wait_for(updated, what="config map update")
+    deploy = kube.objects("apps/v1/deployments")[("default", "edit-maru-index")]
+    assert str(6 * GiB) in deploy["spec"]["template"]["spec"]["containers"][0]["command"]
+    body = wait_for(lambda: (c := kube.cache("edit")) and c["status"].get("observedGeneration") == 2 and c)
+    assert body["status"]["allocations"][0]["size"] == 6 * GiB
+    assert [c["size"] for c in kube.ledger()] == [6 * GiB]
+    assert kube.objects("v1/secrets")[("default", "edit-maru-token")]["stringData"]["token"] == token
+
+
+def test_caches_created_at_once_get_disjoint_regions(kube: Kube, operator: OperatorThread):
+    for i in range(6):
+        kube.apply_cache(f"c{i}", {"pool": {"deviceClass": "dax", "size": "2Gi"}})
+    wait_for(lambda: len(kube.ledger()) == 6, what="six claims")
+    claims = sorted((c["device"], c["offset"], c["size"]) for c in kube.ledger())
+    for (d1, o1, s1), (d2, o2, _) in zip(claims, claims[1:]):
+        assert d1 != d2 or o1 + s1 <= o2, claims
+    bodies = [wait_for(lambda i=i: (c := kube.cache(f"c{i}")) and c.get("status", {}).get("allocations") and c)
+              for i in range(6)]
+    assert sorted(b["status"]["allocations"][0]["offset"] for b in bodies) == sorted(o for _, o, _ in claims)
+
+
+def test_delete_returns_the_region(kube: Kube, operator: OperatorThread):
+    kube.apply_cache("gone", {"pool": {"deviceClass": "shm", "size": "6Gi"}})
+    wait_for(lambda: len(kube.ledger()) == 1, what="claim")
+    kube.apply_cache("waiting", {"pool": {"deviceClass": "shm", "size": "4Gi"}})  # 8Gi node: must wait
+    waiting = wait_for(lambda: (c := kube.cache("waiting")) and (condition(c, "DevicesAllocated") or {}).get(
+        "reason") == "InsufficientCapacity" and c, what="waiting for capacity")
+    assert waiting["status"]["phase"] == "Pending"
+    kube.delete_cache("gone")
+    wait_for(lambda: kube.cache("gone") is None, what="finalizer removed")
+    assert kube.events("Released")
+    wait_for(lambda: [c["name"] for c in kube.ledger()] == ["waiting"], what="region handed to the waiting cache")
+
+
+def test_operator_restarted_mid_reconcile_converges_without_a_second_allocation(kube, options, cluster):
+    cluster.emulator.fail("PATCH", "/marucaches/crash", 500, sticky=True)  # status and progress never land
+    with OperatorThread(options):
+        kube.apply_cache("crash", {"pool": {"deviceClass": "dax", "size": "3Gi"}})
+        wait_for(lambda: kube.ledger() and ("default", "crash-maru-index") in kube.objects("apps/v1/deployments"),
+                 what="claim and children written")
+        assert not (kube.cache("crash").get("status") or {}).get("allocations")
+        before = kube.ledger()
+    cluster.call(lambda: cluster.emulator.faults.clear())
+    with OperatorThread(options):
+        kube.make_index_available("crash")
+        body = ready(kube, "crash")
+    assert kube.ledger() == before and len(before) == 1
+    alloc = body["status"]["allocations"][0]
+    assert (alloc["deviceUUID"], alloc["offset"], alloc["size"]) == (before[0]["device"], before[0]["offset"],
+                                                                     before[0]["size"])
+
+
+@pytest.mark.parametrize("spec, fix", [
+    ({"pool": {"deviceClass": "dax", "size": "4Gi"}, "storage": {"chunkTokens": 100, "blockSize": 16}},
+     "use 96 or 112"),
+    ({"pool": {"deviceClass": "dax", "size": "64Gi"}}, "lower spec.pool.size to at most 16Gi"),
+    ({"pool": {"deviceClass": "dax", "size": "1Gi", "nodeSelector": {"rack": "b"}}}, "change spec.pool.nodeSelector"),
+    ({"pool": {"deviceClass": "pmem", "size": "1Gi"}}, "use one of dax, shm"),
+], ids=["chunk-not-multiple", "too-large", "no-node-matches", "unknown-class"])
+def test_bad_spec_is_refused_with_a_fix_and_allocates_nothing(kube: Kube, operator: OperatorThread, spec, fix):
+    kube.apply_cache("bad", spec)
+    body = wait_for(lambda: (c := kube.cache("bad")) and condition(c, "ConfigValid"), what="ConfigValid")
+    body = kube.cache("bad")
+    cond = condition(body, "ConfigValid")
+    assert cond["status"] == "False" and fix in cond["message"], cond
+    assert body["status"]["phase"] == "Invalid" and condition(body, "Ready")["status"] == "False"
+    assert wait_for(lambda: [e for e in kube.events() if e.get("type") == "Warning" and fix in e["message"]])
+    assert kube.ledger() == []
+    assert not [k for k in kube.objects("v1/configmaps") if k[1].startswith("bad-")]
+    assert not kube.objects("apps/v1/deployments") and not kube.objects("v1/secrets")
+
+
+def test_reconciling_the_same_object_twice_changes_nothing(kube: Kube, cluster, options):
+    kube.apply_cache("twice", {"pool": {"deviceClass": "dax", "size": "2Gi"}})
+    nodes = [parse_node(n) for n in kube.objects("v1/nodes").values()]
+
+    async def go():
+        api = KubeApi(load_configuration(options.kubeconfig))
+        ledger = LedgerStore(api, "maru-system")
+        body = kube.cache("twice")
+        first = await reconciler.reconcile(api, ledger, body, nodes, None)
+        kube.request("PATCH", "/apis/maru.io/v1alpha1/namespaces/default/marucaches/twice/status",
+                     {"status": first.status}, "application/merge-patch+json")
+        versions = {(r, k): o["metadata"]["resourceVersion"] for r in ("v1/configmaps", "v1/secrets",
+                    "apps/v1/deployments", "v1/services", "maru.io/v1alpha1/marucaches")
+                    for k, o in kube.objects(r).items()}
+        second = await reconciler.reconcile(api, ledger, kube.cache("twice"), nodes, None)
+        after = {(r, k): o["metadata"]["resourceVersion"] for r in ("v1/configmaps", "v1/secrets",
+                 "apps/v1/deployments", "v1/services", "maru.io/v1alpha1/marucaches")
+                 for k, o in kube.objects(r).items()}
+        api.close()
+        return first, second, versions, after
+
+    first, second, versions, after = asyncio.run(go())
+    assert first.events and not second.events
+    assert second.status == first.status
+    assert versions == after
