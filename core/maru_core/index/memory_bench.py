@@ -1,0 +1,87 @@
+"""How much memory and time the registry needs per key (called by the index benchmark).
+
+``bytes_per_key`` measures with ``tracemalloc`` (numpy's arrays are traced
+too) everything the registry holds for ``n_keys`` committed keys: the keys
+themselves (created inside the measurement, as the server's decoder would,
+and then held by the registry alone), the index dict, the record arrays,
+the allocator and the leases.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import time
+import tracemalloc
+
+from maru_core.index.registry import Registry
+from maru_core.pool.geometry import PoolGeometry
+
+_BATCH = 8192
+_OBJECT_BYTES = 64 * 1024
+
+
+def _keys(start: int, count: int) -> list[bytes]:
+    return [hashlib.blake2b(i.to_bytes(8, "little"), digest_size=16).digest() for i in range(start, start + count)]
+
+
+def _geometry(n_keys: int, object_bytes: int) -> PoolGeometry:
+    # Room for every object below the high watermark, so nothing is evicted.
+    size = int(n_keys * object_bytes / 0.9) + 64 * 1024 * 1024
+    return PoolGeometry.plan(size, page_size=object_bytes)
+
+
+def filled_registry(n_keys: int, object_bytes: int = _OBJECT_BYTES) -> tuple[Registry, str]:
+    """A registry holding ``n_keys`` committed objects of ``object_bytes``, and an open lease."""
+    registry = Registry(_geometry(n_keys, object_bytes))
+    lease = registry.open_lease("bench")
+    for start in range(0, n_keys, _BATCH):
+        keys = _keys(start, min(_BATCH, n_keys - start))
+        registry.reserve(lease, [(k, object_bytes) for k in keys])
+        registry.commit(lease, keys)
+    return registry, lease
+
+
+def bytes_per_key(n_keys: int) -> float:
+    """Bytes of traced memory the registry holds per committed key, with ``n_keys`` keys."""
+    if n_keys <= 0:
+        raise ValueError(f"n_keys must be positive, got {n_keys}")
+    gc.collect()
+    was_tracing = tracemalloc.is_tracing()
+    if not was_tracing:
+        tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        registry, _ = filled_registry(n_keys)
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        if not was_tracing:
+            tracemalloc.stop()
+    if registry.stats().keys != n_keys:
+        raise RuntimeError(f"expected {n_keys} committed keys, the registry holds {registry.stats().keys}")
+    return held / n_keys
+
+
+def retrieve_seconds(n_keys: int, batch: int = 8000, repeats: int = 50) -> dict[str, float]:
+    """Registry time of ``retrieve`` and ``unpin`` of ``batch`` keys out of ``n_keys``: median and best."""
+    registry, lease = filled_registry(n_keys)
+    keys = _keys(n_keys // 2, batch)
+    retrieve, unpin = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        locations = registry.retrieve(lease, keys)
+        t1 = time.perf_counter()
+        registry.unpin(lease, keys)
+        t2 = time.perf_counter()
+        if locations.misses():
+            raise RuntimeError("benchmark keys missing from the registry")
+        retrieve.append(t1 - t0)
+        unpin.append(t2 - t1)
+    retrieve.sort()
+    unpin.sort()
+    return {
+        "retrieve_median_s": retrieve[len(retrieve) // 2],
+        "retrieve_best_s": retrieve[0],
+        "unpin_median_s": unpin[len(unpin) // 2],
+    }

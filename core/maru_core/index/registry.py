@@ -1,0 +1,569 @@
+"""The index's pure core: keys -> slots, pins, leases, eviction.
+
+No I/O and no asyncio: the server wraps a ``Registry`` and calls it from one
+thread. Every time comes from the injected ``clock``, so tests drive leases,
+reservation timeouts and quarantine by hand.
+
+Rules it keeps:
+
+- Write-once: ``reserve`` hands out a slot only for a key that is neither
+  committed nor reserved; an uncommitted key is invisible; ``commit`` makes a
+  reserved key visible once, and only for the lease that reserved it.
+- A pinned object is never evicted and its pages never reused; pins belong to
+  a lease and go when it is closed or lapses.
+- Reservations go when aborted, when their lease lapses, or
+  ``reservation_ttl_s`` after ``reserve`` if still uncommitted.
+- Eviction: when a reserve would push used pages (reserved + committed) above
+  ``high_watermark`` of the capacity, committed unpinned objects are evicted,
+  least recently used first, until used pages plus the reserve fit under
+  ``low_watermark``. When free space is fragmented, more are evicted until
+  each object fits.
+- After ``restore`` (an index restarted over a pool that was in use) no slot
+  is handed out for ``quarantine_s``: copies that were in flight across the
+  restart, whose pins and reservations died with the old index, finish first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+import numpy as np
+
+from maru_core.index.allocator import ExtentAllocator
+from maru_core.index.leases import Lease, new_lease_id
+from maru_core.index.records import RecordTable, State, join_keys
+from maru_core.pool.geometry import PoolGeometry
+from maru_core.protocol.locations import Location, LocationList, Slot, SlotList
+
+KEY_BYTES = 16
+Verify = Callable[[bytes, Slot], bool]
+
+
+class RegistryError(Exception):
+    """Base of the registry's refusals; ``error_type`` is the protocol's error type."""
+
+    error_type = "internal"
+
+
+class NoLease(RegistryError):
+    """The lease id is unknown, closed or lapsed: open a new lease (``hello``)."""
+
+    error_type = "no_lease"
+
+
+class NoSpace(RegistryError):
+    """None of a reserve's objects could be placed, even after eviction (or in quarantine)."""
+
+    error_type = "no_space"
+
+
+class BadRequest(RegistryError, ValueError):
+    """Arguments of the wrong type or range; the message names the item."""
+
+    error_type = "bad_request"
+
+
+@dataclasses.dataclass(frozen=True)
+class RegistryStats:
+    """Pool bytes by state (page-granular: ``free + reserved + committed ==
+    capacity``; ``pinned`` is the part of ``committed`` held by pins), key
+    counts, evictions since start, live leases."""
+
+    capacity_bytes: int
+    free_bytes: int
+    reserved_bytes: int
+    committed_bytes: int
+    pinned_bytes: int
+    largest_free_bytes: int
+    keys: int
+    reserved_keys: int
+    pinned_keys: int
+    evictions: int
+    leases: int
+    quarantined: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpiryReport:
+    """What one ``expire`` released."""
+
+    lapsed_leases: tuple[str, ...] = ()
+    pins_released: int = 0
+    reservations_released: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectInfo:
+    """One record, for inspection: ``state`` is ``"reserved"`` or ``"committed"``."""
+
+    state: str
+    offset: int
+    length: int
+    generation: int
+    pins: int
+    lease_id: str | None
+
+
+class Registry:
+    """Keys -> slots of one pool (see the module docstring for the rules).
+
+    ``geometry`` is the pool's; ``lease_ttl_s`` how long a lease lives
+    without a call or ``renew``; ``reservation_ttl_s`` how long a reservation
+    may stay uncommitted; ``high_watermark``/``low_watermark`` (fractions of
+    capacity, ``0 < low <= high <= 1``) drive eviction; ``quarantine_s``
+    (default ``lease_ttl_s``) is how long no slot is handed out after
+    ``restore``; ``clock`` returns seconds; ``first_generation`` seeds the
+    generation counter.
+    """
+
+    def __init__(
+        self,
+        geometry: PoolGeometry,
+        *,
+        lease_ttl_s: float = 10.0,
+        reservation_ttl_s: float = 30.0,
+        high_watermark: float = 0.95,
+        low_watermark: float = 0.85,
+        quarantine_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        first_generation: int = 1,
+    ) -> None:
+        if not 0 < low_watermark <= high_watermark <= 1:
+            raise ValueError(
+                f"watermarks must satisfy 0 < low <= high <= 1, got low={low_watermark}, high={high_watermark}"
+            )
+        if lease_ttl_s <= 0 or reservation_ttl_s <= 0:
+            raise ValueError("lease_ttl_s and reservation_ttl_s must be positive")
+        if first_generation < 1:
+            raise ValueError(f"first_generation must be at least 1, got {first_generation}")
+        self.geometry = geometry
+        self.lease_ttl_s = float(lease_ttl_s)
+        self.reservation_ttl_s = float(reservation_ttl_s)
+        self.quarantine_s = self.lease_ttl_s if quarantine_s is None else float(quarantine_s)
+        self._high_pages = math.floor(high_watermark * geometry.num_pages)
+        self._low_pages = math.floor(low_watermark * geometry.num_pages)
+        self._clock = clock
+        self._records = RecordTable()
+        self._alloc = ExtentAllocator(geometry.num_pages)
+        self._leases: dict[str, Lease] = {}
+        self._lease_by_number: dict[int, Lease] = {}
+        self._next_lease_number = 0
+        self._next_generation = first_generation
+        self._tick = 1
+        self._reserved_pages = 0
+        self._reserved_keys = 0
+        self._committed_pages = 0
+        self._committed_keys = 0
+        self._evictions = 0
+        self._quarantine_until = -math.inf
+
+    # -- leases ---------------------------------------------------------------------------------
+
+    def open_lease(self, client: str, lease_id: str | None = None) -> str:
+        """Resume ``lease_id`` if it is live (renewing it), else open a new lease; return its id."""
+        now = self._clock()
+        lease = self._leases.get(lease_id) if lease_id else None
+        if lease is not None and lease.expires_at > now:
+            lease.expires_at = now + self.lease_ttl_s
+            return lease.lease_id
+        if lease is not None:
+            self._drop_lease(lease)
+        lease = Lease(new_lease_id(), client, self._next_lease_number, now + self.lease_ttl_s)
+        self._next_lease_number += 1
+        self._leases[lease.lease_id] = lease
+        self._lease_by_number[lease.number] = lease
+        return lease.lease_id
+
+    def renew(self, lease_id: str) -> None:
+        """Extend the lease by ``lease_ttl_s``; ``NoLease`` if it is unknown or lapsed."""
+        self._lease(lease_id)
+
+    def close_lease(self, lease_id: str) -> bool:
+        """Release the lease's pins and reservations now; ``False`` if it was not live."""
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            return False
+        self._drop_lease(lease)
+        return True
+
+    def _lease(self, lease_id: str) -> Lease:
+        """The live lease, renewed: every call made under a lease counts as a heartbeat."""
+        lease = self._leases.get(lease_id)
+        now = self._clock()
+        if lease is not None and lease.expires_at <= now:
+            self._drop_lease(lease)
+            lease = None
+        if lease is None:
+            raise NoLease(f"lease {lease_id!r} is unknown or has lapsed: open a new one (hello)")
+        lease.expires_at = now + self.lease_ttl_s
+        return lease
+
+    def _drop_lease(self, lease: Lease) -> tuple[int, int]:
+        del self._leases[lease.lease_id]
+        del self._lease_by_number[lease.number]
+        pinned = lease.clear_pins()
+        np.subtract.at(self._records.pins, pinned, 1)
+        rec = self._records
+        hw = rec.high_water
+        owned = np.flatnonzero((rec.owner[:hw] == lease.number) & (rec.state[:hw] == State.RESERVED))
+        self._release(owned, State.RESERVED)
+        return len(pinned), len(owned)
+
+    def expire(self) -> ExpiryReport:
+        """Release lapsed leases (their pins and reservations) and reservations past their deadline."""
+        now = self._clock()
+        lapsed, pins, reservations = [], 0, 0
+        for lease in [lease for lease in self._leases.values() if lease.expires_at <= now]:
+            dropped_pins, dropped_reservations = self._drop_lease(lease)
+            lapsed.append(lease.lease_id)
+            pins += dropped_pins
+            reservations += dropped_reservations
+        if self._reserved_keys:
+            rec, hw = self._records, self._records.high_water
+            stale = np.flatnonzero((rec.state[:hw] == State.RESERVED) & (rec.deadline[:hw] <= now))
+            self._release(stale, State.RESERVED)
+            reservations += len(stale)
+        return ExpiryReport(tuple(lapsed), pins, reservations)
+
+    def _lookup_in_state(self, keys: Sequence[bytes] | bytes, state: State) -> tuple[np.ndarray, np.ndarray]:
+        return self._records.lookup_in_state(_joined(keys) if not isinstance(keys, bytes) else keys, state)
+
+    # -- readers --------------------------------------------------------------------------------
+
+    def match_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` are committed (no pin, no lease needed)."""
+        _, committed = self._lookup_in_state(keys, State.COMMITTED)
+        return len(keys) if committed.all() else int(np.argmin(committed))
+
+    def retrieve(self, lease_id: str, keys: Sequence[bytes]) -> LocationList:
+        """One ``Location`` per key, in order, ``None`` for a key not committed.
+
+        All or nothing: when every key is committed, each is pinned (once per
+        occurrence) for ``lease_id`` until ``unpin`` or the lease ends, and
+        becomes most recently used (earlier keys more recent than later ones,
+        so a prefix's tail is evicted before its head). When any key is
+        missing, nothing is pinned and the locations returned must not be
+        read.
+        """
+        lease = self._lease(lease_id)
+        joined = _joined(keys)
+        rows, committed = self._lookup_in_state(joined, State.COMMITTED)
+        if committed.all():
+            distinct = self._touch(rows)
+            if distinct:
+                self._records.pins[rows] += 1
+            else:
+                np.add.at(self._records.pins, rows, 1)
+            lease.add_pins(rows, distinct, joined)
+            return self._locations(rows)
+        words = np.zeros((len(keys), 3), dtype="<u8")
+        words[committed] = self._location_words(rows[committed])
+        return LocationList.from_wire(words.tobytes())
+
+    def unpin(self, lease_id: str, keys: Sequence[bytes]) -> int:
+        """Drop one of ``lease_id``'s pins per key occurrence; return how many were dropped."""
+        lease = self._lease(lease_id)
+        joined = _joined(keys)
+        batch = lease.take_batch(joined)
+        if batch is not None:
+            self._records.pins[batch] -= 1
+            return len(batch)
+        rows, _ = self._lookup_in_state(joined, State.COMMITTED)
+        unpinned_rows, counts = lease.take_pins(rows[rows >= 0])
+        self._records.pins[unpinned_rows] -= counts
+        return len(unpinned_rows) if isinstance(counts, int) else int(counts.sum())
+
+    def _location_words(self, rows: np.ndarray) -> np.ndarray:
+        rec, g = self._records, self.geometry
+        return np.stack(
+            (rec.page[rows] * g.page_size + g.data_offset, rec.length[rows], rec.generation[rows]), axis=1
+        ).astype("<u8")
+
+    def _locations(self, rows: np.ndarray) -> LocationList:
+        return LocationList.from_wire(self._location_words(rows).tobytes())
+
+    def _touch(self, rows: np.ndarray) -> bool:
+        """Make ``rows`` most recently used; return whether they are distinct.
+
+        Each position gets its own tick, so a row listed twice keeps only its
+        later tick: reading the ticks back tells duplicates apart for free.
+        """
+        n = len(rows)
+        ticks = self._tick + n - np.arange(n, dtype=np.int64)
+        self._records.last_used[rows] = ticks
+        self._tick += n + 1
+        return bool(np.array_equal(self._records.last_used[rows], ticks))
+
+    # -- writers --------------------------------------------------------------------------------
+
+    def reserve(self, lease_id: str, items: Sequence[tuple[bytes, int]]) -> SlotList:
+        """A slot per ``(key, length)`` item, in order, or ``None`` for an item
+        whose key is already committed or reserved (or repeated in ``items``)
+        or that does not fit even after eviction.
+
+        The batch's objects are placed contiguously, in order, when one free
+        extent holds them all, so a reader can copy adjacent objects at once.
+        Raises ``NoSpace`` when no new item could be placed, ``BadRequest``
+        for a key that is not 16 bytes or a length that is not positive.
+        """
+        lease = self._lease(lease_id)
+        keys, lengths = _split_items(items)
+        candidates = self._new_distinct(keys)
+        if not candidates.any():
+            return SlotList.from_wire(bytes(16 * len(keys)))
+        if self._clock() < self._quarantine_until:
+            raise NoSpace(
+                f"the index restarted over a pool in use; it hands out no slot for {self.quarantine_s:g} s "
+                "so that copies in flight across the restart finish (stores are skipped meanwhile)"
+            )
+        cand_idx = np.flatnonzero(candidates)
+        pages = -(-lengths[cand_idx] // self.geometry.page_size)
+        starts = self._place(pages)
+        placed = starts >= 0
+        if not placed.any():
+            raise NoSpace(
+                f"no room for any of {len(cand_idx)} objects ({int(pages.sum())} pages) in a pool of "
+                f"{self.geometry.num_pages} pages: the rest is pinned or reserved"
+            )
+        idx = cand_idx[placed]
+        rows = self._add_reserved(lease, [keys[i] for i in idx.tolist()], starts[placed], pages[placed], lengths[idx])
+        words = np.zeros((len(keys), 2), dtype="<u8")
+        words[idx, 0] = starts[placed] * self.geometry.page_size + self.geometry.data_offset
+        words[idx, 1] = self._records.generation[rows]
+        return SlotList.from_wire(words.tobytes())
+
+    def _new_distinct(self, keys: list[bytes]) -> np.ndarray:
+        """Mask of keys that are not in the index and not a repeat of an earlier key in the batch."""
+        return (self._records.lookup(_joined(keys)) < 0) & _first_occurrences(keys)
+
+    def _add_reserved(self, lease: Lease, keys: list[bytes], starts: np.ndarray, pages: np.ndarray,
+                      lengths: np.ndarray) -> np.ndarray:  # fmt: skip
+        rec = self._records
+        rows = rec.add(keys)
+        n = len(rows)
+        rec.page[rows] = starts
+        rec.pages[rows] = pages
+        rec.length[rows] = lengths
+        rec.generation[rows] = np.arange(self._next_generation, self._next_generation + n, dtype=np.int64)
+        self._next_generation += n
+        rec.state[rows] = State.RESERVED
+        rec.owner[rows] = lease.number
+        rec.deadline[rows] = self._clock() + self.reservation_ttl_s
+        self._reserved_pages += int(pages.sum())
+        self._reserved_keys += n
+        return rows
+
+    def commit(self, lease_id: str, keys: Sequence[bytes], verify: Verify | None = None) -> list[bool]:
+        """Make reserved keys visible; one bool per key, in order.
+
+        ``False`` for a key this lease has not reserved (never reserved,
+        aborted, expired, already committed: commits are write-once, the
+        first one stands) and for a key whose ``verify(key, Slot)`` (the
+        server's check of the slot header) fails: its slot is released.
+        """
+        lease = self._lease(lease_id)
+        rec = self._records
+        rows, ok = self._lookup_in_state(keys, State.RESERVED)
+        ok &= rec.owner[rows] == lease.number
+        ok &= _first_occurrences(keys)
+        if verify is not None and ok.any():
+            g = self.geometry
+            for i in np.flatnonzero(ok).tolist():
+                row = int(rows[i])
+                slot = Slot(int(rec.page[row]) * g.page_size + g.data_offset, int(rec.generation[row]))
+                ok[i] = bool(verify(keys[i], slot))
+            rejected = rows[(rows >= 0) & ~ok & (rec.state[rows] == State.RESERVED) & (rec.owner[rows] == lease.number)]
+            self._release(np.unique(rejected), State.RESERVED)
+        done = rows[ok]
+        pages = int(rec.pages[done].sum())
+        rec.state[done] = State.COMMITTED
+        rec.owner[done] = -1
+        self._reserved_pages -= pages
+        self._reserved_keys -= len(done)
+        self._committed_pages += pages
+        self._committed_keys += len(done)
+        self._touch(done)
+        return ok.tolist()
+
+    def abort(self, lease_id: str, keys: Sequence[bytes]) -> int:
+        """Release this lease's reservations of ``keys``; return how many."""
+        lease = self._lease(lease_id)
+        rec = self._records
+        rows, reserved = self._lookup_in_state(keys, State.RESERVED)
+        mine = np.unique(rows[reserved & (rec.owner[rows] == lease.number)])
+        self._release(mine, State.RESERVED)
+        return len(mine)
+
+    # -- space ----------------------------------------------------------------------------------
+
+    def _release(self, rows: np.ndarray, state: State) -> None:
+        """Free the pages and records at ``rows`` (distinct, all in ``state``)."""
+        if not len(rows):
+            return
+        rec = self._records
+        pages = int(rec.pages[rows].sum())
+        self._alloc.free_runs(rec.page[rows], rec.pages[rows])
+        rec.remove(rows)
+        if state == State.RESERVED:
+            self._reserved_pages -= pages
+            self._reserved_keys -= len(rows)
+        else:
+            self._committed_pages -= pages
+            self._committed_keys -= len(rows)
+
+    def _evict(self, min_pages: int) -> int:
+        """Evict least recently used unpinned committed objects totalling at least
+        ``min_pages`` pages, or all there are; return the pages freed."""
+        rec, hw = self._records, self._records.high_water
+        victims = np.flatnonzero((rec.state[:hw] == State.COMMITTED) & (rec.pins[:hw] == 0))
+        if not len(victims) or min_pages <= 0:
+            return 0
+        pages = rec.pages[victims]
+        k = min(len(victims), max(16, int(1.25 * min_pages / pages.mean()) + 1))
+        while True:
+            if k < len(victims):
+                chosen = victims[np.argpartition(rec.last_used[victims], k - 1)[:k]]
+            else:
+                chosen = victims
+            chosen = chosen[np.argsort(rec.last_used[chosen], kind="stable")]
+            total = np.cumsum(rec.pages[chosen])
+            if total[-1] >= min_pages or k == len(victims):
+                break
+            k = min(len(victims), 2 * k)
+        chosen = chosen[: int(np.searchsorted(total, min_pages)) + 1]
+        freed = int(rec.pages[chosen].sum())
+        self._release(chosen, State.COMMITTED)
+        self._evictions += len(chosen)
+        return freed
+
+    def _place(self, pages: np.ndarray) -> np.ndarray:
+        """First page for each object (-1 where none fits), evicting as the watermarks say."""
+        need = int(pages.sum())
+        used = self._alloc.used_pages
+        if used + need > self._high_pages:
+            self._evict(used + need - self._low_pages)
+        start = self._alloc.allocate(need) if need <= self._alloc.largest_free else None
+        if start is not None:
+            return start + np.concatenate(([0], np.cumsum(pages)[:-1]))
+        starts = np.full(len(pages), -1, dtype=np.int64)
+        for i, count in enumerate(pages.tolist()):
+            if count > self.geometry.num_pages:
+                continue
+            first = self._alloc.allocate(count)
+            while first is None and self._evict(count):
+                first = self._alloc.allocate(count)
+            if first is not None:
+                starts[i] = first
+        return starts
+
+    # -- restart --------------------------------------------------------------------------------
+
+    def restore(self, objects: Iterable[tuple[bytes, Location]]) -> int:
+        """Rebuild from the pool's slot headers after a restart; return how many objects were kept.
+
+        ``objects`` are ``(key, Location)`` pairs (from
+        ``Pool.iter_slot_headers``). Objects that lie outside the data area
+        are skipped; of two with one key, or two that overlap, the higher
+        generation wins. Must be called before any reserve. Starts the
+        quarantine: no slot is handed out for ``quarantine_s``.
+        """
+        if len(self._records):
+            raise RegistryError("restore rebuilds an empty registry; this one already holds objects")
+        from maru_core.index.restore import select_restorable
+
+        keys, pages, counts, lengths, gens = select_restorable(objects, self.geometry)
+        self._quarantine_until = self._clock() + self.quarantine_s
+        if not keys:
+            return 0
+        self._alloc = ExtentAllocator.from_occupied(self.geometry.num_pages, pages, counts)
+        rec = self._records
+        rows = rec.add(keys)
+        rec.page[rows], rec.pages[rows], rec.length[rows], rec.generation[rows] = pages, counts, lengths, gens
+        rec.state[rows] = State.COMMITTED
+        # Older generations count as less recently used.
+        order = np.argsort(gens, kind="stable")
+        rec.last_used[rows[order]] = self._tick + np.arange(len(rows), dtype=np.int64)
+        self._tick += len(rows) + 1
+        self._committed_pages = int(counts.sum())
+        self._committed_keys = len(rows)
+        self._next_generation = max(self._next_generation, int(gens.max()) + 1)
+        return len(rows)
+
+    # -- inspection -----------------------------------------------------------------------------
+
+    def describe(self, key: bytes) -> ObjectInfo | None:
+        """The record of ``key``, or ``None`` when the index does not know it."""
+        row = self._records.row_of(key)
+        if row is None:
+            return None
+        rec, g = self._records, self.geometry
+        owner = self._lease_by_number.get(int(rec.owner[row]))
+        return ObjectInfo(
+            state="committed" if rec.state[row] == State.COMMITTED else "reserved",
+            offset=int(rec.page[row]) * g.page_size + g.data_offset,
+            length=int(rec.length[row]),
+            generation=int(rec.generation[row]),
+            pins=int(rec.pins[row]),
+            lease_id=owner.lease_id if owner else None,
+        )
+
+    def stats(self) -> RegistryStats:
+        rec, hw, page = self._records, self._records.high_water, self.geometry.page_size
+        pinned = (rec.pins[:hw] > 0) & (rec.state[:hw] == State.COMMITTED)
+        return RegistryStats(
+            capacity_bytes=self.geometry.num_pages * page,
+            free_bytes=self._alloc.free_pages * page,
+            reserved_bytes=self._reserved_pages * page,
+            committed_bytes=self._committed_pages * page,
+            pinned_bytes=int(rec.pages[:hw][pinned].sum()) * page,
+            largest_free_bytes=self._alloc.largest_free * page,
+            keys=self._committed_keys,
+            reserved_keys=self._reserved_keys,
+            pinned_keys=int(pinned.sum()),
+            evictions=self._evictions,
+            leases=len(self._leases),
+            quarantined=self._clock() < self._quarantine_until,
+        )
+
+
+def _joined(keys: Sequence[bytes]) -> bytes:
+    try:
+        return join_keys(keys)
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
+
+
+def _first_occurrences(keys: Sequence[bytes]) -> np.ndarray:
+    """Mask of the positions holding the first occurrence of their key."""
+    n = len(keys)
+    first_of = dict(zip(reversed(keys), range(n - 1, -1, -1)))
+    if len(first_of) == n:
+        return np.ones(n, dtype=bool)
+    first = np.zeros(n, dtype=bool)
+    first[list(first_of.values())] = True
+    return first
+
+
+def _split_items(items: Sequence[tuple[bytes, int]]) -> tuple[list[bytes], np.ndarray]:
+    """Keys and lengths of reserve items, checked."""
+    try:
+        keys, lengths = (list(column) for column in zip(*items)) if len(items) else ([], [])
+    except (TypeError, ValueError):
+        raise BadRequest("reserve items must be (key, length) pairs") from None
+    if keys and (set(map(type, keys)) != {bytes} or set(map(len, keys)) != {KEY_BYTES}):
+        bad = next(i for i, k in enumerate(keys) if type(k) is not bytes or len(k) != KEY_BYTES)
+        raise BadRequest(f"reserve item {bad}: a key must be {KEY_BYTES} bytes, got {keys[bad]!r}")
+    if lengths and set(map(type, lengths)) != {int}:
+        bad = next(i for i, n in enumerate(lengths) if type(n) is not int)
+        raise BadRequest(f"reserve item {bad}: the length must be an int, got {lengths[bad]!r}")
+    try:
+        array = np.array(lengths, dtype=np.int64)
+    except OverflowError:
+        raise BadRequest("reserve lengths must be below 2**63 bytes") from None
+    if len(array) and array.min() <= 0:
+        bad = int(np.argmin(array))
+        raise BadRequest(f"reserve item {bad}: the length must be positive, got {lengths[bad]}")
+    return keys, array
