@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "sidecar": ("maru_sidecar.cli", "hand the pool to vLLM and export metrics"),
     "operator": ("maru_operator.cli", "run the Kubernetes operator"),
     "demo": ("maru_connector.demo", "two vLLM engines sharing one cache"),
+    "quickstart": ("maru_core.quickstart", "store and read back KV objects between two processes (no vLLM)"),
 }
 
 
