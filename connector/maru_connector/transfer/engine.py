@@ -107,6 +107,9 @@ class TransferEngine:
     def submit_load(self, chunks: Sequence[ChunkLoad]) -> LoadHandle:
         """Queue copies pool -> KV cache for ``chunks``; returns at once.
 
+        On CUDA the writes into the blocks are ordered after the work queued
+        so far on the caller's current stream.
+
         Raises ``TransferRequestError`` when a chunk does not fit the format
         (wrong number of block ids or offsets, block id out of range).
         Problems found while copying (e.g. an offset outside the pool) end
@@ -116,7 +119,9 @@ class TransferEngine:
         nbytes = len(blocks) * self.layout.block_bytes_per_layer * self.layout.num_layers
         handle = LoadHandle(self.layout.num_layers if chunks else 0, nbytes)
         if chunks:
-            self._enqueue(self._load_queue, _Job(handle, blocks, [c[1] for c in chunks]))
+            job = _Job(handle, blocks, [c[1] for c in chunks])
+            self._prepare(job)
+            self._enqueue(self._load_queue, job)
         return handle
 
     def submit_store(self, chunks: Sequence[ChunkStore]) -> StoreHandle:
@@ -130,12 +135,13 @@ class TransferEngine:
         handle = StoreHandle(nbytes)
         if chunks:
             job = _Job(handle, blocks, [c[1] for c in chunks])
-            self._prepare_store(job)
+            self._prepare(job)
             self._enqueue(self._store_queue, job)
         return handle
 
-    def _prepare_store(self, job: _Job) -> None:
-        """Hook run on the caller's thread at submit (CUDA records an event)."""
+    def _prepare(self, job: _Job) -> None:
+        """Hook run on the caller's thread at submit (CUDA records an event
+        on the caller's current stream that the copies wait for)."""
 
     def _enqueue(self, q: queue.Queue, job: _Job) -> None:
         with self._submit_lock:  # nothing may queue behind the stop marker

@@ -54,6 +54,7 @@ class LoadHandle:
         self._marked = [threading.Event() for _ in range(num_layers)]
         self._ok = [False] * num_layers
         self._device_events: list[Any] | None = None
+        self._device_start: Any = None  # timing event recorded at submit (CUDA)
         self._lock = threading.Lock()
         self._all_marked = threading.Event()
         self._remaining = num_layers
@@ -141,6 +142,15 @@ class LoadHandle:
         if self.error is not None:
             return True
         return all(self.layer_ready(layer) for layer in range(self.num_layers))
+
+    def device_layer_times_s(self) -> list[float] | None:
+        """Per layer, seconds from submit until its copy completed on the
+        device; CUDA engines built with ``timing=True`` only, after
+        ``wait_all``."""
+        if self._device_start is None or not self._device_events:
+            return None
+        start = self._device_start
+        return [start.elapsed_time(ev) / 1000 for ev in self._device_events]
 
     @property
     def elapsed_s(self) -> float | None:
