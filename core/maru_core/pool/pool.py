@@ -49,7 +49,7 @@ def _map(fd: int, size: int) -> mmap.mmap:
 
 
 def _is_blank(mapping: mmap.mmap) -> bool:
-    return not any(memoryview(mapping)[:HEADER_REGION])
+    return not any(mapping[:HEADER_REGION])
 
 
 def _fd_name(fd: int) -> str:
@@ -105,7 +105,7 @@ class Pool:
                 parse_header(b"", size, where)  # raises PoolTooSmall
             mapping = _map(fd, size)
             try:
-                header = parse_header(memoryview(mapping)[:HEADER_REGION], size, where)
+                header = parse_header(mapping[:HEADER_REGION], size, where)
             except BaseException:
                 mapping.close()
                 raise
@@ -207,7 +207,7 @@ class Pool:
             raise PoolPermissionError(f"no permission to create files in {directory}") from None
         try:
             mapping = cls._initialise_file(fd, geometry, tmp, creator, preallocate)
-            header = parse_header(memoryview(mapping)[:HEADER_REGION], size, path)
+            header = parse_header(mapping[:HEADER_REGION], size, path)
             published = cls._publish(tmp, path, replace)
         except BaseException:
             os.close(fd)
@@ -276,7 +276,7 @@ class Pool:
             geometry = PoolGeometry.plan(dev_size, page_size)
             _zero(mapping, 0, geometry.data_offset)
             mapping[:HEADER_REGION] = PoolHeader.new(geometry, creator).pack().ljust(HEADER_REGION, b"\0")
-            header = parse_header(memoryview(mapping)[:HEADER_REGION], dev_size, path)
+            header = parse_header(mapping[:HEADER_REGION], dev_size, path)
         except ValueError as exc:
             mapping.close()
             os.close(fd)
