@@ -97,6 +97,8 @@ class IndexProcess:
             self.proc.wait()
 
     def __enter__(self) -> "IndexProcess":
+        if self.proc is not None and self.proc.poll() is None:
+            return self  # already started: ``with IndexProcess(...).start():``
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -1,0 +1,272 @@
+"""The index as a real process on loopback, with real client processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from maru_core.index.client import IndexClient, IndexRejected
+from maru_core.index.launcher import IndexProcess, unique_shm_path
+from maru_core.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION, FrameDecoder, encode_frame, parse_url
+from maru_core.quickstart import prompt_keys
+
+TOKEN = "process-token"
+ROLE_ARGS = ["--tokens", "1024", "--chunk-tokens", "128", "--layers", "4", "--object-size", "65536"]
+
+
+@pytest.fixture
+def token_file(tmp_path):
+    path = tmp_path / "token"
+    path.write_text(TOKEN + "\n")
+    return str(path)
+
+
+@pytest.fixture
+def pool_path():
+    path = unique_shm_path("test-proc")
+    yield path
+    if os.path.exists(path):
+        os.unlink(path)
+
+
+@pytest.fixture
+def index(pool_path, token_file):
+    proc = IndexProcess(pool_path, pool_size="64Mi", token_file=token_file,
+                        extra_args=["--lease-ttl", "0.5", "--metrics-port", "0", "--metrics-addr", "127.0.0.1"])
+    with proc.start():
+        yield proc
+
+
+def role(name: str, index: IndexProcess, pool_path: str, token_file: str) -> dict:
+    cmd = [sys.executable, "-m", "maru_core.quickstart", name, "--url", index.url, "--pool", pool_path,
+           "--token-file", token_file, *ROLE_ARGS]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_writer_and_reader_processes_exchange_bytes(index, pool_path, token_file):
+    writer = role("writer", index, pool_path, token_file)
+    reader = role("reader", index, pool_path, token_file)
+    assert writer["committed"] == writer["objects"] == 32
+    assert writer["pid"] != reader["pid"]
+    assert (reader["matched"], reader["hits"], reader["verified"]) == (32, 32, 32)
+    with IndexClient(index.url, token=TOKEN) as client:
+        stats = client.stats()
+        assert stats["keys"] == 32 and stats["pinned_keys"] == 0 and stats["reserved_keys"] == 0
+
+
+KILLED_CLIENT = textwrap.dedent("""
+    import sys, time
+    from maru_core.index.client import IndexClient
+    from maru_core.pool import Pool, SlotHeader
+    url, pool_path, token = sys.argv[1:4]
+    keys = [bytes([i]) * 16 for i in range(1, 9)]
+    with Pool.attach(pool_path) as pool:
+        client = IndexClient(url, token=token)
+        slots = client.reserve([(k, 4096) for k in keys[:4]])
+        for k, s in zip(keys, slots):
+            pool.write_slot_header(s.offset, SlotHeader(key=k, generation=s.generation, length=4096))
+        assert client.commit(keys[:4]) == [True] * 4
+        assert client.retrieve(keys[:4]).misses() == 0   # 4 pins
+        assert None not in client.reserve([(k, 4096) for k in keys[4:]])  # 4 reservations
+        print("ready", flush=True)
+        time.sleep(60)
+""")
+
+
+def test_sigkilled_client_leaves_no_pin_or_reservation(index, pool_path):
+    child = subprocess.Popen([sys.executable, "-c", KILLED_CLIENT, index.url, pool_path, TOKEN],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        with IndexClient(index.url, token=TOKEN) as client:
+            stats = client.stats()
+            assert (stats["pinned_keys"], stats["reserved_keys"], stats["leases"]) == (4, 4, 2)
+            child.send_signal(signal.SIGKILL)
+            child.wait()
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                stats = client.stats()
+                if stats["leases"] == 1:
+                    break
+                time.sleep(0.1)
+            assert (stats["pinned_keys"], stats["reserved_keys"], stats["leases"]) == (0, 0, 1)
+            assert stats["keys"] == 4  # committed objects stay
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_restarted_index_answers_the_same_lookups(pool_path, token_file):
+    first = IndexProcess(pool_path, pool_size="64Mi", token_file=token_file, extra_args=["--lease-ttl", "0.5"])
+    with first.start():
+        role("writer", first, pool_path, token_file)
+        with IndexClient(first.url, token=TOKEN) as client:
+            keys = prompt_keys(1024, 128, 4)
+            before = list(client.retrieve(keys))
+            client.unpin(keys)
+    first.kill()  # a crash, not a clean stop
+    second = IndexProcess(pool_path, token_file=token_file, extra_args=["--lease-ttl", "0.5"])
+    with second.start():
+        with IndexClient(second.url, token=TOKEN) as client:
+            assert client.match_prefix(keys) == 32
+            assert list(client.retrieve(keys)) == before
+            client.unpin(keys)
+        reader = role("reader", second, pool_path, token_file)
+        assert reader["verified"] == 32
+
+
+def test_bad_token_is_refused(index):
+    for token in (None, "wrong"):
+        with IndexClient(index.url, token=token) as client:
+            with pytest.raises(IndexRejected) as info:
+                client.match_prefix([bytes(16)])
+            assert info.value.error_type == "auth"
+
+
+def test_metrics_serve_the_documented_names(index):
+    with IndexClient(index.url, token=TOKEN) as client:
+        client.retrieve([bytes(16)])
+    with IndexClient(index.url, token="wrong") as bad:
+        with pytest.raises(IndexRejected):
+            bad.connect()
+    body = urllib.request.urlopen(index.metrics_url.replace("0.0.0.0", "127.0.0.1"), timeout=5).read().decode()
+    for line in [
+        "maru_pool_capacity_bytes ",
+        'maru_pool_bytes{state="free"} ',
+        'maru_pool_bytes{state="reserved"} ',
+        'maru_pool_bytes{state="committed"} ',
+        'maru_pool_bytes{state="pinned"} ',
+        "maru_keys 0.0",
+        "maru_evictions_total 0.0",
+        "maru_leases ",
+        'maru_index_rpc_duration_seconds_bucket{le="0.001",op="retrieve"} ',
+        'maru_index_rpc_duration_seconds_count{op="hello"} ',
+        'maru_index_rpc_errors_total{op="hello",type="auth"} 1.0',
+        "process_resident_memory_bytes ",
+    ]:
+        assert line in body, line
+
+
+# -- fuzzing a live index ----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def fuzz_index(tmp_path_factory):
+    path = unique_shm_path("test-fuzz")
+    token_file = tmp_path_factory.mktemp("fuzz") / "token"
+    token_file.write_text(TOKEN)
+    proc = IndexProcess(path, pool_size="16Mi", token_file=str(token_file)).start()
+    client = IndexClient(proc.url, token=TOKEN, timeout_s=5)
+    client.connect()
+    yield proc, client
+    client.close()
+    proc.stop()
+    os.unlink(path)
+
+
+def _send_and_drain(url: str, data: bytes) -> list:
+    """Send ``data`` on a fresh connection; return the replies read until the index closes or goes quiet."""
+    address = parse_url(url)
+    decoder, replies = FrameDecoder(), []
+    with socket.create_connection((address.host, address.port), timeout=5) as sock:
+        try:
+            sock.sendall(data)
+            sock.shutdown(socket.SHUT_WR)
+            while chunk := sock.recv(65536):
+                replies += decoder.feed(chunk)
+        except (ConnectionResetError, BrokenPipeError):
+            pass
+    return replies
+
+
+def _still_serving(proc: IndexProcess, client: IndexClient) -> None:
+    assert proc.proc.poll() is None
+    assert client.match_prefix([bytes(16)]) == 0
+
+
+values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=20)
+    | st.binary(max_size=40),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=5),
+    max_leaves=20,
+)
+ops = st.sampled_from(["hello", "heartbeat", "match_prefix", "retrieve", "unpin", "reserve", "commit",
+                       "abort", "stats", "nope", ""])
+fields = st.sampled_from(["keys", "lengths", "token", "client", "lease_id", "protocol", "extra"])
+FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@FUZZ
+@given(data=st.binary(min_size=1, max_size=300))
+def test_random_bytes_close_only_that_connection(fuzz_index, data):
+    proc, client = fuzz_index
+    _send_and_drain(proc.url, data)
+    _still_serving(proc, client)
+
+
+@FUZZ
+@given(op=ops, args=st.dictionaries(fields, values, max_size=4), hello_first=st.booleans())
+def test_wrong_types_get_typed_error_replies(fuzz_index, op, args, hello_first):
+    proc, client = fuzz_index
+    frames = b""
+    if hello_first:
+        frames += encode_frame({"id": 1, "op": "hello", "protocol": PROTOCOL_VERSION, "client": "fuzz", "token": TOKEN})
+    frames += encode_frame({"id": 2, "op": op, **args})
+    replies = _send_and_drain(proc.url, frames)
+    assert replies[-1]["id"] == 2
+    if not replies[-1]["ok"]:
+        assert replies[-1]["error"]["type"] in {"bad_request", "unknown_op", "auth", "too_large", "no_lease",
+                                                "no_space"}
+    _still_serving(proc, client)
+
+
+@FUZZ
+@given(length=st.integers(MAX_FRAME_BYTES + 1, 2**32 - 1), tail=st.binary(max_size=64))
+def test_huge_lengths_are_refused(fuzz_index, length, tail):
+    proc, client = fuzz_index
+    replies = _send_and_drain(proc.url, length.to_bytes(4, "big") + tail)
+    assert replies and replies[0]["error"]["type"] == "too_large"
+    _still_serving(proc, client)
+
+
+# -- the command line ----------------------------------------------------------
+
+def marucache(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "maru_core.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--listen", "tcp://127.0.0.1:0", "--pool-size", "12X"], "is not a size"),
+        (["--listen", "localhost:80", "--pool-size", "64Mi"], "tcp://HOST:PORT"),
+        (["--listen", "tcp://127.0.0.1:0", "--lease-ttl", "0"], "positive number of seconds"),
+        (["--listen", "tcp://127.0.0.1:0"], "pass --pool-size to create one"),
+        (["--listen", "tcp://127.0.0.1:0", "--pool-size", "64Mi", "--token-file", "/nonexistent/t"], "cannot read"),
+    ],
+)
+def test_bad_flags_say_what_to_change(pool_path, args, words):
+    done = marucache("index", "--pool", pool_path, *args)
+    assert done.returncode == 2 and words in done.stderr
+    assert not os.path.exists(pool_path)
+
+
+def test_sigterm_stops_cleanly_and_removes_the_socket(pool_path, tmp_path):
+    sock = tmp_path / "index.sock"
+    proc = IndexProcess(pool_path, pool_size="16Mi", listen=f"unix://{sock}").start()
+    assert sock.exists()
+    assert proc.stop() == 0
+    assert not sock.exists()
