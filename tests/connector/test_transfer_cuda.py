@@ -41,7 +41,7 @@ class ShmPool:
 
 @pytest.fixture
 def pool():
-    p = ShmPool(8 << 20)
+    p = ShmPool(32 << 20)
     yield p
     p.close()
 
