@@ -89,22 +89,32 @@ class PoolHandoff:
         return pool
 
 
+RETRY_INTERVAL_S = 0.2
+
+
 def fetch_pool(socket_path: str, token: str | None, cache_name: str, timeout_s: float = 5.0) -> PoolHandoff:
     """Ask the sidecar listening on `socket_path` for the pool of cache `cache_name`.
 
-    Blocks at most about `timeout_s` seconds. Raises `HandoffUnavailable` when
-    no sidecar answers (not started, restarting, pool not attached yet),
-    `HandoffRefused` when it refuses (its message says what to change) and
+    While no sidecar answers yet (the containers of a pod start in any order)
+    or it has not attached its pool yet, retries until `timeout_s` has passed,
+    then raises `HandoffUnavailable`. Raises `HandoffRefused` at once when the
+    sidecar refuses (its message says what to change), and
     `HandoffProtocolError` on garbage. On success the returned `fd` is a new
     descriptor of this process, open read-write on the pool.
     """
     deadline = time.monotonic() + timeout_s
-    try:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    except OSError as exc:  # pragma: no cover - only without AF_UNIX
-        raise HandoffError(f"cannot create a Unix socket: {exc}") from exc
-    with sock:
-        sock.settimeout(timeout_s)
+    while True:
+        try:
+            return _fetch_once(socket_path, token, cache_name, deadline)
+        except HandoffUnavailable:
+            if time.monotonic() + RETRY_INTERVAL_S >= deadline:
+                raise
+            time.sleep(RETRY_INTERVAL_S)
+
+
+def _fetch_once(socket_path: str, token: str | None, cache_name: str, deadline: float) -> PoolHandoff:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(max(deadline - time.monotonic(), 0.001))
         try:
             sock.connect(socket_path)
         except (FileNotFoundError, ConnectionRefusedError) as exc:
@@ -127,7 +137,7 @@ def fetch_pool(socket_path: str, token: str | None, cache_name: str, timeout_s: 
             sock.settimeout(max(deadline - time.monotonic(), 0.001))
             reply, fds = recv_frame(sock, max_fds=1)
         except TimeoutError as exc:
-            raise HandoffUnavailable(f"the sidecar at {socket_path} did not answer within {timeout_s} s") from exc
+            raise HandoffUnavailable(f"the sidecar at {socket_path} did not answer in time") from exc
         except (ConnectionError, EOFError) as exc:
             raise HandoffUnavailable(f"the sidecar at {socket_path} closed the connection: {exc}") from exc
     return _parse_reply(reply, fds, socket_path, cache_name)

@@ -31,27 +31,30 @@ class PoolAttacher:
         self._thread = threading.Thread(target=self._run, name="maru-pool-attach", daemon=True)
 
     def start(self) -> None:
-        self._thread.start()
+        """Attach now if the pool is there (then the first hand-off already succeeds), else retry in the background."""
+        if not self._try_attach():
+            self._thread.start()
 
     def _run(self) -> None:
+        while not self._stop.wait(ATTACH_RETRY_S):
+            if self._try_attach():
+                return
+
+    def _try_attach(self) -> bool:
         from maru_core.pool import Pool, PoolError
 
-        logged = None
-        while not self._stop.is_set():
-            try:
-                pool = Pool.attach(str(self._config.pool_path))
-            except PoolError as exc:
-                self._last_error = str(exc)
-                if self._last_error != logged:  # log each new reason once, not every second
-                    log.warning("cannot attach the pool yet (retrying every %.0f s): %s", ATTACH_RETRY_S, exc)
-                    logged = self._last_error
-                self._stop.wait(ATTACH_RETRY_S)
-                continue
-            self._pool = pool
-            self._offer = PoolOffer(fd=pool.fileno(), geometry=pool.geometry.to_dict(),
-                                    pool_path=str(self._config.pool_path))  # fmt: skip
-            log.info("attached the pool %s (%s)", self._config.pool_path, self._offer.geometry)
-            return
+        try:
+            pool = Pool.attach(str(self._config.pool_path))
+        except PoolError as exc:
+            if str(exc) != self._last_error:  # log each new reason once, not every second
+                log.warning("cannot attach the pool yet (retrying every %.0f s): %s", ATTACH_RETRY_S, exc)
+            self._last_error = str(exc)
+            return False
+        self._pool = pool
+        self._offer = PoolOffer(fd=pool.fileno(), geometry=pool.geometry.to_dict(),
+                                pool_path=str(self._config.pool_path))  # fmt: skip
+        log.info("attached the pool %s (%s)", self._config.pool_path, self._offer.geometry)
+        return True
 
     def offer(self) -> PoolOffer:
         if self._offer is None:

@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
@@ -214,3 +215,24 @@ def _sample(metrics_text: str, name: str, label_filter: str = "") -> float:
         if line.startswith(name + "{") and label_filter in line:
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"{name} {label_filter} not in /metrics:\n{metrics_text}")
+
+
+def test_fetch_pool_waits_for_a_sidecar_that_starts_after_it(pool, sock_dir, sidecars):
+    sock = sock_dir / "maru.sock"
+    result: dict = {}
+
+    def fetch() -> None:
+        try:
+            result["handoff"] = fetch_pool(str(sock), None, "c1", timeout_s=20.0)
+        except Exception as exc:  # reported below
+            result["error"] = exc
+
+    waiter = threading.Thread(target=fetch)
+    waiter.start()
+    time.sleep(0.5)  # the vLLM container came up first
+    assert waiter.is_alive() and not result
+    sidecars(pool.where, sock, NO_INDEX)
+    waiter.join(timeout=20)
+    assert "error" not in result, result
+    with result["handoff"].open_pool() as mapped:
+        assert mapped.geometry.uuid == pool.geometry.uuid
