@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -122,3 +124,16 @@ def test_foreign_regions_are_refused(tmp_path):
 def test_missing_directory_says_what_to_share():
     with pytest.raises(FileNotFoundError, match="shared with the sidecar"):
         ConnectorStats("/nonexistent/maru-socket-dir")
+
+
+def test_handoff_and_stats_import_without_prometheus_or_vllm():
+    code = (
+        "import sys\n"
+        "for name in ('prometheus_client', 'vllm', 'torch'):\n"
+        "    sys.modules[name] = None  # any import of them fails\n"
+        "import maru_core.handoff, maru_core.stats\n"
+        "maru_core.stats.ConnectorStats().record_lookup(1)\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "ok", out.stderr
