@@ -29,7 +29,9 @@ from maru_core.protocol import (
     parse_request,
     parse_url,
     read_frame,
+    pack_keys,
     request_id,
+    unpack_keys,
 )
 
 KEY_A = bytes(range(16))
@@ -47,6 +49,12 @@ def test_golden_stats_request():
 def test_golden_retrieve_request_keys_are_bins():
     frame = encode_frame({"id": 7, "op": "retrieve", "keys": [KEY_A]})
     payload = b"\x83\xa2id\x07\xa2op\xa8retrieve\xa4keys\x91\xc4\x10" + KEY_A
+    assert frame == len(payload).to_bytes(4, "big") + payload
+
+
+def test_golden_retrieve_request_with_packed_keys():
+    frame = encode_frame({"id": 7, "op": "retrieve", "keys": pack_keys([KEY_A, KEY_B])})
+    payload = b"\x83\xa2id\x07\xa2op\xa8retrieve\xa4keys\xc4\x20" + KEY_A + KEY_B
     assert frame == len(payload).to_bytes(4, "big") + payload
 
 
@@ -148,7 +156,7 @@ def test_valid_requests_parse_with_defaults():
         ({"id": 1}, ErrorType.BAD_REQUEST, "'op'"),
         ({"id": 1, "op": "drop_tables"}, ErrorType.UNKNOWN_OP, "unknown op"),
         ({"id": 1, "op": "retrieve"}, ErrorType.BAD_REQUEST, "needs field 'keys'"),
-        ({"id": 1, "op": "retrieve", "keys": KEY_A}, ErrorType.BAD_REQUEST, "array"),
+        ({"id": 1, "op": "retrieve", "keys": 5}, ErrorType.BAD_REQUEST, "array"),
         ({"id": 1, "op": "retrieve", "keys": ["abc"]}, ErrorType.BAD_REQUEST, "found str"),
         ({"id": 1, "op": "retrieve", "keys": [b"short"]}, ErrorType.BAD_REQUEST, "found 5 bytes"),
         ({"id": 1, "op": "retrieve", "keys": [KEY_A], "extra": 1}, ErrorType.BAD_REQUEST, "'extra'"),
@@ -167,7 +175,27 @@ def test_invalid_requests_get_typed_errors(message, error_type, words):
     assert words in error.message
 
 
+def test_packed_and_array_keys_parse_alike():
+    zeros = bytes(16)  # trailing NULs must survive unpacking
+    keys = [KEY_A, zeros, KEY_B]
+    packed = parse_request({"id": 1, "op": "retrieve", "keys": pack_keys(keys)})
+    assert packed.args["keys"] == keys == unpack_keys(pack_keys(keys))
+    assert all(type(k) is bytes for k in packed.args["keys"])
+    assert parse_request({"id": 1, "op": "commit", "keys": b""}).args["keys"] == []
+
+
+def test_packed_keys_of_a_wrong_length():
+    error = _error({"id": 1, "op": "retrieve", "keys": KEY_A + b"x"})
+    assert error.error_type is ErrorType.BAD_REQUEST and "multiple of 16" in error.message
+    with pytest.raises(ValueError, match="16 bytes each"):
+        pack_keys([KEY_A, b"short"])
+    with pytest.raises(TypeError):
+        pack_keys([KEY_A, "text"])
+
+
 def test_oversized_batch_is_too_large():
+    packed = bytes(16 * (MAX_BATCH_KEYS + 1))
+    assert _error({"id": 1, "op": "retrieve", "keys": packed}).error_type is ErrorType.TOO_LARGE
     keys = [KEY_A] * (MAX_BATCH_KEYS + 1)
     assert _error({"id": 1, "op": "match_prefix", "keys": keys}).error_type is ErrorType.TOO_LARGE
 

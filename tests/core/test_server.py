@@ -141,6 +141,17 @@ def test_store_then_retrieve_pins_and_unpin(raw, pool, index):
     assert raw.call(op="stats")["pinned_keys"] == 0
 
 
+def test_packed_keys_are_the_same_keys(raw, pool):
+    raw.hello()
+    keys = [key(i) for i in range(3)]
+    store(raw, pool, keys)
+    packed = raw.call(op="retrieve", keys=b"".join(keys))["locations"]
+    assert packed == raw.call(op="retrieve", keys=keys)["locations"]
+    assert raw.call(op="unpin", keys=b"".join(keys))["unpinned"] == 3
+    assert raw.call(op="match_prefix", keys=b"".join(keys))["matched"] == 3
+    assert raw.call(op="retrieve", keys=b"x" * 17)["error"]["type"] == "bad_request"
+
+
 def test_retrieve_with_a_miss_pins_nothing(raw, pool):
     raw.hello()
     store(raw, pool, [key(1)])

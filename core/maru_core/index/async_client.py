@@ -30,6 +30,7 @@ from maru_core.index.client_ops import (
     parse_hello,
     parse_locations,
     parse_slots,
+    request_size,
     reserve_request,
 )
 from maru_core.protocol import (
@@ -175,7 +176,7 @@ class AsyncIndexClient:
 
     async def reserve(self, items: Iterable[tuple[bytes, int]]) -> SlotList:
         request = reserve_request(items)
-        return parse_slots(await self._call(request), len(request["keys"]))
+        return parse_slots(await self._call(request), request_size(request))
 
     async def commit(self, keys: Sequence[bytes]) -> list[bool]:
         return parse_committed(await self._call(keys_request("commit", keys)), len(keys))

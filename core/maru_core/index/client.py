@@ -38,6 +38,7 @@ from maru_core.index.client_ops import (
     parse_hello,
     parse_locations,
     parse_slots,
+    request_size,
     reserve_request,
 )
 from maru_core.protocol import ErrorType, Location, LocationList, Slot, SlotList, parse_url
@@ -139,7 +140,7 @@ class IndexClient:
         key is already committed or reserved. Raises ``IndexRejected`` with
         type ``no_space`` when the pool cannot hold them even after eviction."""
         request = reserve_request(items)
-        return parse_slots(self._call(request), len(request["keys"]))
+        return parse_slots(self._call(request), request_size(request))
 
     def commit(self, keys: Sequence[bytes]) -> list[bool]:
         """Make reserved keys visible, once their data and slot headers are

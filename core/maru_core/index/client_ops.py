@@ -13,10 +13,12 @@ import socket
 from typing import Any, Iterable, Sequence
 
 from maru_core.protocol import (
+    KEY_BYTES,
     PROTOCOL_VERSION,
     ErrorType,
     LocationList,
     SlotList,
+    pack_keys,
 )
 
 #: Ops whose effect on the lease (pins, reservations) is unknown when their
@@ -72,12 +74,18 @@ def hello_request(client_name: str, token: str | None, lease_id: str | None) -> 
 
 
 def keys_request(op: str, keys: Sequence[bytes]) -> dict[str, Any]:
-    return {"op": op, "keys": keys if type(keys) is list else list(keys)}
+    """A request carrying ``keys`` packed (see ``maru_core.protocol.messages``)."""
+    return {"op": op, "keys": pack_keys(keys)}
 
 
 def reserve_request(items: Iterable[tuple[bytes, int]]) -> dict[str, Any]:
     items = list(items)
-    return {"op": "reserve", "keys": [k for k, _ in items], "lengths": [n for _, n in items]}
+    return {"op": "reserve", "keys": pack_keys([k for k, _ in items]), "lengths": [n for _, n in items]}
+
+
+def request_size(request: dict[str, Any]) -> int:
+    """How many keys a request built here carries."""
+    return len(request["keys"]) // KEY_BYTES
 
 
 def _broken(op: str, what: str) -> IndexRejected:

@@ -30,8 +30,10 @@ from maru_core.protocol.messages import (
     Request,
     error_reply,
     ok_reply,
+    pack_keys,
     parse_request,
     request_id,
+    unpack_keys,
 )
 from maru_core.protocol.url import Address, TcpAddress, UnixAddress, parse_url
 
@@ -59,11 +61,13 @@ __all__ = [
     "error_reply",
     "new_packer",
     "ok_reply",
+    "pack_keys",
     "pack_locations",
     "pack_slots",
     "parse_request",
     "payload_length",
     "read_frame",
     "request_id",
+    "unpack_keys",
     "parse_url",
 ]
