@@ -81,7 +81,10 @@ class MaruKVConnector(KVConnectorBase_V1):
         self.worker_half: MaruWorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
             namespaces = base_namespaces(vllm_config, kv_cache_config, cfg)
-            self.scheduler_half = MaruSchedulerHalf(cfg, namespaces, block_size, _make_lookup(cfg))
+            num_layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
+            self.scheduler_half = MaruSchedulerHalf(
+                cfg, namespaces, block_size, _make_lookup(cfg), num_layers=num_layers
+            )
         else:
             self.worker_half = MaruWorkerHalf(cfg, _tp_rank(), block_size)
 

@@ -14,6 +14,8 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from maru_core.keys import layer_key
+
 from maru_connector import stats
 from maru_connector.config import MaruConfig
 from maru_connector.identity import RequestKeys, request_keys
@@ -55,6 +57,8 @@ class MaruSchedulerHalf:
         namespaces: one key namespace per TP rank (index = rank).
         block_size: vLLM's KV block size (divides ``cfg.maru_kv_chunk_tokens``).
         lookup: the time-bounded ``match_prefix`` service.
+        num_layers: the model's layer count; in the layerwise format a chunk
+            counts as stored only when the objects of all its layers are.
     """
 
     def __init__(
@@ -64,6 +68,7 @@ class MaruSchedulerHalf:
         block_size: int,
         lookup: LookupService,
         counters: stats.ConnectorCounters | None = None,
+        num_layers: int = 1,
     ) -> None:
         if cfg.maru_kv_chunk_tokens % block_size:
             raise ValueError(
@@ -75,6 +80,7 @@ class MaruSchedulerHalf:
         self._chunk = cfg.maru_kv_chunk_tokens
         self._blocks_per_chunk = cfg.maru_kv_chunk_tokens // block_size
         self._lookup = lookup
+        self._layers = tuple(range(num_layers)) if cfg.maru_use_layerwise else None
         self.counters = counters or stats.ConnectorCounters()
         self._dumper = stats.StatsDumper(cfg.maru_stats_path, "scheduler", self.counters)
         self._reqs: dict[str, _RequestState] = {}
@@ -99,9 +105,11 @@ class MaruSchedulerHalf:
         first = num_computed_tokens // self._chunk
         if keys.num_chunks <= first:
             return 0, False
-        matched = self._lookup.match(request.request_id, keys.slice(first, keys.num_chunks))
+        matched = self._lookup.match(request.request_id, self._lookup_keys(keys, first))
         if matched is None:
             return None, False
+        if self._layers is not None:
+            matched //= len(self._layers)
         self.counters.add(stats.LOOKUPS)
         hit_end = min((first + matched) * self._chunk, request.num_tokens - 1)
         ext = max(0, hit_end - num_computed_tokens)
@@ -228,6 +236,14 @@ class MaruSchedulerHalf:
         if state.keys is None:
             state.keys = request_keys(self._namespaces, state.request)
         return state.keys
+
+    def _lookup_keys(self, keys: RequestKeys, first: int) -> list[list[bytes]]:
+        """Keys to match from chunk ``first``: chunk keys, or (layerwise) the
+        chunk-major layer keys of every chunk."""
+        lists = keys.slice(first, keys.num_chunks)
+        if self._layers is None:
+            return [list(k) for k in lists]
+        return [[layer_key(ck, layer) for ck in k for layer in self._layers] for k in lists]
 
     def _chunk_blocks(
         self, block_ids: list[int], first: int, end: int

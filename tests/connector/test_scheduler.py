@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import tracemalloc
 
 import pytest
-from maru_core.keys import KeyNamespace
+from maru_core.keys import KeyNamespace, layer_key
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.output import KVConnectorBlockState, SchedulerOutput
 from vllm.v1.outputs import KVConnectorOutput
@@ -37,12 +38,14 @@ class Blocks:
         return (self.ids,)
 
 
-def make_half(index, **knobs):
+def make_half(index, num_layers=1, **knobs):
     cfg = parse_config({"maru_index_url": "tcp://127.0.0.1:1", "maru_pool_path": "/x",
                         "maru_kv_chunk_tokens": CHUNK, **knobs}, BLOCK)
     ns = (KeyNamespace(model="m", dtype="bfloat16", kv_dtype="auto", layout="cpu/x",
                        block_size=BLOCK, chunk_tokens=CHUNK),)
-    return MaruSchedulerHalf(cfg, ns, BLOCK, LookupService(index.client, timeout_s=0.2))
+    ns = (dataclasses.replace(ns[0], fmt=cfg.fmt_name),)
+    return MaruSchedulerHalf(cfg, ns, BLOCK, LookupService(index.client, timeout_s=0.2),
+                             num_layers=num_layers)
 
 
 def request(req_id, n_tokens, start=1):
@@ -199,3 +202,15 @@ def test_memory_does_not_grow_with_the_number_of_requests(index):
                  if "maru_connector" in str(s.traceback))
     assert half.num_tracked_requests == 0 and half._lookup.num_pending == 0
     assert growth < 64 * 1024
+
+
+def test_layerwise_chunk_hits_only_when_every_layer_is_stored(index):
+    half = make_half(index, num_layers=3, maru_use_layerwise=True)
+    req = request("a", 100)
+    keys = half._keys(half._state(req)).by_rank[0]
+    half._reqs.pop("a")
+    for c in range(2):
+        for layer in range(3):
+            index.committed[layer_key(keys[c], layer)] = Location(0, 1, 1)
+    index.committed[layer_key(keys[2], 0)] = Location(0, 1, 1)  # chunk 2 is incomplete
+    assert half.get_num_new_matched_tokens(req, 0) == (64, False)
