@@ -371,12 +371,14 @@ class Registry:
         ok &= _first_occurrences(keys)
         if verify is not None and ok.any():
             g = self.geometry
+            rejected = []
             for i in np.flatnonzero(ok).tolist():
                 row = int(rows[i])
                 slot = Slot(int(rec.page[row]) * g.page_size + g.data_offset, int(rec.generation[row]))
-                ok[i] = bool(verify(keys[i], slot))
-            rejected = rows[(rows >= 0) & ~ok & (rec.state[rows] == State.RESERVED) & (rec.owner[rows] == lease.number)]
-            self._release(np.unique(rejected), State.RESERVED)
+                if not verify(keys[i], slot):
+                    ok[i] = False
+                    rejected.append(row)
+            self._release(np.array(rejected, dtype=np.int64), State.RESERVED)
         done = rows[ok]
         pages = int(rec.pages[done].sum())
         rec.state[done] = State.COMMITTED
