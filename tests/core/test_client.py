@@ -207,6 +207,15 @@ def test_no_space_is_rejected(client):
     assert info.value.error_type == "no_space"
 
 
+def test_close_ends_the_lease_at_once(client, pool, index):
+    store(client, pool, [key(1)])
+    client.retrieve([key(1)])
+    assert pinned(index) == 1
+    client.close()
+    stats = index.on_loop(index.service.server.registry.stats)
+    assert (stats.leases, stats.pinned_keys) == (0, 0)
+
+
 def test_closed_client_refuses_calls(client):
     client.close()
     with pytest.raises(IndexUnavailable, match="closed"):
@@ -247,6 +256,9 @@ def test_async_client_round_trip_and_concurrency(index, pool):
             assert await client.abort([key(100)]) == 1 and slots[0] is not None
             assert (await client.stats())["keys"] == 32
             assert await client.heartbeat() == 0.6
+            await client.retrieve([key(0)])
+        stats = index.on_loop(index.service.server.registry.stats)
+        assert (stats.leases, stats.pinned_keys) == (0, 0)  # close ended the lease
 
     asyncio.run(main())
 

@@ -203,7 +203,7 @@ values = st.recursive(
     max_leaves=20,
 )
 ops = st.sampled_from(["hello", "heartbeat", "match_prefix", "retrieve", "unpin", "reserve", "commit",
-                       "abort", "stats", "nope", ""])
+                       "abort", "stats", "bye", "nope", ""])
 fields = st.sampled_from(["keys", "lengths", "token", "client", "lease_id", "protocol", "extra"])
 FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

@@ -256,6 +256,17 @@ def test_resumed_lease_keeps_its_pins(index, raw, pool):
     again.close()
 
 
+def test_bye_ends_the_lease_and_its_pins(raw, pool, index):
+    raw.hello()
+    store(raw, pool, [key(1)])
+    raw.call(op="retrieve", keys=[key(1)])
+    raw.call(op="reserve", keys=[key(2)], lengths=[10])
+    assert raw.call(op="bye") == {"id": raw.next_id - 1, "ok": True, "closed": True}
+    stats = index.on_loop(index.service.server.registry.stats)
+    assert (stats.leases, stats.pinned_keys, stats.reserved_keys) == (0, 0, 0)
+    assert raw.call(op="heartbeat")["error"]["type"] == "no_lease"
+
+
 def test_unix_socket(pool, tmp_path):
     url = f"unix://{tmp_path}/index.sock"
     with ThreadedIndex(pool, listen=url) as index:

@@ -198,6 +198,11 @@ class AsyncIndexClient:
             await asyncio.gather(self._heartbeat_task, return_exceptions=True)
         channel, self._channel = self._channel, None
         if channel is not None:
+            if channel.failure is None:
+                try:  # end the lease now; if the index cannot be told, it lapses there
+                    await channel.call({"op": "bye"}, min(self.timeout_s, 0.5))
+                except IndexUnavailable:
+                    pass
             await channel.close()
 
     async def __aenter__(self) -> "AsyncIndexClient":

@@ -57,6 +57,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+#: How long ``close`` waits for the index to acknowledge the end of the lease.
+_BYE_TIMEOUT_S = 0.5
+
 
 class IndexClient:
     """A blocking, thread-safe client of one index.
@@ -160,12 +163,19 @@ class IndexClient:
         return reply
 
     def close(self) -> None:
-        """Stop the heartbeat and close the connection (the lease lapses by itself)."""
+        """Stop the heartbeat, end the lease (releasing this client's pins and
+        reservations) and close the connection. If the index cannot be told,
+        the lease lapses there by itself."""
         self._stop.set()
         with self._lock:
             self._closed = True
             channel, self._channel = self._channel, None
         if channel is not None:
+            if not channel.failed:
+                try:
+                    channel.call({"op": "bye"}, time.monotonic() + min(self.timeout_s, _BYE_TIMEOUT_S))
+                except IndexUnavailable:
+                    pass
             channel.close()
         thread = self._heartbeat_thread
         if thread is not None and thread is not threading.current_thread():

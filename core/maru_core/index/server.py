@@ -94,6 +94,7 @@ class IndexServer:
             "commit": self._commit,
             "abort": self._abort,
             "stats": self._stats,
+            "bye": self._bye,
         }
 
     # -- lifecycle -----------------------------------------------------------
@@ -263,6 +264,12 @@ class IndexServer:
     def _stats(self, conn: _Connection, args: dict) -> dict:
         self._renewed(conn)
         return stats_to_wire(self.registry.stats())
+
+    def _bye(self, conn: _Connection, args: dict) -> dict:
+        """End the lease now (a client closing cleanly): its pins and reservations go at once."""
+        closed = self.registry.close_lease(conn.lease_id)
+        conn.lease_id = None
+        return {"closed": closed}
 
     def _verify(self, key: bytes, slot: Any) -> bool:
         """Whether the slot header the writer wrote names ``key`` and the slot's generation."""

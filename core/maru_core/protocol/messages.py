@@ -44,6 +44,7 @@ OPS = (
     "commit",
     "abort",
     "stats",
+    "bye",
 )
 
 
@@ -175,6 +176,7 @@ SCHEMAS: dict[str, dict[str, _Field]] = {
     "commit": _KEYS,
     "abort": _KEYS,
     "stats": {},
+    "bye": {},
 }
 
 
