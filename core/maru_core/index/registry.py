@@ -25,7 +25,6 @@ Rules it keeps:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -34,77 +33,34 @@ import numpy as np
 
 from maru_core.index.allocator import ExtentAllocator
 from maru_core.index.leases import Lease, new_lease_id
-from maru_core.index.records import RecordTable, State, join_keys
+from maru_core.index.records import RecordTable, State
+from maru_core.index.registry_types import (
+    BadRequest,
+    ExpiryReport,
+    first_occurrences,
+    joined_keys,
+    split_items,
+    NoLease,
+    NoSpace,
+    ObjectInfo,
+    RegistryError,
+    RegistryStats,
+)
 from maru_core.pool.geometry import PoolGeometry
 from maru_core.protocol.locations import Location, LocationList, Slot, SlotList
 
-KEY_BYTES = 16
 Verify = Callable[[bytes, Slot], bool]
 
-
-class RegistryError(Exception):
-    """Base of the registry's refusals; ``error_type`` is the protocol's error type."""
-
-    error_type = "internal"
-
-
-class NoLease(RegistryError):
-    """The lease id is unknown, closed or lapsed: open a new lease (``hello``)."""
-
-    error_type = "no_lease"
-
-
-class NoSpace(RegistryError):
-    """None of a reserve's objects could be placed, even after eviction (or in quarantine)."""
-
-    error_type = "no_space"
-
-
-class BadRequest(RegistryError, ValueError):
-    """Arguments of the wrong type or range; the message names the item."""
-
-    error_type = "bad_request"
-
-
-@dataclasses.dataclass(frozen=True)
-class RegistryStats:
-    """Pool bytes by state (page-granular: ``free + reserved + committed ==
-    capacity``; ``pinned`` is the part of ``committed`` held by pins), key
-    counts, evictions since start, live leases."""
-
-    capacity_bytes: int
-    free_bytes: int
-    reserved_bytes: int
-    committed_bytes: int
-    pinned_bytes: int
-    largest_free_bytes: int
-    keys: int
-    reserved_keys: int
-    pinned_keys: int
-    evictions: int
-    leases: int
-    quarantined: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class ExpiryReport:
-    """What one ``expire`` released."""
-
-    lapsed_leases: tuple[str, ...] = ()
-    pins_released: int = 0
-    reservations_released: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class ObjectInfo:
-    """One record, for inspection: ``state`` is ``"reserved"`` or ``"committed"``."""
-
-    state: str
-    offset: int
-    length: int
-    generation: int
-    pins: int
-    lease_id: str | None
+__all__ = [
+    "BadRequest",
+    "ExpiryReport",
+    "NoLease",
+    "NoSpace",
+    "ObjectInfo",
+    "Registry",
+    "RegistryError",
+    "RegistryStats",
+]
 
 
 class Registry:
@@ -229,7 +185,7 @@ class Registry:
         return ExpiryReport(tuple(lapsed), pins, reservations)
 
     def _lookup_in_state(self, keys: Sequence[bytes] | bytes, state: State) -> tuple[np.ndarray, np.ndarray]:
-        return self._records.lookup_in_state(_joined(keys) if not isinstance(keys, bytes) else keys, state)
+        return self._records.lookup_in_state(joined_keys(keys) if not isinstance(keys, bytes) else keys, state)
 
     # -- readers --------------------------------------------------------------------------------
 
@@ -249,7 +205,7 @@ class Registry:
         read.
         """
         lease = self._lease(lease_id)
-        joined = _joined(keys)
+        joined = joined_keys(keys)
         rows, committed = self._lookup_in_state(joined, State.COMMITTED)
         if committed.all():
             distinct = self._touch(rows)
@@ -266,7 +222,7 @@ class Registry:
     def unpin(self, lease_id: str, keys: Sequence[bytes]) -> int:
         """Drop one of ``lease_id``'s pins per key occurrence; return how many were dropped."""
         lease = self._lease(lease_id)
-        joined = _joined(keys)
+        joined = joined_keys(keys)
         batch = lease.take_batch(joined)
         if batch is not None:
             self._records.pins[batch] -= 1
@@ -310,7 +266,7 @@ class Registry:
         for a key that is not 16 bytes or a length that is not positive.
         """
         lease = self._lease(lease_id)
-        keys, lengths = _split_items(items)
+        keys, lengths = split_items(items)
         candidates = self._new_distinct(keys)
         if not candidates.any():
             return SlotList.from_wire(bytes(16 * len(keys)))
@@ -337,7 +293,7 @@ class Registry:
 
     def _new_distinct(self, keys: list[bytes]) -> np.ndarray:
         """Mask of keys that are not in the index and not a repeat of an earlier key in the batch."""
-        return (self._records.lookup(_joined(keys)) < 0) & _first_occurrences(keys)
+        return (self._records.lookup(joined_keys(keys)) < 0) & first_occurrences(keys)
 
     def _add_reserved(self, lease: Lease, keys: list[bytes], starts: np.ndarray, pages: np.ndarray,
                       lengths: np.ndarray) -> np.ndarray:  # fmt: skip
@@ -368,7 +324,7 @@ class Registry:
         rec = self._records
         rows, ok = self._lookup_in_state(keys, State.RESERVED)
         ok &= rec.owner[rows] == lease.number
-        ok &= _first_occurrences(keys)
+        ok &= first_occurrences(keys)
         if verify is not None and ok.any():
             g = self.geometry
             rejected = []
@@ -529,43 +485,3 @@ class Registry:
             leases=len(self._leases),
             quarantined=self._clock() < self._quarantine_until,
         )
-
-
-def _joined(keys: Sequence[bytes]) -> bytes:
-    try:
-        return join_keys(keys)
-    except ValueError as exc:
-        raise BadRequest(str(exc)) from None
-
-
-def _first_occurrences(keys: Sequence[bytes]) -> np.ndarray:
-    """Mask of the positions holding the first occurrence of their key."""
-    n = len(keys)
-    first_of = dict(zip(reversed(keys), range(n - 1, -1, -1)))
-    if len(first_of) == n:
-        return np.ones(n, dtype=bool)
-    first = np.zeros(n, dtype=bool)
-    first[list(first_of.values())] = True
-    return first
-
-
-def _split_items(items: Sequence[tuple[bytes, int]]) -> tuple[list[bytes], np.ndarray]:
-    """Keys and lengths of reserve items, checked."""
-    try:
-        keys, lengths = (list(column) for column in zip(*items)) if len(items) else ([], [])
-    except (TypeError, ValueError):
-        raise BadRequest("reserve items must be (key, length) pairs") from None
-    if keys and (set(map(type, keys)) != {bytes} or set(map(len, keys)) != {KEY_BYTES}):
-        bad = next(i for i, k in enumerate(keys) if type(k) is not bytes or len(k) != KEY_BYTES)
-        raise BadRequest(f"reserve item {bad}: a key must be {KEY_BYTES} bytes, got {keys[bad]!r}")
-    if lengths and set(map(type, lengths)) != {int}:
-        bad = next(i for i, n in enumerate(lengths) if type(n) is not int)
-        raise BadRequest(f"reserve item {bad}: the length must be an int, got {lengths[bad]!r}")
-    try:
-        array = np.array(lengths, dtype=np.int64)
-    except OverflowError:
-        raise BadRequest("reserve lengths must be below 2**63 bytes") from None
-    if len(array) and array.min() <= 0:
-        bad = int(np.argmin(array))
-        raise BadRequest(f"reserve item {bad}: the length must be positive, got {lengths[bad]}")
-    return keys, array
