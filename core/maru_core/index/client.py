@@ -22,6 +22,7 @@ import threading
 import time
 from typing import Any, Iterable, Sequence
 
+from maru_core.index.async_client import AsyncIndexClient
 from maru_core.index.channel import Channel, open_socket
 from maru_core.index.client_ops import (
     DEFAULT_RECONNECT_BACKOFF_S,
@@ -282,12 +283,3 @@ class IndexClient:
             except IndexError_ as exc:
                 log.debug("index heartbeat failed: %s", exc)
 
-
-def __getattr__(name: str) -> Any:
-    # The asyncio client lives in its own module; importing it lazily keeps
-    # this one free of asyncio for threads-only users.
-    if name == "AsyncIndexClient":
-        from maru_core.index.async_client import AsyncIndexClient
-
-        return AsyncIndexClient
-    raise AttributeError(name)

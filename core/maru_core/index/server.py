@@ -29,6 +29,7 @@ from maru_core.protocol import (
     Address,
     ErrorType,
     FrameError,
+    FrameTooLarge,
     ProtocolError,
     TcpAddress,
     UnixAddress,
@@ -157,7 +158,7 @@ class IndexServer:
             await self._read_requests(conn, reader, writer)
         except FrameError as exc:
             log.warning("closing connection from %s: %s", conn.peer, exc)
-            if "MAX_FRAME_BYTES" in str(exc):
+            if isinstance(exc, FrameTooLarge):
                 self._send(conn, writer, error_reply(None, ProtocolError(ErrorType.TOO_LARGE, str(exc))))
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the peer went away; its lease lives on until it lapses

@@ -3,7 +3,7 @@
 See ``docs/architecture.md`` (Index protocol) for the wire format.
 """
 
-from maru_core.protocol.errors import ErrorType, FrameError, ProtocolError
+from maru_core.protocol.errors import ErrorType, FrameError, FrameTooLarge, ProtocolError
 from maru_core.protocol.framing import (
     HEADER_BYTES,
     MAX_FRAME_BYTES,
@@ -42,6 +42,7 @@ __all__ = [
     "ErrorType",
     "FrameDecoder",
     "FrameError",
+    "FrameTooLarge",
     "HEADER_BYTES",
     "KEY_BYTES",
     "Location",

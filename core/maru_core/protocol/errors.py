@@ -48,3 +48,8 @@ class FrameError(Exception):
     The receiver cannot find the next frame boundary it can trust, so it
     closes the connection (only that one).
     """
+
+
+class FrameTooLarge(FrameError):
+    """A frame announces a payload above ``MAX_FRAME_BYTES``; the receiver
+    answers ``too_large`` before closing."""

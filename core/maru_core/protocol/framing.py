@@ -13,7 +13,7 @@ from typing import Any
 
 import msgpack
 
-from maru_core.protocol.errors import FrameError
+from maru_core.protocol.errors import FrameError, FrameTooLarge
 
 HEADER = struct.Struct(">I")
 HEADER_BYTES = HEADER.size
@@ -50,7 +50,7 @@ def payload_length(header: bytes) -> int:
     """The payload length announced by a 4-byte ``header``; checked against the limit."""
     (length,) = HEADER.unpack(header)
     if length > MAX_FRAME_BYTES:
-        raise FrameError(f"frame announces {length} bytes, above MAX_FRAME_BYTES={MAX_FRAME_BYTES}")
+        raise FrameTooLarge(f"frame announces {length} bytes, above MAX_FRAME_BYTES={MAX_FRAME_BYTES}")
     if length == 0:
         raise FrameError("frame announces an empty payload")
     return length
