@@ -46,7 +46,9 @@ TEST_KNOBS: dict[str, Any] = {
 def workdir() -> Iterator[str]:
     path = tempfile.mkdtemp(prefix="marucache-e2e-")
     yield path
-    shutil.rmtree(path, ignore_errors=True)
+    # MARUCACHE_E2E_KEEP=1 keeps the engine and index logs for a post-mortem.
+    if os.environ.get("MARUCACHE_E2E_KEEP") != "1":
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -82,7 +84,7 @@ def farm(workdir: str, model_dir: str) -> Iterator[EngineFarm]:
         max_num_batched_tokens=2048,
         num_gpu_blocks_override=1024,
     )
-    farm = EngineFarm(workdir, base, max_alive=int(os.environ.get("MARUCACHE_E2E_MAX_ENGINES", "4")))
+    farm = EngineFarm(workdir, base, max_alive=int(os.environ.get("MARUCACHE_E2E_MAX_ENGINES", "6")))
     yield farm
     farm.close()
 

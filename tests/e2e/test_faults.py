@@ -100,13 +100,13 @@ def test_retrieve_timeout_is_recomputed(farm, index, proxy, reference, async_loa
 def test_abort_while_parked_leaves_nothing_pinned(farm, index, proxy, reference):
     prompt = _stored_prompt(farm, index, False, seed=2200)
     engine = _faulty(farm, index, proxy, False)
-    proxy.arm("delay", delay_s=1.5)
+    proxy.arm("delay", delay_s=2.0)
     try:
-        result = engine.run([prompt], MAX_TOKENS, abort_after_steps=3)[0]
+        result = engine.run([prompt], MAX_TOKENS, abort_after_s=0.8)[0]
     finally:
         proxy.disarm()
     assert result.aborted and result.state_at_abort == "WAITING_FOR_REMOTE_KVS", result
-    time.sleep(2.0)  # let the held retrieve reply arrive after the abort
+    time.sleep(1.5)  # let the held retrieve reply arrive after the abort
     wait_settled(index)
     # The engine keeps serving, and the same prompt still hits.
     before = engine.counters()

@@ -114,21 +114,21 @@ class EngineProcess:
         max_tokens: int = 8,
         *,
         concurrent: bool = False,
-        abort_after_steps: int | None = None,
+        abort_after_s: float | None = None,
         timeout_s: float = 600.0,
     ) -> list[RequestResult]:
         """Run `prompts` with greedy sampling; results are in prompt order.
 
         `concurrent=False` runs them one after another (each TTFT is that of
         a request alone); `True` submits them all at once. With
-        `abort_after_steps`, every request still unfinished after that many
-        engine steps is aborted (its result has `aborted=True`).
+        `abort_after_s`, every request still unfinished that many seconds
+        after submission is aborted (its result has `aborted=True`).
         """
         self._conn.send(("generate", {
             "prompts": [list(map(int, p)) for p in prompts],
             "max_tokens": max_tokens,
             "concurrent": concurrent,
-            "abort_after_steps": abort_after_steps,
+            "abort_after_s": abort_after_s,
         }))
         reply = self._receive(timeout_s, "generate")
         return [RequestResult(**r) for r in reply]

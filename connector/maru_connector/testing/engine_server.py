@@ -62,10 +62,9 @@ def _run_batch(llm, prompts: list[list[int]], payload: dict[str, Any]) -> list[d
         rid = f"{base}{i}"
         submitted[rid] = time.perf_counter()
         engine.add_request(rid, {"prompt_token_ids": prompt}, params)
-    steps = 0
-    abort_after = payload.get("abort_after_steps")
+    abort_at = None if payload.get("abort_after_s") is None else time.perf_counter() + payload["abort_after_s"]
     while len(finished) < len(prompts):
-        if abort_after is not None and steps >= abort_after:
+        if abort_at is not None and time.perf_counter() >= abort_at:
             pending = [rid for rid in submitted if rid not in finished]
             states = _request_states(llm, pending)
             engine.abort_request(pending)
@@ -76,7 +75,9 @@ def _run_batch(llm, prompts: list[list[int]], payload: dict[str, Any]) -> list[d
                 finished[rid]["state_at_abort"] = states.get(rid)
             break
         outputs = engine.step()
-        steps += 1
+        if not outputs:
+            # Requests parked on a load: yield the GIL to the connector's loader thread.
+            time.sleep(0.0005)
         now = time.perf_counter()
         for out in outputs:
             rid = out.request_id
