@@ -9,8 +9,11 @@ the allocator and the leases.
 
 from __future__ import annotations
 
+import argparse
 import gc
 import hashlib
+import json
+import platform
 import time
 import tracemalloc
 
@@ -78,10 +81,36 @@ def retrieve_seconds(n_keys: int, batch: int = 8000, repeats: int = 50) -> dict[
             raise RuntimeError("benchmark keys missing from the registry")
         retrieve.append(t1 - t0)
         unpin.append(t2 - t1)
+    store = []
+    for r in range(repeats):
+        fresh = _keys(10**9 + r * batch, batch)
+        t0 = time.perf_counter()
+        registry.reserve(lease, [(k, _OBJECT_BYTES) for k in fresh])
+        registry.commit(lease, fresh)
+        store.append(time.perf_counter() - t0)
     retrieve.sort()
     unpin.sort()
+    store.sort()
     return {
         "retrieve_median_s": retrieve[len(retrieve) // 2],
         "retrieve_best_s": retrieve[0],
         "unpin_median_s": unpin[len(unpin) // 2],
+        "reserve_commit_median_s": store[len(store) // 2],
     }
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m maru_core.index.memory_bench``: print the figures as JSON."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--keys", type=int, default=1_000_000, help="committed keys in the registry")
+    parser.add_argument("--batch", type=int, default=8000, help="keys per retrieve / reserve")
+    parser.add_argument("--repeats", type=int, default=50)
+    args = parser.parse_args(argv)
+    figures = {"keys": args.keys, "batch": args.batch, "bytes_per_key": bytes_per_key(args.keys)}
+    figures.update(retrieve_seconds(args.keys, args.batch, args.repeats))
+    figures.update(python=platform.python_version(), cpu=platform.processor() or platform.machine())
+    print(json.dumps(figures, indent=1))
+
+
+if __name__ == "__main__":
+    main()

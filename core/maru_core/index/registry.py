@@ -214,10 +214,8 @@ class Registry:
             else:
                 np.add.at(self._records.pins, rows, 1)
             lease.add_pins(rows, distinct, joined)
-            return self._locations(rows)
-        words = np.zeros((len(keys), 3), dtype="<u8")
-        words[committed] = self._location_words(rows[committed])
-        return LocationList.from_wire(words.tobytes())
+            return self._locations(rows, None)
+        return self._locations(rows, committed)
 
     def unpin(self, lease_id: str, keys: Sequence[bytes]) -> int:
         """Drop one of ``lease_id``'s pins per key occurrence; return how many were dropped."""
@@ -232,14 +230,17 @@ class Registry:
         self._records.pins[unpinned_rows] -= counts
         return len(unpinned_rows) if isinstance(counts, int) else int(counts.sum())
 
-    def _location_words(self, rows: np.ndarray) -> np.ndarray:
+    def _locations(self, rows: np.ndarray, present: np.ndarray | None) -> LocationList:
+        """The packed locations of ``rows``; a miss where ``present`` (``None``: everywhere) is false."""
         rec, g = self._records, self.geometry
-        return np.stack(
-            (rec.page[rows] * g.page_size + g.data_offset, rec.length[rows], rec.generation[rows]), axis=1
-        ).astype("<u8")
-
-    def _locations(self, rows: np.ndarray) -> LocationList:
-        return LocationList.from_wire(self._location_words(rows).tobytes())
+        words = np.zeros((len(rows), 3), dtype="<u8")
+        if present is None:
+            present = slice(None)
+        hit = rows[present]
+        words[present, 0] = rec.page[hit] * g.page_size + g.data_offset
+        words[present, 1] = rec.length[hit]
+        words[present, 2] = rec.generation[hit]
+        return LocationList.from_wire(memoryview(words).cast("B"))
 
     def _touch(self, rows: np.ndarray) -> bool:
         """Make ``rows`` most recently used; return whether they are distinct.
@@ -289,7 +290,7 @@ class Registry:
         words = np.zeros((len(keys), 2), dtype="<u8")
         words[idx, 0] = starts[placed] * self.geometry.page_size + self.geometry.data_offset
         words[idx, 1] = self._records.generation[rows]
-        return SlotList.from_wire(words.tobytes())
+        return SlotList.from_wire(memoryview(words).cast("B"))
 
     def _new_distinct(self, keys: list[bytes]) -> np.ndarray:
         """Mask of keys that are not in the index and not a repeat of an earlier key in the batch."""
