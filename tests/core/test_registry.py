@@ -334,8 +334,13 @@ def test_fragmented_space_is_defragmented_by_eviction(clock: Clock) -> None:
 def test_a_partial_reserve_places_what_fits(clock: Clock) -> None:
     reg = Registry(geometry(10), clock=clock)
     lease = reg.open_lease("a")
-    slots = list(reg.reserve(lease, [(key(1), 4 * PAGE), (key(2), 20 * PAGE), (key(3), 4 * PAGE)]))
-    assert slots[0] is not None and slots[1] is None and slots[2] is not None
+    store(reg, lease, [key(0)], length=3 * PAGE)
+    reg.retrieve(lease, [key(0)])  # pinned: 7 pages left
+    slots = list(reg.reserve(lease, [(key(1), 4 * PAGE), (key(2), 20 * PAGE), (key(3), 4 * PAGE), (key(4), 3 * PAGE)]))
+    assert [s is not None for s in slots] == [True, False, False, True]
+    assert reg.stats().evictions == 0  # the object that can never fit evicted nothing
+    with pytest.raises(NoSpace, match="larger than the pool"):
+        reg.reserve(lease, [(key(5), 11 * PAGE)])
 
 
 # -- restore --------------------------------------------------------------------------------------

@@ -276,14 +276,21 @@ class Registry:
                 f"the index restarted over a pool in use; it hands out no slot for {self.quarantine_s:g} s "
                 "so that copies in flight across the restart finish (stores are skipped meanwhile)"
             )
-        cand_idx = np.flatnonzero(candidates)
-        pages = -(-lengths[cand_idx] // self.geometry.page_size)
+        g = self.geometry
+        too_large = lengths > g.capacity_bytes
+        cand_idx = np.flatnonzero(candidates & ~too_large)
+        if not len(cand_idx):
+            raise NoSpace(
+                f"an object of {int(lengths[too_large].max())} bytes is larger than the pool's "
+                f"{g.capacity_bytes} bytes of data: use a larger pool or smaller chunks"
+            )
+        pages = -(-lengths[cand_idx] // g.page_size)
         starts = self._place(pages)
         placed = starts >= 0
         if not placed.any():
             raise NoSpace(
                 f"no room for any of {len(cand_idx)} objects ({int(pages.sum())} pages) in a pool of "
-                f"{self.geometry.num_pages} pages: the rest is pinned or reserved"
+                f"{g.num_pages} pages: the rest is pinned or reserved"
             )
         idx = cand_idx[placed]
         rows = self._add_reserved(lease, [keys[i] for i in idx.tolist()], starts[placed], pages[placed], lengths[idx])
@@ -409,8 +416,6 @@ class Registry:
             return start + np.concatenate(([0], np.cumsum(pages)[:-1]))
         starts = np.full(len(pages), -1, dtype=np.int64)
         for i, count in enumerate(pages.tolist()):
-            if count > self.geometry.num_pages:
-                continue
             first = self._alloc.allocate(count)
             while first is None and self._evict(count):
                 first = self._alloc.allocate(count)
