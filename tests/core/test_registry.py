@@ -229,6 +229,21 @@ def test_stale_reservations_expire(reg: Registry, clock: Clock) -> None:
     assert reg.commit(lease, [key(1)]) == [False]
 
 
+def test_keys_may_come_packed_as_on_the_wire(reg: Registry) -> None:
+    lease = reg.open_lease("a")
+    keys = [key(i) for i in range(6)]
+    packed = b"".join(keys)
+    reg.reserve(lease, [(k, PAGE) for k in keys])
+    assert reg.abort(lease, memoryview(packed)[80:]) == 1
+    assert reg.commit(lease, packed[:80]) == [True] * 5
+    assert reg.match_prefix(packed) == 5
+    assert list(reg.retrieve(lease, packed[:80])) == list(reg.retrieve(lease, keys[:5]))
+    assert reg.unpin(lease, bytearray(packed[:80])) == 5
+    assert reg.unpin(lease, keys[:5]) == 5
+    with pytest.raises(BadRequest, match="multiple of 16"):
+        reg.retrieve(lease, packed[:20])
+
+
 # -- read path ------------------------------------------------------------------------------------
 
 

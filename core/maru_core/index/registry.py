@@ -37,8 +37,10 @@ from maru_core.index.records import RecordTable, State
 from maru_core.index.registry_types import (
     BadRequest,
     ExpiryReport,
+    Keys,
     first_occurrences,
     joined_keys,
+    key_list,
     split_items,
     NoLease,
     NoSpace,
@@ -184,17 +186,17 @@ class Registry:
             reservations += len(stale)
         return ExpiryReport(tuple(lapsed), pins, reservations)
 
-    def _lookup_in_state(self, keys: Sequence[bytes] | bytes, state: State) -> tuple[np.ndarray, np.ndarray]:
-        return self._records.lookup_in_state(joined_keys(keys) if not isinstance(keys, bytes) else keys, state)
+    def _lookup_in_state(self, keys: Keys, state: State) -> tuple[np.ndarray, np.ndarray]:
+        return self._records.lookup_in_state(joined_keys(keys), state)
 
     # -- readers --------------------------------------------------------------------------------
 
-    def match_prefix(self, keys: Sequence[bytes]) -> int:
+    def match_prefix(self, keys: Keys) -> int:
         """How many leading ``keys`` are committed (no pin, no lease needed)."""
         _, committed = self._lookup_in_state(keys, State.COMMITTED)
-        return len(keys) if committed.all() else int(np.argmin(committed))
+        return len(committed) if committed.all() else int(np.argmin(committed))
 
-    def retrieve(self, lease_id: str, keys: Sequence[bytes]) -> LocationList:
+    def retrieve(self, lease_id: str, keys: Keys) -> LocationList:
         """One ``Location`` per key, in order, ``None`` for a key not committed.
 
         All or nothing: when every key is committed, each is pinned (once per
@@ -217,7 +219,7 @@ class Registry:
             return self._locations(rows, None)
         return self._locations(rows, committed)
 
-    def unpin(self, lease_id: str, keys: Sequence[bytes]) -> int:
+    def unpin(self, lease_id: str, keys: Keys) -> int:
         """Drop one of ``lease_id``'s pins per key occurrence; return how many were dropped."""
         lease = self._lease(lease_id)
         joined = joined_keys(keys)
@@ -320,7 +322,7 @@ class Registry:
         self._reserved_keys += n
         return rows
 
-    def commit(self, lease_id: str, keys: Sequence[bytes], verify: Verify | None = None) -> list[bool]:
+    def commit(self, lease_id: str, keys: Keys, verify: Verify | None = None) -> list[bool]:
         """Make reserved keys visible; one bool per key, in order.
 
         ``False`` for a key this lease has not reserved (never reserved,
@@ -330,6 +332,7 @@ class Registry:
         """
         lease = self._lease(lease_id)
         rec = self._records
+        keys = key_list(keys)
         rows, ok = self._lookup_in_state(keys, State.RESERVED)
         ok &= rec.owner[rows] == lease.number
         ok &= first_occurrences(keys)
@@ -354,7 +357,7 @@ class Registry:
         self._touch(done)
         return ok.tolist()
 
-    def abort(self, lease_id: str, keys: Sequence[bytes]) -> int:
+    def abort(self, lease_id: str, keys: Keys) -> int:
         """Release this lease's reservations of ``keys``; return how many."""
         lease = self._lease(lease_id)
         rec = self._records

@@ -75,11 +75,28 @@ class ObjectInfo:
     lease_id: str | None
 
 
-def joined_keys(keys: Sequence[bytes]) -> bytes:
+#: Keys as the registry takes them: a sequence of 16-byte keys, or all of
+#: them packed into one bytes-like object (16 bytes each, as on the wire).
+Keys = Sequence[bytes] | bytes | bytearray | memoryview
+
+
+def joined_keys(keys: Keys) -> bytes:
+    """``keys`` packed into one ``bytes``; ``BadRequest`` for anything but 16-byte keys."""
+    if isinstance(keys, (bytes, bytearray, memoryview)):
+        data = bytes(keys)
+        if len(data) % KEY_BYTES:
+            raise BadRequest(f"packed keys must be a multiple of {KEY_BYTES} bytes, got {len(data)}")
+        return data
     try:
         return join_keys(keys)
     except ValueError as exc:
         raise BadRequest(str(exc)) from None
+
+
+def key_list(keys: Keys) -> list[bytes]:
+    """``keys`` as a list of 16-byte ``bytes``."""
+    data = joined_keys(keys)
+    return [data[i : i + KEY_BYTES] for i in range(0, len(data), KEY_BYTES)]
 
 
 def first_occurrences(keys: Sequence[bytes]) -> np.ndarray:
