@@ -93,8 +93,10 @@ def joined_keys(keys: Keys) -> bytes:
         raise BadRequest(str(exc)) from None
 
 
-def key_list(keys: Keys) -> list[bytes]:
-    """``keys`` as a list of 16-byte ``bytes``."""
+def key_list(keys: Keys) -> Sequence[bytes]:
+    """``keys`` as a sequence of 16-byte ``bytes`` (packed keys are split; a sequence is kept)."""
+    if not isinstance(keys, (bytes, bytearray, memoryview)):
+        return keys
     data = joined_keys(keys)
     return [data[i : i + KEY_BYTES] for i in range(0, len(data), KEY_BYTES)]
 
