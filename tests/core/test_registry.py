@@ -244,6 +244,13 @@ def test_keys_may_come_packed_as_on_the_wire(reg: Registry) -> None:
         reg.retrieve(lease, packed[:20])
 
 
+def test_empty_batches(reg: Registry) -> None:
+    lease = reg.open_lease("a")
+    assert reg.match_prefix([]) == 0 and reg.match_prefix(b"") == 0
+    assert list(reg.retrieve(lease, [])) == [] and list(reg.reserve(lease, [])) == []
+    assert reg.commit(lease, []) == [] and reg.abort(lease, []) == 0 and reg.unpin(lease, []) == 0
+
+
 # -- read path ------------------------------------------------------------------------------------
 
 

@@ -242,7 +242,7 @@ class Registry:
         words[present, 0] = rec.page[hit] * g.page_size + g.data_offset
         words[present, 1] = rec.length[hit]
         words[present, 2] = rec.generation[hit]
-        return LocationList.from_wire(memoryview(words).cast("B"))
+        return LocationList.from_wire(_bytes_of(words))
 
     def _touch(self, rows: np.ndarray) -> bool:
         """Make ``rows`` most recently used; return whether they are distinct.
@@ -299,7 +299,7 @@ class Registry:
         words = np.zeros((len(keys), 2), dtype="<u8")
         words[idx, 0] = starts[placed] * self.geometry.page_size + self.geometry.data_offset
         words[idx, 1] = self._records.generation[rows]
-        return SlotList.from_wire(memoryview(words).cast("B"))
+        return SlotList.from_wire(_bytes_of(words))
 
     def _new_distinct(self, keys: list[bytes]) -> np.ndarray:
         """Mask of keys that are not in the index and not a repeat of an earlier key in the batch."""
@@ -494,3 +494,8 @@ class Registry:
             leases=len(self._leases),
             quarantined=self._clock() < self._quarantine_until,
         )
+
+
+def _bytes_of(words: np.ndarray) -> memoryview | bytes:
+    """The array's bytes without a copy (an empty array has none to view)."""
+    return memoryview(words).cast("B") if words.size else b""
