@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import uuid
 from collections import Counter
 
 import numpy as np
@@ -13,6 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from maru_core.index.memory_bench import bytes_per_key
 from maru_core.index.registry import BadRequest, NoLease, NoSpace, Registry, RegistryError
+from maru_core.pool import Pool, SlotHeader
 from maru_core.pool.geometry import DATA_ALIGN, PoolGeometry
 from maru_core.protocol.locations import Location, Slot
 
@@ -393,6 +396,34 @@ def test_restore_rebuilds_and_quarantines(clock: Clock) -> None:
     accounting_adds_up(new)
     with pytest.raises(RegistryError, match="empty"):
         new.restore(objects)
+
+
+def test_restore_from_a_real_pool_after_a_restart(clock: Clock) -> None:
+    """Writers store through the pool; a new registry rebuilds from its slot headers."""
+    path = f"/dev/shm/maru-test-{uuid.uuid4().hex}.pool"
+    try:
+        with Pool.create(path, 8 * 1024 * 1024, page_size=PAGE) as pool:
+            old = Registry(pool.geometry, clock=clock)
+            lease = old.open_lease("writer")
+            keys = [key(i) for i in range(8)]
+            lengths = [PAGE * (1 + i % 3) - 7 for i in range(8)]
+            slots = list(old.reserve(lease, list(zip(keys, lengths))))
+            for k, n, slot in zip(keys, lengths, slots):
+                pool.invalidate_slot(slot.offset, n)
+                pool.view(slot.offset, n)[:] = k * (n // 16) + k[: n % 16]
+                pool.write_slot_header(slot.offset, SlotHeader(k, slot.generation, n))
+            verify = lambda k, slot: pool.read_slot_header(slot.offset).names(k, slot.generation)
+            assert old.commit(lease, keys[:6], verify=verify) == [True] * 6
+            # keys 6 and 7: written, never committed (the writer died): their headers are intact too
+        with Pool.attach(path) as pool:
+            new = Registry(pool.geometry, clock=clock)
+            restored = new.restore((h.key, Location(off, h.length, h.generation)) for off, h in pool.iter_slot_headers())
+            assert restored == 8
+            reader = new.open_lease("reader")
+            for k, n, loc in zip(keys, lengths, new.retrieve(reader, keys)):
+                assert loc.length == n and bytes(pool.view(loc.offset, 16)) == k
+    finally:
+        os.unlink(path)
 
 
 def test_restore_keeps_the_newest_of_overlaps_and_skips_nonsense(clock: Clock) -> None:

@@ -33,6 +33,7 @@ import numpy as np
 
 from maru_core.index.allocator import ExtentAllocator
 from maru_core.index.leases import Lease, new_lease_id
+from maru_core.index.restore import select_restorable
 from maru_core.index.records import RecordTable, State
 from maru_core.index.registry_types import (
     BadRequest,
@@ -439,8 +440,6 @@ class Registry:
         """
         if len(self._records):
             raise RegistryError("restore rebuilds an empty registry; this one already holds objects")
-        from maru_core.index.restore import select_restorable
-
         keys, pages, counts, lengths, gens = select_restorable(objects, self.geometry)
         self._quarantine_until = self._clock() + self.quarantine_s
         if not keys:
