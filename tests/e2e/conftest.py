@@ -135,13 +135,28 @@ def index_keys(index: IndexProcess) -> int:
     return int(index.stats()["keys"])
 
 
-def wait_settled(index: IndexProcess, timeout_s: float = 30.0) -> dict[str, Any]:
-    """Wait until nothing is pinned or reserved; returns the stats that showed it."""
-    def settled():
-        stats = index.stats()
-        return stats if no_pins_or_reservations(stats) else None
+def wait_settled(index: IndexProcess, timeout_s: float = 30.0, baseline: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Wait until nothing is pinned or reserved (or no more than in `baseline`,
+    the stats taken when the test began, so that one test's leak does not fail
+    the tests after it); returns the stats that showed it."""
+    allowed_pinned = pinned_bytes(baseline) if baseline else 0
+    allowed_reserved = reserved_bytes(baseline) if baseline else 0
+    last: dict[str, Any] = {}
 
-    return wait_until(settled, timeout_s, interval_s=0.2, what="no pins or reservations")
+    def settled():
+        last.update(index.stats())
+        ok = pinned_bytes(last) <= allowed_pinned and reserved_bytes(last) <= allowed_reserved
+        return dict(last) if ok else None
+
+    try:
+        return wait_until(settled, timeout_s, interval_s=0.2, what="no pins or reservations")
+    except TimeoutError:
+        raise AssertionError(
+            f"pins or reservations left after {timeout_s}s: pinned {last.get('pinned_keys')} keys "
+            f"({pinned_bytes(last)} bytes), reserved {last.get('reserved_keys')} keys "
+            f"({reserved_bytes(last)} bytes); at the start of the test: pinned {allowed_pinned}, "
+            f"reserved {allowed_reserved} bytes"
+        ) from None
 
 
 def no_pins_or_reservations(stats: dict[str, Any]) -> bool:

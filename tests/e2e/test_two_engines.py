@@ -130,5 +130,5 @@ def test_three_process_engines(farm, index, reference):
     after = engine_b.counters()
     assert out == reference.outputs([prompt], MAX_TOKENS)[0]
     assert after["maru_lookup_hit_tokens_total"] - before["maru_lookup_hit_tokens_total"] == 3 * CHUNK_TOKENS
-    farm.close_one("mp-A")
-    farm.close_one("mp-B")
+    farm.close_one(engine_a.name)
+    farm.close_one(engine_b.name)

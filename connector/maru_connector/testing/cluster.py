@@ -61,6 +61,9 @@ class EngineFarm:
         `kv_transfer_config(stats_path)` builds the connector's config (None:
         no connector); `spec_overrides` replace fields of the base spec.
         """
+        if spec_overrides:
+            # Another spec is another engine, even under the same name.
+            name = name + "[" + ",".join(f"{k}={v}" for k, v in sorted(spec_overrides.items())) + "]"
         engine = self._engines.get(name)
         if engine is not None and engine.process.alive():
             self._engines.move_to_end(name)
@@ -73,10 +76,10 @@ class EngineFarm:
         stats_path = None
         config = None
         if kv_transfer_config is not None:
-            stats_path = os.path.join(self.workdir, f"stats-{serial}-{name}")
+            stats_path = os.path.join(self.workdir, f"stats-{serial}")
             config = kv_transfer_config(stats_path)
         spec = replace(self.base_spec, kv_transfer_config=config, **spec_overrides)
-        log = os.path.join(self.workdir, f"engine-{serial}-{name}.log")
+        log = os.path.join(self.workdir, f"engine-{serial}-{_file_safe(name)}.log")
         engine = CacheEngine(name, EngineProcess(spec, log), stats_path)
         self._engines[name] = engine
         return engine
@@ -89,6 +92,10 @@ class EngineFarm:
     def close(self) -> None:
         for name in list(self._engines):
             self.close_one(name)
+
+
+def _file_safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in name)[:80]
 
 
 def wait_until(predicate: Callable[[], Any], timeout_s: float, interval_s: float = 0.1, what: str = "condition") -> Any:
