@@ -104,6 +104,7 @@ def build_operator(options: OperatorOptions, metrics: OperatorMetrics | None = N
     settings.posting.reporting_component = "marucache-operator"
     settings.peering.standalone = True  # the ledger's compare-and-swap keeps replicas safe
     settings.watching.server_timeout = 300
+    settings.persistence.consistency_timeout = 0.5
     if options.webhook:
         register_webhook(registry)
         settings.admission.server = webhook_server(options)

@@ -11,6 +11,7 @@ admission review lists nothing.
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import logging
 import time
@@ -19,11 +20,11 @@ from typing import Any
 
 import kopf
 
-from . import GROUP, MANAGED_BY, PLURAL, VERSION, reconciler
+from . import API_VERSION, GROUP, KIND, MANAGED_BY, PLURAL, VERSION, reconciler
 from .conditions import phase, refresh_index
 from .injection import cache_info
 from .inventory import NodeInfo, parse_node
-from .k8s import KubeApi, LedgerStore
+from .k8s import Conflict, KubeApi, LedgerStore, object_path
 from .ledger import rebuild
 from .metrics import OperatorMetrics
 from .models import CacheRef
@@ -41,6 +42,8 @@ class OperatorContext:
     resync_seconds: float = 5.0
     full_resync_seconds: float = 60.0  # a cache that is not Ready gets its children checked this often
     last_full: dict[str, float] = dataclasses.field(default_factory=dict)
+    index_written: dict[str, tuple[int, bool]] = dataclasses.field(default_factory=dict)
+    generations: dict[str, int] = dataclasses.field(default_factory=dict)  # newest generation reconciled
     locks: dict[str, asyncio.Lock] = dataclasses.field(default_factory=dict)
 
     def lock(self, uid: str) -> asyncio.Lock:
@@ -56,18 +59,42 @@ def _available(index: Any, namespace: str, name: str) -> int | None:
     return max(store) if store else None
 
 
-def apply_status(patch: kopf.Patch, old: Mapping[str, Any], new: Mapping[str, Any]) -> None:
-    """Write only the status keys that changed (nothing, when nothing did)."""
-    for key, value in new.items():
-        if old.get(key) != value:
-            patch.status[key] = value
+async def write_status(ctx: OperatorContext, body: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
+    """Write the changed status keys, only if the object is still the version they were computed from.
 
-
-async def run_reconcile(ctx: OperatorContext, body: kopf.Body, patch: kopf.Patch, maru_nodes: Any,
-                        maru_deployments: Any) -> None:
+    A timer's body can lag behind the watch; an unconditional write could put
+    an older spec's status over a newer one. On a conflict nothing is written
+    and False is returned: the next event or resync recomputes it.
+    """
+    old = body.get("status") or {}
+    changes = {k: v for k, v in new.items() if old.get(k) != v}
+    if not changes:
+        return True
     meta = body.get("metadata") or {}
-    ctx.last_full[str(meta.get("uid"))] = time.monotonic()
-    async with ctx.lock(str(meta.get("uid"))):
+    try:
+        await ctx.api.merge_patch(object_path(API_VERSION, KIND, meta.get("namespace"), meta.get("name"), "status"),
+                                  {"metadata": {"resourceVersion": meta.get("resourceVersion")}, "status": changes})
+    except Conflict:
+        logger.debug("status of %s/%s changed meanwhile; recomputing later", meta.get("namespace"), meta.get("name"))
+        return False
+    return True
+
+
+def snapshot(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A frozen copy: kopf's body is a live view that may move to a newer version mid-handler,
+    and a status must be computed from, and written against, one version."""
+    return copy.deepcopy(dict(body))
+
+
+async def run_reconcile(ctx: OperatorContext, live_body: kopf.Body, maru_nodes: Any, maru_deployments: Any) -> None:
+    body = snapshot(live_body)
+    meta = body.get("metadata") or {}
+    uid, generation = str(meta.get("uid")), int(meta.get("generation") or 1)
+    ctx.last_full[uid] = time.monotonic()
+    async with ctx.lock(uid):
+        if generation < ctx.generations.get(uid, 0):
+            return  # a stale body (a timer may lag behind the watch): never undo a newer spec
+        ctx.generations[uid] = generation
         with ctx.metrics.timed():
             try:
                 outcome = await reconciler.reconcile(
@@ -77,9 +104,11 @@ async def run_reconcile(ctx: OperatorContext, body: kopf.Body, patch: kopf.Patch
                 ctx.metrics.reconciles.labels(result="error").inc()
                 raise
         ctx.metrics.reconciles.labels(result=outcome.result).inc()
-    apply_status(patch, body.get("status") or {}, outcome.status)
+        written = await write_status(ctx, body, outcome.status)
+    if written and outcome.result in ("ready", "progressing"):
+        ctx.index_written[uid] = (generation, outcome.result == "ready")
     for kind, reason, message in outcome.events:
-        kopf.event(body, type=kind, reason=reason, message=message)
+        kopf.event(live_body, type=kind, reason=reason, message=message)
 
 
 def _is_settled(body: Mapping[str, Any], available: int | None) -> bool:
@@ -135,13 +164,12 @@ def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
     @kopf.on.resume(*resource, registry=registry)
     @kopf.on.create(*resource, registry=registry)
     @kopf.on.update(*resource, field="spec", registry=registry)
-    async def reconcile(body: kopf.Body, patch: kopf.Patch, maru_nodes: Any, maru_deployments: Any,
-                        **_: Any) -> None:
-        await run_reconcile(ctx, body, patch, maru_nodes, maru_deployments)
+    async def reconcile(body: kopf.Body, maru_nodes: Any, maru_deployments: Any, **_: Any) -> None:
+        await run_reconcile(ctx, body, maru_nodes, maru_deployments)
 
     @kopf.timer(*resource, interval=ctx.resync_seconds, registry=registry)
-    async def resync(body: kopf.Body, patch: kopf.Patch, maru_nodes: Any, maru_deployments: Any,
-                     **_: Any) -> None:
+    async def resync(body: kopf.Body, maru_nodes: Any, maru_deployments: Any, **_: Any) -> None:
+        live_body, body = body, snapshot(body)
         meta = body.get("metadata") or {}
         if meta.get("deletionTimestamp"):
             return
@@ -151,13 +179,18 @@ def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
         status = body.get("status") or {}
         uid = str(meta.get("uid"))
         due = time.monotonic() - ctx.last_full.get(uid, 0.0) >= ctx.full_resync_seconds
+        generation = int(meta.get("generation") or 1)
+        if ctx.index_written.get(uid) == (generation, bool(available)) and not due:
+            return  # already written; the body kopf hands the timer may lag behind our own patch
         if status.get("phase") in ("Starting", "Ready") and not due:
             # Only the index Deployment's availability can have changed: no API calls.
-            conds = refresh_index(status, bool(available), int(meta.get("generation") or 1))
+            conds = refresh_index(status, bool(available), generation)
             if conds is not None:
-                apply_status(patch, status, {"conditions": conds, "phase": phase(conds)})
+                async with ctx.lock(uid):
+                    if await write_status(ctx, body, {"conditions": conds, "phase": phase(conds)}):
+                        ctx.index_written[uid] = (generation, bool(available))
                 return
-        await run_reconcile(ctx, body, patch, maru_nodes, maru_deployments)
+        await run_reconcile(ctx, live_body, maru_nodes, maru_deployments)
 
     @kopf.on.delete(*resource, registry=registry)
     async def release(body: kopf.Body, **_: Any) -> None:
@@ -166,6 +199,8 @@ def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
             claim = await reconciler.release(ctx.ledger, uid)
         ctx.locks.pop(uid, None)
         ctx.last_full.pop(uid, None)
+        ctx.index_written.pop(uid, None)
+        ctx.generations.pop(uid, None)
         ctx.metrics.reconciles.labels(result="released").inc()
         if claim is not None:
             kopf.event(body, type="Normal", reason="Released",

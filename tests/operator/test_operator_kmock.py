@@ -44,7 +44,7 @@ def test_create_makes_children_and_becomes_ready(kube: Kube, operator: OperatorT
     assert body["status"]["phase"] == "Ready" and body["status"]["observedGeneration"] == 1
     alloc = body["status"]["allocations"][0]
     assert alloc["deviceUUID"] == "cxl-a" and alloc["nodes"] == ["rack-a-1", "rack-a-2"] and alloc["size"] == 4 * GiB
-    assert {e["reason"] for e in kube.events()} >= {"Allocated", "Created"}
+    wait_for(lambda: {e["reason"] for e in kube.events()} >= {"Allocated", "Created"}, what="events")
     assert operator.metrics.registry.get_sample_value("maru_operator_reconciles_total", {"result": "progressing"}) >= 1
     assert operator.metrics.registry.get_sample_value("maru_operator_reconcile_duration_seconds_count") >= 1
 
@@ -61,10 +61,10 @@ def test_spec_change_updates_children_but_never_the_token(kube: Kube, operator: 
         extra = json.loads(cm["data"]["kv-transfer-config.json"])["kv_connector_extra_config"]
         return extra["maru_use_layerwise"] and extra["maru_kv_chunk_tokens"] == 128
     wait_for(updated, what="config map update")
-    deploy = kube.objects("apps/v1/deployments")[("default", "edit-maru-index")]
-    assert str(6 * GiB) in deploy["spec"]["template"]["spec"]["containers"][0]["command"]
-    body = wait_for(lambda: (c := kube.cache("edit")) and c["status"].get("observedGeneration") == 2 and c)
-    assert body["status"]["allocations"][0]["size"] == 6 * GiB
+    wait_for(lambda: str(6 * GiB) in kube.objects("apps/v1/deployments")[("default", "edit-maru-index")][
+        "spec"]["template"]["spec"]["containers"][0]["command"], what="index Deployment on the new region")
+    body = wait_for(lambda: (c := kube.cache("edit")) and (c.get("status") or {}).get("observedGeneration") == 2 and c)
+    assert body["status"]["allocations"][0]["size"] == 6 * GiB, json.dumps([body, kube.ledger()])
     assert [c["size"] for c in kube.ledger()] == [6 * GiB]
     assert kube.objects("v1/secrets")[("default", "edit-maru-token")]["stringData"]["token"] == token
 
@@ -90,7 +90,7 @@ def test_delete_returns_the_region(kube: Kube, operator: OperatorThread):
     assert waiting["status"]["phase"] == "Pending"
     kube.delete_cache("gone")
     wait_for(lambda: kube.cache("gone") is None, what="finalizer removed")
-    assert kube.events("Released")
+    wait_for(lambda: kube.events("Released"), what="Released event")
     wait_for(lambda: [c["name"] for c in kube.ledger()] == ["waiting"], what="region handed to the waiting cache")
 
 
