@@ -127,7 +127,7 @@ def test_preemption_during_loads(farm, index, proxy, reference):
     """Few KV blocks, long decodes and slow loads: requests are preempted while loads run."""
     prompts = [_stored_prompt(farm, index, False, seed=2300 + i, chunks=3) for i in range(6)]
     # 6 prompts of ~205 tokens decoding 120 tokens need ~66 blocks; 40 force preemptions.
-    engine = _faulty(farm, index, proxy, False, num_gpu_blocks_override=40, max_num_seqs=6)
+    engine = _faulty(farm, index, proxy, False, num_gpu_blocks_override=40, max_num_seqs=6, max_model_len=1024)
     baseline = index.stats()
     preempted_before = engine.process.call("preemptions")
     proxy.arm("delay", count=3, delay_s=0.3)
