@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import msgpack
+import numpy as np
 import pytest
 
 from maru_core.protocol import (
@@ -30,6 +31,7 @@ from maru_core.protocol import (
     parse_url,
     read_frame,
     pack_keys,
+    pack_lengths,
     request_id,
     unpack_keys,
 )
@@ -142,8 +144,37 @@ def test_valid_requests_parse_with_defaults():
     assert (req.id, req.op) == (9, "hello")
     assert req.args == {"protocol": 1, "client": "w", "token": None, "lease_id": None}
     req = parse_request({"id": 1, "op": "reserve", "keys": [KEY_A, KEY_B], "lengths": [1, 2]})
-    assert req.args == {"keys": [KEY_A, KEY_B], "lengths": [1, 2]}
-    assert parse_request({"id": 0, "op": "retrieve", "keys": []}).args == {"keys": []}
+    assert req.args["keys"] == KEY_A + KEY_B  # handed on packed, whichever form they came in
+    assert req.args["lengths"].dtype == np.int64 and req.args["lengths"].tolist() == [1, 2]
+    assert parse_request({"id": 0, "op": "retrieve", "keys": []}).args == {"keys": b""}
+
+
+def test_packed_lengths_parse_like_an_array():
+    packed = parse_request({"id": 1, "op": "reserve", "keys": KEY_A + KEY_B, "lengths": pack_lengths([7, 2**40])})
+    assert packed.args["lengths"].tolist() == [7, 2**40]
+    assert pack_lengths([7, 2**40]) == (7).to_bytes(8, "little") + (2**40).to_bytes(8, "little")
+    assert parse_request({"id": 1, "op": "reserve", "keys": b"", "lengths": b""}).args["lengths"].tolist() == []
+    with pytest.raises(ValueError, match="from 1"):
+        pack_lengths([0])
+
+
+@pytest.mark.parametrize(
+    "lengths, words",
+    [
+        (b"\x01" * 9, "multiple of 8"),
+        ((0).to_bytes(8, "little"), "lengths"),
+        ((2**63).to_bytes(8, "little"), "lengths"),  # read as signed: negative, refused
+        ((5).to_bytes(8, "little") * 2, "2 lengths"),
+    ],
+)
+def test_bad_packed_lengths_get_typed_errors(lengths, words):
+    error = _error({"id": 1, "op": "reserve", "keys": KEY_A, "lengths": lengths})
+    assert error.error_type is ErrorType.BAD_REQUEST and words in error.message
+
+
+def test_too_many_packed_lengths():
+    error = _error({"id": 1, "op": "reserve", "keys": KEY_A, "lengths": bytes(8 * (MAX_BATCH_KEYS + 1))})
+    assert error.error_type is ErrorType.TOO_LARGE
 
 
 @pytest.mark.parametrize(
@@ -179,9 +210,14 @@ def test_packed_and_array_keys_parse_alike():
     zeros = bytes(16)  # trailing NULs must survive unpacking
     keys = [KEY_A, zeros, KEY_B]
     packed = parse_request({"id": 1, "op": "retrieve", "keys": pack_keys(keys)})
-    assert packed.args["keys"] == keys == unpack_keys(pack_keys(keys))
-    assert all(type(k) is bytes for k in packed.args["keys"])
-    assert parse_request({"id": 1, "op": "commit", "keys": b""}).args["keys"] == []
+    listed = parse_request({"id": 1, "op": "retrieve", "keys": keys})
+    assert packed.args["keys"] == listed.args["keys"] == b"".join(keys)
+    assert unpack_keys(packed.args["keys"]) == keys
+    assert all(type(k) is bytes for k in unpack_keys(packed.args["keys"]))
+    assert parse_request({"id": 1, "op": "commit", "keys": b""}).args["keys"] == b""
+    assert pack_keys(b"".join(keys)) == b"".join(keys)  # already packed: handed back as is
+    with pytest.raises(ValueError, match="multiple of 16"):
+        pack_keys(KEY_A[:5])
 
 
 def test_packed_keys_of_a_wrong_length():

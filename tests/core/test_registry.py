@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from maru_core.index.memory_bench import bytes_per_key
+from maru_core.index.slot_check import SlotHeaderCheck
 from maru_core.index.registry import BadRequest, NoLease, NoSpace, Registry, RegistryError
 from maru_core.pool import Pool, SlotHeader
 from maru_core.pool.geometry import DATA_ALIGN, PoolGeometry
@@ -200,14 +201,17 @@ def test_only_the_reserving_lease_commits(reg: Registry) -> None:
 def test_a_failed_verify_releases_the_slot(reg: Registry) -> None:
     lease = reg.open_lease("a")
     reg.reserve(lease, [(key(1), PAGE), (key(2), PAGE)])
+    slots = {k: reg.describe(k) for k in (key(1), key(2))}
     seen = []
 
-    def verify(k: bytes, slot: Slot) -> bool:
-        seen.append((k, slot))
-        return k == key(1)
+    def verify(keys: bytes, offsets: np.ndarray, generations: np.ndarray) -> list[bool]:
+        seen.append((keys, offsets.tolist(), generations.tolist()))
+        return [keys[i : i + 16] == key(1) for i in range(0, len(keys), 16)]
 
     assert reg.commit(lease, [key(1), key(2)], verify=verify) == [True, False]
-    assert [k for k, _ in seen] == [key(1), key(2)]
+    assert seen == [
+        (key(1) + key(2), [slots[k].offset for k in (key(1), key(2))], [slots[k].generation for k in (key(1), key(2))])
+    ]
     assert reg.describe(key(2)) is None
     assert reg.stats().reserved_keys == 0
     assert reg.reserve(lease, [(key(2), PAGE)])[0] is not None  # free to store again
@@ -412,7 +416,7 @@ def test_restore_from_a_real_pool_after_a_restart(clock: Clock) -> None:
                 pool.invalidate_slot(slot.offset, n)
                 pool.view(slot.offset, n)[:] = k * (n // 16) + k[: n % 16]
                 pool.write_slot_header(slot.offset, SlotHeader(k, slot.generation, n))
-            verify = lambda k, slot: pool.read_slot_header(slot.offset).names(k, slot.generation)
+            verify = SlotHeaderCheck(pool)
             assert old.commit(lease, keys[:6], verify=verify) == [True] * 6
             # keys 6 and 7: written, never committed (the writer died): their headers are intact too
         with Pool.attach(path) as pool:
@@ -591,7 +595,13 @@ class RegistryMachine(RuleBasedStateMachine):
     def commit(self, data, keys, bad) -> None:
         lease = data.draw(st.sampled_from(list(self.leases)))
         before = dict(self.committed)
-        result = self._call(lease, self.reg.commit, keys, lambda k, slot: k not in bad)
+        def verify(packed: bytes, offsets: np.ndarray, generations: np.ndarray) -> list[bool]:
+            asked = [packed[i : i + 16] for i in range(0, len(packed), 16)]
+            for k, offset, generation in zip(asked, offsets.tolist(), generations.tolist()):
+                assert self.reserved[k][1] == Slot(offset, generation)  # the slot reserved for it
+            return [k not in bad for k in asked]
+
+        result = self._call(lease, self.reg.commit, keys, verify)
         if result is None:
             return
         done = set()

@@ -21,6 +21,7 @@ from maru_core.index.client_ops import (
     IndexError_,
     IndexRejected,
     IndexUnavailable,
+    Keys,
     check_reply,
     default_client_name,
     hello_request,
@@ -162,28 +163,29 @@ class AsyncIndexClient:
     async def heartbeat(self) -> float:
         return float((await self._call({"op": "heartbeat"}))["lease_ttl_s"])
 
-    async def match_prefix(self, keys: Sequence[bytes], *, timeout_s: float | None = None) -> int:
-        reply = await self._call(keys_request("match_prefix", keys), timeout_s)
-        return parse_count("match_prefix", reply, "matched", len(keys))
+    async def match_prefix(self, keys: Keys, *, timeout_s: float | None = None) -> int:
+        request = keys_request("match_prefix", keys)
+        return parse_count("match_prefix", await self._call(request, timeout_s), "matched", request_size(request))
 
-    async def retrieve(self, keys: Sequence[bytes], *, timeout_s: float | None = None) -> LocationList:
-        reply = await self._call(keys_request("retrieve", keys), timeout_s)
-        return parse_locations(reply, len(keys))
+    async def retrieve(self, keys: Keys, *, timeout_s: float | None = None) -> LocationList:
+        request = keys_request("retrieve", keys)
+        return parse_locations(await self._call(request, timeout_s), request_size(request))
 
-    async def unpin(self, keys: Sequence[bytes]) -> int:
-        reply = await self._call(keys_request("unpin", keys))
-        return parse_count("unpin", reply, "unpinned", len(keys))
+    async def unpin(self, keys: Keys) -> int:
+        request = keys_request("unpin", keys)
+        return parse_count("unpin", await self._call(request), "unpinned", request_size(request))
 
     async def reserve(self, items: Iterable[tuple[bytes, int]]) -> SlotList:
         request = reserve_request(items)
         return parse_slots(await self._call(request), request_size(request))
 
-    async def commit(self, keys: Sequence[bytes]) -> list[bool]:
-        return parse_committed(await self._call(keys_request("commit", keys)), len(keys))
+    async def commit(self, keys: Keys) -> list[bool]:
+        request = keys_request("commit", keys)
+        return parse_committed(await self._call(request), request_size(request))
 
-    async def abort(self, keys: Sequence[bytes]) -> int:
-        reply = await self._call(keys_request("abort", keys))
-        return parse_count("abort", reply, "aborted", len(keys))
+    async def abort(self, keys: Keys) -> int:
+        request = keys_request("abort", keys)
+        return parse_count("abort", await self._call(request), "aborted", request_size(request))
 
     async def stats(self) -> dict[str, Any]:
         reply = dict(await self._call({"op": "stats"}))

@@ -19,9 +19,8 @@ import time
 from typing import Any
 
 from maru_core.index.client_ops import LEASE_STATE_OPS, IndexUnavailable
-from maru_core.protocol import Address, FrameDecoder, FrameError, TcpAddress, encode_frame, new_packer
-
-_RECV_BYTES = 1 << 20
+from maru_core.protocol import Address, FrameError, TcpAddress, encode_frame, new_packer
+from maru_core.protocol.framing import FrameBuffer
 
 
 class _Waiter:
@@ -68,7 +67,7 @@ class Channel:
         self._pending: dict[int, _Waiter] = {}
         self._reading = False
         self._ids = itertools.count(1)
-        self._decoder = FrameDecoder()
+        self._frames = FrameBuffer()
         self._packer = new_packer()
         self.failure: IndexUnavailable | None = None
         self.lease_state_unknown = False
@@ -121,17 +120,21 @@ class Channel:
         return waiter.reply
 
     def _read_until(self, waiter: _Waiter, deadline: float) -> None:
+        # Replies are received in place (recv_into) and decoded from the buffer.
         while waiter.reply is None and self.failure is None:
             remaining = deadline - time.monotonic()
             try:
                 if remaining <= 0 or not select.select([self._sock], [], [], remaining)[0]:
                     self.fail(IndexUnavailable(f"no reply to {waiter.op} within the timeout"))
                     return
-                data = self._sock.recv(_RECV_BYTES)
-                if not data:
+                count = self._sock.recv_into(self._frames.writable())
+                if not count:
                     self.fail(IndexUnavailable("the index closed the connection"))
                     return
-                messages = self._decoder.feed(data)
+                self._frames.advance(count)
+                messages = []
+                while self._frames.complete():
+                    messages.append(self._frames.pop())
             except (OSError, ValueError, FrameError) as exc:
                 self.fail(IndexUnavailable(f"connection to the index failed: {exc}"))
                 return

@@ -30,6 +30,7 @@ from maru_core.index.client_ops import (
     IndexError_,
     IndexRejected,
     IndexUnavailable,
+    Keys,
     check_reply,
     default_client_name,
     hello_request,
@@ -121,23 +122,24 @@ class IndexClient:
         """Renew the lease now; return its TTL in seconds."""
         return float(self._call({"op": "heartbeat"})["lease_ttl_s"])
 
-    def match_prefix(self, keys: Sequence[bytes], *, timeout_s: float | None = None) -> int:
+    def match_prefix(self, keys: Keys, *, timeout_s: float | None = None) -> int:
         """How many leading ``keys`` are committed (pins nothing)."""
-        reply = self._call(keys_request("match_prefix", keys), timeout_s)
-        return parse_count("match_prefix", reply, "matched", len(keys))
+        request = keys_request("match_prefix", keys)
+        return parse_count("match_prefix", self._call(request, timeout_s), "matched", request_size(request))
 
-    def retrieve(self, keys: Sequence[bytes], *, timeout_s: float | None = None) -> LocationList:
+    def retrieve(self, keys: Keys, *, timeout_s: float | None = None) -> LocationList:
         """One ``Location`` or ``None`` per key, in order, as a ``LocationList``.
 
         Every key is pinned when all hit; nothing is pinned when any misses.
-        The answer always has exactly ``len(keys)`` entries.
+        The answer always has exactly one entry per key.
         """
-        reply = self._call(keys_request("retrieve", keys), timeout_s)
-        return parse_locations(reply, len(keys))
+        request = keys_request("retrieve", keys)
+        return parse_locations(self._call(request, timeout_s), request_size(request))
 
-    def unpin(self, keys: Sequence[bytes]) -> int:
+    def unpin(self, keys: Keys) -> int:
         """Release this lease's pins on ``keys``; return how many were released."""
-        return parse_count("unpin", self._call(keys_request("unpin", keys)), "unpinned", len(keys))
+        request = keys_request("unpin", keys)
+        return parse_count("unpin", self._call(request), "unpinned", request_size(request))
 
     def reserve(self, items: Iterable[tuple[bytes, int]]) -> SlotList:
         """Reserve a slot per ``(key, length)``: a ``Slot``, or ``None`` when the
@@ -146,15 +148,17 @@ class IndexClient:
         request = reserve_request(items)
         return parse_slots(self._call(request), request_size(request))
 
-    def commit(self, keys: Sequence[bytes]) -> list[bool]:
+    def commit(self, keys: Keys) -> list[bool]:
         """Make reserved keys visible, once their data and slot headers are
         written. ``False`` for a key that could not be committed (a duplicate,
         an expired reservation or a slot header that does not name it)."""
-        return parse_committed(self._call(keys_request("commit", keys)), len(keys))
+        request = keys_request("commit", keys)
+        return parse_committed(self._call(request), request_size(request))
 
-    def abort(self, keys: Sequence[bytes]) -> int:
+    def abort(self, keys: Keys) -> int:
         """Release reservations that will not be committed; return how many."""
-        return parse_count("abort", self._call(keys_request("abort", keys)), "aborted", len(keys))
+        request = keys_request("abort", keys)
+        return parse_count("abort", self._call(request), "aborted", request_size(request))
 
     def stats(self) -> dict[str, Any]:
         """The index's counters and pool bytes by state."""

@@ -19,6 +19,7 @@ from maru_core.protocol import (
     LocationList,
     SlotList,
     pack_keys,
+    pack_lengths,
 )
 
 #: Ops whose effect on the lease (pins, reservations) is unknown when their
@@ -26,6 +27,10 @@ from maru_core.protocol import (
 #: opens a fresh lease on reconnect and lets the old one lapse, so a pin or a
 #: reservation it cannot know about is released by the index, never leaked.
 LEASE_STATE_OPS = frozenset({"retrieve", "unpin", "reserve", "commit", "abort"})
+
+#: Keys as the clients take them: a sequence of 16-byte keys, or all of them
+#: packed in one ``bytes`` (16 bytes each, as they travel; no join needed).
+Keys = Sequence[bytes] | bytes
 
 DEFAULT_TIMEOUT_S = 5.0
 #: After a failed connect, calls fail fast for this long instead of each
@@ -73,14 +78,18 @@ def hello_request(client_name: str, token: str | None, lease_id: str | None) -> 
     }
 
 
-def keys_request(op: str, keys: Sequence[bytes]) -> dict[str, Any]:
-    """A request carrying ``keys`` packed (see ``maru_core.protocol.messages``)."""
+def keys_request(op: str, keys: Keys) -> dict[str, Any]:
+    """A request carrying ``keys`` packed (see ``maru_core.protocol.messages``);
+    ``keys`` may already be packed (one ``bytes`` of 16-byte keys end to end)."""
     return {"op": op, "keys": pack_keys(keys)}
 
 
 def reserve_request(items: Iterable[tuple[bytes, int]]) -> dict[str, Any]:
+    """A reserve request with its keys and lengths packed."""
     items = list(items)
-    return {"op": "reserve", "keys": pack_keys([k for k, _ in items]), "lengths": [n for _, n in items]}
+    keys = [k for k, _ in items]
+    lengths = [n for _, n in items]
+    return {"op": "reserve", "keys": pack_keys(keys), "lengths": pack_lengths(lengths)}
 
 
 def request_size(request: dict[str, Any]) -> int:

@@ -30,20 +30,29 @@ class Lease:
         self._distinct: list[bool] = []
         # The keys of each retrieve whose rows are distinct, joined: an unpin
         # of the same keys (the usual case) is then found without a lookup.
-        self._batch_keys: dict[bytes, np.ndarray] = {}
+        # Filed under a cheap fingerprint (hashing 128 KB of keys would cost
+        # more than the lookup it saves) and confirmed by comparing the keys.
+        self._batch_keys: dict[tuple[int, bytes, bytes], tuple[bytes, np.ndarray]] = {}
+
+    @staticmethod
+    def _fingerprint(joined_keys: bytes) -> tuple[int, bytes, bytes]:
+        return len(joined_keys), joined_keys[:16], joined_keys[-16:]
 
     def add_pins(self, rows: np.ndarray, distinct: bool, joined_keys: bytes) -> None:
         if len(rows):
             self._pins.append(rows)
             self._distinct.append(distinct)
-            if distinct and joined_keys not in self._batch_keys:
-                self._batch_keys[joined_keys] = rows
+            if distinct:
+                self._batch_keys.setdefault(self._fingerprint(joined_keys), (joined_keys, rows))
 
     def take_batch(self, joined_keys: bytes) -> np.ndarray | None:
         """The rows of an earlier retrieve of exactly these keys (joined), unpinned; else ``None``."""
-        rows = self._batch_keys.pop(joined_keys, None)
-        if rows is None:
+        fingerprint = self._fingerprint(joined_keys)
+        entry = self._batch_keys.get(fingerprint)
+        if entry is None or entry[0] != joined_keys:
             return None
+        del self._batch_keys[fingerprint]
+        rows = entry[1]
         for i, batch in enumerate(self._pins):
             if batch is rows:
                 del self._pins[i], self._distinct[i]

@@ -24,7 +24,8 @@ _EMPTY = -1  # a table slot never used since the last rebuild: ends a probe
 _TOMBSTONE = -2  # a slot whose key was removed: probes go on past it
 _MAX_LOAD = 0.25  # rows + tombstones per slot before the table is rebuilt
 _HEADROOM = 4  # a rebuilt table has at least this many slots per row (4 bytes each)
-_SCALAR_TAIL = 16  # probes left for so few keys finish in plain Python
+_WINDOW = 8  # slots probed per key and round after the first (8 bools read as one u64)
+_WINDOW_STEPS = np.arange(_WINDOW, dtype=np.int64)
 _FIBONACCI = np.uint64(0x9E3779B97F4A7C15)
 KEY_BYTES = 16
 
@@ -65,7 +66,7 @@ def join_keys(keys: Sequence[bytes]) -> bytes:
     return data
 
 
-def key_words(joined: bytes) -> tuple[np.ndarray, np.ndarray]:
+def key_words(joined: bytes | memoryview) -> tuple[np.ndarray, np.ndarray]:
     """The two u64 words of each key in ``joined`` (see ``join_keys``)."""
     words = np.frombuffer(joined, dtype="<u8").reshape(-1, 2)
     return words[:, 0], words[:, 1]
@@ -117,8 +118,11 @@ class RecordTable:
     # -- the hash table ---------------------------------------------------------------------------
 
     def _slots(self, k0: np.ndarray, k1: np.ndarray) -> np.ndarray:
-        mixed = (k0 ^ (k1 >> np.uint64(1))) * _FIBONACCI
-        return (mixed >> np.uint64(64 - self._bits)).astype(np.int64)
+        mixed = k1 >> np.uint64(1)
+        mixed ^= k0
+        mixed *= _FIBONACCI
+        mixed >>= np.uint64(64 - self._bits)
+        return mixed.view(np.int64)
 
     def _rebuild(self, rows_to_hold: int) -> None:
         """A fresh table with at least ``_HEADROOM`` slots per row, holding every live row."""
@@ -131,9 +135,9 @@ class RecordTable:
         """Enter ``rows`` (whose keys are set, distinct and absent) into the table."""
         table, mask = self._table, len(self._table) - 1
         rows = rows.astype(np.int32)
-        slot = self._slots(self.key0[rows], self.key1[rows])
+        slot = self._slots(self.key0.take(rows), self.key1.take(rows))
         while len(rows):
-            before = table[slot]
+            before = table.take(slot)
             free = before < 0
             # Racing rows on one free slot: the last write wins, the others move on.
             table[slot[free]] = rows[free]
@@ -142,51 +146,68 @@ class RecordTable:
             self._tombstones -= int(np.count_nonzero(before[won] == _TOMBSTONE))
             rows, slot = rows[~won], (slot[~won] + 1) & mask
 
-    def _find(self, k0: np.ndarray, k1: np.ndarray) -> np.ndarray:
-        """The table slot holding each key, or -1.
+    def _probe(self, k0: np.ndarray, k1: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(slots, rows)``: the table slot and the row of each key, both -1 for an unknown key.
 
-        Linear probing for the whole batch at once: each round reads one
-        slot per key still unresolved; at this load most keys resolve in the
-        first round, and the last few finish in plain Python.
+        Linear probing for the whole batch at once. The first round reads
+        each key's home slot; at this load most keys end there (found, or an
+        empty slot). The rest are probed a window of ``_WINDOW`` slots per
+        round: a key is found where its window holds it, and is unknown once
+        its window holds an empty slot, since a live key never lies beyond an
+        empty slot of its probe sequence (removals leave tombstones; only a
+        rebuild makes slots empty).
         """
-        table, mask = self._table, len(self._table) - 1
-        found = np.full(len(k0), -1, dtype=np.int64)
-        pending = np.arange(len(k0))
+        table, mask, key0, key1 = self._table, len(self._table) - 1, self.key0, self.key1
         slot = self._slots(k0, k1)
-        while len(pending) > _SCALAR_TAIL:
-            row = table[slot]
-            safe = np.maximum(row, 0)
-            hit = (self.key0[safe] == k0) & (self.key1[safe] == k1) & (row >= 0)
-            found[pending[hit]] = slot[hit]
-            go_on = ~hit & (row != _EMPTY)
-            pending, slot, k0, k1 = pending[go_on], (slot[go_on] + 1) & mask, k0[go_on], k1[go_on]
-        for i, s, a, b in zip(pending.tolist(), slot.tolist(), k0.tolist(), k1.tolist()):
-            while (row := int(table[s])) != _EMPTY:
-                if row >= 0 and int(self.key0[row]) == a and int(self.key1[row]) == b:
-                    found[i] = s
-                    break
-                s = (s + 1) & mask
-        return found
+        row = table.take(slot)
+        # take() wraps the negative markers around to the last rows; "row >= 0" discards those.
+        hit = key0.take(row) == k0
+        hit &= key1.take(row) == k1
+        hit &= row >= 0
+        rows = np.where(hit, row, -1).astype(np.int64)
+        slots = np.where(hit, slot, -1)
+        hit |= row == _EMPTY
+        todo = np.flatnonzero(~hit)
+        if not len(todo):
+            return slots, rows
+        start, q0, q1 = slot.take(todo), k0.take(todo)[:, None], k1.take(todo)[:, None]
+        while True:
+            window = start[:, None] + _WINDOW_STEPS
+            window &= mask
+            found = table.take(window)
+            match = key0.take(found) == q0
+            match &= key1.take(found) == q1
+            match &= found >= 0
+            at = np.flatnonzero(match)  # a key is in its window at most once
+            where = todo.take(at // _WINDOW)
+            rows[where] = found.ravel().take(at)
+            slots[where] = window.ravel().take(at)
+            match |= found == _EMPTY
+            done = match.view(np.uint64).ravel() != 0  # any() of each row of 8 bools, in one word
+            if done.all():
+                return slots, rows
+            more = ~done
+            todo, start, q0, q1 = todo[more], start[more] + _WINDOW, q0[more], q1[more]
 
     # -- records ----------------------------------------------------------------------------------
 
     def lookup(self, keys: Sequence[bytes] | bytes) -> np.ndarray:
         """Row of each key (-1 for an unknown key), as an int64 array; ``keys``
         may be given joined (``join_keys``)."""
-        slots = self._find(*key_words(keys if isinstance(keys, bytes) else join_keys(keys)))
-        rows = self._table[slots].astype(np.int64)
-        rows[slots < 0] = -1
-        return rows
+        return self._probe(*key_words(keys if isinstance(keys, bytes) else join_keys(keys)))[1]
 
     def lookup_in_state(self, keys: Sequence[bytes] | bytes, state: State) -> tuple[np.ndarray, np.ndarray]:
         """``(rows, mask)``: each key's row and whether it is a record in ``state``."""
         rows = self.lookup(keys)
-        return rows, (rows >= 0) & (self.state[rows] == state)
+        mask = self.state.take(rows) == state
+        mask &= rows >= 0
+        return rows, mask
 
-    def add(self, keys: Sequence[bytes]) -> np.ndarray:
-        """Give each key (new, distinct) a row with state ``RESERVED``; the caller fills the other fields."""
-        k0, k1 = key_words(join_keys(keys))
-        n = len(keys)
+    def add(self, keys: Sequence[bytes] | bytes) -> np.ndarray:
+        """Give each key (new, distinct; ``keys`` may be given joined) a row with
+        state ``RESERVED``; the caller fills the other fields."""
+        k0, k1 = key_words(keys if isinstance(keys, bytes) else join_keys(keys))
+        n = len(k0)
         reused = self._free_rows[len(self._free_rows) - min(n, len(self._free_rows)) :]
         self._free_rows = self._free_rows[: len(self._free_rows) - len(reused)]
         fresh = n - len(reused)
@@ -205,7 +226,7 @@ class RecordTable:
 
     def remove(self, rows: np.ndarray) -> None:
         """Forget the records at ``rows`` (distinct, live) and make the rows free."""
-        slots = self._find(self.key0[rows], self.key1[rows])
+        slots, _ = self._probe(self.key0[rows], self.key1[rows])
         if np.any(slots < 0):
             raise RuntimeError("a live record is missing from the key table")
         self._table[slots] = _TOMBSTONE

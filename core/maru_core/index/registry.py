@@ -35,13 +35,15 @@ from maru_core.index.allocator import ExtentAllocator
 from maru_core.index.leases import Lease, new_lease_id
 from maru_core.index.restore import select_restorable
 from maru_core.index.records import RecordTable, State
+from maru_core.index.records import KEY_BYTES
 from maru_core.index.registry_types import (
     BadRequest,
     ExpiryReport,
     Keys,
+    checked_lengths,
     first_occurrences,
     joined_keys,
-    key_list,
+    select_keys,
     split_items,
     NoLease,
     NoSpace,
@@ -50,9 +52,10 @@ from maru_core.index.registry_types import (
     RegistryStats,
 )
 from maru_core.pool.geometry import PoolGeometry
-from maru_core.protocol.locations import Location, LocationList, Slot, SlotList
+from maru_core.protocol.locations import Location, LocationList, SlotList
 
-Verify = Callable[[bytes, Slot], bool]
+#: ``verify(keys, offsets, generations) -> one bool per key`` (see ``Registry.commit``).
+Verify = Callable[[bytes, np.ndarray, np.ndarray], Sequence[bool] | np.ndarray]
 
 __all__ = [
     "BadRequest",
@@ -236,14 +239,17 @@ class Registry:
     def _locations(self, rows: np.ndarray, present: np.ndarray | None) -> LocationList:
         """The packed locations of ``rows``; a miss where ``present`` (``None``: everywhere) is false."""
         rec, g = self._records, self.geometry
-        words = np.zeros((len(rows), 3), dtype="<u8")
-        if present is None:
-            present = slice(None)
-        hit = rows[present]
-        words[present, 0] = rec.page[hit] * g.page_size + g.data_offset
-        words[present, 1] = rec.length[hit]
-        words[present, 2] = rec.generation[hit]
-        return LocationList.from_wire(_bytes_of(words))
+        words = np.empty((len(rows), 3), dtype="<u8")
+        # A miss's row is -1, which take() reads as the last row: those entries are zeroed below.
+        offsets = rec.page.take(rows)
+        offsets *= g.page_size
+        offsets += g.data_offset
+        words[:, 0] = offsets
+        words[:, 1] = rec.length.take(rows)
+        words[:, 2] = rec.generation.take(rows)
+        if present is not None:
+            words[~present] = 0
+        return LocationList(words.tobytes())
 
     def _touch(self, rows: np.ndarray) -> bool:
         """Make ``rows`` most recently used; return whether they are distinct.
@@ -252,17 +258,22 @@ class Registry:
         later tick: reading the ticks back tells duplicates apart for free.
         """
         n = len(rows)
-        ticks = self._tick + n - np.arange(n, dtype=np.int64)
+        ticks = np.arange(self._tick + n, self._tick, -1, dtype=np.int64)
         self._records.last_used[rows] = ticks
         self._tick += n + 1
-        return bool(np.array_equal(self._records.last_used[rows], ticks))
+        return bool(np.array_equal(self._records.last_used.take(rows), ticks))
 
     # -- writers --------------------------------------------------------------------------------
 
     def reserve(self, lease_id: str, items: Sequence[tuple[bytes, int]]) -> SlotList:
-        """A slot per ``(key, length)`` item, in order, or ``None`` for an item
-        whose key is already committed or reserved (or repeated in ``items``)
-        or that does not fit even after eviction.
+        """A slot per ``(key, length)`` item, in order (see ``reserve_packed``)."""
+        keys, lengths = split_items(items)
+        return self.reserve_packed(lease_id, keys, lengths)
+
+    def reserve_packed(self, lease_id: str, keys: Keys, lengths: Sequence[int] | np.ndarray) -> SlotList:
+        """A slot per key, of ``lengths[i]`` bytes for ``keys[i]``, in order, or
+        ``None`` for a key already committed or reserved (or repeated in the
+        batch) or that does not fit even after eviction.
 
         The batch's objects are placed contiguously, in order, when one free
         extent holds them all, so a reader can copy adjacent objects at once.
@@ -270,10 +281,12 @@ class Registry:
         for a key that is not 16 bytes or a length that is not positive.
         """
         lease = self._lease(lease_id)
-        keys, lengths = split_items(items)
-        candidates = self._new_distinct(keys)
+        joined = joined_keys(keys)
+        lengths = checked_lengths(lengths, len(joined) // KEY_BYTES)
+        candidates = self._records.lookup(joined) < 0
+        candidates &= first_occurrences(joined)
         if not candidates.any():
-            return SlotList.from_wire(bytes(16 * len(keys)))
+            return SlotList(bytes(len(joined)))
         if self._clock() < self._quarantine_until:
             raise NoSpace(
                 f"the index restarted over a pool in use; it hands out no slot for {self.quarantine_s:g} s "
@@ -296,17 +309,14 @@ class Registry:
                 f"{g.num_pages} pages: the rest is pinned or reserved"
             )
         idx = cand_idx[placed]
-        rows = self._add_reserved(lease, [keys[i] for i in idx.tolist()], starts[placed], pages[placed], lengths[idx])
-        words = np.zeros((len(keys), 2), dtype="<u8")
-        words[idx, 0] = starts[placed] * self.geometry.page_size + self.geometry.data_offset
-        words[idx, 1] = self._records.generation[rows]
-        return SlotList.from_wire(_bytes_of(words))
+        chosen = joined if len(idx) == len(candidates) else select_keys(joined, idx)
+        rows = self._add_reserved(lease, chosen, starts[placed], pages[placed], lengths[idx])
+        words = np.zeros((len(candidates), 2), dtype="<u8")
+        words[idx, 0] = starts[placed] * g.page_size + g.data_offset
+        words[idx, 1] = self._records.generation.take(rows)
+        return SlotList(words.tobytes())
 
-    def _new_distinct(self, keys: list[bytes]) -> np.ndarray:
-        """Mask of keys that are not in the index and not a repeat of an earlier key in the batch."""
-        return (self._records.lookup(joined_keys(keys)) < 0) & first_occurrences(keys)
-
-    def _add_reserved(self, lease: Lease, keys: list[bytes], starts: np.ndarray, pages: np.ndarray,
+    def _add_reserved(self, lease: Lease, keys: bytes, starts: np.ndarray, pages: np.ndarray,
                       lengths: np.ndarray) -> np.ndarray:  # fmt: skip
         rec = self._records
         rows = rec.add(keys)
@@ -328,27 +338,30 @@ class Registry:
 
         ``False`` for a key this lease has not reserved (never reserved,
         aborted, expired, already committed: commits are write-once, the
-        first one stands) and for a key whose ``verify(key, Slot)`` (the
-        server's check of the slot header) fails: its slot is released.
+        first one stands) and for a key that ``verify`` rejects (the server's
+        check of the slot headers): its slot is released. ``verify(keys,
+        offsets, generations)`` gets the keys about to be committed (packed),
+        their slots' data offsets and generations (int64 arrays), and returns
+        one bool per key.
         """
         lease = self._lease(lease_id)
         rec = self._records
-        keys = key_list(keys)
-        rows, ok = self._lookup_in_state(keys, State.RESERVED)
-        ok &= rec.owner[rows] == lease.number
-        ok &= first_occurrences(keys)
+        joined = joined_keys(keys)
+        rows, ok = self._lookup_in_state(joined, State.RESERVED)
+        ok &= rec.owner.take(rows) == lease.number
+        if ok.any():
+            ok &= first_occurrences(joined)
         if verify is not None and ok.any():
-            g = self.geometry
-            rejected = []
-            for i in np.flatnonzero(ok).tolist():
-                row = int(rows[i])
-                slot = Slot(int(rec.page[row]) * g.page_size + g.data_offset, int(rec.generation[row]))
-                if not verify(keys[i], slot):
-                    ok[i] = False
-                    rejected.append(row)
-            self._release(np.array(rejected, dtype=np.int64), State.RESERVED)
+            idx = np.flatnonzero(ok)
+            mine = rows.take(idx)
+            offsets = rec.page.take(mine) * self.geometry.page_size + self.geometry.data_offset
+            good = np.asarray(verify(select_keys(joined, idx), offsets, rec.generation.take(mine)), dtype=bool)
+            if good.shape != idx.shape:
+                raise RegistryError(f"verify answered {good.shape} for {len(idx)} keys")
+            ok[idx[~good]] = False
+            self._release(mine[~good], State.RESERVED)
         done = rows[ok]
-        pages = int(rec.pages[done].sum())
+        pages = int(rec.pages.take(done).sum())
         rec.state[done] = State.COMMITTED
         rec.owner[done] = -1
         self._reserved_pages -= pages
@@ -494,7 +507,3 @@ class Registry:
             quarantined=self._clock() < self._quarantine_until,
         )
 
-
-def _bytes_of(words: np.ndarray) -> memoryview | bytes:
-    """The array's bytes without a copy (an empty array has none to view)."""
-    return memoryview(words).cast("B") if words.size else b""

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from maru_core.index.records import KEY_BYTES, join_keys
+from maru_core.index.records import KEY_BYTES
 
 
 class RegistryError(Exception):
@@ -81,39 +81,65 @@ Keys = Sequence[bytes] | bytes | bytearray | memoryview
 
 
 def joined_keys(keys: Keys) -> bytes:
-    """``keys`` packed into one ``bytes``; ``BadRequest`` for anything but 16-byte keys."""
+    """``keys`` packed into one ``bytes`` (the very object when it already is); ``BadRequest``
+    for anything but 16-byte keys."""
     if isinstance(keys, (bytes, bytearray, memoryview)):
         data = bytes(keys)
         if len(data) % KEY_BYTES:
             raise BadRequest(f"packed keys must be a multiple of {KEY_BYTES} bytes, got {len(data)}")
         return data
-    try:
-        return join_keys(keys)
-    except ValueError as exc:
-        raise BadRequest(str(exc)) from None
+    if keys and (set(map(type, keys)) != {bytes} or set(map(len, keys)) != {KEY_BYTES}):
+        bad = next(i for i, k in enumerate(keys) if type(k) is not bytes or len(k) != KEY_BYTES)
+        raise BadRequest(f"key {bad} must be {KEY_BYTES} bytes, got {keys[bad]!r}")
+    return b"".join(keys)
 
 
-def key_list(keys: Keys) -> Sequence[bytes]:
-    """``keys`` as a sequence of 16-byte ``bytes`` (packed keys are split; a sequence is kept)."""
-    if not isinstance(keys, (bytes, bytearray, memoryview)):
-        return keys
-    data = joined_keys(keys)
-    return [data[i : i + KEY_BYTES] for i in range(0, len(data), KEY_BYTES)]
+def select_keys(joined: bytes, positions: np.ndarray) -> bytes:
+    """The keys of ``joined`` at ``positions``, packed."""
+    return np.frombuffer(joined, dtype=f"V{KEY_BYTES}").take(positions).tobytes()
 
 
-def first_occurrences(keys: Sequence[bytes]) -> np.ndarray:
-    """Mask of the positions holding the first occurrence of their key."""
-    n = len(keys)
-    first_of = dict(zip(reversed(keys), range(n - 1, -1, -1)))
-    if len(first_of) == n:
+def first_occurrences(joined: bytes) -> np.ndarray:
+    """Mask of the positions (of packed keys) holding the first occurrence of their key.
+
+    A batch almost never repeats a key: one sort of the first words proves
+    that; only a batch where two first words agree is looked at key by key.
+    """
+    n = len(joined) // KEY_BYTES
+    first_words = np.frombuffer(joined, dtype="<u8")[0::2]
+    ordered = np.sort(first_words)
+    if not np.any(ordered[1:] == ordered[:-1]):
         return np.ones(n, dtype=bool)
+    keys = np.frombuffer(joined, dtype=f"V{KEY_BYTES}").tolist()
+    first_of = dict(zip(reversed(keys), range(n - 1, -1, -1)))
     first = np.zeros(n, dtype=bool)
     first[list(first_of.values())] = True
     return first
 
 
-def split_items(items: Sequence[tuple[bytes, int]]) -> tuple[list[bytes], np.ndarray]:
-    """Keys and lengths of reserve items, checked."""
+def checked_lengths(lengths: Sequence[int] | np.ndarray, count: int) -> np.ndarray:
+    """``lengths`` as an int64 array of ``count`` positive values; ``BadRequest`` otherwise."""
+    if not isinstance(lengths, np.ndarray):
+        if lengths and set(map(type, lengths)) != {int}:
+            bad = next(i for i, n in enumerate(lengths) if type(n) is not int)
+            raise BadRequest(f"reserve item {bad}: the length must be an int, got {lengths[bad]!r}")
+        try:
+            lengths = np.array(lengths, dtype=np.int64)
+        except OverflowError:
+            raise BadRequest("reserve lengths must be below 2**63 bytes") from None
+    elif lengths.dtype.kind not in "iu" or (lengths.dtype.kind == "u" and len(lengths) and lengths.max() >= 2**63):
+        raise BadRequest(f"reserve lengths must be integers below 2**63, got an array of {lengths.dtype}")
+    lengths = lengths.astype(np.int64, copy=False)
+    if lengths.shape != (count,):
+        raise BadRequest(f"reserve got {count} keys but {len(lengths)} lengths")
+    if count and lengths.min() <= 0:
+        bad = int(np.argmin(lengths))
+        raise BadRequest(f"reserve item {bad}: the length must be positive, got {int(lengths[bad])}")
+    return lengths
+
+
+def split_items(items: Sequence[tuple[bytes, int]]) -> tuple[bytes, np.ndarray]:
+    """Packed keys and lengths of reserve items, checked."""
     try:
         keys, lengths = (list(column) for column in zip(*items)) if len(items) else ([], [])
     except (TypeError, ValueError):
@@ -121,14 +147,4 @@ def split_items(items: Sequence[tuple[bytes, int]]) -> tuple[list[bytes], np.nda
     if keys and (set(map(type, keys)) != {bytes} or set(map(len, keys)) != {KEY_BYTES}):
         bad = next(i for i, k in enumerate(keys) if type(k) is not bytes or len(k) != KEY_BYTES)
         raise BadRequest(f"reserve item {bad}: a key must be {KEY_BYTES} bytes, got {keys[bad]!r}")
-    if lengths and set(map(type, lengths)) != {int}:
-        bad = next(i for i, n in enumerate(lengths) if type(n) is not int)
-        raise BadRequest(f"reserve item {bad}: the length must be an int, got {lengths[bad]!r}")
-    try:
-        array = np.array(lengths, dtype=np.int64)
-    except OverflowError:
-        raise BadRequest("reserve lengths must be below 2**63 bytes") from None
-    if len(array) and array.min() <= 0:
-        bad = int(np.argmin(array))
-        raise BadRequest(f"reserve item {bad}: the length must be positive, got {lengths[bad]}")
-    return keys, array
+    return b"".join(keys), checked_lengths(lengths, len(keys))

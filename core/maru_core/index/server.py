@@ -1,11 +1,25 @@
 """The index service: one asyncio server in front of one pool's ``Registry``.
 
-Every connection speaks the framed protocol of ``maru_core.protocol``.
-Requests are handled in arrival order, inline on the event loop: registry
-operations are pure and fast, so a pipelined client gets its replies in the
-order it sent them. A malformed frame closes only its own connection; a
-well-framed request with wrong types or an unknown op gets a typed error
-reply and the connection stays open.
+Every connection speaks the framed protocol of ``maru_core.protocol``. A
+connection is an ``asyncio.BufferedProtocol``: the kernel writes its bytes
+straight into the connection's ``FrameBuffer``, and each complete frame is
+decoded from there and answered in the same callback, with one ``write``
+per reply (no task, no stream reader, no copy of the request in between).
+Requests of one connection are answered in arrival order, so a pipelined
+client gets its replies in the order it sent them. A malformed frame closes
+only its own connection; a well-framed request with wrong types or an
+unknown op gets a typed error reply and the connection stays open.
+
+Large batches do not stall other clients: a ``commit`` or ``abort`` of more
+than ``SLICE_KEYS`` keys runs as consecutive slices, each one registry call
+(atomic), with the event loop free to answer other connections between
+slices; the connection reads nothing more until the last slice has
+answered, which keeps its order. Both ops act on each key on its own, so a
+batch sliced means exactly what it means whole (a key repeated across
+slices is committed once, by its first occurrence); only what others see
+in between differs: part of the batch already committed. ``retrieve`` (its
+all-or-nothing pin), ``reserve`` (one placement for the whole batch), and
+``unpin``, ``match_prefix`` (vectorised, fast) always run whole.
 
 Leases: ``hello`` opens (or resumes) the connection's lease; every later
 request renews it. A connection that drops keeps its lease until it lapses,
@@ -21,10 +35,13 @@ import hmac
 import logging
 import os
 import time
+from collections.abc import Generator
 from typing import Any, Callable
 
 from maru_core.index.registry import RegistryError
+from maru_core.index.slot_check import SlotHeaderCheck
 from maru_core.protocol import (
+    KEY_BYTES,
     PROTOCOL_VERSION,
     Address,
     ErrorType,
@@ -40,22 +57,121 @@ from maru_core.protocol import (
     pack_locations,
     pack_slots,
     parse_request,
-    read_frame,
     request_id,
 )
+from maru_core.protocol.framing import FrameBuffer
 
 log = logging.getLogger(__name__)
 
-#: Pending reply bytes above which a connection waits for its peer to read.
+#: Pending reply bytes above which a connection stops reading until its peer has read them.
 _WRITE_HIGH_WATER = 4 * 1024 * 1024
+#: Keys per slice of a large ``commit`` or ``abort`` (a slice is about a millisecond of work).
+SLICE_KEYS = 2048
+
+Reply = dict[str, Any]
+#: A sliced request: yields between slices, returns its reply.
+Job = Generator[None, None, Reply]
 
 
-@dataclasses.dataclass
-class _Connection:
-    peer: str
-    lease_id: str | None = None
-    client: str | None = None
-    packer: Any = dataclasses.field(default_factory=new_packer)
+class _Connection(asyncio.BufferedProtocol):
+    """One client connection: frames in through a ``FrameBuffer``, replies out, in order."""
+
+    def __init__(self, server: "IndexServer") -> None:
+        self._server = server
+        self._frames = FrameBuffer()
+        self._packer = new_packer()
+        self._transport: asyncio.Transport | None = None
+        self._job: Job | None = None  # a sliced request under way: read nothing more meanwhile
+        self._write_paused = False
+        self.peer = "unix"
+        self.lease_id: str | None = None
+        self.client: str | None = None
+
+    # -- asyncio callbacks ---------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+        self._transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
+        self.peer = str(transport.get_extra_info("peername") or "unix")
+        self._server._connections.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        # The peer went away; its lease lives on until it lapses.
+        self._server._connections.discard(self)
+        self._job = None
+        self._transport = None
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._frames.writable()
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._frames.advance(nbytes)
+        self._answer_buffered()
+
+    def eof_received(self) -> bool:
+        return False  # close our side too
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+        self._update_reading()
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        self._update_reading()
+
+    # -- requests ------------------------------------------------------------
+
+    def _answer_buffered(self) -> None:
+        """Answer every complete frame in the buffer, in order, until one starts a sliced job."""
+        try:
+            while self._transport is not None and self._job is None and self._frames.complete():
+                outcome = self._server.handle(self, self._frames.pop())
+                if isinstance(outcome, dict):
+                    self._send(outcome)
+                else:
+                    self._job = outcome
+                    self._update_reading()
+                    self._server._loop.call_soon(self._step_job)
+                    return
+        except FrameError as exc:
+            log.warning("closing connection from %s: %s", self.peer, exc)
+            if isinstance(exc, FrameTooLarge):
+                self._send(error_reply(None, ProtocolError(ErrorType.TOO_LARGE, str(exc))))
+            self.close()
+
+    def _step_job(self) -> None:
+        """Run the next slice of the job; when it is done, send its reply and go on reading."""
+        job = self._job
+        if job is None:
+            return  # the connection closed meanwhile
+        try:
+            next(job)
+        except StopIteration as done:
+            self._job = None
+            self._send(done.value)
+            self._update_reading()
+            self._answer_buffered()
+        else:
+            self._server._loop.call_soon(self._step_job)
+
+    def _update_reading(self) -> None:
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return
+        if self._write_paused or self._job is not None:
+            if transport.is_reading():
+                transport.pause_reading()
+        elif not transport.is_reading():
+            transport.resume_reading()
+
+    def _send(self, reply: Reply) -> None:
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.write(encode_frame(reply, self._packer))
+
+    def close(self) -> None:
+        self._job = None
+        if self._transport is not None:
+            self._transport.close()
 
 
 class IndexServer:
@@ -64,7 +180,8 @@ class IndexServer:
     ``registry`` is a ``maru_core.index.registry.Registry``; ``pool`` the
     attached ``Pool`` (the server reads slot headers through it to verify
     commits); ``token``, when set, must be presented by ``hello``;
-    ``metrics`` an optional ``IndexMetrics`` that records every request.
+    ``metrics`` an optional ``IndexMetrics`` that records every request;
+    ``slice_keys`` the keys per slice of a large commit or abort.
     """
 
     def __init__(
@@ -75,17 +192,23 @@ class IndexServer:
         token: str | None = None,
         expiry_interval_s: float = 1.0,
         metrics: Any = None,
+        slice_keys: int = SLICE_KEYS,
     ) -> None:
+        if slice_keys < 1:
+            raise ValueError(f"slice_keys must be at least 1, got {slice_keys}")
         self.registry = registry
         self.pool = pool
         self._token = token.encode() if token else None
         self._expiry_interval_s = expiry_interval_s
         self._metrics = metrics
+        self._slice_bytes = slice_keys * KEY_BYTES
+        self._verify = SlotHeaderCheck(pool)
         self._server: asyncio.base_events.Server | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._expiry_task: asyncio.Task | None = None
-        self._connections: set[asyncio.Task] = set()
+        self._connections: set[_Connection] = set()
         self._unix_path: str | None = None
-        self._handlers: dict[str, Callable[[_Connection, dict], dict]] = {
+        self._handlers: dict[str, Callable[[_Connection, dict], Reply]] = {
             "hello": self._hello,
             "heartbeat": self._heartbeat,
             "match_prefix": self._match_prefix,
@@ -97,21 +220,25 @@ class IndexServer:
             "stats": self._stats,
             "bye": self._bye,
         }
+        self._sliced: dict[str, Callable[[_Connection, dict], Generator[None, None, dict]]] = {
+            "commit": self._commit_sliced,
+            "abort": self._abort_sliced,
+        }
 
     # -- lifecycle -----------------------------------------------------------
 
     async def start(self, address: Address) -> Address:
         """Listen on ``address``; return the bound address (a TCP port 0 becomes the real port)."""
+        self._loop = asyncio.get_running_loop()
+        protocol = lambda: _Connection(self)  # noqa: E731
         if isinstance(address, UnixAddress):
             if os.path.exists(address.path):
                 os.unlink(address.path)  # a socket left by a previous run
-            self._server = await asyncio.start_unix_server(self._serve_connection, path=address.path)
+            self._server = await self._loop.create_unix_server(protocol, path=address.path)
             self._unix_path = address.path
             bound: Address = address
         else:
-            self._server = await asyncio.start_server(
-                self._serve_connection, host=address.host, port=address.port
-            )
+            self._server = await self._loop.create_server(protocol, host=address.host, port=address.port)
             port = self._server.sockets[0].getsockname()[1]
             bound = TcpAddress(address.host, port)
         self._expiry_task = asyncio.create_task(self._expire_periodically())
@@ -121,10 +248,11 @@ class IndexServer:
         """Stop listening, drop every connection, stop the expiry task."""
         if self._server is not None:
             self._server.close()
-        tasks = [t for t in (self._expiry_task, *self._connections) if t is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        for conn in list(self._connections):
+            conn.close()
+        if self._expiry_task is not None:
+            self._expiry_task.cancel()
+            await asyncio.gather(self._expiry_task, return_exceptions=True)
         if self._server is not None:
             await self._server.wait_closed()
             self._server = None
@@ -145,47 +273,11 @@ class IndexServer:
                     len(report.lapsed_leases), report.pins_released, report.reservations_released,
                 )
 
-    # -- connections ---------------------------------------------------------
+    # -- requests ------------------------------------------------------------
 
-    async def _serve_connection(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        task = asyncio.current_task()
-        self._connections.add(task)
-        peer = writer.get_extra_info("peername") or "unix"
-        conn = _Connection(peer=str(peer))
-        try:
-            await self._read_requests(conn, reader, writer)
-        except FrameError as exc:
-            log.warning("closing connection from %s: %s", conn.peer, exc)
-            if isinstance(exc, FrameTooLarge):
-                self._send(conn, writer, error_reply(None, ProtocolError(ErrorType.TOO_LARGE, str(exc))))
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass  # the peer went away; its lease lives on until it lapses
-        except asyncio.CancelledError:
-            pass
-        finally:
-            self._connections.discard(task)
-            writer.close()
-
-    async def _read_requests(
-        self, conn: _Connection, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        while True:
-            message = await read_frame(reader)
-            if message is None:
-                return
-            self._send(conn, writer, self.handle(conn, message))
-            transport = writer.transport
-            if transport.get_write_buffer_size() > _WRITE_HIGH_WATER:
-                await writer.drain()
-
-    def _send(self, conn: _Connection, writer: asyncio.StreamWriter, reply: dict) -> None:
-        if not writer.is_closing():
-            writer.write(encode_frame(reply, conn.packer))
-
-    def handle(self, conn: _Connection, message: Any) -> dict:
-        """Answer one decoded request: a reply map, never an exception."""
+    def handle(self, conn: _Connection, message: Any) -> Reply | Job:
+        """Answer one decoded request: a reply map, or a job whose slices
+        end in one (never an exception)."""
         started = time.perf_counter()
         op = "invalid"
         try:
@@ -193,19 +285,37 @@ class IndexServer:
             op = request.op
             if op != "hello" and conn.lease_id is None:
                 raise ProtocolError(ErrorType.NO_LEASE, "no lease on this connection: send hello first")
+            keys = request.args.get("keys")
+            if op in self._sliced and len(keys) > self._slice_bytes:
+                return self._job(conn, request, started)
             reply = ok_reply(request.id, **self._handlers[op](conn, request.args))
-        except ProtocolError as exc:
-            reply = error_reply(request_id(message), exc)
-        except RegistryError as exc:
-            reply = error_reply(request_id(message), ProtocolError(ErrorType(exc.error_type), str(exc)))
         except Exception as exc:
-            log.exception("op %s failed", op)
-            error = ProtocolError(ErrorType.INTERNAL, f"the index failed on {op}: {type(exc).__name__}: {exc}")
-            reply = error_reply(request_id(message), error)
+            reply = self._error(message, op, exc)
+        self._observe(op, started, reply)
+        return reply
+
+    def _job(self, conn: _Connection, request: Any, started: float) -> Job:
+        try:
+            result = yield from self._sliced[request.op](conn, request.args)
+            reply = ok_reply(request.id, **result)
+        except Exception as exc:
+            reply = self._error({"id": request.id}, request.op, exc)
+        self._observe(request.op, started, reply)
+        return reply
+
+    def _error(self, message: Any, op: str, exc: Exception) -> Reply:
+        if isinstance(exc, ProtocolError):
+            return error_reply(request_id(message), exc)
+        if isinstance(exc, RegistryError):
+            return error_reply(request_id(message), ProtocolError(ErrorType(exc.error_type), str(exc)))
+        log.error("op %s failed", op, exc_info=exc)
+        error = ProtocolError(ErrorType.INTERNAL, f"the index failed on {op}: {type(exc).__name__}: {exc}")
+        return error_reply(request_id(message), error)
+
+    def _observe(self, op: str, started: float, reply: Reply) -> None:
         if self._metrics is not None:
             error_type = None if reply["ok"] else reply["error"]["type"]
             self._metrics.observe_rpc(op, time.perf_counter() - started, error_type)
-        return reply
 
     # -- operations ----------------------------------------------------------
 
@@ -252,8 +362,8 @@ class IndexServer:
         return {"unpinned": self.registry.unpin(self._renewed(conn), args["keys"])}
 
     def _reserve(self, conn: _Connection, args: dict) -> dict:
-        items = list(zip(args["keys"], args["lengths"]))
-        return {"slots": pack_slots(self.registry.reserve(self._renewed(conn), items))}
+        slots = self.registry.reserve_packed(self._renewed(conn), args["keys"], args["lengths"])
+        return {"slots": pack_slots(slots)}
 
     def _commit(self, conn: _Connection, args: dict) -> dict:
         committed = self.registry.commit(self._renewed(conn), args["keys"], verify=self._verify)
@@ -261,6 +371,26 @@ class IndexServer:
 
     def _abort(self, conn: _Connection, args: dict) -> dict:
         return {"aborted": self.registry.abort(self._renewed(conn), args["keys"])}
+
+    def _slices(self, keys: bytes) -> Generator[bytes, None, None]:
+        for start in range(0, len(keys), self._slice_bytes):
+            yield keys[start : start + self._slice_bytes]
+
+    def _commit_sliced(self, conn: _Connection, args: dict) -> Generator[None, None, dict]:
+        committed: list[bool] = []
+        for i, keys in enumerate(self._slices(args["keys"])):
+            if i:
+                yield  # let other connections in
+            committed += self.registry.commit(self._renewed(conn), keys, verify=self._verify)
+        return {"committed": committed}
+
+    def _abort_sliced(self, conn: _Connection, args: dict) -> Generator[None, None, dict]:
+        aborted = 0
+        for i, keys in enumerate(self._slices(args["keys"])):
+            if i:
+                yield
+            aborted += self.registry.abort(self._renewed(conn), keys)
+        return {"aborted": aborted}
 
     def _stats(self, conn: _Connection, args: dict) -> dict:
         self._renewed(conn)
@@ -271,15 +401,6 @@ class IndexServer:
         closed = self.registry.close_lease(conn.lease_id)
         conn.lease_id = None
         return {"closed": closed}
-
-    def _verify(self, key: bytes, slot: Any) -> bool:
-        """Whether the slot header the writer wrote names ``key`` and the slot's generation."""
-        try:
-            header = self.pool.read_slot_header(slot.offset)
-        except Exception as exc:  # a corrupt or missing header fails only this commit
-            log.warning("slot header at %d unreadable: %s", slot.offset, exc)
-            return False
-        return header is not None and header.names(key, slot.generation)
 
 
 def stats_to_wire(stats: Any) -> dict[str, Any]:

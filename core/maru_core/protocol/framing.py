@@ -46,9 +46,10 @@ def encode_frame(message: dict[str, Any], packer: msgpack.Packer | None = None) 
     return HEADER.pack(len(payload)) + payload
 
 
-def payload_length(header: bytes) -> int:
-    """The payload length announced by a 4-byte ``header``; checked against the limit."""
-    (length,) = HEADER.unpack(header)
+def payload_length(header: bytes | bytearray | memoryview, offset: int = 0) -> int:
+    """The payload length announced by the 4-byte header at ``offset`` of ``header``;
+    checked against the limit."""
+    (length,) = HEADER.unpack_from(header, offset)
     if length > MAX_FRAME_BYTES:
         raise FrameTooLarge(f"frame announces {length} bytes, above MAX_FRAME_BYTES={MAX_FRAME_BYTES}")
     if length == 0:
@@ -68,27 +69,98 @@ def decode_payload(payload: bytes | bytearray | memoryview) -> Any:
         raise FrameError(f"payload is not one msgpack object: {exc}") from exc
 
 
+class FrameBuffer:
+    """A receive buffer that frames are read into in place and decoded from.
+
+    The reader asks ``writable()`` for free space, lets the socket fill it
+    (``recv_into``, or asyncio's ``BufferedProtocol``) and reports the byte
+    count to ``advance``; then, while ``complete()``, ``pop()`` decodes the
+    next frame straight from the buffer. A frame's bytes are thus copied
+    once, by the kernel, and a payload is decoded without being sliced out
+    first. Room for a whole announced frame is made before it arrives, so a
+    large frame is received in few system calls. The buffer shrinks back
+    once a large frame has been consumed.
+    """
+
+    def __init__(self, initial_bytes: int = 256 * 1024, min_free: int = 64 * 1024) -> None:
+        self._initial = initial_bytes
+        self._min_free = min_free
+        self._buf = bytearray(initial_bytes)
+        self._start = 0  # first byte not consumed yet
+        self._end = 0  # end of the bytes received
+
+    @property
+    def pending_bytes(self) -> int:
+        return self._end - self._start
+
+    def writable(self) -> memoryview:
+        """Free space after the bytes received (at least ``min_free`` bytes, or
+        what the frame under way still needs)."""
+        held = self._end - self._start
+        need = self._min_free
+        if held >= HEADER_BYTES:
+            need = max(need, HEADER_BYTES + payload_length(self._buf, self._start) - held)
+        if len(self._buf) - self._end < need:
+            if held + need <= len(self._buf):
+                self._buf[:held] = self._buf[self._start : self._end]  # same size: never a resize
+            else:
+                # A new bytearray, never a resize: the caller may still hold a view of the old one.
+                fresh = bytearray(max(held + need, 2 * len(self._buf)))
+                fresh[:held] = self._buf[self._start : self._end]
+                self._buf = fresh
+            self._start, self._end = 0, held
+        return memoryview(self._buf)[self._end :]
+
+    def advance(self, count: int) -> None:
+        """``count`` bytes were written at the start of the last ``writable()`` view."""
+        self._end += count
+
+    def complete(self) -> bool:
+        """Whether a whole frame is buffered; ``FrameError`` for a header no frame may have."""
+        held = self._end - self._start
+        if held < HEADER_BYTES:
+            return False
+        return held >= HEADER_BYTES + payload_length(self._buf, self._start)
+
+    def pop(self) -> Any:
+        """Decode and consume the next frame (``complete()`` must be true); ``FrameError`` if undecodable."""
+        start = self._start + HEADER_BYTES
+        end = start + payload_length(self._buf, self._start)
+        with memoryview(self._buf) as view:
+            try:
+                message = decode_payload(view[start:end])
+            finally:
+                self._start = end
+        if self._start == self._end:
+            self._start = self._end = 0
+            if len(self._buf) > 4 * self._initial:
+                self._buf = bytearray(self._initial)
+        return message
+
+
 class FrameDecoder:
     """Incremental decoder: ``feed`` it bytes as they arrive, get whole messages back."""
 
     def __init__(self) -> None:
-        self._buffer = bytearray()
+        self._frames = FrameBuffer()
 
-    def feed(self, data: bytes) -> list[Any]:
-        self._buffer += data
+    def feed(self, data: bytes | bytearray | memoryview) -> list[Any]:
         messages = []
-        while len(self._buffer) >= HEADER_BYTES:
-            length = payload_length(bytes(self._buffer[:HEADER_BYTES]))
-            end = HEADER_BYTES + length
-            if len(self._buffer) < end:
-                break
-            messages.append(decode_payload(bytes(self._buffer[HEADER_BYTES:end])))
-            del self._buffer[:end]
-        return messages
+        with memoryview(data) as rest:
+            while True:
+                while self._frames.complete():
+                    messages.append(self._frames.pop())
+                if not rest:
+                    return messages
+                space = self._frames.writable()
+                count = min(len(space), len(rest))
+                space[:count] = rest[:count]
+                self._frames.advance(count)
+                rest = rest[count:]
 
     @property
     def pending_bytes(self) -> int:
-        return len(self._buffer)
+        return self._frames.pending_bytes
 
 
 async def read_frame(reader: asyncio.StreamReader) -> Any | None:

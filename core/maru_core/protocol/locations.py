@@ -70,17 +70,28 @@ def _pack(items: list, width: int, what: str) -> bytes:
 
 
 class _PackedList(Sequence):
-    """A read-only sequence of ``_T | None`` over packed u64 words."""
+    """A read-only sequence of ``_T | None`` over packed u64 words.
 
-    __slots__ = ("_words",)
+    It keeps the wire bytes it was built from (so ``to_wire`` is free) and
+    reads them into an ``array('Q')`` only when an entry is first asked for.
+    """
+
+    __slots__ = ("_wire", "_array")
     _width = 1
     _type: type = tuple
 
-    def __init__(self, words: array) -> None:
-        self._words = words
+    def __init__(self, wire: bytes) -> None:
+        self._wire = wire
+        self._array: array | None = None
+
+    @property
+    def _words(self) -> array:
+        if self._array is None:
+            self._array = _words_from_bytes(self._wire, self._width, self._type.__name__.lower())
+        return self._array
 
     def __len__(self) -> int:
-        return len(self._words) // self._width
+        return len(self._wire) // (8 * self._width)
 
     @overload
     def __getitem__(self, index: int) -> _T | None: ...
@@ -116,7 +127,7 @@ class _PackedList(Sequence):
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, _PackedList):
-            return type(self) is type(other) and self._words == other._words
+            return type(self) is type(other) and self._wire == other._wire
         if isinstance(other, (list, tuple)):
             return len(other) == len(self) and all(a == b for a, b in zip(self, other))
         return NotImplemented
@@ -135,7 +146,13 @@ class _PackedList(Sequence):
         return self._words[0 :: self._width]
 
     def to_wire(self) -> bytes:
-        return _words_to_bytes(self._words)
+        return self._wire
+
+    @classmethod
+    def _checked(cls, data: bytes | bytearray | memoryview, what: str):
+        if len(data) % (8 * cls._width):
+            raise ValueError(f"packed {what} of {len(data)} bytes is not a multiple of {8 * cls._width}")
+        return cls(bytes(data))
 
 
 class LocationList(_PackedList):
@@ -147,7 +164,8 @@ class LocationList(_PackedList):
 
     @classmethod
     def from_wire(cls, data: bytes | bytearray | memoryview) -> "LocationList":
-        return cls(_words_from_bytes(data, cls._width, "locations"))
+        """The list over ``data`` (kept as is when it is ``bytes``: no copy)."""
+        return cls._checked(data, "locations")
 
     @classmethod
     def from_items(cls, items: Iterable[Location | tuple | None]) -> "LocationList":
@@ -170,7 +188,8 @@ class SlotList(_PackedList):
 
     @classmethod
     def from_wire(cls, data: bytes | bytearray | memoryview) -> "SlotList":
-        return cls(_words_from_bytes(data, cls._width, "slots"))
+        """The list over ``data`` (kept as is when it is ``bytes``: no copy)."""
+        return cls._checked(data, "slots")
 
     @classmethod
     def from_items(cls, items: Iterable[Slot | tuple | None]) -> "SlotList":

@@ -7,10 +7,15 @@ A request is a msgpack map ``{"id": int, "op": str, ...args}``; a reply is
 so a wrong request gets a typed error naming the field, never a crash.
 
 Keys travel either as one msgpack array of 16-byte bins or, packed, as one
-bin of ``16 * n`` bytes (the keys end to end). Both mean the same; the
-clients send the packed form: it costs no per-key object to encode or decode
-and no per-key check, which is most of a large batch's round trip.
-Locations and slots travel back packed (see ``maru_core.protocol.locations``).
+bin of ``16 * n`` bytes (the keys end to end). Both mean the same, and
+``parse_request`` hands either on packed, as one ``bytes``: the registry
+reads the bin as numpy words, so no per-key object is ever built on the
+server. The clients send the packed form: it costs no per-key object to
+encode or decode and no per-key check, which is most of a large batch's
+round trip. Reserve lengths likewise travel as an array of integers or
+packed, one bin of little-endian u64 words (``pack_lengths``), and are handed
+on as an int64 numpy array. Locations and slots travel back packed (see
+``maru_core.protocol.locations``).
 """
 
 from __future__ import annotations
@@ -49,7 +54,8 @@ OPS = (
 
 
 class Request(NamedTuple):
-    """A validated request: ``args`` holds exactly the fields of ``op``."""
+    """A validated request: ``args`` holds exactly the fields of ``op``;
+    ``keys`` always packed (one ``bytes``), ``lengths`` an int64 array."""
 
     id: int
     op: str
@@ -63,11 +69,15 @@ def _bad(field: str, expected: str, value: Any) -> ProtocolError:
 
 
 def pack_keys(keys: Any) -> bytes:
-    """Keys end to end: the packed wire form of ``keys``.
+    """Keys end to end: the packed wire form of ``keys`` (returned as is when already packed).
 
     ``ValueError`` when the result is not ``16 * len(keys)`` bytes (a key of
     the wrong size); ``TypeError`` for an item that is not bytes-like.
     """
+    if type(keys) is bytes:
+        if len(keys) % KEY_BYTES:
+            raise ValueError(f"packed keys must be a multiple of {KEY_BYTES} bytes, got {len(keys)}")
+        return keys
     packed = b"".join(keys)
     if len(packed) != KEY_BYTES * len(keys):
         raise ValueError(f"keys must be {KEY_BYTES} bytes each (maru_core.keys.Key)")
@@ -81,6 +91,20 @@ def unpack_keys(packed: bytes) -> list[bytes]:
     return np.frombuffer(packed, dtype=f"V{KEY_BYTES}").tolist()
 
 
+def pack_lengths(lengths: Any) -> bytes:
+    """Reserve lengths as one bin of little-endian u64 words (their packed wire form).
+
+    ``ValueError`` for a length that is not an integer from 1 to 2**63-1.
+    """
+    try:
+        words = np.asarray(lengths, dtype="<i8")
+    except (OverflowError, TypeError, ValueError):
+        raise ValueError("reserve lengths must be integers from 1 to 2**63-1") from None
+    if words.ndim != 1 or (len(words) and words.min() < 1):
+        raise ValueError("reserve lengths must be integers from 1 to 2**63-1")
+    return words.tobytes()
+
+
 def _too_many(count: int) -> ProtocolError:
     return ProtocolError(
         ErrorType.TOO_LARGE,
@@ -88,7 +112,8 @@ def _too_many(count: int) -> ProtocolError:
     )
 
 
-def _check_keys(field: str, value: Any) -> list[bytes]:
+def _check_keys(field: str, value: Any) -> bytes:
+    """The keys packed, whichever form they came in."""
     if type(value) is bytes:
         if len(value) % KEY_BYTES:
             raise ProtocolError(
@@ -98,7 +123,7 @@ def _check_keys(field: str, value: Any) -> list[bytes]:
             )
         if len(value) > KEY_BYTES * MAX_BATCH_KEYS:
             raise _too_many(len(value) // KEY_BYTES)
-        return unpack_keys(value)
+        return value
     if type(value) is not list:
         raise _bad(field, f"an array of {KEY_BYTES}-byte bins or one bin of keys end to end", value)
     if len(value) > MAX_BATCH_KEYS:
@@ -111,22 +136,43 @@ def _check_keys(field: str, value: Any) -> list[bytes]:
             ErrorType.BAD_REQUEST,
             f"field {field!r} must hold {KEY_BYTES}-byte bins only; found {shown}",
         )
-    return value
+    return b"".join(value)
 
 
-def _check_lengths(field: str, value: Any) -> list[int]:
+def _bad_lengths(field: str) -> ProtocolError:
+    return ProtocolError(
+        ErrorType.BAD_REQUEST,
+        f"field {field!r} must hold object lengths in bytes, integers from 1 to 2**63-1 "
+        "(an array, or one bin of little-endian u64 words)",
+    )
+
+
+def _check_lengths(field: str, value: Any) -> np.ndarray:
+    """The lengths as an int64 array, whichever form they came in."""
+    if type(value) is bytes:
+        if len(value) % 8:
+            raise ProtocolError(
+                ErrorType.BAD_REQUEST,
+                f"field {field!r} as one bin must hold u64 words; {len(value)} bytes is not a multiple of 8",
+            )
+        if len(value) > 8 * MAX_BATCH_KEYS:
+            raise ProtocolError(
+                ErrorType.TOO_LARGE, f"{len(value) // 8} items in one request, more than {MAX_BATCH_KEYS}"
+            )
+        # Read as signed: a word of 2**63 or more turns negative and is refused below.
+        lengths = np.frombuffer(value, dtype="<i8")
+        if len(lengths) and lengths.min() < 1:
+            raise _bad_lengths(field)
+        return lengths
     if type(value) is not list:
-        raise _bad(field, "an array of positive integers", value)
+        raise _bad(field, "an array of positive integers or one bin of u64 words", value)
     if len(value) > MAX_BATCH_KEYS:
         raise ProtocolError(
             ErrorType.TOO_LARGE, f"{len(value)} items in one request, more than {MAX_BATCH_KEYS}"
         )
     if value and (set(map(type, value)) != {int} or min(value) < 1 or max(value) > _U63):
-        raise ProtocolError(
-            ErrorType.BAD_REQUEST,
-            f"field {field!r} must hold object lengths in bytes, integers from 1 to 2**63-1",
-        )
-    return value
+        raise _bad_lengths(field)
+    return np.array(value, dtype=np.int64)
 
 
 def _check_int(field: str, value: Any) -> int:
@@ -223,10 +269,10 @@ def parse_request(message: Any) -> Request:
             args[name] = None
             continue
         args[name] = check(name, message[name])
-    if op == "reserve" and len(args["keys"]) != len(args["lengths"]):
+    if op == "reserve" and len(args["keys"]) != KEY_BYTES * len(args["lengths"]):
         raise ProtocolError(
             ErrorType.BAD_REQUEST,
-            f"reserve got {len(args['keys'])} keys but {len(args['lengths'])} lengths",
+            f"reserve got {len(args['keys']) // KEY_BYTES} keys but {len(args['lengths'])} lengths",
         )
     return Request(rid, op, args)
 
