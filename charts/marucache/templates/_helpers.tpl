@@ -12,7 +12,8 @@ characters (the DNS label limit), leaving room for the component suffix.
 {{/*
 The release's base name: fullnameOverride, else RELEASE-marucache (just RELEASE
 when the release name already contains the chart name). At most 45 characters,
-so that the longest suffix ("-operator-webhook-tls", 18 characters) still fits in 63.
+so that component suffixes ("-operator", "-dashboard-overview") fit in 63; names
+with longer suffixes are truncated to 63 once more.
 */}}
 {{- define "marucache.fullname" -}}
 {{- if .Values.fullnameOverride -}}
