@@ -40,11 +40,10 @@ from maru_core.protocol import (
     LocationList,
     SlotList,
     TcpAddress,
-    encode_frame,
-    new_packer,
     parse_url,
     read_frame,
 )
+from maru_core.protocol.framing import FrameWriter
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +55,7 @@ class _AsyncChannel:
         self._writer = writer
         self._pending: dict[int, tuple[str, asyncio.Future]] = {}
         self._ids = itertools.count(1)
-        self._packer = new_packer()
+        self._frames = FrameWriter()
         self.failure: IndexUnavailable | None = None
         self.lease_state_unknown = False
         self._reader_task = asyncio.create_task(self._read_replies(reader))
@@ -69,7 +68,10 @@ class _AsyncChannel:
         future = asyncio.get_running_loop().create_future()
         self._pending[rid] = (message["op"], future)
         try:
-            self._writer.write(encode_frame(message, self._packer))
+            frame = self._frames.frame(message)
+            self._writer.write(frame)
+            if isinstance(frame, memoryview) and self._writer.transport.get_write_buffer_size():
+                self._frames.release()  # the transport may still hold the view
             return await asyncio.wait_for(asyncio.shield(future), max(timeout_s, 0.0))
         except asyncio.TimeoutError:
             self.fail(IndexUnavailable(f"no reply to {message['op']} within the timeout"))

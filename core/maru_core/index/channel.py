@@ -19,8 +19,8 @@ import time
 from typing import Any
 
 from maru_core.index.client_ops import LEASE_STATE_OPS, IndexUnavailable
-from maru_core.protocol import Address, FrameError, TcpAddress, encode_frame, new_packer
-from maru_core.protocol.framing import FrameBuffer
+from maru_core.protocol import Address, FrameError, TcpAddress
+from maru_core.protocol.framing import FrameBuffer, FrameWriter
 
 
 class _Waiter:
@@ -68,7 +68,7 @@ class Channel:
         self._reading = False
         self._ids = itertools.count(1)
         self._frames = FrameBuffer()
-        self._packer = new_packer()
+        self._writer = FrameWriter()  # used under the send lock; sendall finishes with its view
         self.failure: IndexUnavailable | None = None
         self.lease_state_unknown = False
 
@@ -84,7 +84,7 @@ class Channel:
                 raise self.failure
             rid = next(self._ids)
             message["id"] = rid
-            frame = encode_frame(message, self._packer)
+            frame = self._writer.frame(message)
             with self._cv:
                 self._pending[rid] = waiter
             try:

@@ -38,18 +38,24 @@ class State(enum.IntEnum):
 
 # field name -> dtype, with the value of a free row
 _FIELDS: dict[str, tuple[str, int | float]] = {
-    "key0": ("<u8", 0),  # first 8 bytes of the key
-    "key1": ("<u8", 0),  # last 8 bytes of the key
     "page": ("i8", 0),  # first page of the object
     "pages": ("i8", 0),  # pages it spans
-    "length": ("i8", 0),  # bytes
-    "generation": ("i8", 0),
     "state": ("i1", State.FREE),
     "pins": ("i4", 0),  # pins held on it, over all leases
     "owner": ("i4", -1),  # number of the lease holding the reservation
     "last_used": ("i8", 0),  # LRU tick of its last commit or retrieve
     "deadline": ("f8", 0.0),  # when an uncommitted reservation lapses
 }
+# Fields read together, kept side by side in one 2-D array (zero in a free row):
+# group name -> dtype, the names of its columns (each a view).
+_GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
+    # The key as two little-endian u64 words: a probe gathers and compares both at once.
+    "keys": ("<u8", ("key0", "key1")),
+    # A location as it travels (see maru_core.protocol.locations): a retrieve's
+    # reply is one gather of these rows.
+    "location": ("<i8", ("offset", "length", "generation")),
+}
+_BOTH_TRUE = 0x0101  # two bools read as one u16
 
 
 def join_keys(keys: Sequence[bytes]) -> bytes:
@@ -66,10 +72,9 @@ def join_keys(keys: Sequence[bytes]) -> bytes:
     return data
 
 
-def key_words(joined: bytes | memoryview) -> tuple[np.ndarray, np.ndarray]:
-    """The two u64 words of each key in ``joined`` (see ``join_keys``)."""
-    words = np.frombuffer(joined, dtype="<u8").reshape(-1, 2)
-    return words[:, 0], words[:, 1]
+def key_words(joined: bytes | memoryview) -> np.ndarray:
+    """The two u64 words of each key in ``joined`` (see ``join_keys``), as an ``(n, 2)`` array."""
+    return np.frombuffer(joined, dtype="<u8").reshape(-1, 2)
 
 
 class RecordTable:
@@ -79,12 +84,15 @@ class RecordTable:
     long; rows ``>= high_water`` were never used).
     """
 
+    keys: np.ndarray
     key0: np.ndarray
     key1: np.ndarray
-    page: np.ndarray
-    pages: np.ndarray
+    location: np.ndarray
+    offset: np.ndarray
     length: np.ndarray
     generation: np.ndarray
+    page: np.ndarray
+    pages: np.ndarray
     state: np.ndarray
     pins: np.ndarray
     owner: np.ndarray
@@ -98,6 +106,8 @@ class RecordTable:
         self._free_rows = np.zeros(0, dtype=np.int64)
         for name, (dtype, fill) in _FIELDS.items():
             setattr(self, name, np.full(0, fill, dtype=dtype))
+        for name, (dtype, columns) in _GROUPS.items():
+            self._set_group(name, np.zeros((0, len(columns)), dtype=dtype))
         self._grow(_MIN_ROWS)
         self._tombstones = 0
         self._bits = 0
@@ -107,19 +117,29 @@ class RecordTable:
     def __len__(self) -> int:
         return self.count
 
+    def _set_group(self, name: str, array: np.ndarray) -> None:
+        setattr(self, name, array)
+        for i, column in enumerate(_GROUPS[name][1]):
+            setattr(self, column, array[:, i])
+
     def _grow(self, needed: int) -> None:
         capacity = max(_MIN_ROWS, int(self.capacity * _GROWTH), needed)
         for name, (dtype, fill) in _FIELDS.items():
             grown = np.full(capacity, fill, dtype=dtype)
             grown[: self.capacity] = getattr(self, name)
             setattr(self, name, grown)
+        for name, (dtype, columns) in _GROUPS.items():
+            grown = np.zeros((capacity, len(columns)), dtype=dtype)
+            grown[: self.capacity] = getattr(self, name)
+            self._set_group(name, grown)
         self.capacity = capacity
 
     # -- the hash table ---------------------------------------------------------------------------
 
-    def _slots(self, k0: np.ndarray, k1: np.ndarray) -> np.ndarray:
-        mixed = k1 >> np.uint64(1)
-        mixed ^= k0
+    def _slots(self, words: np.ndarray) -> np.ndarray:
+        """The home slot of each key (``words``: ``(n, 2)``)."""
+        mixed = words[:, 1] >> np.uint64(1)
+        mixed ^= words[:, 0]
         mixed *= _FIBONACCI
         mixed >>= np.uint64(64 - self._bits)
         return mixed.view(np.int64)
@@ -134,8 +154,8 @@ class RecordTable:
     def _insert(self, rows: np.ndarray) -> None:
         """Enter ``rows`` (whose keys are set, distinct and absent) into the table."""
         table, mask = self._table, len(self._table) - 1
+        slot = self._slots(self.keys.take(rows, axis=0))
         rows = rows.astype(np.int32)
-        slot = self._slots(self.key0.take(rows), self.key1.take(rows))
         while len(rows):
             before = table.take(slot)
             free = before < 0
@@ -146,8 +166,9 @@ class RecordTable:
             self._tombstones -= int(np.count_nonzero(before[won] == _TOMBSTONE))
             rows, slot = rows[~won], (slot[~won] + 1) & mask
 
-    def _probe(self, k0: np.ndarray, k1: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(slots, rows)``: the table slot and the row of each key, both -1 for an unknown key.
+    def _probe(self, words: np.ndarray, want_slots: bool = False) -> tuple[np.ndarray | None, np.ndarray]:
+        """``(slots, rows)``: the table slot (only if ``want_slots``, else ``None``)
+        and the row of each key (``words``: ``(n, 2)``), both -1 for an unknown key.
 
         Linear probing for the whole batch at once. The first round reads
         each key's home slot; at this load most keys end there (found, or an
@@ -155,46 +176,45 @@ class RecordTable:
         round: a key is found where its window holds it, and is unknown once
         its window holds an empty slot, since a live key never lies beyond an
         empty slot of its probe sequence (removals leave tombstones; only a
-        rebuild makes slots empty).
+        rebuild makes slots empty). Every operation works on flat,
+        contiguous arrays: numpy is slow on a short inner axis.
         """
-        table, mask, key0, key1 = self._table, len(self._table) - 1, self.key0, self.key1
-        slot = self._slots(k0, k1)
+        table, mask, keys = self._table, len(self._table) - 1, self.keys
+        slot = self._slots(words)
         row = table.take(slot)
-        # take() wraps the negative markers around to the last rows; "row >= 0" discards those.
-        hit = key0.take(row) == k0
-        hit &= key1.take(row) == k1
+        # take() reads the negative markers as the last rows; "row >= 0" discards those.
+        hit = (keys.take(row, axis=0) == words).view(np.uint16).ravel() == _BOTH_TRUE
         hit &= row >= 0
         rows = np.where(hit, row, -1).astype(np.int64)
-        slots = np.where(hit, slot, -1)
+        slots = np.where(hit, slot, -1) if want_slots else None
         hit |= row == _EMPTY
         todo = np.flatnonzero(~hit)
-        if not len(todo):
-            return slots, rows
-        start, q0, q1 = slot.take(todo), k0.take(todo)[:, None], k1.take(todo)[:, None]
-        while True:
-            window = start[:, None] + _WINDOW_STEPS
-            window &= mask
-            found = table.take(window)
-            match = key0.take(found) == q0
-            match &= key1.take(found) == q1
+        while len(todo):
+            # Each key left: the _WINDOW slots from its home slot on, laid out flat.
+            start = slot.take(todo).repeat(_WINDOW)
+            start += np.resize(_WINDOW_STEPS, len(start))
+            start &= mask
+            found = table.take(start)
+            match = (keys.take(found, axis=0) == words.take(todo.repeat(_WINDOW), axis=0)).view(np.uint16).ravel()
+            match = match == _BOTH_TRUE
             match &= found >= 0
             at = np.flatnonzero(match)  # a key is in its window at most once
             where = todo.take(at // _WINDOW)
-            rows[where] = found.ravel().take(at)
-            slots[where] = window.ravel().take(at)
+            rows[where] = found.take(at)
+            if want_slots:
+                slots[where] = start.take(at)
             match |= found == _EMPTY
-            done = match.view(np.uint64).ravel() != 0  # any() of each row of 8 bools, in one word
-            if done.all():
-                return slots, rows
-            more = ~done
-            todo, start, q0, q1 = todo[more], start[more] + _WINDOW, q0[more], q1[more]
+            done = match.view(np.uint64) != 0  # any() of each key's 8 bools, read as one word
+            todo = todo[~done]
+            slot[todo] += _WINDOW
+        return slots, rows
 
     # -- records ----------------------------------------------------------------------------------
 
     def lookup(self, keys: Sequence[bytes] | bytes) -> np.ndarray:
         """Row of each key (-1 for an unknown key), as an int64 array; ``keys``
         may be given joined (``join_keys``)."""
-        return self._probe(*key_words(keys if isinstance(keys, bytes) else join_keys(keys)))[1]
+        return self._probe(key_words(keys if isinstance(keys, bytes) else join_keys(keys)))[1]
 
     def lookup_in_state(self, keys: Sequence[bytes] | bytes, state: State) -> tuple[np.ndarray, np.ndarray]:
         """``(rows, mask)``: each key's row and whether it is a record in ``state``."""
@@ -206,8 +226,8 @@ class RecordTable:
     def add(self, keys: Sequence[bytes] | bytes) -> np.ndarray:
         """Give each key (new, distinct; ``keys`` may be given joined) a row with
         state ``RESERVED``; the caller fills the other fields."""
-        k0, k1 = key_words(keys if isinstance(keys, bytes) else join_keys(keys))
-        n = len(k0)
+        words = key_words(keys if isinstance(keys, bytes) else join_keys(keys))
+        n = len(words)
         reused = self._free_rows[len(self._free_rows) - min(n, len(self._free_rows)) :]
         self._free_rows = self._free_rows[: len(self._free_rows) - len(reused)]
         fresh = n - len(reused)
@@ -215,7 +235,7 @@ class RecordTable:
             self._grow(self.high_water + fresh)
         rows = np.concatenate((reused, np.arange(self.high_water, self.high_water + fresh, dtype=np.int64)))
         self.high_water += fresh
-        self.key0[rows], self.key1[rows] = k0, k1
+        self.keys[rows] = words
         self.state[rows] = State.RESERVED
         self.count += n
         if self.count + self._tombstones > _MAX_LOAD * len(self._table):
@@ -226,18 +246,20 @@ class RecordTable:
 
     def remove(self, rows: np.ndarray) -> None:
         """Forget the records at ``rows`` (distinct, live) and make the rows free."""
-        slots, _ = self._probe(self.key0[rows], self.key1[rows])
+        slots, _ = self._probe(self.keys.take(rows, axis=0), want_slots=True)
         if np.any(slots < 0):
             raise RuntimeError("a live record is missing from the key table")
         self._table[slots] = _TOMBSTONE
         self._tombstones += len(rows)
         for name, (_, fill) in _FIELDS.items():
             getattr(self, name)[rows] = fill
+        for name in _GROUPS:
+            getattr(self, name)[rows] = 0
         self._free_rows = np.concatenate((self._free_rows, rows))
         self.count -= len(rows)
 
     def key_of(self, row: int) -> bytes:
-        return self.key0[row : row + 1].tobytes() + self.key1[row : row + 1].tobytes()
+        return self.keys[row].tobytes()
 
     def row_of(self, key: bytes) -> int | None:
         rows = self.lookup([key]) if type(key) is bytes and len(key) == KEY_BYTES else [-1]

@@ -238,18 +238,12 @@ class Registry:
 
     def _locations(self, rows: np.ndarray, present: np.ndarray | None) -> LocationList:
         """The packed locations of ``rows``; a miss where ``present`` (``None``: everywhere) is false."""
-        rec, g = self._records, self.geometry
-        words = np.empty((len(rows), 3), dtype="<u8")
-        # A miss's row is -1, which take() reads as the last row: those entries are zeroed below.
-        offsets = rec.page.take(rows)
-        offsets *= g.page_size
-        offsets += g.data_offset
-        words[:, 0] = offsets
-        words[:, 1] = rec.length.take(rows)
-        words[:, 2] = rec.generation.take(rows)
+        # One gather: a record's location is stored as it travels. A miss's row
+        # is -1, which take() reads as the last row: those entries are zeroed.
+        words = self._records.location.take(rows, axis=0)
         if present is not None:
             words[~present] = 0
-        return LocationList(words.tobytes())
+        return LocationList(memoryview(words).cast("B") if len(words) else b"")
 
     def _touch(self, rows: np.ndarray) -> bool:
         """Make ``rows`` most recently used; return whether they are distinct.
@@ -322,6 +316,7 @@ class Registry:
         rows = rec.add(keys)
         n = len(rows)
         rec.page[rows] = starts
+        rec.offset[rows] = starts * self.geometry.page_size + self.geometry.data_offset
         rec.pages[rows] = pages
         rec.length[rows] = lengths
         rec.generation[rows] = np.arange(self._next_generation, self._next_generation + n, dtype=np.int64)
@@ -354,8 +349,8 @@ class Registry:
         if verify is not None and ok.any():
             idx = np.flatnonzero(ok)
             mine = rows.take(idx)
-            offsets = rec.page.take(mine) * self.geometry.page_size + self.geometry.data_offset
-            good = np.asarray(verify(select_keys(joined, idx), offsets, rec.generation.take(mine)), dtype=bool)
+            offsets, generations = rec.offset.take(mine), rec.generation.take(mine)
+            good = np.asarray(verify(select_keys(joined, idx), offsets, generations), dtype=bool)
             if good.shape != idx.shape:
                 raise RegistryError(f"verify answered {good.shape} for {len(idx)} keys")
             ok[idx[~good]] = False
@@ -461,6 +456,7 @@ class Registry:
         rec = self._records
         rows = rec.add(keys)
         rec.page[rows], rec.pages[rows], rec.length[rows], rec.generation[rows] = pages, counts, lengths, gens
+        rec.offset[rows] = pages * self.geometry.page_size + self.geometry.data_offset
         rec.state[rows] = State.COMMITTED
         # Older generations count as less recently used.
         order = np.argsort(gens, kind="stable")
@@ -478,11 +474,11 @@ class Registry:
         row = self._records.row_of(key)
         if row is None:
             return None
-        rec, g = self._records, self.geometry
+        rec = self._records
         owner = self._lease_by_number.get(int(rec.owner[row]))
         return ObjectInfo(
             state="committed" if rec.state[row] == State.COMMITTED else "reserved",
-            offset=int(rec.page[row]) * g.page_size + g.data_offset,
+            offset=int(rec.offset[row]),
             length=int(rec.length[row]),
             generation=int(rec.generation[row]),
             pins=int(rec.pins[row]),

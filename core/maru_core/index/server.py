@@ -50,16 +50,14 @@ from maru_core.protocol import (
     ProtocolError,
     TcpAddress,
     UnixAddress,
-    encode_frame,
     error_reply,
-    new_packer,
     ok_reply,
     pack_locations,
     pack_slots,
     parse_request,
     request_id,
 )
-from maru_core.protocol.framing import FrameBuffer
+from maru_core.protocol.framing import FrameBuffer, FrameWriter
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +77,7 @@ class _Connection(asyncio.BufferedProtocol):
     def __init__(self, server: "IndexServer") -> None:
         self._server = server
         self._frames = FrameBuffer()
-        self._packer = new_packer()
+        self._writer = FrameWriter()
         self._transport: asyncio.Transport | None = None
         self._job: Job | None = None  # a sliced request under way: read nothing more meanwhile
         self._write_paused = False
@@ -165,8 +163,13 @@ class _Connection(asyncio.BufferedProtocol):
             transport.resume_reading()
 
     def _send(self, reply: Reply) -> None:
-        if self._transport is not None and not self._transport.is_closing():
-            self._transport.write(encode_frame(reply, self._packer))
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return
+        frame = self._writer.frame(reply)
+        transport.write(frame)
+        if isinstance(frame, memoryview) and transport.get_write_buffer_size():
+            self._writer.release()  # the transport may still hold the view: the next frame gets a new buffer
 
     def close(self) -> None:
         self._job = None

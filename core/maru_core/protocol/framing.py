@@ -46,6 +46,74 @@ def encode_frame(message: dict[str, Any], packer: msgpack.Packer | None = None) 
     return HEADER.pack(len(payload)) + payload
 
 
+#: A bin value longer than this is copied once, straight into the frame, by ``FrameWriter``.
+INLINE_BIN_BYTES = 16 * 1024
+
+
+def _bin_header(length: int) -> bytes:
+    if length < 1 << 8:
+        return b"\xc4" + length.to_bytes(1, "big")
+    if length < 1 << 16:
+        return b"\xc5" + length.to_bytes(2, "big")
+    return b"\xc6" + length.to_bytes(4, "big")
+
+
+class FrameWriter:
+    """Encodes the frames of one connection; a frame carrying a large bin
+    (packed keys, locations, slots) is built in one reused buffer.
+
+    ``encode_frame`` packs the bin into msgpack's buffer, copies it out into
+    a new ``bytes`` and copies that again behind the header: three copies and
+    two fresh allocations of the largest part of the frame. Here the bin
+    values longer than ``INLINE_BIN_BYTES`` go last in the map (a msgpack map
+    may list its pairs in any order), the rest is packed as usual, and the
+    frame is assembled with one copy of the bin into a buffer that is kept.
+
+    ``frame()`` returns a view of that buffer, valid until the next call;
+    call ``release()`` when the view was handed to something that may still
+    hold it (an asyncio transport with unsent data), so the next frame gets a
+    buffer of its own.
+    """
+
+    def __init__(self, packer: msgpack.Packer | None = None) -> None:
+        self._packer = packer or new_packer()
+        self._out = bytearray(0)
+
+    def frame(self, message: dict[str, Any]) -> bytes | memoryview:
+        """The frame of ``message`` (``FrameError`` above ``MAX_FRAME_BYTES``)."""
+        large = [k for k, v in message.items() if isinstance(v, (bytes, memoryview)) and len(v) > INLINE_BIN_BYTES]
+        if not large:
+            return encode_frame(message, self._packer)
+        pack = self._packer.pack
+        parts = [self._packer.pack_map_header(len(message))]
+        parts += [pack(k) + pack(v) for k, v in message.items() if k not in large]
+        bins = [memoryview(message[k]).cast("B") for k in large]
+        heads = [pack(k) + _bin_header(len(b)) for k, b in zip(large, bins)]
+        small = b"".join(parts)
+        length = len(small) + sum(map(len, heads)) + sum(map(len, bins))
+        if length > MAX_FRAME_BYTES:
+            raise FrameError(
+                f"frame of {length} bytes exceeds MAX_FRAME_BYTES={MAX_FRAME_BYTES}; "
+                "split the batch into smaller requests"
+            )
+        if len(self._out) < HEADER_BYTES + length:
+            self._out = bytearray(max(HEADER_BYTES + length, 2 * len(self._out)))
+        out = memoryview(self._out)
+        HEADER.pack_into(out, 0, length)
+        at = HEADER_BYTES + len(small)
+        out[HEADER_BYTES:at] = small
+        for head, data in zip(heads, bins):
+            out[at : at + len(head)] = head
+            at += len(head)
+            out[at : at + len(data)] = data
+            at += len(data)
+        return out[:at]
+
+    def release(self) -> None:
+        """Give up the buffer of the last frame (someone else may still read it)."""
+        self._out = bytearray(0)
+
+
 def payload_length(header: bytes | bytearray | memoryview, offset: int = 0) -> int:
     """The payload length announced by the 4-byte header at ``offset`` of ``header``;
     checked against the limit."""

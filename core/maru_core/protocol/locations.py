@@ -72,15 +72,16 @@ def _pack(items: list, width: int, what: str) -> bytes:
 class _PackedList(Sequence):
     """A read-only sequence of ``_T | None`` over packed u64 words.
 
-    It keeps the wire bytes it was built from (so ``to_wire`` is free) and
-    reads them into an ``array('Q')`` only when an entry is first asked for.
+    It keeps the wire bytes it was built from (``bytes`` or a byte
+    ``memoryview``, so ``to_wire`` is free) and reads them into an
+    ``array('Q')`` only when an entry is first asked for.
     """
 
     __slots__ = ("_wire", "_array")
     _width = 1
     _type: type = tuple
 
-    def __init__(self, wire: bytes) -> None:
+    def __init__(self, wire: bytes | memoryview) -> None:
         self._wire = wire
         self._array: array | None = None
 
@@ -145,7 +146,8 @@ class _PackedList(Sequence):
         """Every entry's offset as an ``array('Q')`` (0 for a miss), without building tuples."""
         return self._words[0 :: self._width]
 
-    def to_wire(self) -> bytes:
+    def to_wire(self) -> bytes | memoryview:
+        """The packed words (bytes-like: ``bytes``, or a byte ``memoryview`` of the registry's array)."""
         return self._wire
 
     @classmethod

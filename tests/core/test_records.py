@@ -1,0 +1,73 @@
+"""The record table's key index, against a dict, with keys chosen to collide."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from maru_core.index.records import RecordTable, State
+
+
+def clustered_key(i: int) -> bytes:
+    """Keys that differ in a few bits only: their home slots crowd together,
+    so probes run long, through tombstones and across the table's end."""
+    return (i % 7).to_bytes(8, "little") + (i // 7).to_bytes(8, "little")
+
+
+KEYS = [clustered_key(i) for i in range(300)]
+
+
+class RecordTableMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = RecordTable()
+        self.rows: dict[bytes, int] = {}
+
+    @rule(keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=120, unique=True))
+    def add(self, keys: list[bytes]) -> None:
+        new = [k for k in keys if k not in self.rows]
+        if not new:
+            return
+        rows = self.table.add(b"".join(new) if len(new) % 2 else new)  # packed or listed
+        assert len(set(rows.tolist())) == len(new)
+        assert not set(rows.tolist()) & set(self.rows.values())
+        self.rows.update(zip(new, rows.tolist()))
+
+    @rule(data=st.data())
+    def remove(self, data) -> None:
+        if not self.rows:
+            return
+        gone = data.draw(st.lists(st.sampled_from(sorted(self.rows)), min_size=1, max_size=60, unique=True))
+        self.table.remove(np.array([self.rows.pop(k) for k in gone], dtype=np.int64))
+        assert all(self.table.row_of(k) is None for k in gone)
+
+    @rule(keys=st.lists(st.sampled_from(KEYS), max_size=200))
+    def lookup(self, keys: list[bytes]) -> None:
+        found = self.table.lookup(b"".join(keys)).tolist()
+        assert found == [self.rows.get(k, -1) for k in keys]
+        rows, committed = self.table.lookup_in_state(keys, State.COMMITTED)
+        assert rows.tolist() == found and not committed.any()  # everything added is RESERVED
+
+    @invariant()
+    def counts_and_keys_agree(self) -> None:
+        assert len(self.table) == len(self.rows)
+        for k, row in list(self.rows.items())[:20]:
+            assert self.table.key_of(row) == k
+
+
+TestRecordTable = RecordTableMachine.TestCase
+TestRecordTable.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+def test_every_key_of_a_large_batch_is_found_and_unknown_keys_are_not() -> None:
+    table = RecordTable()
+    keys = [clustered_key(i) for i in range(20_000)]
+    rows = table.add(b"".join(keys[:15_000]))
+    table.remove(rows[::3])  # tombstones all over the probe chains
+    present = np.ones(15_000, dtype=bool)
+    present[::3] = False
+    found = table.lookup(b"".join(keys))
+    assert (found[:15_000][present] == rows[present]).all()
+    assert (found[:15_000][~present] == -1).all() and (found[15_000:] == -1).all()
