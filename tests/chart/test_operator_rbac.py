@@ -9,7 +9,7 @@ import json
 
 import pytest
 import urllib3
-from conftest import CACHES, OperatorRun, wait_for
+from chart_operator import CACHES, OperatorRun, wait_for
 from helm_tools import one
 
 # Granted although a run against kmock cannot show the call: the API server checks it when an owner

@@ -12,7 +12,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import CACHES, OperatorRun, wait_for
+from chart_operator import CACHES, OperatorRun, wait_for
 from helm_tools import CHART, alert_rules, render
 from prometheus_client.parser import text_string_to_metric_families
 from sidecar_helpers import PROMETHEUS, PrometheusServer, SidecarProcess, connector_traffic
