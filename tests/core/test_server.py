@@ -4,12 +4,13 @@ a thread of the test process so its registry can be inspected."""
 from __future__ import annotations
 
 import os
+import select
 import socket
 import time
 
 import pytest
 
-from maru_core.index.launcher import ThreadedIndex, unique_shm_path
+from maru_core.index.launcher import IndexProcess, ThreadedIndex, unique_shm_path
 from maru_core.pool import Pool, SlotHeader
 from maru_core.protocol import (
     MAX_BATCH_KEYS,
@@ -19,6 +20,7 @@ from maru_core.protocol import (
     LocationList,
     SlotList,
     encode_frame,
+    pack_lengths,
     parse_url,
 )
 
@@ -277,3 +279,43 @@ def test_unix_socket(pool, tmp_path):
         assert reply["ok"] and index.url == url
         sock.close()
     assert not (tmp_path / "index.sock").exists()
+
+
+def test_a_small_retrieve_is_answered_while_another_client_commits_a_large_batch():
+    """A commit of 40,000 keys runs in slices: another client's requests, sent
+    after it, are answered between the slices (they see part of the batch
+    committed) and before the commit's own reply."""
+    path = unique_shm_path("test-server-slices")
+    with IndexProcess(path, pool_size="256Mi", extra_args=["--page-size", "4Ki", "--log-level", "WARNING"]) as index:
+        with Pool.attach(path) as pool:
+            writer, reader = Raw(index.url), Raw(index.url)
+            try:
+                writer.hello(None), reader.hello(None)
+                small = [key(10**6 + i) for i in range(8)]
+                assert store(reader, pool, small) == [True] * 8
+                batch = [key(i) for i in range(40_000)]
+                packed = b"".join(batch)
+                reply = writer.call(op="reserve", keys=packed, lengths=pack_lengths([4096] * len(batch)))
+                slots = SlotList.from_wire(reply["slots"])
+                for k, slot in zip(batch, slots):
+                    pool.write_slot_header(slot.offset, SlotHeader(key=k, generation=slot.generation, length=4096))
+
+                commit_id = writer.send({"op": "commit", "keys": packed})
+                seen, small_replies = [], 0
+                while not select.select([writer.sock], [], [], 0)[0]:  # until the commit's reply is here
+                    reader.send({"op": "retrieve", "keys": small})
+                    reader.send({"op": "match_prefix", "keys": packed})
+                    locations = LocationList.from_wire(reader.recv()["locations"])
+                    seen.append(reader.recv()["matched"])
+                    assert locations.misses() == 0
+                    assert reader.call(op="unpin", keys=small)["unpinned"] == 8
+                    small_replies += 1
+                reply = writer.recv()
+                assert reply["id"] == commit_id and reply["committed"] == [True] * len(batch)
+                assert small_replies >= 1  # answered before the large reply although sent after the commit
+                assert any(0 < matched < len(batch) for matched in seen), seen  # between two slices
+                assert reader.call(op="match_prefix", keys=packed)["matched"] == len(batch)
+            finally:
+                writer.close(), reader.close()
+    if os.path.exists(path):
+        os.unlink(path)
