@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from maru_core.index.records import KEY_BYTES
+from maru_core.index.records import KEY_BYTES, join_keys
 
 
 class RegistryError(Exception):
@@ -88,10 +88,10 @@ def joined_keys(keys: Keys) -> bytes:
         if len(data) % KEY_BYTES:
             raise BadRequest(f"packed keys must be a multiple of {KEY_BYTES} bytes, got {len(data)}")
         return data
-    if keys and (set(map(type, keys)) != {bytes} or set(map(len, keys)) != {KEY_BYTES}):
-        bad = next(i for i, k in enumerate(keys) if type(k) is not bytes or len(k) != KEY_BYTES)
-        raise BadRequest(f"key {bad} must be {KEY_BYTES} bytes, got {keys[bad]!r}")
-    return b"".join(keys)
+    try:
+        return join_keys(keys)  # checks the total length only: the protocol checks each key
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
 
 
 def select_keys(joined: bytes, positions: np.ndarray) -> bytes:
