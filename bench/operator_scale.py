@@ -38,7 +38,7 @@ def _deployment_controller(cluster: KmockCluster, stop: threading.Event) -> None
                            json={"status": {"availableReplicas": 1, "readyReplicas": 1, "replicas": 1}},
                            headers={"Content-Type": "application/merge-patch+json"}, timeout=30)
                 done.add((ns, name))
-        stop.wait(0.05)
+        stop.wait(0.5)
 
 
 def _ready_count(cluster: KmockCluster) -> int:
@@ -46,7 +46,7 @@ def _ready_count(cluster: KmockCluster) -> int:
                if (body.get("status") or {}).get("phase") == "Ready")
 
 
-def run(caches: int) -> dict:
+def run(caches: int, args_resync: float = 0.5) -> dict:
     with KmockCluster() as cluster, tempfile.TemporaryDirectory() as tmp:
         http = requests.Session()
         for i in range(4):  # four DAX hosts sharing one 4 TiB device behind a CXL switch
@@ -56,7 +56,7 @@ def run(caches: int) -> dict:
                              "annotations": {"maru.io/dax-devices": json.dumps(
                                  [{"path": "/dev/dax0.0", "size": "4Ti", "uuid": "cxl-switch-0"}])}}})
         options = OperatorOptions(kubeconfig=str(cluster.write_kubeconfig(pathlib.Path(tmp) / "kubeconfig")),
-                                  resync_seconds=0.5, metrics_port=None, webhook=False)
+                                  resync_seconds=args_resync, metrics_port=None, webhook=False)
         stop = threading.Event()
         controller = threading.Thread(target=_deployment_controller, args=(cluster, stop), daemon=True)
         with OperatorThread(options) as operator:
@@ -72,7 +72,7 @@ def run(caches: int) -> dict:
             while _ready_count(cluster) < caches:
                 if time.perf_counter() - start > 300:
                     raise SystemExit(f"only {_ready_count(cluster)} of {caches} Ready after 300 s")
-                time.sleep(0.05)
+                time.sleep(0.5)
             elapsed = time.perf_counter() - start
             stop.set()
             controller.join(timeout=10)
@@ -82,7 +82,7 @@ def run(caches: int) -> dict:
             disjoint = all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
             reconciles = sum(operator.metrics.registry.get_sample_value(
                 "maru_operator_reconciles_total", {"result": r}) or 0 for r in ("ready", "progressing"))
-        return {"case": "operator_scale", "caches": caches, "created_s": round(created, 2),
+        return {"case": "operator_scale", "caches": caches, "resync_s": args_resync, "created_s": round(created, 2),
                 "all_ready_s": round(elapsed, 2), "target_s": 10.0, "claims": len(claims),
                 "disjoint": disjoint, "reconciles": int(reconciles)}
 
@@ -90,9 +90,10 @@ def run(caches: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--caches", type=int, default=100)
+    parser.add_argument("--resync-seconds", type=float, default=0.5, help="the operator's --resync-seconds")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
-    result = run(args.caches)
+    result = run(args.caches, args.resync_seconds)
     if args.json:
         print(json.dumps(result))
     else:

@@ -60,24 +60,33 @@ def _available(index: Any, namespace: str, name: str) -> int | None:
 
 
 async def write_status(ctx: OperatorContext, body: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
-    """Write the changed status keys, only if the object is still the version they were computed from.
+    """Write the changed status keys, only while the spec is the one they were computed from.
 
-    A timer's body can lag behind the watch; an unconditional write could put
-    an older spec's status over a newer one. On a conflict nothing is written
-    and False is returned: the next event or resync recomputes it.
+    The write carries the resourceVersion it was computed against. On a
+    conflict the object is re-read: if its generation is unchanged (only
+    metadata or status moved on), the status is still right and is written
+    again against the fresh version; if the spec changed, nothing is written
+    (False) and the newer spec's reconcile will write its own.
     """
-    old = body.get("status") or {}
-    changes = {k: v for k, v in new.items() if old.get(k) != v}
-    if not changes:
-        return True
     meta = body.get("metadata") or {}
-    try:
-        await ctx.api.merge_patch(object_path(API_VERSION, KIND, meta.get("namespace"), meta.get("name"), "status"),
-                                  {"metadata": {"resourceVersion": meta.get("resourceVersion")}, "status": changes})
-    except Conflict:
-        logger.debug("status of %s/%s changed meanwhile; recomputing later", meta.get("namespace"), meta.get("name"))
-        return False
-    return True
+    path = object_path(API_VERSION, KIND, meta.get("namespace"), meta.get("name"), "status")
+    current: Mapping[str, Any] = body
+    for _ in range(5):
+        old = current.get("status") or {}
+        changes = {k: v for k, v in new.items() if old.get(k) != v}
+        if not changes:
+            return True
+        version = (current.get("metadata") or {}).get("resourceVersion")
+        try:
+            await ctx.api.merge_patch(path, {"metadata": {"resourceVersion": version}, "status": changes})
+            return True
+        except Conflict:
+            fresh = await ctx.api.get(path.rsplit("/", 1)[0])
+            if fresh is None or (fresh.get("metadata") or {}).get("generation") != meta.get("generation"):
+                return False
+            current = fresh
+    logger.warning("status of %s/%s kept changing; recomputing later", meta.get("namespace"), meta.get("name"))
+    return False
 
 
 def snapshot(body: Mapping[str, Any]) -> dict[str, Any]:
