@@ -9,6 +9,8 @@ validation and registry, the reply and its decoding:
 - ``retrieve_layerwise_8000`` / ``retrieve_chunkwise_250``: retrieve (pins;
   the unpin that follows is not timed);
 - ``match_prefix_layerwise_8000`` / ``match_prefix_chunkwise_250``;
+- ``reserve_layerwise_8000`` / ``commit_layerwise_8000``: a store of 8,000
+  new objects (up to 12 times, not ``--repeats``);
 - ``memory_per_key``: bytes the registry holds per committed key at one
   million keys (``maru_core.index.memory_bench.bytes_per_key``).
 
@@ -19,6 +21,7 @@ validation and registry, the reply and its decoding:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -91,6 +94,27 @@ def _case(name: str, keys: int, samples: list[float], target_ms: float | None = 
     return row
 
 
+def _store_cases(client: Any, pool: Any, repeats: int) -> list[dict[str, Any]]:
+    """``reserve_layerwise_8000`` / ``commit_layerwise_8000``: round trips of a
+    store of 8,000 new objects (slot headers written in between, not timed;
+    the commit checks them); each batch is evicted by the next ones' reserves."""
+    from maru_core.pool import SlotHeader
+
+    reserve, commit = [], []
+    for r in range(repeats):
+        keys = [hashlib.blake2b(b"bench-store-%d-%d" % (r, i), digest_size=16).digest() for i in range(8000)]
+        t0 = time.perf_counter()
+        slots = client.reserve([(k, 4096) for k in keys])
+        reserve.append(time.perf_counter() - t0)
+        for k, slot in zip(keys, slots):
+            pool.write_slot_header(slot.offset, SlotHeader(key=k, generation=slot.generation, length=4096))
+        t0 = time.perf_counter()
+        if not all(client.commit(keys)):
+            raise RuntimeError("the benchmark could not store its objects")
+        commit.append(time.perf_counter() - t0)
+    return [_case("reserve_layerwise_8000", 8000, reserve), _case("commit_layerwise_8000", 8000, commit)]
+
+
 def run_latency(repeats: int) -> list[dict[str, Any]]:
     from tqdm import tqdm
 
@@ -119,6 +143,7 @@ def run_latency(repeats: int) -> list[dict[str, Any]]:
                     call = (lambda k=keys: client.retrieve(k)) if op == "retrieve" else (lambda k=keys: client.match_prefix(k))
                     after = (lambda k=keys: client.unpin(k)) if op == "retrieve" else None
                     rows.append(_case(name, len(keys), _time(call, after, repeats, progress), target))
+            rows += _store_cases(client, pool, max(3, min(repeats, 12)))  # last: its stores evict the rest
     finally:
         index.stop()
         if os.path.exists(path):

@@ -61,10 +61,10 @@ def test_bench_index_json_lines():
     rows = [json.loads(line) for line in done.stdout.splitlines()]
     assert [r["case"] for r in rows] == [
         "retrieve_layerwise_8000", "retrieve_chunkwise_250", "match_prefix_layerwise_8000",
-        "match_prefix_chunkwise_250", "memory_per_key",
+        "match_prefix_chunkwise_250", "reserve_layerwise_8000", "commit_layerwise_8000", "memory_per_key",
     ]
-    for row in rows[:4]:
+    for row in rows[:6]:
         assert row["p50_ms"] > 0 and row["p99_ms"] >= row["p50_ms"] and row["keys_per_s"] > 0
-    assert [r["keys"] for r in rows[:4]] == [8000, 250, 8000, 250]
+    assert [r["keys"] for r in rows[:6]] == [8000, 250, 8000, 250, 8000, 8000]
     assert rows[0]["target_p50_ms"] == 1.0
-    assert 0 < rows[4]["bytes_per_key"] and rows[4]["keys"] == 2000
+    assert 0 < rows[6]["bytes_per_key"] and rows[6]["keys"] == 2000
