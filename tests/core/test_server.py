@@ -286,6 +286,14 @@ def test_a_small_retrieve_is_answered_while_another_client_commits_a_large_batch
     after it, are answered between the slices (they see part of the batch
     committed) and before the commit's own reply."""
     path = unique_shm_path("test-server-slices")
+    try:
+        _commit_while_reading(path)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+def _commit_while_reading(path: str) -> None:
     with IndexProcess(path, pool_size="256Mi", extra_args=["--page-size", "4Ki", "--log-level", "WARNING"]) as index:
         with Pool.attach(path) as pool:
             writer, reader = Raw(index.url), Raw(index.url)
@@ -317,5 +325,3 @@ def test_a_small_retrieve_is_answered_while_another_client_commits_a_large_batch
                 assert reader.call(op="match_prefix", keys=packed)["matched"] == len(batch)
             finally:
                 writer.close(), reader.close()
-    if os.path.exists(path):
-        os.unlink(path)
