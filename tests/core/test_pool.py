@@ -25,6 +25,7 @@ from maru_core.pool import (
     PoolNoSpace,
     PoolNotFound,
     PoolPermissionError,
+    PoolRegionError,
     PoolSizeMismatch,
     PoolTooSmall,
     PoolVersionError,
@@ -331,15 +332,22 @@ def _fake_sysfs(tmp_path, device: str, size: int | None) -> str:
     return str(tmp_path)
 
 
-def test_a_character_device_is_sized_from_sysfs_and_mapped_whole(tmp_path) -> None:
-    # /dev/zero maps like a DAX device (MAP_SHARED, whole length, no file size).
+def test_a_character_device_is_sized_from_sysfs_and_mapped_by_region(tmp_path) -> None:
+    # /dev/zero maps like a DAX device (MAP_SHARED, no file size), but only from offset 0:
+    # regions past a device's start are mapped in tests/core/test_pool_region.py, on a file.
     sysfs = _fake_sysfs(tmp_path, "/dev/zero", 8 * MiB)
     with Pool.create("/dev/zero", sysfs_root=sysfs) as pool:
         assert pool.backing is Backing.DAX
-        assert pool.geometry.size == 8 * MiB
-        assert len(pool.buffer) == 8 * MiB
-    with pytest.raises(PoolSizeMismatch, match="spans all of it"):
-        Pool.create("/dev/zero", 4 * MiB, sysfs_root=sysfs)
+        assert (pool.offset, pool.geometry.size, len(pool.buffer)) == (0, 8 * MiB, 8 * MiB)
+    with Pool.create("/dev/zero", 4 * MiB, sysfs_root=sysfs) as first:  # a region: the device is shared
+        assert (first.offset, first.geometry.size, len(first.buffer)) == (0, 4 * MiB, 4 * MiB)
+        assert first.header.region_offset == 0 and not first.header.spans_file
+    with pytest.raises(PoolRegionError, match="would end at 10485760, past its end"):
+        Pool.create("/dev/zero", 4 * MiB, offset=6 * MiB, sysfs_root=sysfs)
+    with pytest.raises(PoolRegionError, match="past the end of /dev/zero"):
+        Pool.create("/dev/zero", offset=8 * MiB, sysfs_root=sysfs)
+    with pytest.raises(PoolRegionError, match="multiple of 2097152"):
+        Pool.create("/dev/zero", 3 * MiB, sysfs_root=sysfs)  # DAX maps whole 2 MiB units
     # Each mapping of /dev/zero is new memory: what attach sees is a blank device.
     with pytest.raises(PoolForeign, match="all zeros"):
         Pool.attach("/dev/zero", sysfs_root=sysfs)

@@ -35,6 +35,10 @@ class PoolNoSpace(PoolSizeError):
     """The filesystem cannot hold a pool of the size asked."""
 
 
+class PoolRegionError(PoolSizeError):
+    """The region asked for (offset, size) does not lie inside the file or device."""
+
+
 class PoolFormatError(PoolError):
     """The bytes at the start of the file or device are not a usable pool header."""
 
@@ -53,3 +57,8 @@ class PoolCorrupt(PoolFormatError):
 
 class PoolGeometryError(PoolFormatError):
     """The header's geometry is inconsistent (offsets, page size or page count)."""
+
+
+class PoolOffsetMismatch(PoolFormatError):
+    """The header found at a region's start records another region offset: the
+    pool was created at another offset of its device (or its bytes were moved)."""

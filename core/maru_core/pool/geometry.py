@@ -1,5 +1,8 @@
 """Pool geometry: where the header, the slot-header table and the data area lie.
 
+Offsets are from the pool's start, which is the start of its mapping: byte 0
+of its file, or the region offset of a pool that is one region of a device.
+
 ```
 offset 0            pool header (HEADER_REGION bytes)
 table_offset        slot-header table: one SLOT_HEADER_BYTES entry per page
@@ -24,7 +27,7 @@ import dataclasses
 import uuid as uuid_module
 from typing import Any
 
-#: Bytes reserved for the pool header at offset 0.
+#: Bytes reserved for the pool header at the pool's start.
 HEADER_REGION = 4096
 #: Bytes of one slot header (one per page).
 SLOT_HEADER_BYTES = 64
@@ -54,6 +57,24 @@ def check_page_size(page_size: int) -> None:
         )
 
 
+def check_region_offset(offset: int) -> None:
+    """Raise ``ValueError`` unless ``offset`` (where a pool starts in its file
+    or device) is a non-negative multiple of ``DATA_ALIGN``.
+
+    ``mmap`` maps only from page boundaries, and device DAX only from its
+    2 MiB alignment; the data area, 2 MiB aligned within the pool, is 2 MiB
+    aligned within the device only when the pool starts on such a boundary.
+    """
+    if type(offset) is not int or offset < 0:
+        raise ValueError(f"a pool offset is a non-negative whole number of bytes, got {offset!r}")
+    if offset % DATA_ALIGN:
+        below = offset - offset % DATA_ALIGN
+        raise ValueError(
+            f"pool offset {offset} is not a multiple of 2 MiB ({DATA_ALIGN} bytes), which DAX devices "
+            f"map in: start the region at {below} or {below + DATA_ALIGN}"
+        )
+
+
 def _data_offset(num_pages: int) -> int:
     return align_up(HEADER_REGION + num_pages * SLOT_HEADER_BYTES, DATA_ALIGN)
 
@@ -78,7 +99,7 @@ class PoolGeometry:
     """The layout of one pool, as its header records it.
 
     ``uuid`` identifies the pool (a new one on every ``Pool.create``);
-    ``size`` is the whole mapping in bytes; objects occupy runs of
+    ``size`` is the whole pool (its mapping) in bytes; objects occupy runs of
     ``page_size``-byte pages; page *p* starts at byte
     ``data_offset + p * page_size`` and its slot header at
     ``table_offset + p * SLOT_HEADER_BYTES``.

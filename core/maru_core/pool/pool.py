@@ -1,5 +1,10 @@
 """``Pool``: one ``mmap(MAP_SHARED)`` of a DAX device or a tmpfs file, with its header and slot table.
 
+A pool is a region of its file or device (``maru_core.pool.region``): the
+whole file made for it, or ``size`` bytes from a 2 MiB-aligned ``offset`` of a
+device (or file) shared with other pools. Its header sits at the region's
+start and records the offset; the mapping covers the region only.
+
 Attaching validates the header and never writes. Creating never destroys
 data by surprise: an existing pool is reused only with ``exist_ok=True``
 (and only when its geometry is the one asked for) and replaced only with
@@ -27,7 +32,6 @@ from maru_core.pool.errors import (
     PoolNotFound,
     PoolPermissionError,
     PoolSizeError,
-    PoolSizeMismatch,
     PoolTooSmall,
 )
 from maru_core.pool.geometry import (
@@ -36,16 +40,14 @@ from maru_core.pool.geometry import (
     SLOT_HEADER_BYTES,
     PoolGeometry,
     check_page_size,
+    check_region_offset,
 )
 from maru_core.pool.header import PoolHeader, parse_header
+from maru_core.pool.region import check_region, locate, map_region
 from maru_core.pool.slots import SLOT_MAGIC, SlotHeader, SlotState, continuation_of, pack_entry, unpack_head
 
 _HEAD_PATTERN = re.compile(re.escape(SLOT_MAGIC + bytes([SlotState.HEAD])))
 _ZERO_CHUNK = 64 * 1024 * 1024
-
-
-def _map(fd: int, size: int) -> mmap.mmap:
-    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
 
 def _is_blank(mapping: mmap.mmap) -> bool:
@@ -74,41 +76,36 @@ class Pool:
     # -- construction ---------------------------------------------------------------------------
 
     @classmethod
-    def attach(cls, path: str, expected_size: int | None = None, *, sysfs_root: str = SYSFS_ROOT) -> "Pool":
-        """Map the existing pool at ``path`` after validating its header.
+    def attach(cls, path: str, expected_size: int | None = None, *, offset: int = 0,
+               sysfs_root: str = SYSFS_ROOT) -> "Pool":  # fmt: skip
+        """Map the existing pool at ``offset`` of ``path`` after validating its header.
 
-        ``expected_size``, when given, must equal the pool's size. Never
-        writes to the file or device. Raises a ``PoolError`` subclass that
-        names the problem.
+        The pool's size comes from its header; ``expected_size``, when given,
+        must equal it. ``offset`` (a multiple of 2 MiB, else ``ValueError``)
+        must be the one the pool was created at (else ``PoolOffsetMismatch``).
+        Never writes to the file or device. Raises a ``PoolError`` subclass
+        that names the problem.
         """
+        check_region_offset(offset)
         fd = open_rw(path)
-        return cls._from_open_fd(fd, path, expected_size, sysfs_root)
+        return cls._from_open_fd(fd, path, expected_size, offset, sysfs_root)
 
     @classmethod
-    def from_fd(cls, fd: int, expected_size: int | None = None, *, sysfs_root: str = SYSFS_ROOT) -> "Pool":
-        """Map the pool open at descriptor ``fd`` (e.g. received from the sidecar).
+    def from_fd(cls, fd: int, expected_size: int | None = None, *, offset: int = 0,
+                sysfs_root: str = SYSFS_ROOT) -> "Pool":  # fmt: skip
+        """Map the pool at ``offset`` of the file or device open at descriptor
+        ``fd`` (e.g. received from the sidecar), as ``attach`` does.
 
         The pool keeps a duplicate of ``fd``; the caller may close its own.
         """
-        return cls._from_open_fd(os.dup(fd), _fd_name(fd), expected_size, sysfs_root)
+        check_region_offset(offset)
+        return cls._from_open_fd(os.dup(fd), _fd_name(fd), expected_size, offset, sysfs_root)
 
     @classmethod
-    def _from_open_fd(cls, fd: int, where: str, expected_size: int | None, sysfs_root: str) -> "Pool":
+    def _from_open_fd(cls, fd: int, where: str, expected_size: int | None, offset: int, sysfs_root: str) -> "Pool":
         try:
-            size, backing = backing_size(fd, where, sysfs_root)
-            if expected_size is not None and size != expected_size:
-                raise PoolSizeMismatch(
-                    f"{where} is {size} bytes but {expected_size} were expected: "
-                    "point at the right pool or fix the expected size"
-                )
-            if size < HEADER_REGION:
-                parse_header(b"", size, where)  # raises PoolTooSmall
-            mapping = _map(fd, size)
-            try:
-                header = parse_header(mapping[:HEADER_REGION], size, where)
-            except BaseException:
-                mapping.close()
-                raise
+            header, backing = locate(fd, where, offset, expected_size, sysfs_root)
+            mapping = map_region(fd, offset, header.geometry.size)
         except BaseException:
             os.close(fd)
             raise
@@ -121,6 +118,7 @@ class Pool:
         size: int | None = None,
         page_size: int = DEFAULT_PAGE_SIZE,
         *,
+        offset: int = 0,
         exist_ok: bool = False,
         force: bool = False,
         creator: str | None = None,
@@ -131,41 +129,53 @@ class Pool:
         """Create a pool at ``path`` and return it mapped.
 
         ``path`` is a regular file to create (``size`` bytes; tmpfs under
-        ``/dev/shm``) or a DAX device (the pool spans the whole device;
-        ``size`` may be omitted). ``page_size`` is a power of two from 4 KiB
-        to 1 GiB. When something is already at ``path``: a pool of the same
-        geometry is attached with ``exist_ok=True``; anything is replaced,
-        destroying its contents, with ``force=True``; otherwise ``PoolExists``.
-        A blank DAX device (all-zero header) is initialised without ``force``.
+        ``/dev/shm``) or a DAX device. ``offset`` (a multiple of 2 MiB) and
+        ``size`` name the pool's region of a device or of an existing larger
+        file; on a device ``size`` may be omitted (the pool then runs to the
+        device's end). A region never extends a file, and is initialised in
+        place without ``force`` when its first 4 KiB are blank (all zeros).
+        ``page_size`` is a power of two from 4 KiB to 1 GiB. When something is
+        already there: a pool of the same geometry is attached with
+        ``exist_ok=True``; anything is replaced, destroying its contents, with
+        ``force=True`` (a region: only that region); otherwise ``PoolExists``.
         ``preallocate`` reserves the file's memory now (tmpfs), so a full
         ``/dev/shm`` is a ``PoolNoSpace`` error here instead of a SIGBUS later.
         """
         check_page_size(page_size)
+        check_region_offset(offset)
         if size is not None and (type(size) is not int or size <= 0):
             raise ValueError(f"size must be a positive number of bytes, got {size!r}")
         try:
             st = os.stat(path)
         except FileNotFoundError:
+            if offset:
+                raise PoolNotFound(
+                    f"nothing at {path}: a pool at offset {offset} is a region of an existing device or "
+                    "file; check the path, or create the file first"
+                ) from None
             return cls._create_file(path, size, page_size, replace=False, exist_ok=exist_ok,
                                     creator=creator, mode=mode, preallocate=preallocate)  # fmt: skip
         except PermissionError:
             raise PoolPermissionError(f"no permission to look up {path}: fix the directory's permissions") from None
         if os.path.isdir(path):
             raise PoolNotFound(f"{path} is a directory; name a file inside it (e.g. {path}/marucache.pool)")
-        if not os.path.isfile(path):
-            return cls._create_on_device(path, size, page_size, exist_ok, force, creator, sysfs_root)
+        in_place = not os.path.isfile(path) or offset > 0 or (size is not None and size < st.st_size)
+        if in_place:  # a device, or a region of a larger file
+            return cls._create_in_place(path, size, page_size, offset, exist_ok=exist_ok, force=force,
+                                        creator=creator, preallocate=preallocate, sysfs_root=sysfs_root)  # fmt: skip
         if force:
             return cls._create_file(path, size or st.st_size, page_size, replace=True, exist_ok=False,
                                     creator=creator, mode=mode, preallocate=preallocate)  # fmt: skip
-        return cls._reuse_existing(path, size, page_size, exist_ok, sysfs_root)
+        return cls._reuse_existing(path, size, page_size, exist_ok, 0, sysfs_root)
 
     @classmethod
-    def _reuse_existing(cls, path: str, size: int | None, page_size: int, exist_ok: bool, sysfs_root: str) -> "Pool":
+    def _reuse_existing(cls, path: str, size: int | None, page_size: int, exist_ok: bool, offset: int,
+                        sysfs_root: str) -> "Pool":  # fmt: skip
         try:
-            pool = cls.attach(path, sysfs_root=sysfs_root)
+            pool = cls.attach(path, offset=offset, sysfs_root=sysfs_root)
         except (PoolFormatError, PoolSizeError) as exc:
             raise PoolExists(
-                f"{path} exists and is not a usable pool ({exc}); "
+                f"{path} exists and holds no usable pool at offset {offset} ({exc}); "
                 "pass force=True to replace it, destroying its contents"
             ) from exc
         problem = pool._mismatch(size, page_size)
@@ -173,7 +183,7 @@ class Pool:
             pool.close()
             g = pool.geometry
             summary = (
-                f"a pool already exists at {path} ({g.size} bytes, {g.page_size}-byte pages, "
+                f"a pool already exists at {path}, offset {offset} ({g.size} bytes, {g.page_size}-byte pages, "
                 f"uuid {g.uuid}, created by {pool.header.creator})"
             )
             advice = "pass exist_ok=True to attach it" if not problem else problem
@@ -207,7 +217,7 @@ class Pool:
             raise PoolPermissionError(f"no permission to create files in {directory}") from None
         try:
             mapping = cls._initialise_file(fd, geometry, tmp, creator, preallocate)
-            header = parse_header(mapping[:HEADER_REGION], size, path)
+            header = parse_header(mapping[:HEADER_REGION], path)
             published = cls._publish(tmp, path, replace)
         except BaseException:
             os.close(fd)
@@ -218,26 +228,18 @@ class Pool:
         # Another process created the pool first: ours was never visible.
         mapping.close()
         os.close(fd)
-        return cls._reuse_existing(path, size, page_size, exist_ok, SYSFS_ROOT)
+        return cls._reuse_existing(path, size, page_size, exist_ok, 0, SYSFS_ROOT)
 
     @staticmethod
     def _initialise_file(fd: int, geometry: PoolGeometry, where: str, creator: str | None,
                          preallocate: bool) -> mmap.mmap:  # fmt: skip
         os.ftruncate(fd, geometry.size)
         if preallocate:
-            try:
-                os.posix_fallocate(fd, 0, geometry.size)
-            except OSError as exc:
-                if exc.errno == errno.ENOSPC:
-                    raise PoolNoSpace(
-                        f"no room for a pool of {geometry.size} bytes in the filesystem of {where}: "
-                        "make the pool smaller or the filesystem larger (e.g. /dev/shm's size)"
-                    ) from None
-                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                    raise
-        mapping = _map(fd, geometry.size)
+            _preallocate(fd, 0, geometry.size, where)
+        mapping = map_region(fd, 0, geometry.size)
         # A new file reads as zeros: the slot table is empty. The header goes in last.
-        mapping[:HEADER_REGION] = PoolHeader.new(geometry, creator).pack().ljust(HEADER_REGION, b"\0")
+        header = PoolHeader.new(geometry, creator, spans_file=True)
+        mapping[:HEADER_REGION] = header.pack().ljust(HEADER_REGION, b"\0")
         return mapping
 
     @staticmethod
@@ -254,29 +256,30 @@ class Pool:
         return True
 
     @classmethod
-    def _create_on_device(cls, path: str, size: int | None, page_size: int, exist_ok: bool, force: bool,
-                          creator: str | None, sysfs_root: str) -> "Pool":  # fmt: skip
+    def _create_in_place(cls, path: str, size: int | None, page_size: int, offset: int, *, exist_ok: bool,
+                         force: bool, creator: str | None, preallocate: bool, sysfs_root: str) -> "Pool":  # fmt: skip
+        """A pool in the region ``[offset, offset + size)`` of an existing device or file, which keeps its size."""
         fd = open_rw(path)
         try:
-            dev_size, backing = backing_size(fd, path, sysfs_root)
-            if size is not None and size != dev_size:
-                raise PoolSizeMismatch(
-                    f"{path} is a device of {dev_size} bytes and a pool on a device spans all of it: "
-                    f"pass size=None or size={dev_size}"
-                )
-            mapping = _map(fd, dev_size)
+            backing_bytes, backing = backing_size(fd, path, sysfs_root)
+            region_size = size if size is not None else max(backing_bytes - offset, 0)
+            check_region(path, offset, region_size, backing_bytes, backing)
+            if preallocate and backing is Backing.FILE:
+                _preallocate(fd, offset, region_size, path)
+            mapping = map_region(fd, offset, region_size)
         except BaseException:
             os.close(fd)
             raise
         if not force and not _is_blank(mapping):
             mapping.close()
             os.close(fd)
-            return cls._reuse_existing(path, size, page_size, exist_ok, sysfs_root)
+            return cls._reuse_existing(path, size, page_size, exist_ok, offset, sysfs_root)
         try:
-            geometry = PoolGeometry.plan(dev_size, page_size)
+            geometry = PoolGeometry.plan(region_size, page_size)
             _zero(mapping, 0, geometry.data_offset)
-            mapping[:HEADER_REGION] = PoolHeader.new(geometry, creator).pack().ljust(HEADER_REGION, b"\0")
-            header = parse_header(mapping[:HEADER_REGION], dev_size, path)
+            fresh = PoolHeader.new(geometry, creator, region_offset=offset)
+            mapping[:HEADER_REGION] = fresh.pack().ljust(HEADER_REGION, b"\0")
+            header = parse_header(mapping[:HEADER_REGION], path)
         except ValueError as exc:
             mapping.close()
             os.close(fd)
@@ -293,6 +296,11 @@ class Pool:
     def header(self) -> PoolHeader:
         """The validated header: geometry, creation time and creator host."""
         return self._header
+
+    @property
+    def offset(self) -> int:
+        """Where the pool starts in its file or device (0 unless it is a region of a shared device)."""
+        return self._header.region_offset
 
     @property
     def where(self) -> str:
@@ -351,7 +359,7 @@ class Pool:
 
     def __repr__(self) -> str:
         g = self.geometry
-        return f"Pool({self._where!r}, size={g.size}, page_size={g.page_size}, pages={g.num_pages}, uuid={g.uuid})"
+        return f"Pool({self._where!r}, offset={self.offset}, size={g.size}, page_size={g.page_size}, pages={g.num_pages}, uuid={g.uuid})"
 
     # -- slot headers ---------------------------------------------------------------------------
 
@@ -426,6 +434,19 @@ class Pool:
                 if table[pos + SLOT_HEADER_BYTES : pos + count * SLOT_HEADER_BYTES] != expected:
                     continue
             yield g.page_offset(page), header
+
+
+def _preallocate(fd: int, offset: int, size: int, where: str) -> None:
+    try:
+        os.posix_fallocate(fd, offset, size)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise PoolNoSpace(
+                f"no room for a pool of {size} bytes in the filesystem of {where}: "
+                "make the pool smaller or the filesystem larger (e.g. /dev/shm's size)"
+            ) from None
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
 
 
 def _zero(mapping: mmap.mmap, start: int, end: int) -> None:
