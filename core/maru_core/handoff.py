@@ -3,15 +3,17 @@
 The sidecar opens the pool device (or tmpfs file) and listens on a Unix socket
 in a volume shared with the vLLM container. The connector connects, presents
 the cache token, the cache name and its protocol version, and receives the
-pool's file descriptor (`SCM_RIGHTS`) with the pool geometry, the index
-address and the directory for its stats region. It then maps the descriptor
-itself (`Pool.from_fd`): the vLLM container needs no permission on the device,
-and the mapping stays valid whatever later happens to the sidecar.
+descriptor of the pool's file or device (`SCM_RIGHTS`) with the offset where
+the pool starts in it (a pool can be one region of a shared DAX device), the
+pool geometry, the index address and the directory for its stats region. It
+then maps that region itself (`Pool.from_fd`): the vLLM container needs no
+permission on the device, and the mapping stays valid whatever later happens
+to the sidecar.
 
 Wire format, both directions: a 4-byte big-endian length, then a msgpack map.
 Request: `{"op": "handoff", "protocol": int, "token": str | None,
 "cache": str, "client": str, "pid": int}`. Reply: `{"ok": true, "protocol",
-"cache", "geometry": map, "index_url", "stats_dir", "pool_path"}` with one
+"cache", "geometry": map, "index_url", "stats_dir", "pool_path", "pool_offset"}` with one
 descriptor attached, or `{"ok": false, "protocol", "error": {"type",
 "message"}}`; error types are in `ERROR_TYPES`. The framing never changes
 between versions, so a peer of another version always gets a readable refusal.
@@ -31,7 +33,8 @@ from typing import Any
 
 import msgpack
 
-HANDOFF_PROTOCOL = 1
+#: 2: the reply carries `pool_offset`; a connector of protocol 1 would map the wrong region.
+HANDOFF_PROTOCOL = 2
 MAX_FRAME_BYTES = 64 * 1024
 ERROR_TYPES = ("auth", "wrong_cache", "protocol", "unavailable", "bad_request")
 _LENGTH = struct.Struct(">I")
@@ -67,17 +70,19 @@ class PoolHandoff:
     stats_dir: str  # where `maru_core.stats.ConnectorStats` puts this process's region
     cache: str
     pool_path: str  # the path on the sidecar's side, for messages only
+    pool_offset: int = 0  # where the pool starts in the file or device of `fd`
 
     def open_pool(self) -> Any:
-        """Map the pool (`maru_core.pool.Pool.from_fd`), consuming `fd`.
+        """Map the pool's region of `fd` (`maru_core.pool.Pool.from_fd`), consuming `fd`.
 
         Checks that the mapped pool is the one the sidecar described (same
-        UUID and size), so a pool replaced between the two is never used.
+        offset, UUID and size), so a pool replaced between the two, or the
+        region of another cache, is never used.
         """
         from maru_core.pool import Pool
 
         try:
-            pool = Pool.from_fd(self.fd, expected_size=self.geometry.get("size"))
+            pool = Pool.from_fd(self.fd, expected_size=self.geometry.get("size"), offset=self.pool_offset)
         finally:
             os.close(self.fd)
         if pool.geometry.uuid != self.geometry.get("uuid"):
@@ -170,12 +175,19 @@ def _parse_reply(reply: Any, fds: list[int], socket_path: str, cache_name: str) 
             stats_dir=str(reply["stats_dir"]),
             cache=str(reply["cache"]),
             pool_path=str(reply.get("pool_path", "")),
+            pool_offset=_offset(reply.get("pool_offset"), socket_path),
         )
     except BaseException:
         for fd in fds:
             os.close(fd)
         raise
     return handoff
+
+
+def _offset(value: Any, socket_path: str) -> int:
+    if type(value) is not int or value < 0:
+        raise HandoffProtocolError(f"the sidecar at {socket_path} sent pool_offset {value!r}, not a byte offset")
+    return value
 
 
 # -- framing, shared with the sidecar's server -------------------------------

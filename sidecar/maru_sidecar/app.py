@@ -44,7 +44,7 @@ class PoolAttacher:
         from maru_core.pool import Pool, PoolError
 
         try:
-            pool = Pool.attach(str(self._config.pool_path))
+            pool = Pool.attach(str(self._config.pool_path), offset=self._config.pool_offset)
         except PoolError as exc:
             if str(exc) != self._last_error:  # log each new reason once, not every second
                 log.warning("cannot attach the pool yet (retrying every %.0f s): %s", ATTACH_RETRY_S, exc)
@@ -52,8 +52,8 @@ class PoolAttacher:
             return False
         self._pool = pool
         self._offer = PoolOffer(fd=pool.fileno(), geometry=pool.geometry.to_dict(),
-                                pool_path=str(self._config.pool_path))  # fmt: skip
-        log.info("attached the pool %s (%s)", self._config.pool_path, self._offer.geometry)
+                                pool_path=str(self._config.pool_path), pool_offset=pool.offset)  # fmt: skip
+        log.info("attached the pool %s at offset %d (%s)", self._config.pool_path, pool.offset, self._offer.geometry)
         return True
 
     def offer(self) -> PoolOffer:

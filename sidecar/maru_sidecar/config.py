@@ -24,6 +24,7 @@ class SidecarConfig:
     """Everything the sidecar needs to run; built once by `from_args`."""
 
     pool_path: Path
+    pool_offset: int  # where the pool starts in its device (a region of a shared device), 0 otherwise
     socket_path: Path
     index_url: str
     token_file: Path | None
@@ -65,10 +66,12 @@ class SidecarConfig:
             raise ConfigError(f"--socket {socket_path}: directory {socket_path.parent} does not exist")
         if not _INDEX_URL.match(args.index):
             raise ConfigError(f"--index {args.index!r}: expected tcp://HOST:PORT or unix:///PATH")
+        pool_offset = _pool_offset(args.pool_offset)
         if not 0 <= args.metrics_port <= 65535:
             raise ConfigError(f"--metrics-port {args.metrics_port}: expected 0..65535")
         config = cls(
             pool_path=Path(args.pool),
+            pool_offset=pool_offset,
             socket_path=socket_path,
             index_url=args.index,
             token_file=Path(args.token_file) if args.token_file else None,
@@ -83,9 +86,23 @@ class SidecarConfig:
         return config
 
 
+def _pool_offset(text: str) -> int:
+    from maru_core.index.cli import parse_offset
+
+    try:
+        return parse_offset(text)
+    except ValueError as exc:
+        raise ConfigError(f"--pool-offset {text}: {exc}") from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `marucache sidecar` flags."""
     parser.add_argument("--pool", required=True, help="the pool: a DAX device (/dev/daxX.Y) or a tmpfs file")
+    parser.add_argument(
+        "--pool-offset", default="0", metavar="BYTES",
+        help="where the pool starts in --pool, a multiple of 2Mi (bytes, 512Mi, 2Gi; default 0): "
+             "the pool's region of a device shared with other caches",
+    )  # fmt: skip
     parser.add_argument(
         "--socket", required=True, help="Unix socket to serve the pool on; its directory holds the stats regions"
     )

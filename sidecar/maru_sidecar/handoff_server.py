@@ -30,11 +30,13 @@ _PEERCRED = struct.Struct("3i")
 
 @dataclass(frozen=True)
 class PoolOffer:
-    """What the sidecar hands out: its own descriptor of the pool (sent as a copy) and the pool's geometry."""
+    """What the sidecar hands out: its own descriptor of the pool's file or device (sent as a copy),
+    where the pool starts in it, and the pool's geometry."""
 
     fd: int
     geometry: dict[str, Any]
     pool_path: str
+    pool_offset: int = 0
 
 
 class PoolNotReady(Exception):
@@ -136,6 +138,7 @@ class HandoffServer:
                 "index_url": self._index_url,
                 "stats_dir": self._stats_dir,
                 "pool_path": offer.pool_path,
+                "pool_offset": offer.pool_offset,
             }
             if self._send(conn, reply, (offer.fd,), peer):
                 log.info("handed the pool to %s (%s)", peer, request.get("client", "?"))

@@ -5,6 +5,7 @@ TOKEN "-" sends no token. Prints one JSON line: the hand-off's result. With
 --hold it then answers commands on stdin, reading through its own mapping:
   read OFFSET LENGTH   -> the bytes as hex
   magic                -> the pool header's magic, read from the mapping now
+  write OFFSET HEX     -> writes the bytes through the mapping, answers "ok"
 """
 
 import json
@@ -26,6 +27,9 @@ def main() -> None:
         "ok": True,
         "magic": bytes(pool.buffer[:8]).decode(),
         "uuid": pool.geometry.uuid,
+        "offset": pool.offset,  # the region offset recorded in the header it mapped
+        "handed_offset": handoff.pool_offset,
+        "mapped_bytes": len(pool.buffer),
         "size": pool.geometry.size,
         "data_offset": pool.geometry.data_offset,
         "claimed_geometry": handoff.geometry,
@@ -43,6 +47,10 @@ def main() -> None:
             print(bytes(pool.view(offset, length)).hex(), flush=True)
         elif name == "magic":
             print(bytes(pool.buffer[:8]).decode(), flush=True)
+        elif name == "write":
+            data = bytes.fromhex(args[1])
+            pool.view(int(args[0]), len(data))[:] = data
+            print("ok", flush=True)
     pool.close()
 
 

@@ -58,7 +58,8 @@ class SidecarProcess:
     """A real `marucache sidecar` process; its endpoints on 127.0.0.1."""
 
     def __init__(self, pool: str, socket_path: Path, index_url: str, *, token_file: str | None = None,
-                 cache: str = "c1", port: int = 0, env: dict[str, str] | None = None):  # fmt: skip
+                 cache: str = "c1", port: int = 0, env: dict[str, str] | None = None,
+                 pool_offset: str | None = None):  # fmt: skip
         self.socket_path = socket_path
         self.port = port
         self.log_path = socket_path.parent.parent / f"{socket_path.parent.name}-sidecar-{os.getpid()}.log"
@@ -66,6 +67,7 @@ class SidecarProcess:
             sys.executable, "-m", "maru_core.cli", "sidecar", "--pool", pool, "--socket", str(socket_path),
             "--index", index_url, "--cache", cache, "--metrics-host", "127.0.0.1",
             "--index-timeout", "0.5", *(["--token-file", token_file] if token_file else []),
+            *(["--pool-offset", pool_offset] if pool_offset is not None else []),
         ]  # fmt: skip
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None

@@ -68,6 +68,7 @@ def test_a_client_process_receives_the_descriptor_and_maps_the_pool(pool, sock_d
     assert answer["index_url"] == NO_INDEX
     assert answer["stats_dir"] == str(sock_dir)
     assert answer["cache"] == "c1"
+    assert answer["offset"] == answer["handed_offset"] == 0  # a pool that is its whole file
 
 
 def test_wrong_token_cache_or_protocol_is_refused_on_both_sides(pool, sock_dir, token_file, sidecars):
@@ -91,7 +92,7 @@ def test_wrong_token_cache_or_protocol_is_refused_on_both_sides(pool, sock_dir, 
 
     log = sidecar.log_text()
     assert log.count("refused the pool") == 4
-    assert "token does not match" in log and "asked for 'other'" in log and "protocol 2" in log
+    assert "token does not match" in log and "asked for 'other'" in log and f"protocol {HANDOFF_PROTOCOL + 1}" in log
     _, metrics = sidecar.get("/metrics")
     assert 'maru_sidecar_handoffs_total{cache="c1",namespace="local",pod=' in metrics
     assert _sample(metrics, "maru_sidecar_handoffs_total", 'result="auth"') == 2
@@ -189,6 +190,8 @@ def test_a_second_sidecar_on_the_same_socket_is_refused(pool, sock_dir, sidecars
         (["--index", "http://x"], "expected tcp://HOST:PORT or unix:///PATH"),
         (["--token-file", "/nonexistent/token"], "--token-file /nonexistent/token: cannot read it"),
         (["--metrics-port", "70000"], "expected 0..65535"),
+        (["--pool-offset", "3Mi"], "--pool-offset 3Mi: pool offset 3145728 is not a multiple of 2 MiB"),
+        (["--pool-offset", "lots"], "--pool-offset lots: 'lots' is not a size"),
     ],
 )
 def test_bad_settings_exit_with_a_message_naming_the_flag(sock_dir, flags, message):

@@ -4,7 +4,10 @@
         --listen tcp://0.0.0.0:7700 --token-file /etc/maru/token --metrics-port 9400
 
 Creates the pool when ``--pool-size`` is given and nothing is at ``--pool``;
-attaches to it otherwise, rebuilding the index from the slot headers. Prints
+attaches to it otherwise, rebuilding the index from the slot headers. With
+``--pool-offset`` (or a ``--pool-size`` smaller than the device), the pool is
+the region of ``--pool-size`` bytes from that offset of a DAX device shared
+with other caches; a blank region is initialised in place. Prints
 one ``listening on ADDRESS`` line on stdout once it accepts connections, and
 stops cleanly on SIGTERM or SIGINT.
 """
@@ -33,8 +36,25 @@ for _i, _p in enumerate("KMGTP", start=1):
 def parse_size(text: str) -> int:
     """Bytes from ``"1073741824"``, ``"512Mi"`` (binary) or ``"2G"`` (decimal), as
     Kubernetes quantities read them; ``ValueError`` saying what is accepted."""
+    size = _quantity(text)
+    if size == 0:
+        raise ValueError(f"{text!r} is not a size: a size is more than zero bytes")
+    return size
+
+
+def parse_offset(text: str) -> int:
+    """A pool offset in bytes, in ``parse_size``'s syntax (``0``, ``2Gi``,
+    ``2147483648``); ``ValueError`` unless it is a multiple of 2 MiB."""
+    from maru_core.pool import check_region_offset
+
+    offset = _quantity(text)
+    check_region_offset(offset)
+    return offset
+
+
+def _quantity(text: str) -> int:
     match = _SIZE.match(str(text))
-    if not match or int(match.group(1)) == 0:
+    if not match:
         raise ValueError(
             f"{text!r} is not a size: use bytes (1073741824), binary units (512Mi, 2Gi) "
             "or decimal units (2G)"
@@ -45,6 +65,13 @@ def parse_size(text: str) -> int:
 def _size_arg(text: str) -> int:
     try:
         return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _offset_arg(text: str) -> int:
+    try:
+        return parse_offset(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -73,6 +100,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="pool file (tmpfs, e.g. /dev/shm/maru.pool) or DAX device (/dev/daxX.Y)")
     parser.add_argument("--pool-size", type=_size_arg, metavar="SIZE",
                         help="create the pool with this size if PATH does not exist (512Mi, 2Gi, 2G, bytes)")
+    parser.add_argument("--pool-offset", type=_offset_arg, default=0, metavar="BYTES",
+                        help="where the pool starts in PATH, a multiple of 2Mi (default 0): the pool is the "
+                             "region of --pool-size bytes from there of a device shared with other caches")
     parser.add_argument("--page-size", type=_size_arg, metavar="SIZE",
                         help="page size of a pool created here (a power of two, default 64Ki)")
     parser.add_argument("--listen", required=True, type=_address_arg, metavar="ADDR",
@@ -100,25 +130,41 @@ def read_token(path: str) -> str:
     return token
 
 
-def open_pool(path: str, size: int | None, page_size: int | None) -> tuple[Any, bool]:
-    """Create the pool at ``path`` or attach the one there (see the module
-    docstring); return it and whether it was created just now."""
-    from maru_core.pool import DEFAULT_PAGE_SIZE, Pool
+def open_pool(path: str, size: int | None, page_size: int | None, offset: int = 0) -> tuple[Any, bool]:
+    """Create the pool at ``offset`` of ``path`` or attach the one there (see
+    the module docstring); return it and whether it was created just now."""
+    from maru_core.pool import DEFAULT_PAGE_SIZE, Pool, PoolForeign
 
     if not os.path.exists(path):
+        if offset:
+            raise ValueError(
+                f"nothing at {path}: --pool-offset {offset} names a region of an existing DAX device "
+                "(or file); check --pool"
+            )
         if size is None:
             raise ValueError(f"no pool at {path}: pass --pool-size to create one")
         return Pool.create(path, size, page_size or DEFAULT_PAGE_SIZE, creator="marucache index"), True
-    if not stat.S_ISREG(os.stat(path).st_mode):  # a DAX device: initialised here if blank
-        pool = Pool.create(path, size, page_size or DEFAULT_PAGE_SIZE, exist_ok=True, creator="marucache index")
-        return pool, False
-    pool = Pool.attach(path, expected_size=size)
+    try:
+        pool, fresh = Pool.attach(path, expected_size=size, offset=offset), False
+    except PoolForeign:
+        if not _is_region(path, size, offset):
+            raise
+        # A blank region of a device (or of a larger file): the pool is made here.
+        pool = Pool.create(path, size, page_size or DEFAULT_PAGE_SIZE, offset=offset, exist_ok=True,
+                           creator="marucache index")  # fmt: skip
+        fresh = True
     if page_size is not None and page_size != pool.geometry.page_size:
         pool.close()
         raise ValueError(
             f"the pool at {path} has {pool.geometry.page_size}-byte pages, not --page-size {page_size}"
         )
-    return pool, False
+    return pool, fresh
+
+
+def _is_region(path: str, size: int | None, offset: int) -> bool:
+    """Whether the pool is (to be) a region of a device or of a larger file, made in place."""
+    st = os.stat(path)
+    return not stat.S_ISREG(st.st_mode) or offset > 0 or (size is not None and size < st.st_size)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -127,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         token = read_token(args.token_file) if args.token_file else None
-        pool, fresh = open_pool(args.pool, args.pool_size, args.page_size)
+        pool, fresh = open_pool(args.pool, args.pool_size, args.page_size, args.pool_offset)
     except (ValueError, PoolError) as exc:
         print(f"marucache index: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ValueError) else 1
@@ -162,8 +208,8 @@ async def _serve(args: argparse.Namespace, pool: Any, token: str | None, fresh: 
             print(f"marucache index: metrics on http://{args.metrics_addr}:{port}/metrics", flush=True)
         g = pool.geometry
         print(
-            f"marucache index: pool {args.pool} ({g.capacity_bytes} bytes in {g.num_pages} pages, "
-            f"uuid {g.uuid}, {service.restored} objects restored); listening on {bound}",
+            f"marucache index: pool {args.pool} at offset {pool.offset} ({g.capacity_bytes} bytes in "
+            f"{g.num_pages} pages, uuid {g.uuid}, {service.restored} objects restored); listening on {bound}",
             flush=True,
         )
         await stop.wait()
