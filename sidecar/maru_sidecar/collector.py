@@ -2,7 +2,9 @@
 
 Both build their metric families afresh at every scrape from values that live
 elsewhere (the stats regions, the hand-off server) and keep nothing between
-scrapes. Names follow `docs/metrics.md`: prefix `maru_`, base units, `_total`
+scrapes. Every labelled counter has a closed label set, exported in full from
+the first scrape (a series born at its first increment is invisible to
+`rate()` for that increment). Names follow `docs/metrics.md`: prefix `maru_`, base units, `_total`
 on counters; every series carries the `cache`, `namespace` and `pod` labels.
 """
 
@@ -21,6 +23,7 @@ from maru_core.stats import (
     STORE_FAILURE_REASONS,
     decode,
 )
+from maru_sidecar.handoff_server import RESULTS as HANDOFF_RESULTS
 from maru_sidecar.regions import Aggregate
 
 # counter slot -> (exported name without _total, help)
@@ -100,13 +103,12 @@ class SidecarCollector:
         yield attached
         handoffs = CounterMetricFamily(
             "maru_sidecar_handoffs",
-            "Pool hand-offs answered, by result (ok, auth, wrong_cache, protocol, unavailable, bad_request).",
+            f"Pool hand-offs answered, by result ({', '.join(HANDOFF_RESULTS)}).",
             labels=(*LABELS, "result"),
         )
-        results = dict(self._handoff_results())
-        results.setdefault("ok", 0)
-        for result, count in sorted(results.items()):
-            handoffs.add_metric([*base, result], count)
+        results = self._handoff_results()
+        for result in HANDOFF_RESULTS:  # every result at zero from the start, so rate() sees the first
+            handoffs.add_metric([*base, result], results.get(result, 0))
         yield handoffs
 
 

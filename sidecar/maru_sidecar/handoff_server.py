@@ -20,11 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from maru_core.handoff import HANDOFF_PROTOCOL, HandoffError, recv_frame, send_frame
+from maru_core.handoff import ERROR_TYPES, HANDOFF_PROTOCOL, HandoffError, recv_frame, send_frame
 
 log = logging.getLogger(__name__)
 
 CONNECTION_TIMEOUT_S = 2.0
+#: Every result a hand-off is counted under: a closed set, exported at zero from the start.
+RESULTS = ("ok", *ERROR_TYPES, "send_failed")
 _PEERCRED = struct.Struct("3i")
 
 
@@ -54,7 +56,7 @@ class HandoffServer:
 
     `offer()` returns the current `PoolOffer` or raises `PoolNotReady`;
     `read_token()` returns the expected token (None: no auth). `results`
-    counts answers by result (`ok` or an error type) for the metrics.
+    counts answers by result (one of `RESULTS`) for the metrics.
     """
 
     def __init__(
@@ -185,6 +187,8 @@ class HandoffServer:
             return False
 
     def _count(self, result: str) -> None:
+        if result not in RESULTS:  # the metric's label set is closed
+            raise ValueError(f"hand-off result {result!r} is not one of {RESULTS}")
         with self._results_lock:
             self.results[result] += 1
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from maru_core.handoff import ERROR_TYPES
 from maru_core.stats import LOAD_FAILURE_REASONS, STORE_FAILURE_REASONS
 from maru_sidecar.collector import ConnectorCollector, SidecarCollector
+from maru_sidecar.handoff_server import RESULTS as HANDOFF_RESULTS
 from maru_sidecar.regions import RegionAggregator
 
 LABELS = {"cache": "c1", "namespace": "ns1", "pod": "pod-a"}
@@ -70,7 +72,11 @@ def test_sidecar_state_is_exported():
     registry.register(SidecarCollector(lambda: attached["value"], lambda: results, LABELS))
     first = scrape(registry)
     assert single(first["maru_sidecar_pool_attached"]) == 0
+    # Every result has its series from the first scrape, so rate() sees the first of each.
+    assert {dict(k)["result"] for k in first["maru_sidecar_handoffs_total"]} == set(HANDOFF_RESULTS)
+    assert set(HANDOFF_RESULTS) == {"ok", *ERROR_TYPES, "send_failed"}
     assert single(first["maru_sidecar_handoffs_total"], result="ok") == 0
+    assert single(first["maru_sidecar_handoffs_total"], result="unavailable") == 0
     assert single(first["maru_sidecar_handoffs_total"], result="auth") == 2
     attached["value"] = True
     results["ok"] = 5

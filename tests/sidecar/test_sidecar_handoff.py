@@ -99,6 +99,7 @@ def test_wrong_token_cache_or_protocol_is_refused_on_both_sides(pool, sock_dir, 
     assert _sample(metrics, "maru_sidecar_handoffs_total", 'result="wrong_cache"') == 1
     assert _sample(metrics, "maru_sidecar_handoffs_total", 'result="protocol"') == 1
     assert _sample(metrics, "maru_sidecar_handoffs_total", 'result="ok"') == 0
+    assert _sample(metrics, "maru_sidecar_handoffs_total", 'result="send_failed"') == 0  # there from the start
 
 
 def test_sidecar_killed_and_restarted_while_a_client_reads_through_its_mapping(

@@ -4,6 +4,11 @@ Pool, key, eviction and lease figures are read from the registry's stats at
 scrape time (a collector keeps no state between scrapes); RPC durations and
 errors are recorded by the server as requests are answered. Names and labels
 are those of ``docs/architecture.md`` (Metrics).
+
+Every ``maru_index_rpc_errors_total{op,type}`` series the protocol can produce
+exists at zero from start-up: a series born at its first error has no earlier
+sample, so ``rate()`` and ``increase()`` (and the alerts built on them) would
+miss that first error.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from typing import Any, Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from maru_core.protocol import OPS, ErrorType
+
 log = logging.getLogger(__name__)
 
 #: RPC duration buckets in seconds: from a small lookup (tens of
@@ -23,6 +30,11 @@ RPC_BUCKETS = (
     0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
 )
 POOL_STATES = ("free", "reserved", "committed", "pinned")
+#: The ``op`` label: every op of the protocol, and ``invalid`` for a request
+#: that names none the server can parse (the server's label for it).
+RPC_OPS = (*OPS, "invalid")
+#: The ``type`` label of errors: every error type of the protocol.
+RPC_ERROR_TYPES = tuple(error_type.value for error_type in ErrorType)
 
 
 class PoolCollector:
@@ -87,6 +99,9 @@ class IndexMetrics:
             ["op", "type"],
             registry=self.registry,
         )
+        for op in RPC_OPS:  # at zero from the start (see the module docstring)
+            for error_type in RPC_ERROR_TYPES:
+                self._errors.labels(op, error_type)
         self.registry.register(PoolCollector(read_stats, capacity_bytes))
         if process_metrics:
             ProcessCollector(registry=self.registry)
