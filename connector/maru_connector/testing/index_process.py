@@ -82,16 +82,17 @@ class IndexProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
-                raise RuntimeError(
-                    f"index exited with {self._proc.returncode}: {' '.join(cmd)}\n{self.log_tail()}"
-                )
+                message = f"index exited with {self._proc.returncode}: {' '.join(cmd)}\n{self.log_tail()}"
+                self.close()  # the pool file it may have created goes too
+                raise RuntimeError(message)
             try:
                 socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
                 return self
             except OSError:
                 time.sleep(0.05)
-        self.kill()
-        raise RuntimeError(f"index did not listen on {self.url} within {timeout_s}s\n{self.log_tail()}")
+        message = f"index did not listen on {self.url} within {timeout_s}s\n{self.log_tail()}"
+        self.close()
+        raise RuntimeError(message)
 
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
