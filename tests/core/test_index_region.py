@@ -87,15 +87,60 @@ def test_an_offset_on_a_missing_device_is_refused(device):
     assert not os.path.exists(device + ".missing")
 
 
-def test_a_pool_moved_to_another_offset_is_refused_naming_both(device):
-    with Pool.create(device, REGION, offset=REGION):
-        pass
-    with open(device, "r+b") as f:  # the pool's first 2 MiB copied one region further
-        f.seek(REGION)
-        head = f.read(2 * MiB)
-        f.seek(2 * REGION)
-        f.write(head)
-    done = _marucache("index", "--pool", device, "--pool-size", "16Mi", "--pool-offset", "32Mi",
-                      "--listen", "tcp://127.0.0.1:0")  # fmt: skip
-    assert done.returncode == 1
-    assert f"at offset {2 * REGION} says the pool was created at offset {REGION}" in done.stderr
+def _run_index(device: str, *flags: str) -> tuple[str, str]:
+    """Start an index, wait until it listens, stop it; its (pool line, log)."""
+    proc = subprocess.Popen([sys.executable, "-m", "maru_core.cli", "index", "--pool", device, *flags,
+                             "--listen", "tcp://127.0.0.1:0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    try:
+        line = proc.stdout.readline()
+        assert "listening on" in line, proc.communicate(timeout=10)
+    finally:
+        proc.terminate()
+        _, log = proc.communicate(timeout=10)
+    return line, log
+
+
+def _copy(device: str, source: int, target: int, length: int) -> None:
+    with open(device, "r+b") as f:
+        f.seek(source)
+        data = f.read(length)
+        f.seek(target)
+        f.write(data)
+
+
+def _uuid_at(device: str, offset: int) -> str:
+    with Pool.attach(device, offset=offset) as pool:
+        return pool.geometry.uuid
+
+
+@pytest.mark.parametrize("leftover", ["resized", "moved", "data"])
+def test_a_region_left_from_an_earlier_allocation_becomes_a_new_pool(device, leftover):
+    with Pool.create(device, REGION, offset=0) as neighbour, Pool.create(device, REGION, offset=REGION) as old:
+        neighbour_uuid, old_uuid = neighbour.geometry.uuid, old.geometry.uuid
+        old.view(old.geometry.data_offset, 4 * MiB)[:] = os.urandom(4 * MiB)
+    if leftover == "resized":  # the region shrank in place: a pool of another size at its start
+        offset, size, cause = REGION, "8Mi", f"the pool at offset {REGION} is {REGION} bytes but {8 * MiB} were"
+    elif leftover == "moved":  # a pool's header and table at another offset than they were made at
+        _copy(device, REGION, 2 * REGION, 2 * MiB)
+        offset, size, cause = 2 * REGION, "16Mi", f"says the pool was created at offset {REGION}"
+    else:  # the region starts inside the data area of the earlier pool
+        offset, size, cause = REGION + 2 * MiB, "8Mi", "is not a MaruCache pool"
+    line, log = _run_index(device, "--pool-size", size, "--pool-offset", str(offset))
+    assert f"at offset {offset} " in line and "0 objects restored" in line
+    assert "left from an earlier allocation of the device" in log and cause in log, log
+    with Pool.attach(device, offset=offset) as pool:
+        assert pool.geometry.uuid not in (neighbour_uuid, old_uuid) and not list(pool.iter_slot_headers())
+    assert _uuid_at(device, 0) == neighbour_uuid  # the neighbouring region is untouched
+
+
+def test_a_pool_file_of_its_own_is_never_overwritten(tmp_path):
+    path = f"/dev/shm/maru-test-index-own-{uuid.uuid4().hex}"
+    try:
+        with Pool.create(path, 2 * REGION) as pool:
+            before = pool.geometry.uuid
+        done = _marucache("index", "--pool", path, "--pool-size", "16Mi", "--listen", "tcp://127.0.0.1:0")
+        assert done.returncode == 1 and f"is {2 * REGION} bytes but {REGION} were expected" in done.stderr
+        assert _uuid_at(path, 0) == before
+    finally:
+        os.unlink(path)

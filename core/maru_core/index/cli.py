@@ -7,7 +7,8 @@ Creates the pool when ``--pool-size`` is given and nothing is at ``--pool``;
 attaches to it otherwise, rebuilding the index from the slot headers. With
 ``--pool-offset`` (or a ``--pool-size`` smaller than the device), the pool is
 the region of ``--pool-size`` bytes from that offset of a DAX device shared
-with other caches; a blank region is initialised in place. Prints
+with other caches: a pool of exactly that region is attached, anything else
+there is replaced by a new pool (``_make_region_pool`` says when). Prints
 one ``listening on ADDRESS`` line on stdout once it accepts connections, and
 stops cleanly on SIGTERM or SIGINT.
 """
@@ -133,7 +134,7 @@ def read_token(path: str) -> str:
 def open_pool(path: str, size: int | None, page_size: int | None, offset: int = 0) -> tuple[Any, bool]:
     """Create the pool at ``offset`` of ``path`` or attach the one there (see
     the module docstring); return it and whether it was created just now."""
-    from maru_core.pool import DEFAULT_PAGE_SIZE, Pool, PoolForeign
+    from maru_core.pool import DEFAULT_PAGE_SIZE, Pool, PoolFormatError, PoolSizeError
 
     if not os.path.exists(path):
         if offset:
@@ -146,13 +147,10 @@ def open_pool(path: str, size: int | None, page_size: int | None, offset: int = 
         return Pool.create(path, size, page_size or DEFAULT_PAGE_SIZE, creator="marucache index"), True
     try:
         pool, fresh = Pool.attach(path, expected_size=size, offset=offset), False
-    except PoolForeign:
+    except (PoolFormatError, PoolSizeError) as found:
         if not _is_region(path, size, offset):
             raise
-        # A blank region of a device (or of a larger file): the pool is made here.
-        pool = Pool.create(path, size, page_size or DEFAULT_PAGE_SIZE, offset=offset, exist_ok=True,
-                           creator="marucache index")  # fmt: skip
-        fresh = True
+        pool, fresh = _make_region_pool(path, size, page_size or DEFAULT_PAGE_SIZE, offset, found), True
     if page_size is not None and page_size != pool.geometry.page_size:
         pool.close()
         raise ValueError(
@@ -165,6 +163,32 @@ def _is_region(path: str, size: int | None, offset: int) -> bool:
     """Whether the pool is (to be) a region of a device or of a larger file, made in place."""
     st = os.stat(path)
     return not stat.S_ISREG(st.st_mode) or offset > 0 or (size is not None and size < st.st_size)
+
+
+def _make_region_pool(path: str, size: int | None, page_size: int, offset: int, found: Exception) -> Any:
+    """A new pool in the region at ``offset`` of ``path``, where no pool of this region is.
+
+    A blank region (a new device) is initialised. Any other content is
+    replaced only where the region is the index's own: a ``--pool-size``
+    region of a DAX device, or past byte 0 of a file. The operator's ledger
+    gives each cache its region, so what lies there is left from an earlier
+    allocation of the device (a pool of another size or offset, or the data
+    of a deleted cache), never another cache's live pool. A pool file of its
+    own (at byte 0 of a regular file) is never overwritten.
+    """
+    from maru_core.pool import Pool, PoolExists
+
+    try:
+        return Pool.create(path, size, page_size, offset=offset, exist_ok=True, creator="marucache index")
+    except PoolExists:
+        owned = size is not None and (offset > 0 or not stat.S_ISREG(os.stat(path).st_mode))
+        if not owned:
+            raise found from None
+    log.warning(
+        "the region of %d bytes at offset %d of %s holds no pool of this region (%s); it is left from an "
+        "earlier allocation of the device: making a new, empty pool there", size, offset, path, found,
+    )  # fmt: skip
+    return Pool.create(path, size, page_size, offset=offset, force=True, creator="marucache index")
 
 
 def run(args: argparse.Namespace) -> int:
