@@ -59,23 +59,36 @@ def bench_scrape(directory: Path, counts: list[int], scrapes: int) -> None:
 
 
 def bench_handoff(directory: Path, handoffs: int) -> None:
+    """A pool that is its whole file, and a pool that is the second 64 MiB region of a file (a shared device)."""
+    size = 64 * 1024 * 1024
     pool_path = f"/dev/shm/maru-bench-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    pool = Pool.create(pool_path, size=64 * 1024 * 1024)
-    offer = PoolOffer(fd=pool.fileno(), geometry=pool.geometry.to_dict(), pool_path=pool_path)
-    server = HandoffServer(directory / "h.sock", cache="bench", index_url="tcp://127.0.0.1:1",
-                           stats_dir=directory, offer=lambda: offer, read_token=lambda: "t")  # fmt: skip
-    server.start()
+    device_path = pool_path + ".device"
+    with open(device_path, "wb") as device:
+        device.truncate(2 * size)
+    pools = {"whole file": Pool.create(pool_path, size=size),
+             "region at offset 64 MiB": Pool.create(device_path, size, offset=size)}  # fmt: skip
     try:
+        for label, pool in pools.items():
+            offer = PoolOffer(fd=pool.fileno(), geometry=pool.geometry.to_dict(), pool_path=pool.where,
+                              pool_offset=pool.offset)  # fmt: skip
+            sock = directory / "h.sock"
+            server = HandoffServer(sock, cache="bench", index_url="tcp://127.0.0.1:1",
+                                   stats_dir=directory, offer=lambda offer=offer: offer, read_token=lambda: "t")  # fmt: skip
+            server.start()
+            try:
 
-        def one() -> None:
-            fetch_pool(str(directory / "h.sock"), "t", "bench", timeout_s=5.0).open_pool().close()
+                def one() -> None:
+                    fetch_pool(str(sock), "t", "bench", timeout_s=5.0).open_pool().close()
 
-        ms = per_call_ns(one, handoffs) / 1e6
-        print(f"hand-off (connect, request, receive fd, map and validate the pool): {ms:.3f} ms")
+                ms = per_call_ns(one, handoffs) / 1e6
+                print(f"hand-off of a {label} (connect, request, receive fd, map and validate): {ms:.3f} ms")
+            finally:
+                server.stop()
     finally:
-        server.stop()
-        pool.close()
+        for pool in pools.values():
+            pool.close()
         os.unlink(pool_path)
+        os.unlink(device_path)
 
 
 def main() -> None:
