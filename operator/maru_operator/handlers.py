@@ -32,6 +32,16 @@ from .models import CacheRef
 logger = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass(frozen=True)
+class Written:
+    """The status this process last wrote for a cache, and what it was computed from."""
+
+    generation: int
+    result: str  # the reconcile result it came from (a label of maru_operator_reconciles_total)
+    status: dict[str, Any]
+    available: bool  # whether the index Deployment was available
+
+
 @dataclasses.dataclass
 class OperatorContext:
     """Everything the handlers share; built once by the composition root (`cli`)."""
@@ -42,12 +52,17 @@ class OperatorContext:
     resync_seconds: float = 5.0
     full_resync_seconds: float = 60.0  # a cache that is not Ready gets its children checked this often
     last_full: dict[str, float] = dataclasses.field(default_factory=dict)
-    index_written: dict[str, tuple[int, bool]] = dataclasses.field(default_factory=dict)
+    written: dict[str, Written] = dataclasses.field(default_factory=dict)
     generations: dict[str, int] = dataclasses.field(default_factory=dict)  # newest generation reconciled
     locks: dict[str, asyncio.Lock] = dataclasses.field(default_factory=dict)
 
     def lock(self, uid: str) -> asyncio.Lock:
         return self.locks.setdefault(uid, asyncio.Lock())
+
+    def forget(self, uid: str) -> None:
+        """Drop what is kept about a deleted cache."""
+        for table in (self.locks, self.last_full, self.written, self.generations):
+            table.pop(uid, None)
 
 
 def _nodes(index: Any) -> Iterable[NodeInfo]:
@@ -113,11 +128,49 @@ async def run_reconcile(ctx: OperatorContext, live_body: kopf.Body, maru_nodes: 
                 ctx.metrics.reconciles.labels(result="error").inc()
                 raise
         ctx.metrics.reconciles.labels(result=outcome.result).inc()
-        written = await write_status(ctx, body, outcome.status)
-    if written and outcome.result in ("ready", "progressing"):
-        ctx.index_written[uid] = (generation, outcome.result == "ready")
+        if await write_status(ctx, body, outcome.status):
+            ctx.written[uid] = Written(generation, outcome.result, outcome.status, outcome.result == "ready")
+        else:
+            ctx.written.pop(uid, None)
     for kind, reason, message in outcome.events:
         kopf.event(live_body, type=kind, reason=reason, message=message)
+
+
+async def run_resync(ctx: OperatorContext, live_body: kopf.Body, maru_nodes: Any, maru_deployments: Any) -> None:
+    """The timer's look at a cache: nothing, a status refresh, or a full reconcile.
+
+    A cache whose current generation no change handler (create, update,
+    resume) has reconciled yet, or whose reconcile is running, is left to
+    that handler: kopf starts timers as soon as it sees an object, and a
+    second reconcile of every new cache would double the operator's API
+    calls when many are created at once.
+    What this process last wrote is kept in memory (`ctx.written`), because
+    the body kopf hands a timer may lag behind the operator's own writes.
+    """
+    body = snapshot(live_body)
+    meta = body.get("metadata") or {}
+    uid, generation = str(meta.get("uid")), int(meta.get("generation") or 1)
+    if meta.get("deletionTimestamp") or ctx.generations.get(uid, 0) < generation or ctx.lock(uid).locked():
+        return  # deleted, not yet reconciled by a change handler, or a reconcile is running now
+    available = _available(maru_deployments, meta.get("namespace"), meta.get("name"))
+    if _is_settled(body, available):
+        return
+    due = time.monotonic() - ctx.last_full.get(uid, 0.0) >= ctx.full_resync_seconds
+    record = ctx.written.get(uid)
+    if due or record is None or record.generation != generation or record.result not in ("ready", "progressing"):
+        await run_reconcile(ctx, live_body, maru_nodes, maru_deployments)
+        return
+    if record.available == bool(available):
+        return  # the only thing a served cache waits for, its index, has not changed
+    async with ctx.lock(uid):  # only the index Deployment's availability changed: no reconcile
+        record = ctx.written.get(uid)
+        conds = refresh_index(record.status, bool(available), generation) if record is not None else None
+        if conds is None:
+            return
+        status = {**record.status, "conditions": conds, "phase": phase(conds)}
+        if await write_status(ctx, body, {"conditions": conds, "phase": status["phase"]}):
+            result = "ready" if available else "progressing"
+            ctx.written[uid] = Written(generation, result, status, bool(available))
 
 
 def _is_settled(body: Mapping[str, Any], available: int | None) -> bool:
@@ -170,46 +223,24 @@ def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
     def maru_caches(body: kopf.Body, namespace: str, name: str, **_: Any) -> dict[tuple[str, str], Any]:
         return {(namespace, name): cache_info(body)}
 
-    @kopf.on.resume(*resource, registry=registry)
-    @kopf.on.create(*resource, registry=registry)
-    @kopf.on.update(*resource, field="spec", registry=registry)
+    # A failed reconcile (an API error) is retried after one resync period, not kopf's default
+    # minute: the timer leaves caches to these handlers until they have reconciled once.
+    @kopf.on.resume(*resource, backoff=ctx.resync_seconds, registry=registry)
+    @kopf.on.create(*resource, backoff=ctx.resync_seconds, registry=registry)
+    @kopf.on.update(*resource, field="spec", backoff=ctx.resync_seconds, registry=registry)
     async def reconcile(body: kopf.Body, maru_nodes: Any, maru_deployments: Any, **_: Any) -> None:
         await run_reconcile(ctx, body, maru_nodes, maru_deployments)
 
     @kopf.timer(*resource, interval=ctx.resync_seconds, registry=registry)
     async def resync(body: kopf.Body, maru_nodes: Any, maru_deployments: Any, **_: Any) -> None:
-        live_body, body = body, snapshot(body)
-        meta = body.get("metadata") or {}
-        if meta.get("deletionTimestamp"):
-            return
-        available = _available(maru_deployments, meta.get("namespace"), meta.get("name"))
-        if _is_settled(body, available):
-            return
-        status = body.get("status") or {}
-        uid = str(meta.get("uid"))
-        due = time.monotonic() - ctx.last_full.get(uid, 0.0) >= ctx.full_resync_seconds
-        generation = int(meta.get("generation") or 1)
-        if ctx.index_written.get(uid) == (generation, bool(available)) and not due:
-            return  # already written; the body kopf hands the timer may lag behind our own patch
-        if status.get("phase") in ("Starting", "Ready") and not due:
-            # Only the index Deployment's availability can have changed: no API calls.
-            conds = refresh_index(status, bool(available), generation)
-            if conds is not None:
-                async with ctx.lock(uid):
-                    if await write_status(ctx, body, {"conditions": conds, "phase": phase(conds)}):
-                        ctx.index_written[uid] = (generation, bool(available))
-                return
-        await run_reconcile(ctx, live_body, maru_nodes, maru_deployments)
+        await run_resync(ctx, body, maru_nodes, maru_deployments)
 
     @kopf.on.delete(*resource, registry=registry)
     async def release(body: kopf.Body, **_: Any) -> None:
         uid = str(body.get("metadata", {}).get("uid"))
         async with ctx.lock(uid):
             claim = await reconciler.release(ctx.ledger, uid)
-        ctx.locks.pop(uid, None)
-        ctx.last_full.pop(uid, None)
-        ctx.index_written.pop(uid, None)
-        ctx.generations.pop(uid, None)
+        ctx.forget(uid)
         ctx.metrics.reconciles.labels(result="released").inc()
         if claim is not None:
             kopf.event(body, type="Normal", reason="Released",

@@ -136,15 +136,17 @@ def _allocate(led: Ledger, ref: CacheRef, spec: CacheSpec,
 
 async def _ensure_children(api: KubeApi, ref: CacheRef, spec: CacheSpec,
                            placement: desired.Placement) -> list[Event]:
-    events: list[Event] = []
+    """Create or update the children; one Event per action ("Created", "Updated") naming them all,
+    so a new cache costs one Event, not one per child."""
+    done: dict[str, list[str]] = {"created": [], "updated": []}
     secret = desired.token_secret(ref, secrets.token_urlsafe(32))
     if await api.ensure_once(secret) == "created":
-        events.append(("Normal", "Created", f"Secret {secret['metadata']['name']} with the index token"))
+        done["created"].append(f"Secret {secret['metadata']['name']} with the index token")
     for manifest in desired.children(ref, spec, placement):
         action = await api.ensure(manifest)
         if action != "unchanged":
-            events.append(("Normal", action.capitalize(), f"{manifest['kind']} {manifest['metadata']['name']}"))
-    return events
+            done[action].append(f"{manifest['kind']} {manifest['metadata']['name']}")
+    return [("Normal", action.capitalize(), ", ".join(names)) for action, names in done.items() if names]
 
 
 async def release(ledger: LedgerStore, uid: str) -> Claim | None:

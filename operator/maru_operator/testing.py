@@ -9,7 +9,27 @@ delete, but, unlike a real API server, it does not version objects. The
 - `metadata.resourceVersion` on every write, and optimistic concurrency: a
   patch that carries a stale `resourceVersion` gets 409 Conflict;
 - `uid`, `creationTimestamp`, and `generation` bumped on spec changes;
-- fault injection (`fail_next`), to crash a reconcile half-way.
+- fault injection (`fail`), to crash a reconcile half-way;
+- lists that carry a real `resourceVersion`, and watches that start there:
+  kmock answers a list with the version "..." and starts a watch by
+  replaying every current object, then streams changes from the moment it
+  subscribes to its event bus, after the replay has been written. A change
+  made while the replay is being sent is lost, and an object the client
+  already listed arrives again with its old version (kopf then re-applies
+  its finalizer patch against a stale version, gets 422 and waits for an
+  event that never comes). Here the snapshot and the subscription are taken
+  atomically, and a watch with `resourceVersion=N` replays only objects
+  changed after N, as a real API server does;
+- routing that costs the same for the ten-thousandth request as for the
+  first. kmock picks the reaction for a request by iterating its whole
+  request history through each reaction's filters until it finds the
+  request itself, so every request costs time proportional to all requests
+  served before it: 100 MaruCaches took minutes, all of it spent in the
+  mock, serialised on its event loop. A real API server does not slow down
+  with the requests it has answered. While a request is being routed, this
+  emulator shows the filters that request alone; the history stays complete
+  for assertions (`for request in emulator`). Reactions sliced by position
+  in the history (`kmock[...][:1]`) are therefore not supported here.
 
 It still has no schema validation, defaulting, garbage collection or
 controllers: tests validate resources against the CRD schema themselves and
@@ -20,12 +40,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import itertools
 import json
 import pathlib
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import kmock
@@ -34,6 +55,9 @@ from kmock._internal import dicts as kmock_dicts
 from . import GROUP, KIND, PLURAL, VERSION
 from .cli import OperatorOptions, run_operator
 from .metrics import OperatorMetrics
+
+# The request being routed by the current asyncio task (None outside routing).
+_routing: contextvars.ContextVar[kmock.Request | None] = contextvars.ContextVar("kmock_routing", default=None)
 
 
 class VersionedEmulator(kmock.KubernetesEmulator):
@@ -47,12 +71,64 @@ class VersionedEmulator(kmock.KubernetesEmulator):
         self.writes = 0
         self.conflicts = 0
 
+    def __iter__(self) -> Iterator[kmock.Request]:
+        # kmock matches a request to a reaction with `request in view`, which walks this iterator:
+        # during routing only the request itself is visible (constant time per request).
+        routed = _routing.get()
+        if routed is None:
+            yield from super().__iter__()
+        else:
+            yield routed
+
+    def _matching(self, request: kmock.Request, since: int | None = None) -> list[dict[str, Any]]:
+        """Current objects a list or watch `request` covers (changed after version `since`);
+        call with kmock's lock held."""
+        found = []
+        for (resource, namespace, name), obj in self._objects.items():
+            if obj.deleted or resource != request.resource or (request.name is not None and name != request.name):
+                continue
+            if request.namespace is not None and namespace != request.namespace:
+                continue
+            version = _version(obj.raw)
+            if since is None or version is None or version > since:
+                found.append(obj.raw)
+        return found
+
+    def _newest_version(self) -> int:
+        versions = (_version(obj.last.raw) for obj in self._objects.values() if not obj.empty)
+        return max((v for v in versions if v is not None), default=0)
+
+    async def _serve_list(self, request: kmock.Request) -> Any:
+        if request.resource not in self._get_resources():
+            raise kmock.KubernetesError(status=404, reason="NotFound", message=f"unknown resource {request.resource}")
+        async with self._lock:
+            return {"metadata": {"resourceVersion": str(self._newest_version())}, "items": self._matching(request)}
+
+    async def _serve_watch(self, request: kmock.Request) -> AsyncIterator[Any]:
+        yield b""  # send the headers now: the client waits for them before it reads events
+        bus = self._buses[request.resource]
+        async with self._lock:  # writes publish under this lock: no change falls between snapshot and mark
+            mark = await bus.mark()
+            replay = self._matching(request, _version({"metadata": {"resourceVersion":
+                                                                     request.params.get("resourceVersion")}}))
+        try:
+            for raw in replay:
+                yield {"type": "ADDED", "object": raw}
+            async for event in bus.stream(since=mark):
+                meta = (event.get("object") or {}).get("metadata") or {}
+                if (request.namespace is None or meta.get("namespace") == request.namespace) and \
+                        (request.name is None or meta.get("name") == request.name):
+                    yield event
+        finally:
+            await bus.unmark(mark)
+
     def fail(self, method: str, path_part: str, status: int = 500, sticky: bool = False) -> None:
         """Answer the next (`sticky`: every) `method` request whose path contains `path_part`
         with an error, changing nothing."""
         self.faults.append((method.upper(), path_part, status, sticky))
 
     async def _handle(self, request: kmock.Request) -> Any:
+        _routing.set(request)  # this request's own task (aiohttp runs one per request)
         for fault in list(self.faults):
             if request.method.value == fault[0] and fault[1] in request.url.path:
                 if not fault[3]:
@@ -100,6 +176,11 @@ class VersionedEmulator(kmock.KubernetesEmulator):
                     raise kmock.KubernetesError(status=422, reason="Invalid",
                                                 message="the test operation on /metadata/resourceVersion failed")
             data.append({"op": "add", "path": "/metadata/resourceVersion", "value": version})
+
+
+def _version(raw: dict[str, Any]) -> int | None:
+    value = (raw.get("metadata") or {}).get("resourceVersion")
+    return int(value) if isinstance(value, str) and value.isdigit() else None
 
 
 class KmockCluster:

@@ -70,8 +70,12 @@ def cache_condition(run: OperatorRun, name: str, kind: str) -> dict | None:
 
 
 def a_cache_lifetime(run: OperatorRun) -> None:
-    """Create, become Ready, change the spec, inject a pod, refuse a bad spec, delete."""
+    """Create (its first status write conflicting), become Ready, change the spec, inject a pod,
+    refuse a bad spec, delete."""
     caches = CACHES.format(ns="default")
+    # A status write that conflicts is re-read (GET) and written again; one cache alone rarely races,
+    # so the API server answers the first status write with 409 as it would under contention.
+    run.cluster.call(lambda: run.cluster.emulator.fail("PATCH", "/marucaches/life/status", 409))
     run.kube("POST", caches, {"apiVersion": "maru.io/v1alpha1", "kind": "MaruCache",
                               "metadata": {"name": "life", "namespace": "default"},
                               "spec": {"pool": {"deviceClass": "dax", "size": "2Gi"}}})

@@ -95,7 +95,7 @@ def test_delete_returns_the_region(kube: Kube, operator: OperatorThread):
 
 
 def test_operator_restarted_mid_reconcile_converges_without_a_second_allocation(kube, options, cluster):
-    cluster.emulator.fail("PATCH", "/marucaches/crash", 500, sticky=True)  # status and progress never land
+    cluster.emulator.fail("PATCH", "/marucaches/crash/status", 500, sticky=True)  # the status never lands
     with OperatorThread(options):
         kube.apply_cache("crash", {"pool": {"deviceClass": "dax", "size": "3Gi"}})
         wait_for(lambda: kube.ledger() and ("default", "crash-maru-index") in kube.objects("apps/v1/deployments"),
