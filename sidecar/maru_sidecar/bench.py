@@ -72,8 +72,8 @@ def bench_handoff(directory: Path, handoffs: int) -> None:
             offer = PoolOffer(fd=pool.fileno(), geometry=pool.geometry.to_dict(), pool_path=pool.where,
                               pool_offset=pool.offset)  # fmt: skip
             sock = directory / "h.sock"
-            server = HandoffServer(sock, cache="bench", index_url="tcp://127.0.0.1:1",
-                                   stats_dir=directory, offer=lambda offer=offer: offer, read_token=lambda: "t")  # fmt: skip
+            server = HandoffServer(sock, cache="bench", index_url="tcp://127.0.0.1:1", stats_dir=directory,
+                                   offer=lambda offer=offer: offer, read_token=lambda: "t")  # fmt: skip
             server.start()
             try:
 
