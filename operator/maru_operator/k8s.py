@@ -172,9 +172,12 @@ class KubeApi:
 class LedgerStore:
     """The region ledger, persisted in one ConfigMap with compare-and-swap writes.
 
-    Within one process, updates are serialised by a lock (so concurrent
-    reconciles do not spin on conflicts); across processes the
-    resourceVersion precondition decides, and the loser re-reads and retries.
+    Within one process, updates are group-committed: a change waits for the
+    write in flight, then every change that queued up meanwhile is applied in
+    order and stored with one write. Many caches created at once therefore
+    cost a few ledger writes, not one round trip each in a queue, and never
+    conflict with each other. Across processes the resourceVersion
+    precondition decides; the loser re-reads and applies its batch again.
     """
 
     def __init__(self, api: KubeApi, namespace: str, name: str = "marucache-ledger", max_attempts: int = 20) -> None:
@@ -183,8 +186,10 @@ class LedgerStore:
         self.name = name
         self.max_attempts = max_attempts
         self._lock = asyncio.Lock()
+        self._pending: list[tuple[Callable[[Ledger], tuple[Ledger, Any]], asyncio.Future[Any]]] = []
         self._cached: tuple[Ledger, str | None] | None = None
-        self.conflicts = 0
+        self.conflicts = 0  # writes refused because another process changed the ledger first
+        self.writes = 0  # writes stored
 
     @property
     def path(self) -> str:
@@ -201,24 +206,62 @@ class LedgerStore:
         """Apply a pure `change` atomically; returns its result.
 
         `change` may run several times (after a conflict) and must not have
-        side effects. Exceptions it raises propagate without a write.
+        side effects. Exceptions it raises propagate to this caller without
+        a write of its change; the changes batched with it are unaffected.
         """
-        async with self._lock:
+        done: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        entry = (change, done)
+        self._pending.append(entry)
+        try:
+            async with self._lock:
+                if not done.done():  # nobody committed it while this caller waited: commit the queue
+                    batch, self._pending = self._pending, []
+                    try:
+                        await self._commit(batch)
+                    finally:  # cancelled mid-commit: the others' changes go back to the queue
+                        unsettled = [e for e in batch if e is not entry and not e[1].done()]
+                        if unsettled:
+                            self._cached = None
+                            self._pending[:0] = unsettled
+        except asyncio.CancelledError:
+            if entry in self._pending:
+                self._pending.remove(entry)
+            raise
+        return done.result()
+
+    async def _commit(self, batch: list[tuple[Callable[[Ledger], tuple[Ledger, Any]], asyncio.Future[Any]]]) -> None:
+        """Apply `batch` in order and store it with one compare-and-swap write; settle every future."""
+        try:
             for attempt in range(self.max_attempts):
                 ledger, version = self._cached if self._cached is not None else await self.read()
-                new, result = change(ledger)
-                if new == ledger and version is not None:
-                    self._cached = (ledger, version)
-                    return result
+                new, outcomes = ledger, []
+                for change, _ in batch:
+                    try:
+                        new, result = change(new)
+                        outcomes.append((result, None))
+                    except Exception as exc:  # noqa: BLE001 - handed to the caller that asked for this change
+                        outcomes.append((None, exc))
                 try:
-                    self._cached = (new, await self._write(new, version))
-                    return result
+                    if new != ledger or version is None:
+                        version = await self._write(new, version)
+                        self.writes += 1
+                    self._cached = (new, version)
                 except Conflict:
                     self.conflicts += 1
                     self._cached = None
                     await asyncio.sleep(random.uniform(0, 0.01 * (attempt + 1)))
+                    continue
+                for (_, future), (result, exc) in zip(batch, outcomes):
+                    if not future.done():
+                        future.set_exception(exc) if exc is not None else future.set_result(result)
+                return
             raise ApiError(409, "Conflict", f"ledger {self.namespace}/{self.name} kept changing; "
                                             f"gave up after {self.max_attempts} attempts")
+        except Exception as exc:  # noqa: BLE001 - an API error fails every change of the batch
+            self._cached = None
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(exc)
 
     async def _write(self, ledger: Ledger, version: str | None) -> str:
         data = {LEDGER_KEY: ledger.to_json()}

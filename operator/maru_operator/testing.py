@@ -69,7 +69,8 @@ class VersionedEmulator(kmock.KubernetesEmulator):
         self._write_lock = asyncio.Lock()
         self.faults: list[tuple[str, str, int, bool]] = []  # (method, path substring, status, sticky)
         self.writes = 0
-        self.conflicts = 0
+        self.conflicts = 0  # writes refused for a stale resourceVersion (409 and 422 below)
+        self.stale_json_patches = 0  # of which JSON patches whose `test` of the resourceVersion failed (422)
 
     def __iter__(self) -> Iterator[kmock.Request]:
         # kmock matches a request to a reaction with `request in view`, which walks this iterator:
@@ -173,6 +174,7 @@ class VersionedEmulator(kmock.KubernetesEmulator):
                 if op.get("op") == "test" and op.get("path") == "/metadata/resourceVersion" and \
                         op.get("value") != current["metadata"].get("resourceVersion"):
                     self.conflicts += 1
+                    self.stale_json_patches += 1
                     raise kmock.KubernetesError(status=422, reason="Invalid",
                                                 message="the test operation on /metadata/resourceVersion failed")
             data.append({"op": "add", "path": "/metadata/resourceVersion", "value": version})

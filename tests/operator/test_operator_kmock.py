@@ -157,3 +157,42 @@ def test_reconciling_the_same_object_twice_changes_nothing(kube: Kube, cluster, 
     assert first.events and not second.events
     assert second.status == first.status
     assert versions == after
+
+
+def operator_writes(cluster) -> list[tuple[str, str]]:
+    """(method, path) of every write the operator (kopf and `k8s.py`) sent; the tests' own use requests."""
+    def collect() -> list[tuple[str, str]]:
+        return [(r.method.value, r.url.path) for r in cluster.emulator if r.method.value in ("POST", "PATCH", "PUT")
+                and not r.headers.get("User-Agent", "").startswith("python-requests")]
+    return cluster.call(collect)
+
+
+def test_caches_created_at_once_cost_one_reconcile_and_a_dozen_writes_each(kube: Kube, operator: OperatorThread,
+                                                                          cluster):
+    """Many caches at once: each is reconciled once (the resync timer leaves new caches to the create
+    handler), kopf never patches against a version it has already replaced (watches start where the
+    list ended), two Events each, and about a dozen writes each — no retry storms."""
+    n = 24
+    for i in range(n):
+        kube.apply_cache(f"m{i:02d}", {"pool": {"deviceClass": "dax", "size": "512Mi"}})
+
+    def allocated() -> int:
+        return sum((condition(c, "DevicesAllocated") or {}).get("status") == "True"
+                   for c in kube.objects("maru.io/v1alpha1/marucaches").values())
+    wait_for(lambda: allocated() == n, what=f"{n} caches allocated")
+    for i in range(n):
+        kube.make_index_available(f"m{i:02d}")
+    wait_for(lambda: all(c["status"].get("phase") == "Ready" for c in kube.objects("maru.io/v1alpha1/marucaches").values()),
+             what=f"{n} caches Ready")
+    reconciles = sum(operator.metrics.registry.get_sample_value("maru_operator_reconciles_total", {"result": r})
+                     for r in ("ready", "progressing", "waiting", "invalid", "error"))
+    assert reconciles == n
+    assert cluster.emulator.stale_json_patches == 0
+    assert sorted(e["reason"] for e in kube.events()) == ["Allocated"] * n + ["Created"] * n
+    claims = sorted((c["offset"], c["offset"] + c["size"]) for c in kube.ledger())
+    assert len(claims) == n and all(a[1] <= b[0] for a, b in zip(claims, claims[1:])), claims
+    writes = operator_writes(cluster)
+    # Per cache: kopf's finalizer and its annotations, 5 children, status, Ready status, 2 Events,
+    # and at most one ledger write (fewer when updates are group-committed).
+    ledger = [w for w in writes if "/configmaps" in w[1] and ("marucache-ledger" in w[1] or "maru-system" in w[1])]
+    assert len(ledger) <= n and len(writes) - len(ledger) <= 11 * n + 4, (len(writes), len(ledger))
