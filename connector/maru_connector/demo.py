@@ -135,11 +135,13 @@ def _run_demo(args: argparse.Namespace, workdir: str) -> DemoReport:
                                    "enable_prefix_caching": name == "prefix-cache"})
             engines[name] = EngineProcess(spec_n, os.path.join(workdir, f"engine-{name}.log"), wait=False)
             stack.callback(engines[name].close)
-        for serial, engine in enumerate(engines.values()):
+        for serial, (name, engine) in enumerate(engines.items()):
             engine.wait_ready()
-            # The first request of a fresh engine pays one-off set-up costs;
-            # keep them out of the measured TTFTs (a prompt of its own, shorter than a chunk).
-            engine.generate([random_tokens(args.chunk_tokens // 2, seed=10_000 + serial)], 1)
+            # The first requests of a fresh engine pay one-off set-up costs;
+            # keep them out of the measured TTFTs. Engines with the connector
+            # get prompts shorter than a chunk, so that nothing is stored.
+            warm_len = prompt_len if stats_paths.get(name) is None else args.chunk_tokens // 2
+            engine.generate([random_tokens(warm_len, seed=10_000 + 10 * serial + i) for i in range(2)], 1)
         bar.update()
 
         prompts = [r.token_ids for r in requests]
