@@ -82,9 +82,19 @@ def run(caches: int, args_resync: float = 0.5) -> dict:
             disjoint = all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
             reconciles = sum(operator.metrics.registry.get_sample_value(
                 "maru_operator_reconciles_total", {"result": r}) or 0 for r in ("ready", "progressing"))
+            traffic = cluster.call(lambda: _traffic(cluster))
         return {"case": "operator_scale", "caches": caches, "resync_s": args_resync, "created_s": round(created, 2),
                 "all_ready_s": round(elapsed, 2), "target_s": 10.0, "claims": len(claims),
-                "disjoint": disjoint, "reconciles": int(reconciles)}
+                "disjoint": disjoint, "reconciles": int(reconciles), **traffic}
+
+
+def _traffic(cluster: KmockCluster) -> dict[str, int]:
+    """What the operator asked of the API server (the benchmark's own requests use `requests`)."""
+    assert cluster.emulator is not None
+    mine = [r for r in cluster.emulator if not r.headers.get("User-Agent", "").startswith("python-requests")]
+    ledger = [r for r in mine if r.method.value in ("POST", "PATCH")
+              and r.url.path.startswith("/api/v1/namespaces/maru-system/configmaps")]
+    return {"operator_requests": len(mine), "ledger_writes": len(ledger), "conflicts": cluster.emulator.conflicts}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"{result['caches']} MaruCaches Ready in {result['all_ready_s']} s "
               f"(target {result['target_s']} s); {result['claims']} claims, disjoint={result['disjoint']}, "
-              f"{result['reconciles']} reconciles")
+              f"{result['reconciles']} reconciles, {result['operator_requests']} API requests "
+              f"({result['ledger_writes']} ledger writes, {result['conflicts']} conflicts)")
     return 0 if result["disjoint"] and result["claims"] == args.caches else 1
 
 

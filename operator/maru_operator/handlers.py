@@ -15,7 +15,7 @@ import copy
 import dataclasses
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import kopf
@@ -127,6 +127,7 @@ async def run_reconcile(ctx: OperatorContext, live_body: kopf.Body, maru_nodes: 
             except Exception:
                 ctx.metrics.reconciles.labels(result="error").inc()
                 raise
+        outcome = _with_current_index(outcome, maru_deployments, meta, generation)
         ctx.metrics.reconciles.labels(result=outcome.result).inc()
         if await write_status(ctx, body, outcome.status):
             ctx.written[uid] = Written(generation, outcome.result, outcome.status, outcome.result == "ready")
@@ -134,6 +135,19 @@ async def run_reconcile(ctx: OperatorContext, live_body: kopf.Body, maru_nodes: 
             ctx.written.pop(uid, None)
     for kind, reason, message in outcome.events:
         kopf.event(live_body, type=kind, reason=reason, message=message)
+
+
+def _with_current_index(outcome: reconciler.Outcome, maru_deployments: Any, meta: Mapping[str, Any],
+                        generation: int) -> reconciler.Outcome:
+    """The outcome with the index Deployment as it is now: it often becomes available while its
+    cache's first reconcile is still running, and one status write then says Ready."""
+    if outcome.result != "progressing" or not _available(maru_deployments, meta.get("namespace"), meta.get("name")):
+        return outcome
+    conds = refresh_index(outcome.status, True, generation)
+    if conds is None:
+        return outcome
+    return dataclasses.replace(outcome, status={**outcome.status, "conditions": conds, "phase": phase(conds)},
+                               result="ready")
 
 
 async def run_resync(ctx: OperatorContext, live_body: kopf.Body, maru_nodes: Any, maru_deployments: Any) -> None:
@@ -160,17 +174,30 @@ async def run_resync(ctx: OperatorContext, live_body: kopf.Body, maru_nodes: Any
     if due or record is None or record.generation != generation or record.result not in ("ready", "progressing"):
         await run_reconcile(ctx, live_body, maru_nodes, maru_deployments)
         return
-    if record.available == bool(available):
-        return  # the only thing a served cache waits for, its index, has not changed
-    async with ctx.lock(uid):  # only the index Deployment's availability changed: no reconcile
+    await refresh_availability(ctx, uid, meta, bool(available), lambda: meta.get("resourceVersion"))
+
+
+async def refresh_availability(ctx: OperatorContext, uid: str, meta: Mapping[str, Any], available: bool,
+                               version: Callable[[], str | None]) -> None:
+    """Re-derive IndexAvailable and Ready of a served cache from its index Deployment: one status write,
+    no reconcile, and nothing when the availability this process last wrote is the same.
+
+    `meta` names the cache (namespace, name); `version()` is the newest resourceVersion of it known
+    when the write is made (the write carries it, and the generation this process last reconciled).
+    """
+    async with ctx.lock(uid):
         record = ctx.written.get(uid)
-        conds = refresh_index(record.status, bool(available), generation) if record is not None else None
+        if record is None or record.result not in ("ready", "progressing") or record.available == available:
+            return
+        conds = refresh_index(record.status, available, record.generation)
         if conds is None:
             return
         status = {**record.status, "conditions": conds, "phase": phase(conds)}
-        if await write_status(ctx, body, {"conditions": conds, "phase": status["phase"]}):
-            result = "ready" if available else "progressing"
-            ctx.written[uid] = Written(generation, result, status, bool(available))
+        cache = {"metadata": {"namespace": meta.get("namespace"), "name": meta.get("name"),
+                              "resourceVersion": version(), "generation": record.generation},
+                 "status": record.status}
+        if await write_status(ctx, cache, {"conditions": conds, "phase": status["phase"]}):
+            ctx.written[uid] = Written(record.generation, "ready" if available else "progressing", status, available)
 
 
 def _is_settled(body: Mapping[str, Any], available: int | None) -> bool:
@@ -218,6 +245,29 @@ def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
     def maru_deployments(body: kopf.Body, namespace: str, **_: Any) -> dict[tuple[str, str], int]:
         instance = (body.get("metadata") or {}).get("labels", {}).get("app.kubernetes.io/instance")
         return {(namespace, instance): int((body.get("status") or {}).get("availableReplicas") or 0)}
+
+    @kopf.index(*resource, id="maru_cache_versions", registry=registry)
+    def maru_cache_versions(body: kopf.Body, **_: Any) -> dict[str, str]:
+        meta = body.get("metadata") or {}
+        return {str(meta.get("uid")): str(meta.get("resourceVersion"))}
+
+    @kopf.on.event("apps", "v1", "deployments", labels={"app.kubernetes.io/managed-by": MANAGED_BY},
+                   registry=registry)
+    async def index_deployment_changed(body: kopf.Body, type: str | None, maru_cache_versions: Any,
+                                       **_: Any) -> None:
+        # Ready follows the index Deployment at once, not at the next resync.
+        meta = body.get("metadata") or {}
+        owner = next((o for o in meta.get("ownerReferences") or () if o.get("kind") == KIND), None)
+        name = (meta.get("labels") or {}).get("app.kubernetes.io/instance")
+        if owner is None or not name:
+            return
+        uid = str(owner.get("uid"))
+        available = type != "DELETED" and int((body.get("status") or {}).get("availableReplicas") or 0) > 0
+
+        def version() -> str | None:
+            store = maru_cache_versions.get(uid)
+            return next(iter(store), None) if store else None
+        await refresh_availability(ctx, uid, {"namespace": meta.get("namespace"), "name": name}, available, version)
 
     @kopf.index(*resource, id="maru_caches", registry=registry)
     def maru_caches(body: kopf.Body, namespace: str, name: str, **_: Any) -> dict[tuple[str, str], Any]:

@@ -193,6 +193,9 @@ def test_caches_created_at_once_cost_one_reconcile_and_a_dozen_writes_each(kube:
     assert len(claims) == n and all(a[1] <= b[0] for a, b in zip(claims, claims[1:])), claims
     writes = operator_writes(cluster)
     # Per cache: kopf's finalizer and its annotations, 5 children, status, Ready status, 2 Events,
-    # and at most one ledger write (fewer when updates are group-committed).
+    # and at most one ledger write (fewer when updates are group-committed). A Ready write racing
+    # kopf's own annotation patch may conflict once (409, re-read, written again), never more.
+    conflicts = cluster.emulator.conflicts
     ledger = [w for w in writes if "/configmaps" in w[1] and ("marucache-ledger" in w[1] or "maru-system" in w[1])]
-    assert len(ledger) <= n and len(writes) - len(ledger) <= 11 * n + 4, (len(writes), len(ledger))
+    assert conflicts <= n and len(ledger) <= n, (conflicts, len(ledger))
+    assert len(writes) - len(ledger) <= 11 * n + 4 + 2 * conflicts, (len(writes), len(ledger), conflicts)

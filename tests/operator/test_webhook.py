@@ -63,7 +63,10 @@ def webhook(kube: Kube, options):
         kube.apply_cache("shared", {"pool": {"deviceClass": "dax", "size": "4Gi"},
                                     "podSelector": {"matchLabels": {"app": "vllm"}}})
         wait_for(lambda: (kube.cache("shared").get("status") or {}).get("allocations"), what="allocation")
-        yield f"http://127.0.0.1:{port}/inject"
+        url = f"http://127.0.0.1:{port}/inject"
+        # The webhook answers from the operator's watch of the caches, which may trail the API server.
+        wait_for(lambda: len(review(url, pod("shared"))[1]["spec"]["containers"]) == 2, what="webhook sees it")
+        yield url
 
 
 def test_inject_then_second_pass_is_a_no_op(webhook, tmp_path):
