@@ -8,12 +8,12 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from maru_core.stats_aggregate import RegionAggregator
 from maru_sidecar.collector import ConnectorCollector, SidecarCollector
 from maru_sidecar.config import SidecarConfig
 from maru_sidecar.endpoints import EndpointServer
 from maru_sidecar.handoff_server import HandoffServer, PoolNotReady, PoolOffer
 from maru_sidecar.health import IndexProbe
-from maru_sidecar.regions import RegionAggregator
 
 log = logging.getLogger(__name__)
 

@@ -21,9 +21,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from maru_core.handoff import fetch_pool
 from maru_core.pool import Pool
 from maru_core.stats import ConnectorStats
+from maru_core.stats_aggregate import RegionAggregator
 from maru_sidecar.collector import ConnectorCollector
 from maru_sidecar.handoff_server import HandoffServer, PoolOffer
-from maru_sidecar.regions import RegionAggregator
 
 
 def per_call_ns(fn, calls: int) -> float:

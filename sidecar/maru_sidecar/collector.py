@@ -23,8 +23,8 @@ from maru_core.stats import (
     STORE_FAILURE_REASONS,
     decode,
 )
+from maru_core.stats_aggregate import Aggregate
 from maru_sidecar.handoff_server import RESULTS as HANDOFF_RESULTS
-from maru_sidecar.regions import Aggregate
 
 # counter slot -> (exported name without _total, help)
 _COUNTER_HELP = {

@@ -9,7 +9,7 @@ from maru_core.handoff import ERROR_TYPES
 from maru_core.stats import LOAD_FAILURE_REASONS, STORE_FAILURE_REASONS
 from maru_sidecar.collector import ConnectorCollector, SidecarCollector
 from maru_sidecar.handoff_server import RESULTS as HANDOFF_RESULTS
-from maru_sidecar.regions import RegionAggregator
+from maru_core.stats_aggregate import RegionAggregator
 
 LABELS = {"cache": "c1", "namespace": "ns1", "pod": "pod-a"}
 

@@ -1,11 +1,11 @@
-"""maru_sidecar.regions: summing regions of writer processes, folding finished ones, staying monotonic."""
+"""maru_core.stats_aggregate: summing regions of writer processes, folding finished ones, staying monotonic."""
 
 from __future__ import annotations
 
 import msgpack
 
 from maru_core.stats import ConnectorStats, decode, region_files
-from maru_sidecar.regions import RETAINED_NAME, RegionAggregator
+from maru_core.stats_aggregate import RETAINED_NAME, RegionAggregator
 
 
 def test_sums_live_writers_and_folds_dead_ones_keeping_counters_monotonic(tmp_path, stats_writers):

@@ -2,7 +2,8 @@
 
 Every vLLM process writes its counters into its own region file in the stats
 directory (`maru_core.stats`). At each scrape the sidecar sums the files of
-live processes. A file whose writer has gone is folded: its counters (not its
+live processes; tools that read the counters without a sidecar (the
+end-to-end harness, `marucache demo`) sum them the same way. A file whose writer has gone is folded: its counters (not its
 gauges: a dead process parks nothing) are added to a retained total kept in
 the same directory, then the file is removed. The directory outlives the
 sidecar, so counters stay monotonic across sidecar and vLLM restarts.
@@ -49,7 +50,11 @@ class Aggregate:
 
 
 class RegionAggregator:
-    """Reads and folds the region files of one stats directory. One sidecar per directory."""
+    """Reads and folds the region files of one stats directory.
+
+    Several readers of one directory (a sidecar and a test reading the same
+    counters) are safe: each scan holds the directory's lock.
+    """
 
     def __init__(self, directory: Path):
         self.directory = directory
