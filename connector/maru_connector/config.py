@@ -46,7 +46,7 @@ class MaruConfig:
     maru_load_timeout_s: float = 10.0
     maru_model_id: str | None = None
     maru_cache_salt: str = ""
-    maru_stats_path: str | None = None
+    maru_stats_dir: str | None = None
 
     @property
     def fmt_name(self) -> str:
@@ -124,6 +124,11 @@ def _check_combination(cfg: MaruConfig) -> None:
         raise MaruConfigError(
             "set exactly one of maru_pool_path (attach the pool file directly) "
             "or maru_sidecar_socket (receive it from the sidecar)"
+        )
+    if cfg.maru_stats_dir is not None and cfg.maru_sidecar_socket is not None:
+        raise MaruConfigError(
+            "maru_stats_dir is for direct attach (maru_pool_path); with "
+            "maru_sidecar_socket the counters go to the sidecar's directory: remove maru_stats_dir"
         )
     if cfg.maru_token is not None and cfg.maru_token_file is not None:
         raise MaruConfigError("set maru_token or maru_token_file, not both")

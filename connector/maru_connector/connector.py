@@ -25,6 +25,7 @@ from maru_connector.identity import base_namespaces, block_size_of
 from maru_connector.lookup import LookupService
 from maru_connector.metadata import MaruConnectorMetadata
 from maru_connector.scheduler import MaruSchedulerHalf
+from maru_connector.stats import open_stats
 from maru_connector.worker import MaruWorkerHalf
 
 if TYPE_CHECKING:
@@ -83,7 +84,8 @@ class MaruKVConnector(KVConnectorBase_V1):
             namespaces = base_namespaces(vllm_config, kv_cache_config, cfg)
             num_layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
             self.scheduler_half = MaruSchedulerHalf(
-                cfg, namespaces, block_size, _make_lookup(cfg), num_layers=num_layers
+                cfg, namespaces, block_size, _make_lookup(cfg), num_layers=num_layers,
+                stats=open_stats(cfg, "scheduler"),
             )
         else:
             self.worker_half = MaruWorkerHalf(cfg, _tp_rank(), block_size)

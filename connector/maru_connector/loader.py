@@ -25,7 +25,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from maru_connector import stats
+from maru_core.stats import ConnectorStats
+
 from maru_connector.metadata import LoadSpec
 from maru_connector.resolve import LoadFailure, PinnedLoad, release_pins, resolve_load
 
@@ -80,7 +81,7 @@ class AsyncLoader:
         engine: Any,
         tp_rank: int,
         release_after_layers: int,
-        counters: stats.ConnectorCounters,
+        stats: ConnectorStats,
     ) -> None:
         self._client_factory = client_factory
         self._client: Any = None
@@ -90,7 +91,7 @@ class AsyncLoader:
         self._tp_rank = tp_rank
         self._num_layers = engine.fmt.layout.num_layers
         self._release_after = min(release_after_layers, self._num_layers)
-        self._counters = counters
+        self._stats = stats
         self._inbox: queue.Queue[_Load | None] = queue.Queue()
         self._lock = threading.Lock()
         self._loads: dict[str, _Load] = {}  # in flight: queued, copying or released
@@ -176,6 +177,7 @@ class AsyncLoader:
     def _start(self, load: _Load, active: list[_Load]) -> None:
         spec = load.spec
         if load.aborted:
+            self._stats.record_load_failure("aborted")
             self._report(load, failed=False)
             return
         try:
@@ -212,7 +214,7 @@ class AsyncLoader:
         if handle.error is not None:
             # After release a failure can no longer be reported to vLLM.
             logger.error("KV copy for %s failed after release: %r", load.spec.req_id, handle.error)
-            self._counters.load_failure("copy_error")
+            self._stats.record_load_failure("copy_error")
         self._finish(load)
         return True
 
@@ -223,17 +225,14 @@ class AsyncLoader:
 
     def _finish(self, load: _Load) -> None:
         release_pins(self._client, load.pinned)
-        self._counters.add(stats.LOAD_BYTES, load.handle.nbytes)
-        self._counters.observe(
-            stats.LOAD_SECONDS, stats.LOAD_COUNT, time.monotonic() - load.started
-        )
+        self._stats.record_load(load.handle.nbytes, time.monotonic() - load.started)
         with self._lock:
             self._loads.pop(load.spec.req_id, None)
         load.done.set()
 
     def _fail(self, load: _Load, reason: str, detail: str) -> None:
         logger.warning("KV load for %s failed (%s); vLLM recomputes it", load.spec.req_id, detail)
-        self._counters.load_failure(reason)
+        self._stats.record_load_failure(reason)
         self._report(load, failed=True)
 
     def _report(self, load: _Load, failed: bool) -> None:

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from maru_core.keys import layer_key
+from maru_core.stats import ConnectorStats
 
-from maru_connector import stats
 from maru_connector.config import MaruConfig
 from maru_connector.identity import RequestKeys, request_keys
 from maru_connector.lookup import LookupService
@@ -59,6 +59,8 @@ class MaruSchedulerHalf:
         lookup: the time-bounded ``match_prefix`` service.
         num_layers: the model's layer count; in the layerwise format a chunk
             counts as stored only when the objects of all its layers are.
+        stats: where lookups, hit tokens, parked requests and recomputed
+            tokens are counted (in memory when None).
     """
 
     def __init__(
@@ -67,8 +69,8 @@ class MaruSchedulerHalf:
         namespaces: tuple["KeyNamespace", ...],
         block_size: int,
         lookup: LookupService,
-        counters: stats.ConnectorCounters | None = None,
         num_layers: int = 1,
+        stats: ConnectorStats | None = None,
     ) -> None:
         if cfg.maru_kv_chunk_tokens % block_size:
             raise ValueError(
@@ -81,8 +83,7 @@ class MaruSchedulerHalf:
         self._blocks_per_chunk = cfg.maru_kv_chunk_tokens // block_size
         self._lookup = lookup
         self._layers = tuple(range(num_layers)) if cfg.maru_use_layerwise else None
-        self.counters = counters or stats.ConnectorCounters()
-        self._dumper = stats.StatsDumper(cfg.maru_stats_path, "scheduler", self.counters)
+        self.stats = stats if stats is not None else ConnectorStats(role="scheduler")
         self._reqs: dict[str, _RequestState] = {}
         self._pending_loads: list[LoadSpec] = []
 
@@ -110,7 +111,7 @@ class MaruSchedulerHalf:
             return None, False
         if self._layers is not None:
             matched //= len(self._layers)
-        self.counters.add(stats.LOOKUPS)
+        self.stats.record_lookup()
         hit_end = min((first + matched) * self._chunk, request.num_tokens - 1)
         ext = max(0, hit_end - num_computed_tokens)
         state.local_tokens, state.hit_tokens = num_computed_tokens, ext
@@ -138,7 +139,7 @@ class MaruSchedulerHalf:
             is_async=self.cfg.maru_async_load,
         )
         self._pending_loads.append(spec)
-        self.counters.add(stats.LOOKUP_HIT_TOKENS, num_external_tokens)
+        self.stats.record_hit_tokens(num_external_tokens)
         state.stored_chunks = max(state.stored_chunks, end)
         state.parked = spec.is_async
 
@@ -157,8 +158,7 @@ class MaruSchedulerHalf:
             spec = self._plan_store(req_id, num_tokens, block_state)
             if spec is not None:
                 meta.stores.append(spec)
-        self.counters.set(stats.PARKED_REQUESTS, sum(s.parked for s in self._reqs.values()))
-        self._dumper.maybe_dump()
+        self.stats.set_parked_requests(sum(s.parked for s in self._reqs.values()))
         return meta
 
     def _plan_store(self, req_id: str, num_tokens: int, block_state: Any) -> StoreSpec | None:
@@ -196,7 +196,7 @@ class MaruSchedulerHalf:
                 state = self._reqs.get(req_id)
                 if state is not None and not state.load_failed:
                     state.load_failed = True
-                    self.counters.add(stats.RECOMPUTED_TOKENS, state.hit_tokens)
+                    self.stats.record_recomputed_tokens(state.hit_tokens)
         for req_id in connector_output.finished_recving or ():
             state = self._reqs.get(req_id)
             if state is not None:
@@ -217,8 +217,8 @@ class MaruSchedulerHalf:
         return (self.cfg.maru_async_store and state.store_sent), None
 
     def shutdown(self) -> None:
-        self._dumper.maybe_dump()
         self._lookup.close()
+        self.stats.close()
 
     # ---- helpers ----------------------------------------------------------
 

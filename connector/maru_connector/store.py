@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from maru_core.pool.slots import SlotFormat, SlotHeader
+from maru_core.stats import ConnectorStats
 
-from maru_connector import stats
 from maru_connector.metadata import StoreSpec
 from maru_connector.resolve import object_keys
 from maru_connector.transfer import ChunkStore
@@ -59,7 +59,7 @@ class Storer:
         pool: Any,
         engine: Any,
         tp_rank: int,
-        counters: stats.ConnectorCounters,
+        stats: ConnectorStats,
         async_store: bool,
     ) -> None:
         self._client_factory = client_factory
@@ -69,7 +69,7 @@ class Storer:
         self._fmt = engine.fmt
         self._slot_fmt = SlotFormat.LAYERWISE if engine.fmt.layerwise else SlotFormat.CHUNKWISE
         self._tp_rank = tp_rank
-        self._counters = counters
+        self._stats = stats
         self._async = async_store
         self._lock = threading.Lock()
         self._jobs: dict[str, list[_StoreJob]] = {}  # live jobs of live requests
@@ -143,19 +143,17 @@ class Storer:
             if self._set_state(job, _QUEUED, _RESERVING):
                 nbytes = self._store(job, reserved)
                 if nbytes:
-                    self._counters.add(stats.STORE_BYTES, nbytes)
-                    self._counters.observe(
-                        stats.STORE_SECONDS, stats.STORE_COUNT, time.monotonic() - started
-                    )
+                    self._stats.record_store(nbytes, time.monotonic() - started)
         except _Cancelled:
+            self._stats.record_store_failure("aborted")
             self._abort(reserved)
         except StoreFailure as exc:
             logger.warning("store for %s skipped (%s)", job.spec.req_id, exc)
-            self._counters.store_failure(exc.reason)
+            self._stats.record_store_failure(exc.reason)
             self._abort(reserved)
         except Exception:  # never let a store take the engine down
             logger.exception("store for %s failed", job.spec.req_id)
-            self._counters.store_failure("index_error")
+            self._stats.record_store_failure("other")
             self._abort(reserved)
         finally:
             with self._lock:

@@ -21,14 +21,16 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from maru_connector import stats
+from maru_core.stats import ConnectorStats
+
 from maru_connector.config import MaruConfig
 from maru_connector.loader import AsyncLoader, wait_done
 from maru_connector.metadata import LoadSpec, MaruConnectorMetadata, MaruWorkerMetadata
 from maru_connector.resolve import LoadFailure, PinnedLoad, release_pins, resolve_load
+from maru_connector.stats import open_stats
 from maru_connector.store import Storer
 
 logger = logging.getLogger(__name__)
@@ -41,10 +43,13 @@ class WorkerResources:
     pool: Any  # maru_core.pool.Pool: buffer, read_slot_header, write_slot_header
     engine: Any  # maru_connector.transfer.TransferEngine
     client_factory: Callable[[str], Any]  # role name -> a new index client (own lease)
+    # The worker's counters: in the sidecar's stats directory when the pool came from it.
+    stats: ConnectorStats = field(default_factory=lambda: ConnectorStats(role="worker"))
 
     def close(self) -> None:
         self.engine.close()
         self.pool.close()
+        self.stats.close()
 
 
 def open_resources(cfg: MaruConfig, kv_caches: dict[str, Any], block_size: int) -> WorkerResources:
@@ -60,11 +65,14 @@ def open_resources(cfg: MaruConfig, kv_caches: dict[str, Any], block_size: int) 
     if cfg.maru_sidecar_socket is not None:
         from maru_core.handoff import fetch_pool
 
-        pool = fetch_pool(cfg.maru_sidecar_socket, token, cfg.maru_cache_name).open_pool()
+        handoff = fetch_pool(cfg.maru_sidecar_socket, token, cfg.maru_cache_name)
+        pool = handoff.open_pool()
+        stats = open_stats(cfg, "worker", handoff.stats_dir)
     else:
         from maru_core.pool import Pool
 
         pool = Pool.attach(cfg.maru_pool_path)
+        stats = open_stats(cfg, "worker")
     engine = TransferEngine.create(pool.buffer, kv_caches, fmt)
 
     def client_factory(role: str) -> Any:
@@ -75,7 +83,7 @@ def open_resources(cfg: MaruConfig, kv_caches: dict[str, Any], block_size: int) 
             timeout_s=cfg.maru_load_timeout_s,
         )
 
-    return WorkerResources(pool, engine, client_factory)
+    return WorkerResources(pool, engine, client_factory, stats)
 
 
 @dataclass
@@ -106,8 +114,8 @@ class MaruWorkerHalf:
         self._tp_rank = tp_rank
         self._block_size = block_size
         self._resources_factory = resources_factory
-        self.counters = stats.ConnectorCounters()
-        self._dumper = stats.StatsDumper(cfg.maru_stats_path, "worker", self.counters)
+        # The resources' counters from register_kv_caches on (nothing is recorded before).
+        self.stats = ConnectorStats(role="worker")
         self._res: WorkerResources | None = None
         self._sync_client: Any = None
         self._loader: AsyncLoader | None = None
@@ -118,6 +126,7 @@ class MaruWorkerHalf:
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         res = self._res = self._resources_factory(self.cfg, kv_caches, self._block_size)
+        self.stats = res.stats
         self._layout = res.engine.fmt.layout
         if self.cfg.maru_async_load:
             release_after = (
@@ -131,14 +140,14 @@ class MaruWorkerHalf:
                 res.engine,
                 self._tp_rank,
                 release_after,
-                self.counters,
+                res.stats,
             )
         self._storer = Storer(
             lambda: res.client_factory("store"),
             res.pool,
             res.engine,
             self._tp_rank,
-            self.counters,
+            res.stats,
             self.cfg.maru_async_store,
         )
 
@@ -172,7 +181,7 @@ class MaruWorkerHalf:
         waited = time.perf_counter() - start
         if self._loader is not None:
             waited += self._loader.wait_layer(position)
-        self.counters.observe(stats.LAYER_WAIT_SECONDS, stats.LAYER_WAIT_COUNT, waited)
+        self.stats.record_layer_wait(waited)
 
     # ---- after the forward -----------------------------------------------
 
@@ -192,7 +201,6 @@ class MaruWorkerHalf:
             recving = results.released | set(results.failed)
             for req_id, blocks in results.failed.items():
                 self._record_failure(req_id, blocks)
-        self._dumper.maybe_dump()
         return sending, recving
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -215,7 +223,6 @@ class MaruWorkerHalf:
             self._sync_client.close()
         if self._res is not None:
             self._res.close()
-        self._dumper.maybe_dump()
 
     # ---- synchronous loads -------------------------------------------------
 
@@ -244,12 +251,11 @@ class MaruWorkerHalf:
             if load.handle.error is not None:
                 self._fail_sync(load.spec, "copy_error", repr(load.handle.error))
                 continue
-            self.counters.add(stats.LOAD_BYTES, load.handle.nbytes)
-            self.counters.observe(stats.LOAD_SECONDS, stats.LOAD_COUNT, time.monotonic() - started)
+            self.stats.record_load(load.handle.nbytes, time.monotonic() - started)
 
     def _fail_sync(self, spec: LoadSpec, reason: str, detail: str) -> None:
         logger.warning("KV load for %s failed (%s); vLLM recomputes it", spec.req_id, detail)
-        self.counters.load_failure(reason)
+        self.stats.record_load_failure(reason)
         self._record_failure(spec.req_id, spec.all_block_ids())
 
     def _record_failure(self, req_id: str, blocks: list[int]) -> None:

@@ -163,11 +163,17 @@ class ConnectorStats:
 
     # -- recording -----------------------------------------------------------
 
-    def record_lookup(self, hit_tokens: int) -> None:
+    def record_lookup(self, hit_tokens: int = 0) -> None:
         """One scheduler lookup that found `hit_tokens` tokens in the cache (0: a miss)."""
         with self._lock:
             self._add("counter:lookups", 1)
             self._add("counter:lookup_hit_tokens", hit_tokens)
+
+    def record_hit_tokens(self, tokens: int) -> None:
+        """Hit tokens counted apart from their lookup: the connector counts a hit
+        once, when its load is planned, however often vLLM asked before."""
+        with self._lock:
+            self._add("counter:lookup_hit_tokens", tokens)
 
     def record_load(self, nbytes: int, seconds: float) -> None:
         """A completed load of `nbytes` bytes, from start to the last copy's completion."""

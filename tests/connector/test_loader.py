@@ -7,7 +7,6 @@ import time
 
 import pytest
 
-from maru_connector import stats
 from maru_connector.metadata import MaruConnectorMetadata
 
 from worker_env import LAYERS, WorkerEnv, blocks_equal, load_meta, store_meta, tokens
@@ -147,7 +146,8 @@ def test_overlap_releases_after_n_layers_and_forward_waits_per_layer(env, releas
         t.join(5)
         assert waited.is_set()
     _wait_until(lambda: not env.index.pins)  # unpinned once every layer landed
-    assert reader.counters.get(stats.LAYER_WAIT_COUNT) >= (1 if release_after < LAYERS else 0)
+    waits = reader.stats.snapshot()["histograms"]["layer_wait_seconds"]["count"]
+    assert waits >= (1 if release_after < LAYERS else 0)
 
 
 def test_without_overlap_release_waits_for_every_layer(env):
@@ -208,7 +208,7 @@ def test_failure_while_parked_reports_blocks_no_later_than_release(env, fault, r
     assert recving == {"r"}  # the request leaves the parked state ...
     assert errors == set(range(10, 14))  # ... with its blocks reported in the same step
     assert meta.failed_load_req_ids == {"r"}
-    assert reader.counters.get(stats.labelled(stats.LOAD_FAILURES, reason)) == 1
+    assert reader.stats.snapshot()["load_failures"][reason] == 1
     assert +env.index.pins == {}
 
 

@@ -13,7 +13,6 @@ from vllm.v1.core.sched.output import KVConnectorBlockState, SchedulerOutput
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
-from maru_connector import stats
 from maru_connector.config import parse_config
 from maru_connector.lookup import LookupService
 from maru_connector.metadata import MaruWorkerMetadata
@@ -84,7 +83,7 @@ def test_partial_hit_loads_whole_chunks_into_the_allocated_blocks(index):
     meta = half.build_connector_meta(step_output({"a": 36}, {"a": list(range(10, 17))}))
     (load,) = meta.loads
     assert load.block_ids == ((10, 11), (12, 13)) and not load.is_async
-    assert half.counters.get(stats.LOOKUP_HIT_TOKENS) == 64
+    assert half.stats.snapshot()["counters"]["lookup_hit_tokens"] == 64
 
 
 @pytest.mark.parametrize("async_load", [False, True])
@@ -116,7 +115,7 @@ def test_failed_load_is_a_miss_for_that_request_next_time(index):
     half.update_connector_output(KVConnectorOutput(
         finished_recving={"a"}, kv_connector_worker_meta=MaruWorkerMetadata({"a"})))
     assert half.get_num_new_matched_tokens(req, 0) == (0, False)  # no livelock
-    assert half.counters.get(stats.RECOMPUTED_TOKENS) == 96
+    assert half.stats.snapshot()["counters"]["recomputed_tokens"] == 96
     other = request("b", 100)  # the same prefix for another request still hits
     assert half.get_num_new_matched_tokens(other, 0) == (96, True)
 
@@ -173,11 +172,11 @@ def test_request_finishing_while_parked_leaves_the_blocks_to_vllm(index):
     assert half.get_num_new_matched_tokens(req, 0) == (64, True)
     half.update_state_after_alloc(req, Blocks(range(7)), 64)
     half.build_connector_meta(step_output({}, {}))
-    assert half.counters.get(stats.PARKED_REQUESTS) == 1
+    assert half.stats.snapshot()["gauges"]["parked_requests"] == 1
     assert half.request_finished(req, []) == (False, None)
     meta = half.build_connector_meta(step_output({}, {}, finished={"a"}))
     assert meta.finished_req_ids == {"a"}
-    assert half.counters.get(stats.PARKED_REQUESTS) == 0
+    assert half.stats.snapshot()["gauges"]["parked_requests"] == 0
 
 
 def test_memory_does_not_grow_with_the_number_of_requests(index):

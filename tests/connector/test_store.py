@@ -6,7 +6,6 @@ import time
 
 import pytest
 
-from maru_connector import stats
 from maru_connector.metadata import MaruConnectorMetadata
 
 from worker_env import WorkerEnv, blocks_equal, load_meta, store_meta, tokens
@@ -64,7 +63,7 @@ def test_preemption_cancels_queued_stores_before_blocks_are_reused(env):
         time.sleep(0.05)
     assert env.index.committed == {} and env.index.reserved == {}  # reservation aborted
     assert env.index.calls["reserve"] == 1  # "b" never reached the index
-    assert writer.counters.get(stats.STORE_BYTES) == 0
+    assert writer.stats.snapshot()["counters"]["store_bytes"] == 0
 
 
 def test_failed_store_is_counted_and_leaves_nothing_reserved(env):
@@ -72,7 +71,7 @@ def test_failed_store_is_counted_and_leaves_nothing_reserved(env):
     env.index.down = True
     writer.wait_for_save(store_meta("w", env.keys(tokens(64)), first_block=0))
     assert _finished_sending(writer, {"w"}) == {"w"}  # blocks are freed even so
-    assert writer.counters.get(stats.labelled(stats.STORE_FAILURES, "index_error")) == 1
+    assert writer.stats.snapshot()["store_failures"]["index_error"] == 1
     assert env.index.reserved == {} and env.index.committed == {}
 
 

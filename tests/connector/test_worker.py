@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 from maru_core.pool.slots import SlotHeader
 
-from maru_connector import stats
 from maru_connector.metadata import MaruConnectorMetadata
 
 from worker_env import LAYERS, WorkerEnv, blocks_equal, load_meta, store_meta, tokens
@@ -45,8 +44,8 @@ def test_store_then_load_copies_exact_bytes(env, layerwise, overlap):
     assert errors == set() and meta is None
     assert blocks_equal(kv_w, range(6), kv_r, range(10, 16))
     assert +env.index.pins == {}  # every pin released after the copies
-    assert reader.counters.get(stats.LOAD_BYTES) > 0
-    assert writer.counters.get(stats.STORE_BYTES) > 0
+    assert reader.stats.snapshot()["counters"]["load_bytes"] > 0
+    assert writer.stats.snapshot()["counters"]["store_bytes"] > 0
 
 
 def _stored(env, n_tokens=64):
@@ -59,7 +58,7 @@ def _stored(env, n_tokens=64):
 def _assert_failed_untouched(env, reader, kv_r, before, errors, meta, reason):
     assert errors == set(range(10, 14))
     assert meta.failed_load_req_ids == {"r"}
-    assert reader.counters.get(stats.labelled(stats.LOAD_FAILURES, reason)) == 1
+    assert reader.stats.snapshot()["load_failures"][reason] == 1
     assert blocks_equal(before, range(10, 14), kv_r, range(10, 14))  # no block touched
     assert +env.index.pins == {}
 
@@ -120,7 +119,7 @@ def test_store_with_index_down_is_a_skipped_store(env):
     env.index.down = True
     _step(writer, store_meta("w", env.keys(tokens(64)), first_block=0))
     assert env.index.committed == {} and env.index.reserved == {}
-    assert writer.counters.get(stats.labelled(stats.STORE_FAILURES, "index_error")) == 1
+    assert writer.stats.snapshot()["store_failures"]["index_error"] == 1
 
 
 def test_second_store_of_the_same_chunks_is_skipped(env):

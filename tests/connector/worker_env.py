@@ -15,6 +15,7 @@ from maru_core.keys import KeyNamespace, chunk_keys
 from maru_core.pool import Pool
 
 from maru_connector.config import parse_config
+from maru_connector.stats import open_stats
 from maru_connector.metadata import LoadSpec, MaruConnectorMetadata, StoreSpec
 from maru_connector.transfer import TransferEngine
 from maru_connector.worker import MaruWorkerHalf, WorkerResources
@@ -60,7 +61,7 @@ class WorkerEnv:
             engine = TransferEngine.create(pool.buffer, kv_caches, fmt)
             if wrap_engine is not None:
                 engine = wrap_engine(engine)
-            return WorkerResources(pool, engine, self.index.client)
+            return WorkerResources(pool, engine, self.index.client, open_stats(cfg, "worker"))
 
         half = MaruWorkerHalf(cfg, tp_rank=0, block_size=BLOCK, resources_factory=resources)
         half.register_kv_caches(kv)
