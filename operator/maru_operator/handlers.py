@@ -174,30 +174,53 @@ async def run_resync(ctx: OperatorContext, live_body: kopf.Body, maru_nodes: Any
     if due or record is None or record.generation != generation or record.result not in ("ready", "progressing"):
         await run_reconcile(ctx, live_body, maru_nodes, maru_deployments)
         return
-    await refresh_availability(ctx, uid, meta, bool(available), lambda: meta.get("resourceVersion"))
+    await refresh_availability(ctx, uid, meta, bool(available), lambda: (meta.get("resourceVersion"), generation))
 
 
 async def refresh_availability(ctx: OperatorContext, uid: str, meta: Mapping[str, Any], available: bool,
-                               version: Callable[[], str | None]) -> None:
+                               latest: Callable[[], tuple[str | None, int | None]]) -> None:
     """Re-derive IndexAvailable and Ready of a served cache from its index Deployment: one status write,
     no reconcile, and nothing when the availability this process last wrote is the same.
 
-    `meta` names the cache (namespace, name); `version()` is the newest resourceVersion of it known
-    when the write is made (the write carries it, and the generation this process last reconciled).
+    `meta` names the cache (namespace, name); `latest()` is the newest (resourceVersion, generation)
+    of it known when the write is made. The write carries that version, and is made only while that
+    generation is the one this process last reconciled (a newer spec gets its own reconcile).
     """
     async with ctx.lock(uid):
         record = ctx.written.get(uid)
         if record is None or record.result not in ("ready", "progressing") or record.available == available:
             return
+        version, generation = latest()
         conds = refresh_index(record.status, available, record.generation)
-        if conds is None:
+        if version is None or generation != record.generation or conds is None:
             return
         status = {**record.status, "conditions": conds, "phase": phase(conds)}
         cache = {"metadata": {"namespace": meta.get("namespace"), "name": meta.get("name"),
-                              "resourceVersion": version(), "generation": record.generation},
+                              "resourceVersion": version, "generation": record.generation},
                  "status": record.status}
         if await write_status(ctx, cache, {"conditions": conds, "phase": status["phase"]}):
             ctx.written[uid] = Written(record.generation, "ready" if available else "progressing", status, available)
+
+
+async def follow_index_deployment(ctx: OperatorContext, body: Mapping[str, Any], event_type: str | None,
+                                  cache_versions: Any) -> None:
+    """Ready follows an index Deployment's availability at once, not at the next resync.
+
+    `cache_versions` is the `maru_cache_versions` index (cache uid -> newest (resourceVersion,
+    generation) seen).
+    """
+    meta = body.get("metadata") or {}
+    owner = next((o for o in meta.get("ownerReferences") or () if o.get("kind") == KIND), None)
+    name = (meta.get("labels") or {}).get("app.kubernetes.io/instance")
+    if owner is None or not name or str(owner.get("uid")) not in ctx.generations:
+        return  # not ours, or a cache this process has not reconciled (or has forgotten: deleted)
+    uid = str(owner.get("uid"))
+    available = event_type != "DELETED" and int((body.get("status") or {}).get("availableReplicas") or 0) > 0
+
+    def latest() -> tuple[str | None, int | None]:
+        store = cache_versions.get(uid)
+        return next(iter(store), (None, None)) if store else (None, None)
+    await refresh_availability(ctx, uid, {"namespace": meta.get("namespace"), "name": name}, available, latest)
 
 
 def _is_settled(body: Mapping[str, Any], available: int | None) -> bool:
@@ -247,27 +270,15 @@ def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
         return {(namespace, instance): int((body.get("status") or {}).get("availableReplicas") or 0)}
 
     @kopf.index(*resource, id="maru_cache_versions", registry=registry)
-    def maru_cache_versions(body: kopf.Body, **_: Any) -> dict[str, str]:
+    def maru_cache_versions(body: kopf.Body, **_: Any) -> dict[str, tuple[str, int]]:
         meta = body.get("metadata") or {}
-        return {str(meta.get("uid")): str(meta.get("resourceVersion"))}
+        return {str(meta.get("uid")): (str(meta.get("resourceVersion")), int(meta.get("generation") or 1))}
 
     @kopf.on.event("apps", "v1", "deployments", labels={"app.kubernetes.io/managed-by": MANAGED_BY},
                    registry=registry)
     async def index_deployment_changed(body: kopf.Body, type: str | None, maru_cache_versions: Any,
                                        **_: Any) -> None:
-        # Ready follows the index Deployment at once, not at the next resync.
-        meta = body.get("metadata") or {}
-        owner = next((o for o in meta.get("ownerReferences") or () if o.get("kind") == KIND), None)
-        name = (meta.get("labels") or {}).get("app.kubernetes.io/instance")
-        if owner is None or not name:
-            return
-        uid = str(owner.get("uid"))
-        available = type != "DELETED" and int((body.get("status") or {}).get("availableReplicas") or 0) > 0
-
-        def version() -> str | None:
-            store = maru_cache_versions.get(uid)
-            return next(iter(store), None) if store else None
-        await refresh_availability(ctx, uid, {"namespace": meta.get("namespace"), "name": name}, available, version)
+        await follow_index_deployment(ctx, body, type, maru_cache_versions)
 
     @kopf.index(*resource, id="maru_caches", registry=registry)
     def maru_caches(body: kopf.Body, namespace: str, name: str, **_: Any) -> dict[tuple[str, str], Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import pytest
@@ -199,3 +200,25 @@ def test_caches_created_at_once_cost_one_reconcile_and_a_dozen_writes_each(kube:
     ledger = [w for w in writes if "/configmaps" in w[1] and ("marucache-ledger" in w[1] or "maru-system" in w[1])]
     assert conflicts <= n and len(ledger) <= n, (conflicts, len(ledger))
     assert len(writes) - len(ledger) <= 11 * n + 4 + 2 * conflicts, (len(writes), len(ledger), conflicts)
+
+
+def test_ready_follows_the_index_deployment_without_waiting_for_a_resync(kube: Kube, options):
+    """With a resync period far longer than the test, only the watch of the index Deployment can flip
+    Ready (both ways), in one status write each and no reconcile."""
+    slow = dataclasses.replace(options, resync_seconds=3600)
+    with OperatorThread(slow) as op:
+        kube.apply_cache("follow", {"pool": {"deviceClass": "dax", "size": "1Gi"}})
+        wait_for(lambda: (condition(kube.cache("follow"), "DevicesAllocated") or {}).get("status") == "True",
+                 what="allocation")
+        kube.make_index_available("follow")
+        body = ready(kube, "follow")
+        assert condition(body, "IndexAvailable")["reason"] == "Available" and body["status"]["phase"] == "Ready"
+        kube.request("PATCH", "/apis/apps/v1/namespaces/default/deployments/follow-maru-index/status",
+                     {"status": {"availableReplicas": 0, "readyReplicas": 0}}, "application/merge-patch+json")
+        body = wait_for(lambda: (c := kube.cache("follow")) and c["status"]["phase"] == "Starting" and c,
+                        what="Ready withdrawn")
+        assert condition(body, "Ready")["status"] == "False"
+        assert condition(body, "IndexAvailable")["reason"] == "Unavailable"
+        reconciles = sum(op.metrics.registry.get_sample_value("maru_operator_reconciles_total", {"result": r})
+                         for r in ("ready", "progressing", "waiting", "invalid", "error"))
+        assert reconciles == 1
