@@ -72,11 +72,12 @@ def main() -> int:
             knobs = dict(kv_chunk_tokens=args.chunk_tokens, use_layerwise=FORMATS[fmt],
                          async_load=not args.sync_load, overlap_load_with_compute=not args.sync_load,
                          lookup_timeout_s=1.0)
-            stats = {n: os.path.join(workdir, f"stats-{fmt}-{n}.jsonl") for n in "AB"}
+            stats = {n: os.path.join(workdir, f"stats-{fmt}-{n}") for n in "AB"}
             engine = {}
             for n in "AB":
+                os.makedirs(stats[n])
                 config = make_kv_transfer_config(index.url, pool_path=index.pool_path, token=index.token,
-                                                 stats_path=stats[n], **knobs)
+                                                 stats_dir=stats[n], **knobs)
                 engine[n] = EngineProcess(EngineSpec(**{**base.__dict__, "kv_transfer_config": config}),
                                           os.path.join(workdir, f"{fmt}-{n}.log"))
                 stack.callback(engine[n].close)

@@ -1,8 +1,10 @@
 """`marucache demo`: two real vLLM engines sharing one cache, on this machine.
 
 The embedded default, end to end: a pool file in `/dev/shm`, an index
-process, and real vLLM CPU engines with a tiny randomly initialised Llama
-built on the spot. The workload is several documents with several questions
+process, a local sidecar (`marucache sidecar` on a Unix socket in a temp
+dir) that hands the pool to the engines' connectors and exports their
+counters on `/metrics`, and real vLLM CPU engines with a tiny randomly
+initialised Llama built on the spot. The workload is several documents with several questions
 each, so every question shares its document's prefix:
 
 1. a reference engine without the connector serves every request (the
@@ -16,23 +18,27 @@ each, so every question shares its document's prefix:
    comes from the pool.
 
 It prints TTFT without the cache and with a hit, the hit rate, the bytes
-loaded and stored and whether every output matched recompute, and writes a
-plot of per-request TTFT. Pool and processes are removed on exit and on
-Ctrl-C.
+loaded and stored (as the sidecar's `/metrics` reports them) and whether
+every output matched recompute, and writes a plot of per-request TTFT. Pool,
+socket and processes are removed on exit and on Ctrl-C.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import sys
 import tempfile
 import time
 from contextlib import ExitStack
+from pathlib import Path
 from typing import Any
 
 from .demo_report import DemoReport, print_report, write_plot
+
+DEMO_CACHE = "demo"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -93,13 +99,13 @@ def _run_demo(args: argparse.Namespace, workdir: str) -> DemoReport:
     from maru_connector.config import make_kv_transfer_config
     from maru_connector.testing.engine import EngineProcess, EngineSpec
     from maru_connector.testing.index_process import IndexProcess, unique_pool_path
-    from maru_connector.testing.stats_reader import read_connector_stats
+    from maru_connector.testing.sidecar_process import SidecarProcess
     from maru_connector.testing.tiny_model import TinyModelSpec, build_tiny_model
     from maru_connector.testing.workload import random_tokens, shared_prefix_workload
 
     requests = shared_prefix_workload(args.documents, args.questions, args.document_tokens, args.question_tokens)
     prompt_len = args.document_tokens + args.question_tokens
-    with ExitStack() as stack, tqdm(total=5, desc="marucache demo", unit="step", file=sys.stderr) as bar:
+    with ExitStack() as stack, tqdm(total=6, desc="marucache demo", unit="step", file=sys.stderr) as bar:
         bar.set_postfix_str("building the model")
         heads = args.hidden_size // 64
         spec = TinyModelSpec(
@@ -115,6 +121,17 @@ def _run_demo(args: argparse.Namespace, workdir: str) -> DemoReport:
         index.start()
         bar.update()
 
+        bar.set_postfix_str("starting the sidecar")
+        socket_dir = tempfile.mkdtemp(prefix="marucache-demo-")  # short: a socket path has at most 107 bytes
+        stack.callback(shutil.rmtree, socket_dir, ignore_errors=True)
+        sidecar = SidecarProcess(index.pool_path, Path(socket_dir) / "maru.sock", index.url,
+                                 token_file=index.token_file, cache=DEMO_CACHE,
+                                 log_path=Path(workdir) / "sidecar.log")
+        stack.callback(sidecar.stop)
+        sidecar.start()
+        sidecar.wait_ready()
+        bar.update()
+
         bar.set_postfix_str("starting four vLLM engines")
         base = EngineSpec(
             model_dir=model_dir, block_size=32, max_model_len=prompt_len + args.max_tokens + 64,
@@ -124,13 +141,12 @@ def _run_demo(args: argparse.Namespace, workdir: str) -> DemoReport:
                      async_load=not args.sync_load, overlap_load_with_compute=not args.sync_load,
                      lookup_timeout_s=1.0)
         engines: dict[str, Any] = {}
-        stats_paths: dict[str, str] = {}
-        for name in ("reference", "prefix-cache", "A", "B"):
+        with_connector = ("A", "B")
+        for name in ("reference", "prefix-cache", *with_connector):
             config = None
-            if name not in ("reference", "prefix-cache"):
-                stats_paths[name] = os.path.join(workdir, f"stats-{name}.jsonl")
-                config = make_kv_transfer_config(index.url, pool_path=index.pool_path, token=index.token,
-                                                 stats_path=stats_paths[name], **knobs)
+            if name in with_connector:
+                config = make_kv_transfer_config(index.url, sidecar_socket=str(sidecar.socket_path),
+                                                 token_file=index.token_file, cache_name=DEMO_CACHE, **knobs)
             spec_n = EngineSpec(**{**base.__dict__, "kv_transfer_config": config,
                                    "enable_prefix_caching": name == "prefix-cache"})
             engines[name] = EngineProcess(spec_n, os.path.join(workdir, f"engine-{name}.log"), wait=False)
@@ -140,7 +156,7 @@ def _run_demo(args: argparse.Namespace, workdir: str) -> DemoReport:
             # The first requests of a fresh engine pay one-off set-up costs;
             # keep them out of the measured TTFTs. Engines with the connector
             # get prompts shorter than a chunk, so that nothing is stored.
-            warm_len = prompt_len if stats_paths.get(name) is None else args.chunk_tokens // 2
+            warm_len = args.chunk_tokens // 2 if name in with_connector else prompt_len
             engine.generate([random_tokens(warm_len, seed=10_000 + 10 * serial + i) for i in range(2)], 1)
         bar.update()
 
@@ -162,21 +178,29 @@ def _run_demo(args: argparse.Namespace, workdir: str) -> DemoReport:
         hits = engines["B"].generate(prompts, args.max_tokens)
         bar.update()
 
-        stats_a = read_connector_stats(stats_paths["A"])
-        stats_b = read_connector_stats(stats_paths["B"])
+        # What a Prometheus scraping the sidecar sees (A and B share this sidecar).
+        metrics = _sum_by_name(sidecar.metrics())
         return DemoReport(
             requests=requests,
             reference=reference,
             prefix_reuse=prefix_reuse,
             stored={i: r for i, r in zip(first_questions, stored)},
             hits=hits,
-            hit_tokens=int(stats_b["maru_lookup_hit_tokens_total"]),
+            hit_tokens=int(metrics["maru_lookup_hit_tokens_total"]),
             prompt_tokens=sum(len(p) for p in prompts),
-            bytes_loaded=int(stats_b["maru_load_bytes_total"]),
-            bytes_stored=int(stats_a["maru_store_bytes_total"]),
-            load_failures=int(sum(v for k, v in stats_b.items() if k.startswith("maru_load_failures_total"))),
+            bytes_loaded=int(metrics["maru_load_bytes_total"]),
+            bytes_stored=int(metrics["maru_store_bytes_total"]),
+            load_failures=int(metrics["maru_load_failures_total"]),
             config=dict(knobs, model=f"Llama {args.layers}x{args.hidden_size} (random weights, bf16)"),
         )
+
+
+def _sum_by_name(samples: dict) -> dict[str, float]:
+    """Sample values of `/metrics` summed over their labels (failure reasons)."""
+    total: dict[str, float] = {}
+    for (name, _labels), value in samples.items():
+        total[name] = total.get(name, 0.0) + value
+    return total
 
 
 def _wait_stored(index, expected_keys: int, timeout_s: float = 30.0) -> None:

@@ -15,6 +15,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,6 +24,7 @@ from maru_connector.config import make_kv_transfer_config
 from maru_connector.testing.cluster import CacheEngine, EngineFarm, wait_until
 from maru_connector.testing.engine import EngineSpec
 from maru_connector.testing.index_process import IndexProcess
+from maru_connector.testing.sidecar_process import SidecarProcess
 from maru_connector.testing.tiny_model import TinyModelSpec, build_tiny_model
 
 from .fault_proxy import FaultProxy
@@ -90,15 +92,60 @@ def farm(workdir: str, model_dir: str) -> Iterator[EngineFarm]:
 
 
 def connector_config(index: IndexProcess, url: str | None = None, **knobs: Any):
-    """A `kv_transfer_config(stats_path)` factory for `EngineFarm.get`."""
+    """A `kv_transfer_config(stats_dir)` factory for `EngineFarm.get` (direct attach)."""
     merged = {**TEST_KNOBS, **knobs}
 
-    def build(stats_path: str) -> dict[str, Any]:
+    def build(stats_dir: str) -> dict[str, Any]:
         return make_kv_transfer_config(
-            url or index.url, pool_path=index.pool_path, token=index.token, stats_path=stats_path, **merged
+            url or index.url, pool_path=index.pool_path, token=index.token, stats_dir=stats_dir, **merged
         )
 
     return build
+
+
+SIDECAR_CACHE = "e2e"
+SIDECAR_NAMESPACE = "e2e-ns"
+
+
+class Sidecars:
+    """One real `marucache sidecar` per engine, as in a pod: `config(pod)` is a
+    `kv_transfer_config(stats_dir)` factory that starts a sidecar whose socket
+    lies in the engine's stats directory and points the connector at it."""
+
+    def __init__(self, index: IndexProcess):
+        self._index = index
+        self.by_stats_dir: dict[str, SidecarProcess] = {}
+
+    def config(self, pod: str, **knobs: Any):
+        def build(stats_dir: str) -> dict[str, Any]:
+            sidecar = SidecarProcess(
+                self._index.pool_path, Path(stats_dir) / "maru.sock", self._index.url,
+                token_file=self._index.token_file, cache=SIDECAR_CACHE,
+                env={"POD_NAMESPACE": SIDECAR_NAMESPACE, "POD_NAME": pod},
+            )  # fmt: skip
+            self.by_stats_dir[stats_dir] = sidecar
+            sidecar.start()
+            sidecar.wait_ready()
+            return make_kv_transfer_config(
+                self._index.url, sidecar_socket=str(sidecar.socket_path), token_file=self._index.token_file,
+                cache_name=SIDECAR_CACHE, **{**TEST_KNOBS, **knobs},
+            )  # fmt: skip
+
+        return build
+
+    def of(self, engine: CacheEngine) -> SidecarProcess:
+        return self.by_stats_dir[engine.stats_dir]
+
+    def close(self) -> None:
+        for sidecar in self.by_stats_dir.values():
+            sidecar.close()
+
+
+@pytest.fixture(scope="session")
+def sidecars(index: IndexProcess) -> Iterator[Sidecars]:
+    started = Sidecars(index)
+    yield started
+    started.close()
 
 
 @pytest.fixture(scope="session")

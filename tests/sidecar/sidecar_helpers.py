@@ -4,14 +4,12 @@ and connector-like traffic (also used by tests/chart to check dashboard queries)
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
-import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -19,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from maru_connector.testing.index_process import IndexProcess, free_port
+from maru_connector.testing.sidecar_process import SidecarProcess
 from maru_core.index.client import IndexClient, IndexRejected
 from maru_core.pool import Pool, SlotHeader
 
@@ -53,76 +52,6 @@ class StatsWriter:
         self.proc.stdin.close()
         self.proc.stdout.close()
 
-
-class SidecarProcess:
-    """A real `marucache sidecar` process; its endpoints on 127.0.0.1."""
-
-    def __init__(self, pool: str, socket_path: Path, index_url: str, *, token_file: str | None = None,
-                 cache: str = "c1", port: int = 0, env: dict[str, str] | None = None,
-                 pool_offset: str | None = None):  # fmt: skip
-        self.socket_path = socket_path
-        self.port = port
-        self.log_path = socket_path.parent.parent / f"{socket_path.parent.name}-sidecar-{os.getpid()}.log"
-        self.cmd = [
-            sys.executable, "-m", "maru_core.cli", "sidecar", "--pool", pool, "--socket", str(socket_path),
-            "--index", index_url, "--cache", cache, "--metrics-host", "127.0.0.1",
-            "--index-timeout", "0.5", *(["--token-file", token_file] if token_file else []),
-            *(["--pool-offset", pool_offset] if pool_offset is not None else []),
-        ]  # fmt: skip
-        self.env = {**os.environ, **(env or {})}
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, timeout_s: float = 20.0) -> "SidecarProcess":
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen([*self.cmd, "--metrics-port", str(self.port)],
-                                         stdout=log, stderr=subprocess.STDOUT, env=self.env)  # fmt: skip
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            for line in self.log_text().splitlines():
-                if line.startswith("marucache sidecar: cache"):
-                    self.port = int(line.rsplit(":", 1)[1].split("/")[0])
-                    return self
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"sidecar exited with {self.proc.returncode}:\n{self.log_text()}")
-            time.sleep(0.05)
-        self.kill()
-        raise RuntimeError(f"sidecar did not start within {timeout_s} s:\n{self.log_text()}")
-
-    def log_text(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
-
-    def get(self, path: str) -> tuple[int, str]:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as resp:
-                return resp.status, resp.read().decode()
-        except urllib.error.HTTPError as exc:
-            return exc.code, exc.read().decode()
-
-    def wait_ready(self, timeout_s: float = 20.0) -> str:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            code, body = self.get("/readyz")
-            if code == 200:
-                return body
-            if time.monotonic() > deadline:
-                raise AssertionError(f"sidecar not ready after {timeout_s} s: {body}\n{self.log_text()}")
-            time.sleep(0.1)
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
-
-    def terminate(self, timeout_s: float = 10.0) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout=timeout_s)
-
-    def close(self) -> None:
-        self.kill()
-        self.log_path.unlink(missing_ok=True)
 
 
 def run_client(socket_path: Path, cache: str, token: str | None) -> dict:

@@ -2,8 +2,8 @@
 
 `EngineFarm` starts engines on demand (one per name), keeps at most
 `max_alive` of them running (closing the least recently used), and hands out
-`CacheEngine`s: an `EngineProcess` plus the path where its connector dumps
-its counters.
+`CacheEngine`s: an `EngineProcess` plus the stats directory where its
+connector's processes write their counters.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from .stats_reader import read_connector_stats
 
 @dataclass
 class CacheEngine:
-    """A running engine; `stats_path` is None when it has no connector."""
+    """A running engine; `stats_dir` is None when it has no connector."""
 
     name: str
     process: EngineProcess
-    stats_path: str | None
+    stats_dir: str | None
 
     def run(self, prompts: list[list[int]], max_tokens: int = 8, **kwargs: Any) -> list[RequestResult]:
         return self.process.generate(prompts, max_tokens=max_tokens, **kwargs)
@@ -34,10 +34,10 @@ class CacheEngine:
         return [r.token_ids for r in self.run(prompts, max_tokens, **kwargs)]
 
     def counters(self) -> dict[str, Any]:
-        """The connector's own counters, summed over the engine's processes."""
-        if self.stats_path is None:
+        """The connector's counters, summed over the engine's processes (exported names)."""
+        if self.stats_dir is None:
             raise ValueError(f"engine {self.name} runs without the connector")
-        return read_connector_stats(self.stats_path)
+        return read_connector_stats(self.stats_dir)
 
 
 class EngineFarm:
@@ -58,8 +58,11 @@ class EngineFarm:
     ) -> CacheEngine:
         """The engine called `name`, started on first use.
 
-        `kv_transfer_config(stats_path)` builds the connector's config (None:
-        no connector); `spec_overrides` replace fields of the base spec.
+        `kv_transfer_config(stats_dir)` builds the connector's config (None:
+        no connector) for an empty directory that is the engine's own: its
+        `maru_stats_dir` in direct attach, or the directory of the socket of
+        a sidecar started for this engine. `spec_overrides` replace fields
+        of the base spec.
         """
         if spec_overrides:
             # Another spec is another engine, even under the same name.
@@ -73,14 +76,15 @@ class EngineFarm:
         while len(self._engines) >= self.max_alive:
             self.close_one(next(iter(self._engines)))
         serial = next(self._serial)
-        stats_path = None
+        stats_dir = None
         config = None
         if kv_transfer_config is not None:
-            stats_path = os.path.join(self.workdir, f"stats-{serial}")
-            config = kv_transfer_config(stats_path)
+            stats_dir = os.path.join(self.workdir, f"stats-{serial}")
+            os.makedirs(stats_dir)
+            config = kv_transfer_config(stats_dir)
         spec = replace(self.base_spec, kv_transfer_config=config, **spec_overrides)
         log = os.path.join(self.workdir, f"engine-{serial}-{_file_safe(name)}.log")
-        engine = CacheEngine(name, EngineProcess(spec, log), stats_path)
+        engine = CacheEngine(name, EngineProcess(spec, log), stats_dir)
         self._engines[name] = engine
         return engine
 
