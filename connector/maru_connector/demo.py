@@ -122,7 +122,7 @@ def _run_demo(args: argparse.Namespace, workdir: str) -> DemoReport:
         bar.update()
 
         bar.set_postfix_str("starting the sidecar")
-        socket_dir = tempfile.mkdtemp(prefix="marucache-demo-")  # short: a socket path has at most 107 bytes
+        socket_dir = tempfile.mkdtemp(prefix="marucache-sock-")  # short: a socket path has at most 107 bytes
         stack.callback(shutil.rmtree, socket_dir, ignore_errors=True)
         sidecar = SidecarProcess(index.pool_path, Path(socket_dir) / "maru.sock", index.url,
                                  token_file=index.token_file, cache=DEMO_CACHE,
