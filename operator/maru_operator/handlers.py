@@ -229,6 +229,25 @@ def _is_settled(body: Mapping[str, Any], available: int | None) -> bool:
     return status.get("phase") == "Ready" and status.get("observedGeneration") == generation and bool(available)
 
 
+async def rebuild_ledger_at_start(ctx: OperatorContext) -> None:
+    """Reconcile the stored ledger with the caches that exist and the claims their status records."""
+    before, _version = await ctx.ledger.read()
+    bodies = await ctx.api.list_caches()
+    live: dict[str, CacheRef] = {}
+    recorded = []
+    for body in bodies:
+        meta = body.get("metadata") or {}
+        if meta.get("uid"):
+            live[meta["uid"]] = CacheRef(str(meta.get("namespace")), str(meta.get("name")), str(meta["uid"]))
+            recorded += reconciler.claims_from_status(body)
+    ctx.ledger.forget()
+    known = frozenset(c.owner.uid for c in before.claims)
+    problems = await ctx.ledger.update(lambda led: rebuild(led, live, recorded, known))
+    for problem in problems:
+        logger.warning("ledger rebuild: %s", problem)
+    logger.info("ledger rebuilt: %d caches, %d problems", len(live), len(problems))
+
+
 def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
     """A fresh registry with every handler of the operator."""
     registry = kopf.OperatorRegistry()
@@ -240,21 +259,7 @@ def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
 
     @kopf.on.startup(registry=registry)
     async def rebuild_ledger(**_: Any) -> None:
-        before, _version = await ctx.ledger.read()
-        bodies = await ctx.api.list_caches()
-        live: dict[str, CacheRef] = {}
-        recorded = []
-        for body in bodies:
-            meta = body.get("metadata") or {}
-            if meta.get("uid"):
-                live[meta["uid"]] = CacheRef(str(meta.get("namespace")), str(meta.get("name")), str(meta["uid"]))
-                recorded += reconciler.claims_from_status(body)
-        ctx.ledger.forget()
-        known = frozenset(c.owner.uid for c in before.claims)
-        problems = await ctx.ledger.update(lambda led: rebuild(led, live, recorded, known))
-        for problem in problems:
-            logger.warning("ledger rebuild: %s", problem)
-        logger.info("ledger rebuilt: %d caches, %d problems", len(live), len(problems))
+        await rebuild_ledger_at_start(ctx)
 
     @kopf.index("", "v1", "nodes", id="maru_nodes", registry=registry)
     def maru_nodes(body: kopf.Body, **_: Any) -> dict[str, NodeInfo]:

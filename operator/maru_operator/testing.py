@@ -101,7 +101,7 @@ class VersionedEmulator(kmock.KubernetesEmulator):
 
     async def _serve_list(self, request: kmock.Request) -> Any:
         if request.resource not in self._get_resources():
-            raise kmock.KubernetesError(status=404, reason="NotFound", message=f"unknown resource {request.resource}")
+            raise kmock.KubernetesResourceNotFoundError()
         async with self._lock:
             return {"metadata": {"resourceVersion": str(self._newest_version())}, "items": self._matching(request)}
 
