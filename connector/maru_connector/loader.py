@@ -72,6 +72,7 @@ class AsyncLoader:
         tp_rank: picks this rank's keys from each :class:`LoadSpec`.
         release_after_layers: layers that must land before release (the
             number of layers when overlap is off).
+        stats: where loads, load failures and their durations are counted.
     """
 
     def __init__(
