@@ -24,7 +24,7 @@ delete, but, unlike a real API server, it does not version objects. The
   first. kmock picks the reaction for a request by iterating its whole
   request history through each reaction's filters until it finds the
   request itself, so every request costs time proportional to all requests
-  served before it: 100 MaruCaches took minutes, all of it spent in the
+  served before it: 100 MaruCaches took minutes, most of it spent in the
   mock, serialised on its event loop. A real API server does not slow down
   with the requests it has answered. While a request is being routed, this
   emulator shows the filters that request alone; the history stays complete
