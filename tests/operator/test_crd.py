@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 import yaml
 
-from conftest import CRD_PATH, EXAMPLES, apply_defaults, crd_schema
+from kube_helpers import CRD_PATH, EXAMPLES, apply_defaults, crd_schema
 from maru_operator import desired
 from maru_operator.inventory import Device
 from maru_operator.ledger import Ledger

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from conftest import Kube, condition, wait_for
+from kube_helpers import Kube, condition, wait_for
 from maru_operator import reconciler
 from maru_operator.inventory import parse_node
 from maru_operator.k8s import KubeApi, LedgerStore, load_configuration

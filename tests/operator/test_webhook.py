@@ -14,7 +14,7 @@ import jsonpatch
 import pytest
 import requests
 
-from conftest import Kube, wait_for
+from kube_helpers import Kube, wait_for
 from test_crd import VALIDATE
 from maru_operator import ANNOTATION_INJECTED, ANNOTATION_SKIPPED
 from maru_operator.injection import CONFIG_ENV, SIDECAR_NAME
