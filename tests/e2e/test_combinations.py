@@ -3,7 +3,13 @@
 A writer engine of each format stores the prompts; an engine of each
 combination serves them (three at once, so several loads are parked and in
 flight together) and must produce the tokens an engine without the connector
-produces, having really hit.
+produces for the same three prompts submitted together, having really hit.
+
+The reference runs the prompts together too: vLLM's CPU kernels round
+differently for a batch of three than for one request at a time, and with a
+random bf16 model that difference alone flips a near-tied greedy token (seen
+with the prompts of seeds 1050 and 1070: the reference engine itself gives
+other tokens for the third prompt when the three run together).
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ def _name(layerwise: bool, async_load: bool, overlap: bool) -> str:
 
 
 @pytest.mark.parametrize("layerwise,async_load,overlap", COMBINATIONS, ids=[_name(*c) for c in COMBINATIONS])
-def test_combination_hit_equals_recompute(farm, index, reference, layerwise, async_load, overlap):
+def test_combination_hit_equals_recompute(farm, index, layerwise, async_load, overlap):
     fmt = "layerwise" if layerwise else "chunkwise"
     writer = farm.get(f"{fmt}-A", connector_config(index, use_layerwise=layerwise))
     knobs = dict(use_layerwise=layerwise, async_load=async_load, overlap_load_with_compute=overlap)
@@ -45,7 +51,7 @@ def test_combination_hit_equals_recompute(farm, index, reference, layerwise, asy
     before = engine.counters()
     outputs = engine.outputs(prompts, MAX_TOKENS, concurrent=True)
     after = engine.counters()
-    assert outputs == reference.outputs(prompts, MAX_TOKENS)
+    assert outputs == farm.get("reference-a", None).outputs(prompts, MAX_TOKENS, concurrent=True)
     hit = after["maru_lookup_hit_tokens_total"] - before["maru_lookup_hit_tokens_total"]
     assert hit == sum(len(p) // CHUNK_TOKENS * CHUNK_TOKENS for p in prompts)
     assert after["maru_load_bytes_total"] > before["maru_load_bytes_total"]
