@@ -4,12 +4,16 @@ Used by the synchronous load path and by the async loader alike. Nothing here
 touches a vLLM block: a load only starts copying once :func:`resolve_load`
 has returned, that is once every (chunk, layer) key resolved to a pinned slot
 whose header names that key and generation. Any failure unpins what was
-pinned and raises :class:`LoadFailure` with a bounded ``reason``.
+pinned (never a pin another load of the same lease holds) and raises
+:class:`LoadFailure` with a bounded ``reason``.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import weakref
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +53,40 @@ def _index_failure(exc: BaseException) -> LoadFailure:
     text = f"{type(exc).__name__}: {exc}"
     timed_out = isinstance(exc, TimeoutError) or "timed out" in text.lower() or "timeout" in text.lower()
     return LoadFailure("timeout" if timed_out else "index_error", text)
+
+
+class _HeldPins:
+    """Per index client (one lease), how many pins its loads in flight hold per key.
+
+    The index counts pins per lease and key, so an unpin by a load that did
+    not pin would take a pin another load of the same lease still copies
+    under. Only keys no load in flight holds may be unpinned on a guess.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_client: weakref.WeakKeyDictionary[Any, Counter] = weakref.WeakKeyDictionary()
+
+    def add(self, client: Any, keys: list[bytes]) -> None:
+        with self._lock:
+            self._by_client.setdefault(client, Counter()).update(keys)
+
+    def remove(self, client: Any, keys: list[bytes]) -> None:
+        with self._lock:
+            held = self._by_client.get(client)
+            if held is not None:
+                held.subtract(keys)
+                for key in set(keys):
+                    if held[key] <= 0:
+                        del held[key]
+
+    def not_held(self, client: Any, keys: list[bytes]) -> list[bytes]:
+        with self._lock:
+            held = self._by_client.get(client, Counter())
+            return [k for k in keys if k not in held]
+
+
+_HELD = _HeldPins()
 
 
 def _unpin_quietly(client: Any, keys: list[bytes]) -> None:
@@ -100,6 +138,9 @@ def resolve_load(
     """
     keys = object_keys(fmt, chunk_keys)
     try:
+        # A failed retrieve leaves nothing pinned: the index client unpins what
+        # a reply it rejects shows pinned (else lets that lease lapse), and a
+        # timeout or lost connection makes it leave the lease to lapse.
         locations = list(client.retrieve(keys))
     except Exception as exc:
         raise _index_failure(exc) from exc
@@ -107,8 +148,12 @@ def resolve_load(
         _check_reply(keys, locations, fmt.object_bytes)
         _check_headers(pool, keys, locations)
     except LoadFailure:
-        # A well-formed miss pins nothing; anything else may have pinned.
-        _unpin_quietly(client, keys)
+        if None not in locations:  # every key hit, so this retrieve pinned every key
+            _unpin_quietly(client, keys)
+        else:
+            # An index pins nothing when a key misses, but a reply altered on
+            # the way may hide pins: give back those no other load holds.
+            _unpin_quietly(client, _HELD.not_held(client, keys))
         raise
     per_chunk = fmt.objects_per_chunk
     chunks = [
@@ -118,9 +163,11 @@ def resolve_load(
         )
         for i, blocks in enumerate(block_ids)
     ]
+    _HELD.add(client, keys)
     return PinnedLoad(chunks, keys)
 
 
 def release_pins(client: Any, pinned: PinnedLoad) -> None:
     """Unpin after every copy from those slots completed (invariant 8)."""
+    _HELD.remove(client, pinned.object_keys)
     _unpin_quietly(client, pinned.object_keys)

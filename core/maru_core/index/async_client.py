@@ -31,10 +31,12 @@ from maru_core.index.client_ops import (
     parse_hello,
     parse_locations,
     parse_slots,
+    rejected_retrieve_pinned,
     request_size,
     reserve_request,
 )
 from maru_core.protocol import (
+    KEY_BYTES,
     ErrorType,
     FrameError,
     LocationList,
@@ -171,7 +173,11 @@ class AsyncIndexClient:
 
     async def retrieve(self, keys: Keys, *, timeout_s: float | None = None) -> LocationList:
         request = keys_request("retrieve", keys)
-        return parse_locations(await self._call(request, timeout_s), request_size(request))
+        try:
+            return parse_locations(await self._call(request, timeout_s), request_size(request))
+        except IndexRejected as exc:
+            await self._release_rejected_retrieve(request["keys"], exc)
+            raise
 
     async def unpin(self, keys: Keys) -> int:
         request = keys_request("unpin", keys)
@@ -216,6 +222,31 @@ class AsyncIndexClient:
         await self.close()
 
     # -- calls, connection and lease -----------------------------------------
+
+    async def _release_rejected_retrieve(self, packed_keys: bytes, exc: IndexRejected) -> None:
+        """As ``IndexClient._release_rejected_retrieve``: unpin what the
+        rejected reply shows pinned, else leave the lease to lapse."""
+        pinned = rejected_retrieve_pinned(exc, len(packed_keys) // KEY_BYTES)
+        if pinned is False:
+            return
+        if pinned:
+            try:
+                await self.unpin(packed_keys)
+                return
+            except IndexError_ as unpin_exc:
+                log.warning("unpin after a rejected retrieve reply failed: %s", unpin_exc)
+        why = f"retrieve reply rejected ({exc.message})"
+        log.warning("leaving lease %s to lapse on the index: %s", self._lease_id, why)
+        self._lease_id = None
+        channel = self._channel
+        if channel is None or channel.failure is not None:
+            return
+        try:
+            async with self._lock:
+                await self._hello(channel, None, time.monotonic() + self.timeout_s)
+        except IndexError_:
+            channel.fail(IndexUnavailable(f"could not open a fresh lease after: {why}"))
+            await self._drop(channel)
 
     async def _call(self, message: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)

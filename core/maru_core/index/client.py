@@ -40,10 +40,11 @@ from maru_core.index.client_ops import (
     parse_hello,
     parse_locations,
     parse_slots,
+    rejected_retrieve_pinned,
     request_size,
     reserve_request,
 )
-from maru_core.protocol import ErrorType, Location, LocationList, Slot, SlotList, parse_url
+from maru_core.protocol import KEY_BYTES, ErrorType, Location, LocationList, Slot, SlotList, parse_url
 
 __all__ = [
     "AsyncIndexClient",
@@ -131,10 +132,18 @@ class IndexClient:
         """One ``Location`` or ``None`` per key, in order, as a ``LocationList``.
 
         Every key is pinned when all hit; nothing is pinned when any misses.
-        The answer always has exactly one entry per key.
+        The answer always has exactly one entry per key. A retrieve that
+        raises leaves nothing pinned either: a reply rejected as malformed
+        (e.g. a location count that differs from the keys) or an ``internal``
+        error is undone here (``_release_rejected_retrieve``), and after a
+        timeout or a lost connection the old lease lapses on the index.
         """
         request = keys_request("retrieve", keys)
-        return parse_locations(self._call(request, timeout_s), request_size(request))
+        try:
+            return parse_locations(self._call(request, timeout_s), request_size(request))
+        except IndexRejected as exc:
+            self._release_rejected_retrieve(request["keys"], exc)
+            raise
 
     def unpin(self, keys: Keys) -> int:
         """Release this lease's pins on ``keys``; return how many were released."""
@@ -193,6 +202,38 @@ class IndexClient:
         self.close()
 
     # -- calls, connection and lease -----------------------------------------
+
+    def _release_rejected_retrieve(self, packed_keys: bytes, exc: IndexRejected) -> None:
+        """Give back what a retrieve with a rejected reply may have pinned.
+
+        The caller gets no locations, so it cannot unpin them itself: when
+        the reply shows every key hit, unpin them; when it cannot be told
+        (or the unpin fails), end the lease's use here and open a fresh one,
+        so the old lease lapses on the index with its pins.
+        """
+        pinned = rejected_retrieve_pinned(exc, len(packed_keys) // KEY_BYTES)
+        if pinned is False:
+            return
+        if pinned:
+            try:
+                self.unpin(packed_keys)
+                return
+            except IndexError_ as unpin_exc:
+                log.warning("unpin after a rejected retrieve reply failed: %s", unpin_exc)
+        self._abandon_lease(f"retrieve reply rejected ({exc.message})")
+
+    def _abandon_lease(self, why: str) -> None:
+        with self._lock:
+            channel = self._channel
+            log.warning("leaving lease %s to lapse on the index: %s", self._lease_id, why)
+            self._lease_id = None
+        if channel is None or channel.failed:
+            return
+        try:
+            self._reopen_lease(channel, time.monotonic() + self.timeout_s)
+        except IndexError_:
+            channel.fail(IndexUnavailable(f"could not open a fresh lease after: {why}"))
+            self._drop(channel)
 
     def _call(self, message: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)

@@ -63,6 +63,19 @@ class IndexRejected(IndexError_):
         self.op = op
 
 
+class MalformedReply(IndexRejected):
+    """A reply that breaks the protocol (type ``internal``), kept in ``reply``.
+
+    Unlike a typed error reply, the index may have carried out the request:
+    a retrieve answered with the wrong number of locations may have pinned
+    every key, so the clients release those pins before raising this.
+    """
+
+    def __init__(self, message: str, op: str, reply: Any = None) -> None:
+        super().__init__(ErrorType.INTERNAL.value, message, op)
+        self.reply = reply
+
+
 def default_client_name() -> str:
     """A readable client name; identity comes from the lease, not from this."""
     return f"{socket.gethostname()}/{os.getpid()}"
@@ -97,19 +110,19 @@ def request_size(request: dict[str, Any]) -> int:
     return len(request["keys"]) // KEY_BYTES
 
 
-def _broken(op: str, what: str) -> IndexRejected:
-    return IndexRejected(ErrorType.INTERNAL.value, f"malformed reply: {what}", op)
+def _broken(op: str, what: str, reply: Any = None) -> MalformedReply:
+    return MalformedReply(f"malformed reply: {what}", op, reply)
 
 
 def check_reply(op: str, reply: Any) -> dict[str, Any]:
     """The reply map of a successful call; raise ``IndexRejected`` for an error reply."""
     if type(reply) is not dict or "ok" not in reply:
-        raise _broken(op, "not a reply map")
+        raise _broken(op, "not a reply map", reply)
     if reply["ok"] is True:
         return reply
     error = reply.get("error")
     if type(error) is not dict:
-        raise _broken(op, "error reply without an error map")
+        raise _broken(op, "error reply without an error map", reply)
     raise IndexRejected(str(error.get("type")), str(error.get("message")), op)
 
 
@@ -130,11 +143,41 @@ def parse_count(op: str, reply: dict, name: str, at_most: int) -> int:
 def parse_locations(reply: dict, count: int) -> LocationList:
     try:
         locations = LocationList.from_wire(_field("retrieve", reply, "locations", bytes))
+    except MalformedReply as exc:
+        exc.reply = reply
+        raise
     except ValueError as exc:
-        raise _broken("retrieve", str(exc)) from exc
+        raise _broken("retrieve", str(exc), reply) from exc
     if len(locations) != count:
-        raise _broken("retrieve", f"{len(locations)} locations for {count} keys")
+        raise _broken("retrieve", f"{len(locations)} locations for {count} keys", reply)
     return locations
+
+
+def rejected_retrieve_pinned(exc: IndexRejected, count: int) -> bool | None:
+    """Whether the index pinned the ``count`` keys of a retrieve that raised ``exc``.
+
+    ``False``: a typed refusal (retrieve pins nothing before it can refuse).
+    For a malformed reply marked ``ok`` whose locations decode to at least
+    ``count`` entries, the first ``count`` are the index's answer: ``True``
+    when none is a miss (every key hit, so every key was pinned), ``False``
+    otherwise (all or nothing). ``None``: it cannot be told (an ``internal``
+    error, no proper reply map, locations that do not decode, fewer entries
+    than keys, the lost ones possibly misses); only ending the lease is safe
+    then, because unpinning keys that this retrieve did not pin would drop
+    pins that other retrieves on the same lease still hold.
+    """
+    if not isinstance(exc, MalformedReply):
+        return None if exc.error_type == ErrorType.INTERNAL.value else False
+    reply = exc.reply
+    if type(reply) is not dict or reply.get("ok") is not True:
+        return None
+    try:
+        locations = LocationList.from_wire(reply.get("locations"))
+    except (TypeError, ValueError):
+        return None
+    if len(locations) < count:
+        return None
+    return None not in locations[:count]
 
 
 def parse_slots(reply: dict, count: int) -> SlotList:
