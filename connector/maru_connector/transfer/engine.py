@@ -8,6 +8,7 @@ connector calls the same interface whatever the device.
 
 from __future__ import annotations
 
+import abc
 import queue
 import threading
 from typing import Sequence
@@ -33,7 +34,7 @@ class _Job:
         self.offsets = offsets
 
 
-class TransferEngine:
+class TransferEngine(abc.ABC):
     """Copies chunks between the pool and the KV cache; see the module doc.
 
     Build one with ``TransferEngine.create``. Subclasses implement
@@ -178,11 +179,13 @@ class TransferEngine:
                 )
         return runs
 
+    @abc.abstractmethod
     def _run_load(self, job: _Job) -> None:
-        raise NotImplementedError
+        """Copy a load job's layers, pool -> KV cache, completing each layer's event."""
 
+    @abc.abstractmethod
     def _run_store(self, job: _Job) -> None:
-        raise NotImplementedError
+        """Copy a store job's chunks, KV cache -> pool, then finish its handle."""
 
     # ------------------------------------------------------------------ close
     def close(self) -> None:
