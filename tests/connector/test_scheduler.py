@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 import tracemalloc
 
@@ -113,7 +114,7 @@ def test_failed_load_is_a_miss_for_that_request_next_time(index):
     half.update_state_after_alloc(req, Blocks(range(7)), 96)
     half.build_connector_meta(step_output({}, {}))
     half.update_connector_output(KVConnectorOutput(
-        finished_recving={"a"}, kv_connector_worker_meta=MaruWorkerMetadata({"a"})))
+        finished_recving={"a"}, kv_connector_worker_meta=MaruWorkerMetadata(failed_load_req_ids={"a"})))
     assert half.get_num_new_matched_tokens(req, 0) == (0, False)  # no livelock
     assert half.stats.snapshot()["counters"]["recomputed_tokens"] == 96
     other = request("b", 100)  # the same prefix for another request still hits
