@@ -56,7 +56,7 @@ class _Load:
     handle: Any = None
     released: bool = False
     aborted: bool = False
-    late_failure_reported: bool = False  # failed after release, and vLLM was told
+    late_failure_recorded: bool = False  # failed after release, waiting to be reported
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -121,7 +121,9 @@ class AsyncLoader:
 
     def take_results(self, scheduled_req_ids: Iterable[str] = ()) -> LoadResults:
         """Released and failed requests since the last call, atomically, and
-        the failures after release of requests in ``scheduled_req_ids``.
+        the failures after release of requests that vLLM can still roll back:
+        those this step computed (``scheduled_req_ids``) and those whose
+        release is reported now (vLLM sees them still parked).
 
         Raises:
             RuntimeError: the loader thread died; parked requests could never
@@ -131,21 +133,18 @@ class AsyncLoader:
             raise RuntimeError("the MaruCache loader thread died; see the log") from self._dead
         with self._lock:
             results, self._results = self._results, LoadResults()
-            for req_id in set(scheduled_req_ids) & self._late_failures.keys():
+            reportable = set(scheduled_req_ids) | results.released
+            for req_id in reportable & self._late_failures.keys():
                 results.failed_after_release[req_id] = self._late_failures.pop(req_id)
         return results
 
-    def wait_layer(self, position: int) -> tuple[float, dict[str, list[int]]]:
-        """Block until layer ``position`` of every released load landed.
-
-        Returns the seconds waited and the loads whose layer failed (request
-        id -> its blocks): the caller reports them to vLLM in this step, since
-        this step's forward is about to use those blocks.
-        """
+    def wait_layer(self, position: int) -> float:
+        """Block until layer ``position`` of every released load landed (or
+        failed: recorded for :meth:`take_results`); the seconds waited."""
         with self._lock:
             loads = [ld for ld in self._loads.values() if ld.released]
         if not loads:
-            return 0.0, {}
+            return 0.0
         start = time.perf_counter()
         failed = []
         for load in loads:
@@ -153,14 +152,9 @@ class AsyncLoader:
             if not load.handle.wait_layer_on_device(position):
                 failed.append(load)
         waited = time.perf_counter() - start
-        reported: dict[str, list[int]] = {}
-        with self._lock:
-            for load in failed:
-                if not load.late_failure_reported:
-                    load.late_failure_reported = True
-                    self._late_failures.pop(load.spec.req_id, None)
-                    reported[load.spec.req_id] = load.spec.all_block_ids()
-        return waited, reported
+        for load in failed:
+            self._record_late_failure(load)
+        return waited
 
     def drain(self, req_ids: Iterable[str]) -> None:
         """Before vLLM reuses these requests' blocks: abort and finish their copies.
@@ -284,12 +278,20 @@ class AsyncLoader:
 
     def _late_failure(self, load: _Load, reason: str) -> None:
         """A released load failed: vLLM hears of it when the request is scheduled."""
-        logger.error("KV copy for %s failed after release: %r", load.spec.req_id,
-                     load.handle.error if load.handle is not None else None)
-        self._stats.record_load_failure(reason)
+        if self._record_late_failure(load):
+            logger.error("KV copy for %s failed after release: %r", load.spec.req_id,
+                         load.handle.error if load.handle is not None else None)
+            self._stats.record_load_failure(reason)
+
+    def _record_late_failure(self, load: _Load) -> bool:
+        """Record once that ``load`` failed after release; True the first time."""
         with self._lock:
-            if not load.late_failure_reported and not load.aborted:
+            if load.late_failure_recorded:
+                return False
+            load.late_failure_recorded = True
+            if not load.aborted:
                 self._late_failures[load.spec.req_id] = load.spec.all_block_ids()
+            return True
 
     def _release(self, load: _Load) -> None:
         with self._lock:

@@ -186,12 +186,7 @@ class MaruWorkerHalf:
             load.handle.wait_layer_on_device(position)  # a failure is found in _finish_sync_loads
         waited = time.perf_counter() - start
         if self._loader is not None:
-            waited_s, failed = self._loader.wait_layer(position)
-            waited += waited_s
-            for req_id, blocks in failed.items():  # the forward just used them: report now
-                logger.warning("KV copy for %s failed after its release; vLLM recomputes it", req_id)
-                self._record_failure(req_id, blocks)
-                self._tainted = True
+            waited += self._loader.wait_layer(position)
         self.stats.record_layer_wait(waited)
 
     # ---- after the forward -----------------------------------------------
@@ -221,7 +216,8 @@ class MaruWorkerHalf:
             for req_id, blocks in results.failed_after_release.items():
                 logger.warning("KV copy for %s failed after its release; vLLM recomputes it", req_id)
                 self._record_failure(req_id, blocks)
-                self._tainted = True
+                if req_id in meta.scheduled_req_ids:  # this step's forward used the blocks
+                    self._tainted = True
         return sending, recving
 
     def get_block_ids_with_load_errors(self) -> set[int]:
