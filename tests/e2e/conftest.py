@@ -169,6 +169,23 @@ class Reference:
         return [self._memo[(model, tuple(p), max_tokens)] for p in prompts]
 
 
+def assert_same_prefix_kv(written: bytes | None, read: bytes | None, num_tokens: int, prefix_tokens: int) -> None:
+    """The first ``prefix_tokens`` positions of two prompt-KV dumps (see
+    ``EngineProcess.generate(dump_kv=True)``) are byte-identical, in every layer."""
+    assert written is not None and read is not None, "no KV dump (request finished at its first token?)"
+    assert len(written) == len(read)
+    layers = NUM_LAYERS
+    row = len(written) // (layers * num_tokens)
+    for layer in range(layers):
+        start = layer * num_tokens * row
+        a = written[start:start + prefix_tokens * row]
+        b = read[start:start + prefix_tokens * row]
+        if a != b:
+            first = next(i for i in range(len(a)) if a[i] != b[i]) // row
+            raise AssertionError(f"layer {layer}: the loaded KV differs from the computed KV "
+                                 f"from position {first} on (of a {prefix_tokens}-token prefix)")
+
+
 def pool_state(index: IndexProcess) -> dict[str, Any]:
     return index.stats()
 
