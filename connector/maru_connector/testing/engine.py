@@ -202,6 +202,24 @@ class EngineProcess:
         return payload
 
 
+def prefix_kv_mismatch(written: bytes | None, read: bytes | None, written_tokens: int, read_tokens: int,
+                       prefix_tokens: int, num_layers: int) -> tuple[int, int] | None:
+    """Where two prompt-KV dumps (``generate(dump_kv=True)``) first differ
+    within the first ``prefix_tokens`` positions, as (layer, position); None
+    when those positions hold the same bytes in every layer."""
+    if not written or not read:
+        return (0, 0)
+    row = len(written) // (num_layers * written_tokens)
+    if len(read) != row * num_layers * read_tokens:
+        return (0, 0)
+    for layer in range(num_layers):
+        a = written[layer * written_tokens * row:][: prefix_tokens * row]
+        b = read[layer * read_tokens * row:][: prefix_tokens * row]
+        if a != b:
+            return layer, next(i for i in range(len(a)) if a[i] != b[i]) // row
+    return None
+
+
 def _engine_env(spec: EngineSpec) -> dict[str, str]:
     env = {
         "HF_HUB_OFFLINE": "1",
