@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from maru_core.pool.slots import SlotFormat, SlotHeader
+from maru_core.protocol import ErrorType
 from maru_core.stats import ConnectorStats
 
 from maru_connector.metadata import StoreSpec
@@ -48,6 +49,11 @@ class StoreFailure(Exception):
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
+
+
+def _is_no_space(exc: BaseException) -> bool:
+    """Whether a reserve failed for lack of room (``IndexRejected`` of type ``no_space``)."""
+    return getattr(exc, "error_type", None) == ErrorType.NO_SPACE.value
 
 
 class Storer:
@@ -196,7 +202,7 @@ class Storer:
                 self._client = self._client_factory()
             slots = list(self._client.reserve([(k, self._fmt.object_bytes) for k in keys]))
         except Exception as exc:
-            reason = "no_space" if getattr(exc, "type", None) == "no_space" else "index_error"
+            reason = "no_space" if _is_no_space(exc) else "index_error"
             raise StoreFailure(reason, f"{type(exc).__name__}: {exc}") from exc
         if len(slots) != len(keys):
             raise StoreFailure("index_error", f"{len(slots)} slots for {len(keys)} keys")
