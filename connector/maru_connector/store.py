@@ -2,8 +2,8 @@
 
 A store job is one :class:`StoreSpec` (one request, one step): one batched
 ``reserve`` for all its objects, one ``submit_store`` of the copies into the
-reserved slots, then — once the copy completed — the slot headers and one
-batched ``commit``. Any failure aborts the reservation and only costs a
+reserved slots, then — once the copy completed — the slot headers (each with
+the checksum of its object's payload) and one batched ``commit``. Any failure aborts the reservation and only costs a
 future miss (counted by reason). With ``maru_async_store`` the jobs run on the
 store thread and never block the forward; vLLM keeps a finished request's
 blocks until :meth:`Storer.finished_requests` reports its jobs done, and a
@@ -187,7 +187,10 @@ class Storer:
         if not handle.wait():
             raise StoreFailure("copy_error", repr(handle.error))
         for key, slot in chunk_keys:
-            header = SlotHeader(key, slot.generation, self._fmt.object_bytes, self._slot_fmt)
+            # The checksum of the bytes as they lie in the pool, which is what readers check.
+            checksum = self._pool.payload_checksum(slot.offset, self._fmt.object_bytes)
+            header = SlotHeader(key, slot.generation, self._fmt.object_bytes, self._slot_fmt, checksum,
+                                self._fmt.fingerprint)  # fmt: skip
             self._pool.write_slot_header(slot.offset, header)
         try:
             committed = self._client.commit([k for k, _ in chunk_keys])
