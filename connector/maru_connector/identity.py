@@ -49,8 +49,6 @@ logger = logging.getLogger(__name__)
 def check_engine_supported(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> None:
     """Refuse, with one line that says what to change, an engine whose KV the keys
     cannot make safe to share. Called by both halves at construction."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
-
     policy = getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "recompute")
     if policy != "recompute":
         raise MaruConfigError(
@@ -73,15 +71,25 @@ def check_engine_supported(vllm_config: "VllmConfig", kv_cache_config: "KVCacheC
             )
     block_size_of(kv_cache_config)  # one KV cache group
     spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-    window = vllm_config.model_config.get_sliding_window()
-    if type(spec) is not FullAttentionSpec or spec.sliding_window or spec.attention_chunk_size or window:
-        kind = f"sliding window {spec.sliding_window or window}" if (spec.sliding_window or window) else (
-            f"chunked local attention {spec.attention_chunk_size}" if spec.attention_chunk_size
-            else type(spec).__name__)
+    other = _not_full_attention(spec, vllm_config.model_config.get_sliding_window())
+    if other is not None:
         raise MaruConfigError(
-            f"MaruKVConnector supports full attention only; this model's KV cache uses {kind} "
+            f"MaruKVConnector supports full attention only; this model's KV cache uses {other} "
             "(vLLM frees or rewrites blocks while a request runs); run it without the connector"
         )
+
+
+def _not_full_attention(spec: Any, model_window: int | None) -> str | None:
+    """What other attention than plain full attention the KV spec or model uses, if any."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    window = getattr(spec, "sliding_window", None) or model_window
+    if window:
+        return f"sliding window {window}"
+    chunk = getattr(spec, "attention_chunk_size", None)
+    if chunk:
+        return f"chunked local attention {chunk}"
+    return None if type(spec) is FullAttentionSpec else type(spec).__name__
 
 
 def block_size_of(kv_cache_config: "KVCacheConfig") -> int:
