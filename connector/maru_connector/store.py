@@ -3,8 +3,9 @@
 A store job is one :class:`StoreSpec` (one request, one step): one batched
 ``reserve`` for all its objects, one ``submit_store`` of the copies into the
 reserved slots, then — once the copy completed — the slot headers (each with
-the checksum of its object's payload) and one batched ``commit``. Any failure aborts the reservation and only costs a
-future miss (counted by reason). With ``maru_async_store`` the jobs run on the
+the checksum of its object's payload and the worker's layout fingerprint)
+and one batched ``commit``. Any failure aborts the reservation and only
+costs a future miss (counted by reason). With ``maru_async_store`` the jobs run on the
 store thread and never block the forward; vLLM keeps a finished request's
 blocks until :meth:`Storer.finished_requests` reports its jobs done, and a
 preempted request's jobs are cancelled or finished before its blocks are
