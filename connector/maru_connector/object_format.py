@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from functools import cached_property
 
 from .kv_layout import KVCacheLayout
 
@@ -47,7 +48,7 @@ class ObjectFormat:
         """``"layerwise"`` or ``"chunkwise"``, as the key namespace spells it."""
         return "layerwise" if self.layerwise else "chunkwise"
 
-    @property
+    @cached_property
     def fingerprint(self) -> int:
         """A u64 naming how this worker's objects arrange their bytes: the KV layout
         it detected (kind, geometry, dtype, the true indices of its layers) and the

@@ -9,8 +9,9 @@ failed load (recompute), never used KV.
 
 The function is XXH3-64 (xxHash): non-cryptographic (it guards against
 accidents and late writers, not against someone who can write the pool,
-who could write a matching header as well) and fast, tens of GB/s per core
-on AVX2, releasing the GIL for large buffers. A value of 0 is stored as 1, so
+who could write a matching header as well) and fast: about 10 GB/s on one
+core of the development VM (``bench/payload_checksum.py``), with the GIL
+released while it runs. A value of 0 is stored as 1, so
 0 can mean "no checksum" in the header.
 """
 
