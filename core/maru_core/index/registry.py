@@ -12,7 +12,11 @@ Rules it keeps:
 - A pinned object is never evicted and its pages never reused; pins belong to
   a lease and go when it is closed or lapses.
 - Reservations go when aborted, when their lease lapses, or
-  ``reservation_ttl_s`` after ``reserve`` if still uncommitted.
+  ``reservation_ttl_s`` after ``reserve`` if still uncommitted. The pages of
+  a reservation that lapsed are fenced (``maru_core.index.fencing``): not
+  reused while its writer's lease lives, nor for ``fence_grace_s`` after it
+  ends, unless the writer commits or aborts the key first; a late copy of a
+  lapsed writer can never land in another writer's object.
 - Eviction: when a reserve would push used pages (reserved + committed) above
   ``high_watermark`` of the capacity, committed unpinned objects are evicted,
   least recently used first, until used pages plus the reserve fit under
@@ -32,6 +36,7 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 
 from maru_core.index.allocator import ExtentAllocator
+from maru_core.index.fencing import LapsedFence
 from maru_core.index.leases import Lease, new_lease_id
 from maru_core.index.restore import select_restorable
 from maru_core.index.records import RecordTable, State
@@ -77,8 +82,10 @@ class Registry:
     may stay uncommitted; ``high_watermark``/``low_watermark`` (fractions of
     capacity, ``0 < low <= high <= 1``) drive eviction; ``quarantine_s``
     (default ``lease_ttl_s``) is how long no slot is handed out after
-    ``restore``; ``clock`` returns seconds; ``first_generation`` seeds the
-    generation counter.
+    ``restore``; ``fence_grace_s`` (default ``reservation_ttl_s``) how long
+    the pages of a lapsed reservation stay fenced after its lease ends;
+    ``clock`` returns seconds; ``first_generation`` seeds the generation
+    counter.
     """
 
     def __init__(
@@ -92,6 +99,7 @@ class Registry:
         quarantine_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         first_generation: int = 1,
+        fence_grace_s: float | None = None,
     ) -> None:
         if not 0 < low_watermark <= high_watermark <= 1:
             raise ValueError(
@@ -121,6 +129,7 @@ class Registry:
         self._committed_keys = 0
         self._evictions = 0
         self._quarantine_until = -math.inf
+        self._fence = LapsedFence(self.reservation_ttl_s if fence_grace_s is None else fence_grace_s)
 
     # -- leases ---------------------------------------------------------------------------------
 
@@ -171,7 +180,8 @@ class Registry:
         rec = self._records
         hw = rec.high_water
         owned = np.flatnonzero((rec.owner[:hw] == lease.number) & (rec.state[:hw] == State.RESERVED))
-        self._release(owned, State.RESERVED)
+        self._fence_lapsed(owned)
+        self._fence.lease_ended(lease.number, self._clock())
         return len(pinned), len(owned)
 
     def expire(self) -> ExpiryReport:
@@ -186,8 +196,9 @@ class Registry:
         if self._reserved_keys:
             rec, hw = self._records, self._records.high_water
             stale = np.flatnonzero((rec.state[:hw] == State.RESERVED) & (rec.deadline[:hw] <= now))
-            self._release(stale, State.RESERVED)
+            self._fence_lapsed(stale)
             reservations += len(stale)
+        self._free_fenced(self._fence.due(now))
         return ExpiryReport(tuple(lapsed), pins, reservations)
 
     def _lookup_in_state(self, keys: Keys, state: State) -> tuple[np.ndarray, np.ndarray]:
@@ -364,6 +375,7 @@ class Registry:
         self._committed_pages += pages
         self._committed_keys += len(done)
         self._touch(done)
+        self._end_fence_of_writer(lease, joined, ok)
         return ok.tolist()
 
     def abort(self, lease_id: str, keys: Keys) -> int:
@@ -371,8 +383,10 @@ class Registry:
         lease = self._lease(lease_id)
         rec = self._records
         rows, reserved = self._lookup_in_state(keys, State.RESERVED)
-        mine = np.unique(rows[reserved & (rec.owner[rows] == lease.number)])
+        held = reserved & (rec.owner[rows] == lease.number)
+        mine = np.unique(rows[held])
         self._release(mine, State.RESERVED)
+        self._end_fence_of_writer(lease, joined_keys(keys), held)
         return len(mine)
 
     # -- space ----------------------------------------------------------------------------------
@@ -391,6 +405,41 @@ class Registry:
         else:
             self._committed_pages -= pages
             self._committed_keys -= len(rows)
+
+    # -- fencing of lapsed writers ------------------------------------------------------------
+
+    def _fence_lapsed(self, rows: np.ndarray) -> None:
+        """Drop the lapsed reservations at ``rows`` (distinct, reserved) but keep their pages
+        allocated, in the fence: their writer may still be copying into them."""
+        if not len(rows):
+            return
+        rec = self._records
+        keys = [rec.key_of(int(row)) for row in rows]
+        self._fence.hold(keys, rec.page[rows].copy(), rec.pages[rows].copy(), rec.owner[rows].copy(),
+                         lambda number: number in self._lease_by_number, self._clock())  # fmt: skip
+        rec.remove(rows)
+        self._reserved_keys -= len(rows)  # the pages stay counted as reserved until freed
+
+    def _free_fenced(self, runs: list[tuple[int, int]]) -> None:
+        if not runs:
+            return
+        starts, counts = (np.array(column, dtype=np.int64) for column in zip(*runs))
+        self._alloc.free_runs(starts, counts)
+        self._reserved_pages -= int(counts.sum())
+
+    def _end_fence_of_writer(self, lease: Lease, joined: bytes, handled: np.ndarray) -> None:
+        """The writer committed or aborted ``joined``'s keys: fenced runs of those it no
+        longer holds (``handled`` false) can go, since it sends those calls after its copy."""
+        if not len(self._fence):
+            return
+        n = len(joined) // KEY_BYTES
+        keys = {joined[i * KEY_BYTES : (i + 1) * KEY_BYTES] for i in range(n) if not handled[i]}
+        self._free_fenced(self._fence.writer_done(lease.number, keys))
+
+    @property
+    def fenced_pages(self) -> int:
+        """Pages of lapsed reservations held back from reuse (part of ``reserved_bytes``)."""
+        return self._fence.pages
 
     def _evict(self, min_pages: int) -> int:
         """Evict least recently used unpinned committed objects totalling at least
