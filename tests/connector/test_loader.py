@@ -46,7 +46,7 @@ class GatedHandle:
 class GatedEngine:
     def __init__(self, real):
         self.real = real
-        self.fmt = real.fmt
+        self.fmt, self.backend = real.fmt, real.backend
         self.handles: list[GatedHandle] = []
 
     def submit_load(self, chunks):

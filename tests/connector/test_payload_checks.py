@@ -10,7 +10,8 @@ from maru_core.pool.checksum import payload_checksum
 from maru_connector.config import parse_config
 from maru_connector.resolve import LoadFailure, object_keys, release_pins, resolve_load
 
-from worker_env import BLOCK, CHUNK, LAYERS, WorkerEnv, blocks_equal, load_meta, spec_blocks, store_meta, tokens
+from worker_env import (BLOCK, CHUNK, LAYERS, WorkerEnv, blocks_equal, finished, load_meta, report, save,
+                        spec_blocks, store_meta, tokens)
 
 
 @pytest.fixture
@@ -25,9 +26,9 @@ def _step(half, meta):
     half.start_load_kv(meta)
     for i in range(LAYERS):
         half.wait_for_layer_load(f"model.layers.{i}.self_attn.attn")
-    half.wait_for_save(meta)
-    half.get_finished(set())
-    return half.get_block_ids_with_load_errors(), half.build_worker_meta()
+    save(half, meta)
+    finished(half)
+    return half.get_block_ids_with_load_errors(), report(half)
 
 
 def _store(env, n_tokens=64, **knobs):
