@@ -23,7 +23,7 @@ from . import FINALIZER
 from .handlers import OperatorContext, build_registry, report_refusal
 from .k8s import KubeApi, LedgerStore, load_configuration
 from .metrics import OperatorMetrics
-from .usage import http_reader
+from .usage import DEFAULT_URL_TEMPLATE, http_reader, url_template
 from .webhook import SelfSigningWebhookServer, register_webhook
 
 
@@ -46,6 +46,7 @@ class OperatorOptions:
     liveness: str | None = None
     native_sidecars: str = "auto"
     usage_seconds: float = 30.0
+    index_metrics_url: str = DEFAULT_URL_TEMPLATE
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,6 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "auto = when the API server is Kubernetes 1.29 or newer (default)")
     parser.add_argument("--usage-seconds", type=float, default=d.usage_seconds,
                         help="how often status.used is read from each index's /metrics (0: never)")
+    parser.add_argument("--index-metrics-url", default=d.index_metrics_url,
+                        help="where an index's /metrics is, with {index} (its Service), {namespace} and {port} "
+                             "(spec.index.metricsPort); default: the Service's cluster DNS name")
 
 
 def options_from_args(args: argparse.Namespace) -> OperatorOptions:
@@ -104,7 +108,8 @@ def build_operator(options: OperatorOptions, metrics: OperatorMetrics | None = N
     ctx = OperatorContext(api=api, ledger=LedgerStore(api, options.namespace, options.ledger_name),
                           metrics=metrics or OperatorMetrics.create(), resync_seconds=options.resync_seconds,
                           native_mode=options.native_sidecars, usage_seconds=options.usage_seconds,
-                          usage_reader=http_reader() if options.usage_seconds > 0 else None)
+                          usage_reader=http_reader(url_template(options.index_metrics_url))
+                          if options.usage_seconds > 0 else None)
     registry = build_registry(ctx)
     settings = kopf.OperatorSettings()
     settings.persistence.finalizer = FINALIZER

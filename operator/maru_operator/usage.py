@@ -25,8 +25,17 @@ UsageReader = Callable[[CacheRef, CacheSpec], Awaitable[int | None]]
 TIMEOUT_S = 2.0
 
 
-def service_metrics_url(ref: CacheRef, spec: CacheSpec) -> str:
-    return f"http://{index_name(ref.name)}.{ref.namespace}.svc:{spec.index.metrics_port}/metrics"
+# `--index-metrics-url`: {index} is the index Service's name, {namespace} the cache's, {port} spec.index.metricsPort.
+DEFAULT_URL_TEMPLATE = "http://{index}.{namespace}.svc:{port}/metrics"
+
+
+def url_template(template: str = DEFAULT_URL_TEMPLATE) -> MetricsUrl:
+    def url_of(ref: CacheRef, spec: CacheSpec) -> str:
+        return template.format(index=index_name(ref.name), namespace=ref.namespace, port=spec.index.metrics_port)
+    return url_of
+
+
+service_metrics_url = url_template()
 
 
 def used_bytes(text: str) -> int | None:
