@@ -15,6 +15,7 @@ import pytest
 import requests
 
 from kube_helpers import Kube, wait_for
+from pod_security import restricted_violations
 from test_crd import VALIDATE
 from maru_operator import ANNOTATION_INJECTED, ANNOTATION_PLACEMENT, ANNOTATION_SKIPPED
 from maru_operator.injection import CONFIG_ENV, SIDECAR_NAME
@@ -91,6 +92,8 @@ def test_inject_then_second_pass_is_a_no_op(webhook, tmp_path):
     assert security["runAsNonRoot"] and security["readOnlyRootFilesystem"] and not security["allowPrivilegeEscalation"]
     assert security["capabilities"] == {"drop": ["ALL"]} and security["seccompProfile"] == {"type": "RuntimeDefault"}
     assert 65532 in spec["securityContext"]["supplementalGroups"]  # vLLM may connect to the 0660 socket
+    # What the webhook adds never lowers the namespace's Pod Security level below restricted.
+    assert restricted_violations(spec, containers=[SIDECAR_NAME]) == []
     cmd = sidecar["command"]
     assert cmd[:4] == ["marucache", "sidecar", "--pool", "/dev/dax0.0"]
     assert cmd[cmd.index("--cache") + 1] == "shared" and cmd[cmd.index("--socket") + 1] == "/var/run/maru/sidecar.sock"
