@@ -221,3 +221,35 @@ def test_promtool_accepts_the_alert_rules(tmp_path):
     run = subprocess.run([PROMTOOL, "check", "rules", str(path)], capture_output=True, text=True)
     assert run.returncode == 0 and f"SUCCESS: {len(names)} rules found" in run.stdout, run.stdout + run.stderr
     assert all(r["labels"]["team"] == "ml" for g in rules["groups"] for r in g["rules"])
+
+
+def test_the_device_plugin_advertises_the_resource_caches_request_by_default(tmp_path):
+    from maru_operator.models import DEFAULT_DEVICE_RESOURCE
+
+    assert not find(render(tmp_path), "DaemonSet"), "off by default"
+    docs = render(tmp_path, ALL_FEATURES)
+    (plugin,) = find(docs, "DaemonSet")
+    pod = plugin["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["image"] == "ghcr.io/squat/generic-device-plugin@sha256:" + "cd" * 32
+    domain = next(a for a in container["args"] if a.startswith("--domain=")).split("=", 1)[1]
+    device = json.loads(next(a for a in container["args"] if a.startswith("--device=")).split("=", 1)[1])
+    assert f"{domain}/{device['name']}" == DEFAULT_DEVICE_RESOURCE
+    assert device["groups"] == [{"count": 16, "paths": [{"path": "/dev/dax0.0"}, {"path": "/dev/dax1.0"}]}]
+    assert pod["nodeSelector"] == {"maru.io/cxl": "true"} and pod["imagePullSecrets"] == [{"name": "regcred"}]
+    res = container["resources"]
+    assert res["requests"] == res["limits"]
+    with pytest.raises(HelmFailed, match="paths"):
+        render(tmp_path, {"devicePlugin": {"paths": ["dax0.0"]}})  # not a /dev path
+
+
+def test_the_operator_gets_the_native_sidecar_and_usage_flags(tmp_path):
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_arguments(parser)
+    defaults = options_from_args(parser.parse_args(operator_args(render(tmp_path))))
+    assert (defaults.native_sidecars, defaults.usage_seconds) == ("auto", 30)
+    docs = render(tmp_path, {"operator": {"nativeSidecars": "never", "usageSeconds": 0}})
+    options = options_from_args(parser.parse_args(operator_args(docs)))
+    assert (options.native_sidecars, options.usage_seconds) == ("never", 0)
+    with pytest.raises(HelmFailed, match="nativeSidecars"):
+        render(tmp_path, {"operator": {"nativeSidecars": "sometimes"}})
