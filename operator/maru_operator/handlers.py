@@ -20,9 +20,8 @@ from typing import Any
 
 import kopf
 
-from . import API_VERSION, GROUP, KIND, MANAGED_BY, PLURAL, VERSION, reconciler
+from . import API_VERSION, GROUP, KIND, LABEL_CACHE, MANAGED_BY, PLURAL, VERSION, reconciler, upkeep
 from .conditions import now_rfc3339, phase, refresh_index
-from . import LABEL_CACHE, upkeep
 from .injection import cache_info
 from .inventory import NodeInfo, parse_node
 from .k8s import ApiError, Conflict, KubeApi, LedgerStore, object_path

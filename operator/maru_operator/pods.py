@@ -23,6 +23,7 @@ OLD_PLACEMENT = "old_placement"
 NOT_INJECTED = "not_injected"
 REASONS = (OLD_PLACEMENT, NOT_INJECTED)
 PODS_CURRENT = "PodsCurrent"
+_CACHE_NOT_READY = "MaruCache "  # how injection's skips for a missing, invalid or unallocated cache begin
 _HASH_SUFFIX = re.compile(r"-[a-z0-9]{5,10}$")  # a ReplicaSet's pod-template-hash suffix
 
 
@@ -34,7 +35,7 @@ class PodView:
     name: str
     uid: str
     injected: bool
-    skipped: bool
+    skip_reason: str  # the webhook's maru.io/injection-skipped, "" when none
     placement: str
     owner_kind: str = ""
     owner_name: str = ""
@@ -47,21 +48,24 @@ def pod_view(body: Mapping[str, Any]) -> PodView:
     owner = next((o for o in meta.get("ownerReferences") or () if o.get("controller")), None) or {}
     return PodView(namespace=str(meta.get("namespace") or "default"), name=str(meta.get("name") or ""),
                    uid=str(meta.get("uid") or ""), injected=ANNOTATION_INJECTED in notes,
-                   skipped=ANNOTATION_SKIPPED in notes, placement=str(notes.get(ANNOTATION_PLACEMENT) or ""),
+                   skip_reason=str(notes.get(ANNOTATION_SKIPPED) or ""),
+                   placement=str(notes.get(ANNOTATION_PLACEMENT) or ""),
                    owner_kind=str(owner.get("kind") or ""), owner_name=str(owner.get("name") or ""),
                    terminating=bool(meta.get("deletionTimestamp")))
 
 
 def stale_pods(pods: Iterable[PodView], current: str) -> list[tuple[PodView, str]]:
-    """Pods to re-create and why: injected for another placement than `current`, or never seen by
-    the webhook (neither injected nor skipped with a reason)."""
+    """Pods to re-create and why: injected for another placement than `current`; or not injected,
+    either never seen by the webhook or skipped because the cache was missing, invalid or not yet
+    allocated then (it is allocated now: the caller checks). Pods skipped for a reason of their own
+    (outside the podSelector, no vLLM container found, ...) are the user's choice, not stale."""
     found = []
     for pod in sorted(pods, key=lambda p: p.name):
         if pod.terminating:
             continue
         if pod.injected and pod.placement != current:
             found.append((pod, OLD_PLACEMENT))
-        elif not pod.injected and not pod.skipped:
+        elif not pod.injected and (not pod.skip_reason or pod.skip_reason.startswith(_CACHE_NOT_READY)):
             found.append((pod, NOT_INJECTED))
     return found
 
@@ -77,7 +81,8 @@ def restart_hint(pod: PodView) -> str:
 
 def why(reason: str) -> str:
     return ("was injected for an earlier pool placement (the cache was resized or moved)" if reason == OLD_PLACEMENT
-            else "has no sidecar: it was created while the webhook was not answering")
+            else "has no sidecar: it was created while the webhook was not answering or the cache was not "
+                 "ready")
 
 
 def pods_condition(stale: list[tuple[PodView, str]]) -> tuple[bool, str, str]:

@@ -48,25 +48,26 @@ def test_stale_and_uninjected_pods_get_an_event_a_gauge_and_a_condition(kube: Ku
         add_pod(kube, "llama-5d8f9c7b6-x2k9q", {ANNOTATION_INJECTED: "kept", ANNOTATION_PLACEMENT: "0" * 16},
                 RS_OWNER)
         add_pod(kube, "missed", {})  # created while the webhook was not answering
-        cond = wait_for(lambda: (c := condition(kube.cache("kept"), "PodsCurrent")) and "2 pod(s)" in c["message"]
-                        and c, what="PodsCurrent naming both pods")
+        add_pod(kube, "early", {ANNOTATION_SKIPPED: "MaruCache kept has no pool allocated yet (phase Pending)"})
+        cond = wait_for(lambda: (c := condition(kube.cache("kept"), "PodsCurrent")) and "3 pod(s)" in c["message"]
+                        and c, what="PodsCurrent naming the three pods")
         assert cond["reason"] == "StalePods" and cond["status"] == "False"
         assert "kubectl rollout restart deployment/llama -n default" in cond["message"]
         assert "kubectl delete pod missed -n default" in cond["message"]
-        events = wait_for(lambda: len(kube.events("StaleInjection")) == 2 and kube.events("StaleInjection"))
-        assert {e["involvedObject"]["name"] for e in events} == {"llama-5d8f9c7b6-x2k9q", "missed"}
+        events = wait_for(lambda: len(kube.events("StaleInjection")) == 3 and kube.events("StaleInjection"))
+        assert {e["involvedObject"]["name"] for e in events} == {"llama-5d8f9c7b6-x2k9q", "missed", "early"}
         labels = {"namespace": "default", "cache": "kept"}
         assert metrics.registry.get_sample_value("maru_operator_stale_pods", {**labels, "reason": "old_placement"}) == 1
-        assert metrics.registry.get_sample_value("maru_operator_stale_pods", {**labels, "reason": "not_injected"}) == 1
+        assert metrics.registry.get_sample_value("maru_operator_stale_pods", {**labels, "reason": "not_injected"}) == 2
 
         # The documented fix: re-create them (rollout restart). The condition and the gauge clear.
-        for name in ("llama-5d8f9c7b6-x2k9q", "missed"):
+        for name in ("llama-5d8f9c7b6-x2k9q", "missed", "early"):
             kube.request("DELETE", f"/api/v1/namespaces/default/pods/{name}")
         cond = wait_for(lambda: (c := condition(kube.cache("kept"), "PodsCurrent")) and c["status"] == "True"
                         and c, what="PodsCurrent True")
         assert cond["reason"] == "AllCurrent"
         assert metrics.registry.get_sample_value("maru_operator_stale_pods", {**labels, "reason": "old_placement"}) == 0
-        assert len(kube.events("StaleInjection")) == 2  # one Event per pod, not one per resync
+        assert len(kube.events("StaleInjection")) == 3  # one Event per pod, not one per resync
 
 
 def test_ready_is_not_decided_by_pods_and_other_writes_keep_the_condition(kube: Kube, options):
