@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import pytest
 
 from kube_helpers import Kube, condition, wait_for
 from maru_connector.testing.index_process import IndexProcess, free_port
