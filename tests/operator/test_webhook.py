@@ -250,3 +250,27 @@ def _server_cert(port: int) -> str | None:
         return ssl.get_server_certificate(("127.0.0.1", port), timeout=2)
     except OSError:
         return None
+
+
+def test_out_of_cluster_install_creates_the_webhook_configuration(kube, cluster, options, tmp_path):
+    """docs/operator.md's out-of-cluster command: with --webhook-manage the operator registers its own
+    MutatingWebhookConfiguration, pointing at --webhook-host, trusting its self-signed certificate."""
+    port = free_port()
+    opts = dataclasses.replace(options, webhook=True, webhook_addr="127.0.0.1", webhook_port=port,
+                               webhook_host="127.0.0.1", webhook_manage=True)
+    with OperatorThread(opts):
+        config = wait_for(lambda: (c := kube.objects("admissionregistration.k8s.io/v1/mutatingwebhookconfigurations")
+                                   .get((None, "marucache.maru.io"))) and c.get("webhooks") and c,
+                          what="the webhook configuration")  # kopf creates it, then patches the webhooks in
+        (hook,) = [h for h in config["webhooks"] if "inject" in h["name"]]
+        assert hook["clientConfig"]["url"].startswith(f"https://127.0.0.1:{port}/inject")
+        ca = tmp_path / "ca.pem"
+        ca.write_bytes(base64.b64decode(hook["clientConfig"]["caBundle"]))
+        answer, patched = review(hook["clientConfig"]["url"], pod("missing"), verify=str(ca))
+        assert ANNOTATION_SKIPPED in patched["metadata"]["annotations"]  # the API server's call works
+        assert hook["objectSelector"]["matchExpressions"][0]["key"] == "maru.io/cache"
+    calls = cluster.call(lambda: {(r.method.value, r.url.path.rsplit("/", 1)[-1] if "marucache.maru.io" in r.url.path
+                                   else "collection") for r in cluster.emulator
+                                  if "mutatingwebhookconfigurations" in r.url.path})
+    # What docs/operator.md tells an out-of-cluster user to grant besides the chart's ClusterRole.
+    assert calls <= {("POST", "collection"), ("PATCH", "marucache.maru.io")}, calls  # create and patch
