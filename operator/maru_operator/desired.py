@@ -207,8 +207,11 @@ def with_device(resources: Mapping[str, Any], spec: CacheSpec, placement: Placem
     return result
 
 
-def token_volume(ref: CacheRef) -> dict[str, Any]:
-    return {"name": "maru-token", "secret": {"secretName": secret_name(ref.name), "defaultMode": 0o440}}
+def token_volume(ref: CacheRef, mode: int = 0o440) -> dict[str, Any]:
+    """The index token. 0440 in the index pod, whose fsGroup owns it; 0444 in a vLLM pod, whose
+    fsGroup the webhook leaves alone (it would re-own the user's volumes), so that the sidecar and a
+    vLLM container of any user can read it — only containers that mount it can."""
+    return {"name": "maru-token", "secret": {"secretName": secret_name(ref.name), "defaultMode": mode}}
 
 
 TOKEN_MOUNT = {"name": "maru-token", "mountPath": TOKEN_DIR, "readOnly": True}

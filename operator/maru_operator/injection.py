@@ -190,7 +190,7 @@ def _inject(pod: Mapping[str, Any], containers: list[dict[str, Any]], index: int
     patch_spec: dict[str, Any] = {
         "volumes": list(spec.get("volumes") or []) + [
             v for v in ({"name": SOCKET_VOLUME, "emptyDir": {}}, pool_volume(info.placement),
-                        token_volume(info.ref), TMP_VOLUME) if v],
+                        token_volume(info.ref, mode=0o444), TMP_VOLUME) if v],
         "affinity": with_node_affinity(spec.get("affinity"), info.placement.nodes),
         "securityContext": _with_socket_group(spec.get("securityContext"), info.spec.sidecar.socket_group),
     }

@@ -100,6 +100,9 @@ def test_inject_then_second_pass_is_a_no_op(webhook, tmp_path):
     assert cmd[cmd.index("--socket-group") + 1] == "65532"
     assert {v["name"] for v in spec["volumes"]} == {"maru-socket", "maru-token", "maru-tmp"}
     assert {"emptyDir": {}, "name": "maru-socket"} in spec["volumes"]
+    token = next(v for v in spec["volumes"] if v["name"] == "maru-token")
+    assert token["secret"]["defaultMode"] == 0o444  # no fsGroup here: the sidecar (65532) reads it as "other"
+    assert "fsGroup" not in spec["securityContext"]
     term = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]
     assert term["matchFields"][0]["values"] == ["rack-a-1", "rack-a-2"]
     again, same = review(webhook, injected)
