@@ -21,7 +21,7 @@ def test_the_injected_pod_in_the_sidecar_docs_is_the_webhooks_output():
                              "spec": {"pool": {"deviceClass": "dax", "size": "64Gi"}}})
     placement = Placement("dax", "cxl-a", "/dev/dax0.0", 0, 64 << 30, ("cxl-1",), "/dev/dax0.0")
     pod = {"metadata": {"name": "p", "namespace": "inference", "labels": {"maru.io/cache": "mycache"}},
-           "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.11.0",
+           "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.32.0",
                                     "args": ["--model", "/models/llama"]}]}}
     decision = decide(pod, "mycache", CacheInfo(ref, spec, placement, "Ready"), native=True)
     assert shown == {"spec": decision.patch["spec"]}
