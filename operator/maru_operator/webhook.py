@@ -10,6 +10,8 @@ MutatingWebhookConfiguration it manages.
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import datetime
 import ipaddress
 import logging
@@ -36,6 +38,7 @@ def register_webhook(registry: kopf.OperatorRegistry, native: Callable[[], bool]
     `native()` says whether the cluster runs native sidecars; `report(pod, reason)`
     posts the Event of a pod that could not be injected.
     """
+    reporting: set[asyncio.Task[None]] = set()  # Events being posted (kept referenced until done)
 
     @kopf.on.mutate("", "v1", "pods", id=WEBHOOK_ID, operations=["CREATE"], labels={LABEL_CACHE: kopf.PRESENT},
                     side_effects=False, ignore_failures=True, registry=registry)
@@ -51,8 +54,10 @@ def register_webhook(registry: kopf.OperatorRegistry, native: Callable[[], bool]
         if decision.refused:
             logger.warning("pod %s/%s not injected: %s", namespace, meta.get("name") or meta.get("generateName"),
                            decision.reason)
-            if report is not None:
-                await report(body, decision.reason)
+            if report is not None:  # in the background: the API server waits for this answer
+                task = asyncio.create_task(report(copy.deepcopy(dict(body)), decision.reason))
+                reporting.add(task)
+                task.add_done_callback(reporting.discard)
 
 
 def refusal_event(pod: Mapping[str, Any], reason: str, now: str) -> dict[str, Any] | None:

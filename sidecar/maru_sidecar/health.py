@@ -21,7 +21,6 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 log = logging.getLogger(__name__)
 
 LABELS = ("cache", "namespace", "pod")
-DEFAULT_INDEX_PROBE_INTERVAL_S = 10.0
 
 
 def handoff_readiness(pool_error: Callable[[], str | None], serving: Callable[[], bool],
