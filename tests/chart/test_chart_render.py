@@ -32,10 +32,24 @@ def test_helm_lint_passes_with_defaults_and_with_every_feature(tmp_path):
         assert "0 chart(s) failed" in helm("lint", str(CHART), "--strict", "--values", str(path))
 
 
+# Every values combination the docs show (docs/helm.md, docs/install.md), besides the defaults.
+DOCUMENTED = {
+    "install-md": {"operator": {"image": {"repository": "registry.example.com/ml/marucache"}},
+                   "devicePlugin": {"enabled": True}},
+    "tls-secret-with-ca": {"webhook": {"tls": {"mode": "secret", "secretName": "mine",
+                                               "caBundle": base64.b64encode(b"-----BEGIN CERTIFICATE-----\n")
+                                               .decode()}}},
+    "tls-secret-cert-manager": {"webhook": {"tls": {"mode": "secret", "secretName": "mine"},
+                                            "annotations": {"cert-manager.io/inject-ca-from": "maru-system/c"}}},
+    "plain-sidecars-no-usage": {"operator": {"nativeSidecars": "never", "usageSeconds": 0}},
+}
+
+
 @pytest.mark.parametrize("values", [{}, ALL_FEATURES, ALL_FEATURES_SM,
                                     {"webhook": {"enabled": False}, "crds": {"enabled": False},
-                                     "dashboards": {"enabled": False}}],
-                         ids=["defaults", "every-feature-podmonitor", "every-feature-servicemonitor", "minimal"])
+                                     "dashboards": {"enabled": False}}, *DOCUMENTED.values()],
+                         ids=["defaults", "every-feature-podmonitor", "every-feature-servicemonitor", "minimal",
+                              *DOCUMENTED])
 def test_every_built_in_manifest_passes_kubernetes_validate_strict(tmp_path, values):
     docs = render(tmp_path, values)
     built_in = [d for d in docs if d["apiVersion"].startswith(BUILT_IN_GROUPS)]
