@@ -87,6 +87,16 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction of the pool: use a number in (0, 1], e.g. 0.9")
+    return value
+
+
 def _address_arg(text: str) -> Any:
     from maru_core.protocol import parse_url
 
@@ -116,6 +126,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds a client's lease lives without a heartbeat (default 10)")
     parser.add_argument("--reservation-ttl", type=_positive_seconds, default=30.0, metavar="S",
                         help="seconds a reservation may stay uncommitted (default 30)")
+    parser.add_argument("--high-watermark", type=_fraction, default=0.95, metavar="F",
+                        help="used fraction of the pool at which a reserve evicts least recently used "
+                             "objects (default 0.95)")
+    parser.add_argument("--low-watermark", type=_fraction, default=0.85, metavar="F",
+                        help="used fraction eviction brings the pool down to; below --high-watermark "
+                             "(default 0.85)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
@@ -195,6 +211,10 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from maru_core.pool import PoolError
 
+    if args.low_watermark >= args.high_watermark:
+        print(f"marucache index: error: --low-watermark {args.low_watermark} must be below "
+              f"--high-watermark {args.high_watermark}", file=sys.stderr)
+        return 2
     try:
         token = read_token(args.token_file) if args.token_file else None
         pool, fresh = open_pool(args.pool, args.pool_size, args.page_size, args.pool_offset)
@@ -224,6 +244,7 @@ async def _serve(args: argparse.Namespace, pool: Any, token: str | None, fresh: 
         reservation_ttl_s=args.reservation_ttl,
         with_metrics=args.metrics_port is not None,
         fresh_pool=fresh,
+        watermarks=(args.high_watermark, args.low_watermark),
     )
     bound = await service.server.start(args.listen)
     try:

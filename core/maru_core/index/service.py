@@ -50,13 +50,17 @@ def build_service(
     with_metrics: bool,
     fresh_pool: bool = False,
     expiry_interval_s: float | None = None,
+    watermarks: tuple[float, float] = (0.95, 0.85),
 ) -> IndexService:
     """Build the index of ``pool``; call inside the running loop that will serve it.
 
     ``fresh_pool`` says the pool was just created: nothing to restore and no
-    writer of an earlier index to wait for.
+    writer of an earlier index to wait for. ``watermarks`` is (high, low):
+    the used fractions at which eviction starts and down to which it evicts.
     """
-    registry = Registry(pool.geometry, lease_ttl_s=lease_ttl_s, reservation_ttl_s=reservation_ttl_s)
+    high, low = watermarks
+    registry = Registry(pool.geometry, lease_ttl_s=lease_ttl_s, reservation_ttl_s=reservation_ttl_s,
+                        high_watermark=high, low_watermark=low)
     restored = 0
     if not fresh_pool:
         restored = restore_registry(registry, pool)
