@@ -132,8 +132,7 @@ class AsyncLoader:
             RuntimeError: the loader thread died; parked requests could never
                 be released, so the engine must stop rather than hang.
         """
-        if self._dead is not None:
-            raise RuntimeError("the MaruCache loader thread died; see the log") from self._dead
+        self._check_alive()
         with self._lock:
             results, self._results = self._results, LoadResults()
             reportable = set(scheduled_req_ids) | results.released
@@ -177,7 +176,12 @@ class AsyncLoader:
                 if load.released:
                     waits.append(load.done)
         for event in waits:
-            event.wait()
+            while not event.wait(0.1):
+                self._check_alive()
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise RuntimeError("the MaruCache loader thread died; see the log") from self._dead
 
     @property
     def num_in_flight(self) -> int:
