@@ -17,7 +17,9 @@ Rules it keeps:
   ``high_watermark`` of the capacity, committed unpinned objects are evicted,
   least recently used first, until used pages plus the reserve fit under
   ``low_watermark``. When free space is fragmented, more are evicted until
-  each object fits.
+  each object fits. One reserve never evicts more than
+  ``max_evict_fraction`` of the pool's pages: the items that do not fit
+  then get no slot, so one batch cannot wipe the cache.
 - After ``restore`` (an index restarted over a pool that was in use) no slot
   is handed out for ``quarantine_s``: copies that were in flight across the
   restart, whose pins and reservations died with the old index, finish first.
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 
 import numpy as np
 
@@ -42,6 +44,7 @@ from maru_core.index.registry_types import (
     Keys,
     checked_lengths,
     first_occurrences,
+    run_to_end,
     joined_keys,
     select_keys,
     split_items,
@@ -53,6 +56,9 @@ from maru_core.index.registry_types import (
 )
 from maru_core.pool.geometry import PoolGeometry
 from maru_core.protocol.locations import Location, LocationList, SlotList
+
+#: The largest share of the pool's pages one ``reserve`` may evict.
+MAX_EVICT_FRACTION = 0.25
 
 #: ``verify(keys, offsets, generations) -> one bool per key`` (see ``Registry.commit``).
 Verify = Callable[[bytes, np.ndarray, np.ndarray], Sequence[bool] | np.ndarray]
@@ -78,7 +84,8 @@ class Registry:
     capacity, ``0 < low <= high <= 1``) drive eviction; ``quarantine_s``
     (default ``lease_ttl_s``) is how long no slot is handed out after
     ``restore``; ``clock`` returns seconds; ``first_generation`` seeds the
-    generation counter.
+    generation counter; ``max_evict_fraction`` bounds what one reserve may
+    evict (a share of the pool's pages).
     """
 
     def __init__(
@@ -92,6 +99,7 @@ class Registry:
         quarantine_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         first_generation: int = 1,
+        max_evict_fraction: float = MAX_EVICT_FRACTION,
     ) -> None:
         if not 0 < low_watermark <= high_watermark <= 1:
             raise ValueError(
@@ -99,6 +107,8 @@ class Registry:
             )
         if lease_ttl_s <= 0 or reservation_ttl_s <= 0:
             raise ValueError("lease_ttl_s and reservation_ttl_s must be positive")
+        if not 0 < max_evict_fraction <= 1:
+            raise ValueError(f"max_evict_fraction must be in (0, 1], got {max_evict_fraction}")
         if first_generation < 1:
             raise ValueError(f"first_generation must be at least 1, got {first_generation}")
         self.geometry = geometry
@@ -107,6 +117,7 @@ class Registry:
         self.quarantine_s = self.lease_ttl_s if quarantine_s is None else float(quarantine_s)
         self._high_pages = math.floor(high_watermark * geometry.num_pages)
         self._low_pages = math.floor(low_watermark * geometry.num_pages)
+        self._max_evict_pages = max(1, math.floor(max_evict_fraction * geometry.num_pages))
         self._clock = clock
         self._records = RecordTable()
         self._alloc = ExtentAllocator(geometry.num_pages)
@@ -145,11 +156,12 @@ class Registry:
 
     def close_lease(self, lease_id: str) -> bool:
         """Release the lease's pins and reservations now; ``False`` if it was not live."""
+        return run_to_end(self.close_lease_sliced(lease_id))
+
+    def lease_is_live(self, lease_id: str) -> bool:
+        """Whether ``lease_id`` is a lease that has not lapsed (nothing is renewed)."""
         lease = self._leases.get(lease_id)
-        if lease is None:
-            return False
-        self._drop_lease(lease)
-        return True
+        return lease is not None and lease.expires_at > self._clock()
 
     def _lease(self, lease_id: str) -> Lease:
         """The live lease, renewed: every call made under a lease counts as a heartbeat."""
@@ -164,31 +176,56 @@ class Registry:
         return lease
 
     def _drop_lease(self, lease: Lease) -> tuple[int, int]:
-        del self._leases[lease.lease_id]
-        del self._lease_by_number[lease.number]
-        pinned = lease.clear_pins()
-        np.subtract.at(self._records.pins, pinned, 1)
-        rec = self._records
-        hw = rec.high_water
-        owned = np.flatnonzero((rec.owner[:hw] == lease.number) & (rec.state[:hw] == State.RESERVED))
+        return run_to_end(self._drop_leases_sliced([lease]))
+
+    def close_lease_sliced(self, lease_id: str) -> Generator[None, None, bool]:
+        """``close_lease`` in slices (see ``_drop_leases_sliced``); returns whether the lease was live."""
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            return False
+        yield from self._drop_leases_sliced([lease])
+        return True
+
+    def _drop_leases_sliced(self, leases: list[Lease]) -> Generator[None, None, tuple[int, int]]:
+        """End ``leases`` at once (no call can use them any more), then release
+        their pins a chunk per step, then their reservations in one step.
+        Returns (pins released, reservations released)."""
+        for lease in leases:
+            del self._leases[lease.lease_id]
+            del self._lease_by_number[lease.number]
+        pins = 0
+        for lease in leases:
+            for chunk in lease.pop_pin_chunks():
+                # A row's count stays above zero until this lease's last pin on it is gone.
+                np.subtract.at(self._records.pins, chunk, 1)
+                pins += len(chunk)
+                yield
+        rec, hw = self._records, self._records.high_water
+        numbers = np.fromiter((lease.number for lease in leases), dtype=rec.owner.dtype, count=len(leases))
+        owners = rec.owner[:hw]
+        mine = owners == numbers[0] if len(numbers) == 1 else np.isin(owners, numbers)
+        owned = np.flatnonzero(mine & (rec.state[:hw] == State.RESERVED))
         self._release(owned, State.RESERVED)
-        return len(pinned), len(owned)
+        return pins, len(owned)
 
     def expire(self) -> ExpiryReport:
         """Release lapsed leases (their pins and reservations) and reservations past their deadline."""
+        return run_to_end(self.expire_sliced())
+
+    def expire_sliced(self) -> Generator[None, None, ExpiryReport]:
+        """``expire`` in slices: lapsed leases end at once, their pins are released
+        a chunk per step (see ``_drop_leases_sliced``)."""
         now = self._clock()
-        lapsed, pins, reservations = [], 0, 0
-        for lease in [lease for lease in self._leases.values() if lease.expires_at <= now]:
-            dropped_pins, dropped_reservations = self._drop_lease(lease)
-            lapsed.append(lease.lease_id)
-            pins += dropped_pins
-            reservations += dropped_reservations
+        lapsed = [lease for lease in self._leases.values() if lease.expires_at <= now]
+        pins = reservations = 0
+        if lapsed:
+            pins, reservations = yield from self._drop_leases_sliced(lapsed)
         if self._reserved_keys:
             rec, hw = self._records, self._records.high_water
             stale = np.flatnonzero((rec.state[:hw] == State.RESERVED) & (rec.deadline[:hw] <= now))
             self._release(stale, State.RESERVED)
             reservations += len(stale)
-        return ExpiryReport(tuple(lapsed), pins, reservations)
+        return ExpiryReport(tuple(lease.lease_id for lease in lapsed), pins, reservations)
 
     def _lookup_in_state(self, keys: Keys, state: State) -> tuple[np.ndarray, np.ndarray]:
         return self._records.lookup_in_state(joined_keys(keys), state)
@@ -225,6 +262,16 @@ class Registry:
 
     def unpin(self, lease_id: str, keys: Keys) -> int:
         """Drop one of ``lease_id``'s pins per key occurrence; return how many were dropped."""
+        return run_to_end(self.unpin_sliced(lease_id, keys))
+
+    def unpin_sliced(self, lease_id: str, keys: Keys) -> Generator[None, None, int]:
+        """``unpin`` in slices: yields between chunks of the lease's pins
+        (``leases.PIN_CHUNK_ROWS`` rows each), returns how many were dropped.
+
+        Unpinning exactly the keys of one earlier retrieve (the usual case)
+        costs one step; any other set of keys is searched for chunk by chunk,
+        so a lease holding millions of pins never holds the caller for long.
+        """
         lease = self._lease(lease_id)
         joined = joined_keys(keys)
         batch = lease.take_batch(joined)
@@ -232,9 +279,12 @@ class Registry:
             self._records.pins[batch] -= 1
             return len(batch)
         rows, _ = self._lookup_in_state(joined, State.COMMITTED)
-        unpinned_rows, counts = lease.take_pins(rows[rows >= 0])
-        self._records.pins[unpinned_rows] -= counts
-        return len(unpinned_rows) if isinstance(counts, int) else int(counts.sum())
+        dropped = 0
+        for taken in lease.take_pins_sliced(rows[rows >= 0]):
+            np.subtract.at(self._records.pins, taken, 1)
+            dropped += len(taken)
+            yield
+        return dropped
 
     def _locations(self, rows: np.ndarray, present: np.ndarray | None) -> LocationList:
         """The packed locations of ``rows``; a miss where ``present`` (``None``: everywhere) is false."""
@@ -418,21 +468,41 @@ class Registry:
         return freed
 
     def _place(self, pages: np.ndarray) -> np.ndarray:
-        """First page for each object (-1 where none fits), evicting as the watermarks say."""
+        """First page for each object (-1 where none fits), evicting as the watermarks
+        say but never more than ``max_evict_pages`` in one call."""
+        budget = self._max_evict_pages
         need = int(pages.sum())
         used = self._alloc.used_pages
         if used + need > self._high_pages:
-            self._evict(used + need - self._low_pages)
+            budget -= self._evict(min(used + need - self._low_pages, budget))
         start = self._alloc.allocate(need) if need <= self._alloc.largest_free else None
         if start is not None:
             return start + np.concatenate(([0], np.cumsum(pages)[:-1]))
+        return self._place_each(pages, budget)
+
+    def _place_each(self, pages: np.ndarray, budget: int) -> np.ndarray:
+        """Place objects one by one where the batch fits nowhere whole, evicting
+        within ``budget`` pages. Once an object of ``n`` pages fits nowhere
+        (and nothing more may be evicted for it), only smaller ones are tried:
+        the work is bounded by what fits, not by the batch's length."""
         starts = np.full(len(pages), -1, dtype=np.int64)
-        for i, count in enumerate(pages.tolist()):
-            first = self._alloc.allocate(count)
-            while first is None and self._evict(count):
+        todo = np.arange(len(pages))
+        while len(todo):
+            for j, (i, count) in enumerate(zip(todo.tolist(), pages[todo].tolist())):
                 first = self._alloc.allocate(count)
-            if first is not None:
+                while first is None and budget >= count:
+                    freed = self._evict(count)
+                    if not freed:
+                        break
+                    budget -= freed
+                    first = self._alloc.allocate(count)
+                if first is None:
+                    rest = todo[j + 1 :]
+                    todo = rest[pages[rest] < count]
+                    break
                 starts[i] = first
+            else:
+                break
         return starts
 
     # -- restart --------------------------------------------------------------------------------

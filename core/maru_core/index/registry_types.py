@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
+from typing import TypeVar
 
 import numpy as np
 
@@ -148,3 +149,15 @@ def split_items(items: Sequence[tuple[bytes, int]]) -> tuple[bytes, np.ndarray]:
         bad = next(i for i, k in enumerate(keys) if type(k) is not bytes or len(k) != KEY_BYTES)
         raise BadRequest(f"reserve item {bad}: a key must be {KEY_BYTES} bytes, got {keys[bad]!r}")
     return b"".join(keys), checked_lengths(lengths, len(keys))
+
+
+T = TypeVar("T")
+
+
+def run_to_end(steps: Generator[None, None, T]) -> T:
+    """Run a sliced operation (a generator that yields between slices) at once; return its result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
