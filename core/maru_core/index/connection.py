@@ -124,11 +124,13 @@ class Connection(asyncio.BufferedProtocol):
     def _answer_buffered(self) -> None:
         """Answer complete frames in order until one starts a sliced job or the turn is over."""
         turn_ends = time.perf_counter() + self._server.limits.turn_s
+        answered = 0  # at least one frame per turn, however short the turn
         try:
             while self._transport is not None and self._job is None and self._frames.complete():
-                if time.perf_counter() > turn_ends:
+                if answered and time.perf_counter() > turn_ends:
                     self._yield_turn()
                     return
+                answered += 1
                 outcome = self._server.handle(self, self._frames.pop())
                 if isinstance(outcome, dict):
                     self._send(outcome)
