@@ -88,6 +88,7 @@ class Sidecar:
             stats_dir=config.stats_dir,
             offer=self.attacher.offer,
             read_token=config.read_token,
+            socket_gid=config.socket_gid,
         )
         self.probe = IndexProbe(config.index_url, config.read_token, config.index_timeout_s, f"sidecar@{config.pod}")
         self.registry = CollectorRegistry(auto_describe=False)

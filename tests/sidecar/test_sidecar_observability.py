@@ -53,6 +53,7 @@ def test_readyz_follows_the_pool_and_the_index(index, sock_dir, sidecars):
 def test_readyz_reports_a_token_the_index_refuses(index, sock_dir, sidecars):
     wrong = sock_dir.parent / f"{sock_dir.name}.wrong-token"
     wrong.write_text("not-the-index-token")
+    wrong.chmod(0o600)
     try:
         sidecar = sidecars(index.pool_path, sock_dir / "maru.sock", index.url, token_file=str(wrong))
         code, body = sidecar.get("/readyz")
