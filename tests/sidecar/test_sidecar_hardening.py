@@ -124,7 +124,7 @@ def test_a_fifo_named_like_a_region_neither_blocks_nor_breaks_a_scan(tmp_path):
     with stats.ConnectorStats(tmp_path) as live:
         live.record_lookup(5)
         done: dict = {}
-        scanner = threading.Thread(target=lambda: done.update(aggregate=RegionAggregator(tmp_path).scan()))
+        scanner = threading.Thread(target=lambda: done.update(aggregate=RegionAggregator(tmp_path).scan()), daemon=True)
         scanner.start()
         scanner.join(5)
         assert not scanner.is_alive(), "the scan blocked on the FIFO"

@@ -481,28 +481,38 @@ class Registry:
         return self._place_each(pages, budget)
 
     def _place_each(self, pages: np.ndarray, budget: int) -> np.ndarray:
-        """Place objects one by one where the batch fits nowhere whole, evicting
-        within ``budget`` pages. Once an object of ``n`` pages fits nowhere
-        (and nothing more may be evicted for it), only smaller ones are tried:
-        the work is bounded by what fits, not by the batch's length."""
+        """Place the objects of a batch that fits nowhere whole, in order: as many
+        consecutive objects as the largest free extent holds go there with one
+        allocation; an object that fits in no extent is given room by eviction,
+        within ``budget`` pages. Once an object of ``n`` pages fits nowhere (and
+        nothing more may be evicted for it), only smaller ones are tried. The
+        work is thus bounded by what fits, not by the batch's length."""
         starts = np.full(len(pages), -1, dtype=np.int64)
         todo = np.arange(len(pages))
         while len(todo):
-            for j, (i, count) in enumerate(zip(todo.tolist(), pages[todo].tolist())):
-                first = self._alloc.allocate(count)
-                while first is None and budget >= count:
-                    freed = self._evict(count)
-                    if not freed:
-                        break
-                    budget -= freed
-                    first = self._alloc.allocate(count)
-                if first is None:
-                    rest = todo[j + 1 :]
-                    todo = rest[pages[rest] < count]
+            largest = self._alloc.largest_free
+            window = pages[todo[: largest + 1]]  # every object has a page at least: no more fit
+            fit = int(np.searchsorted(np.cumsum(window), largest, side="right"))
+            if fit > 1:
+                run = todo[:fit]
+                first = self._alloc.allocate(int(window[:fit].sum()))
+                starts[run] = first + np.concatenate(([0], np.cumsum(window[: fit - 1])))
+                todo = todo[fit:]
+                continue
+            i, count = int(todo[0]), int(pages[todo[0]])
+            first = self._alloc.allocate(count)
+            while first is None and budget >= count:
+                freed = self._evict(count)
+                if not freed:
                     break
-                starts[i] = first
+                budget -= freed
+                first = self._alloc.allocate(count)
+            if first is None:
+                rest = todo[1:]
+                todo = rest[pages[rest] < count]
             else:
-                break
+                starts[i] = first
+                todo = todo[1:]
         return starts
 
     # -- restart --------------------------------------------------------------------------------
