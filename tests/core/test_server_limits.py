@@ -75,6 +75,17 @@ def test_memory_follows_the_bytes_sent_not_the_length_announced(pool):
             raw.close()
 
 
+def test_a_frame_of_millions_of_nils_is_refused_from_its_header(pool):
+    with serve(pool) as index:
+        raw = Raw(index.url)
+        raw.hello()
+        count = 16 * 1024 * 1024 - 5
+        payload = b"\xdd" + count.to_bytes(4, "big") + b"\xc0" * count  # one array of 16 million nils
+        raw.sock.sendall(len(payload).to_bytes(4, "big") + payload)
+        assert raw.closed_by_peer()
+        assert server_of(index).closed_connections["bad_frame"] == 1
+
+
 # -- connection cap and deadlines --------------------------------------------------------------
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import msgpack
 
 from maru_core.protocol.errors import FrameError, FrameTooLarge
+from maru_core.protocol.messages import MAX_BATCH_KEYS
 
 HEADER = struct.Struct(">I")
 HEADER_BYTES = HEADER.size
@@ -126,6 +127,14 @@ def payload_length(header: bytes | bytearray | memoryview, offset: int = 0, limi
     return length
 
 
+_DECODE_LIMITS = {
+    "max_array_len": 2 * MAX_BATCH_KEYS,
+    "max_map_len": 1024,
+    "max_str_len": 1024 * 1024,
+    "max_ext_len": 0,  # the protocol has no extension types
+}
+
+
 def decode_payload(payload: bytes | bytearray | memoryview) -> Any:
     """Decode one msgpack payload. Anything that is not exactly one msgpack
     object raises ``FrameError``; what the object contains is checked later,
@@ -133,7 +142,11 @@ def decode_payload(payload: bytes | bytearray | memoryview) -> Any:
     try:
         # Non-string map keys are decoded rather than refused, so that a map
         # with odd keys gets a typed ``bad_request`` reply, not a closed socket.
-        return msgpack.unpackb(payload, raw=False, strict_map_key=False)
+        # Container limits refuse, from its header alone, an array or map no
+        # message has (a frame of 16 million nils would take a third of a
+        # second to build); an array a little over the batch limit still
+        # decodes, to be answered ``too_large``.
+        return msgpack.unpackb(payload, raw=False, strict_map_key=False, **_DECODE_LIMITS)
     except (ValueError, TypeError, msgpack.UnpackException, RecursionError) as exc:
         raise FrameError(f"payload is not one msgpack object: {exc}") from exc
 
