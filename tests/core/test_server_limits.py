@@ -134,6 +134,16 @@ def test_a_connection_past_its_deadline_is_closed(pool, limits, behaviour, reaso
             assert client.heartbeat() > 0
 
 
+def test_a_client_whose_idle_connection_was_closed_reconnects_on_its_next_call(pool):
+    with serve(pool, idle_timeout_s=0.3) as index:
+        client = IndexClient(index.url, token=TOKEN, timeout_s=5, heartbeat=False)
+        lease = client.connect().lease_id
+        assert wait_for(lambda: server_of(index).closed_connections["idle"] == 1)
+        assert client.match_prefix([key(1)]) == 0  # not IndexUnavailable: a fresh connection
+        assert client.lease_id == lease  # nothing was in flight: the same lease resumed
+        client.close()
+
+
 def test_a_connection_opens_a_bounded_number_of_leases(pool):
     with serve(pool, max_leases_per_connection=2) as index:
         raw = Raw(index.url)

@@ -81,6 +81,29 @@ class Channel:
     def failed(self) -> bool:
         return self.failure is not None
 
+    def closed_by_peer(self) -> bool:
+        """Whether the index closed this idle channel (its idle timeout, a restart):
+        checked without blocking before a call, so that the call reconnects
+        instead of failing. A channel with requests in flight is left to its readers."""
+        with self._cv:
+            if self.failure is not None or self._pending or self._reading:
+                return self.failure is not None
+            if not self._poller.poll(0):
+                return False
+            try:
+                peeked = self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return False
+            except OSError as exc:
+                peeked = b""
+                reason = f"the connection to the index failed while idle: {exc}"
+            else:
+                reason = "the index closed the idle connection"
+            if peeked:
+                return False  # bytes of a reply-less frame: the next reader decodes and reports it
+            self._fail_locked(IndexUnavailable(reason))
+            return True
+
     def call(self, message: dict[str, Any], deadline: float) -> Any:
         """Send ``message`` (its ``id`` is assigned here) and return the decoded reply."""
         waiter = _Waiter(message["op"])
