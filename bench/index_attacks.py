@@ -1,10 +1,11 @@
 """A normal client's latency while another process attacks the index.
 
-Starts a real ``marucache index`` (token auth, a 256 MiB pool of 4 KiB
-pages), stores 8,000 keys, then measures a normal ``IndexClient``'s
+For each scenario, starts a fresh ``marucache index`` (token auth, a 256 MiB
+pool of 4 KiB pages), stores 8,000 keys (held pinned by another client, so
+every retrieve hits), then measures a normal ``IndexClient``'s
 heartbeat and 8,000-key retrieve (+ unpin) round trips, p50 and p99: first
 alone, then while each attack runs in its own process. Also records the
-index's resident memory after each attack. Usage (repository root)::
+index's resident memory at the end of each scenario, and whether it lived. Usage (repository root)::
 
     python bench/index_attacks.py [--seconds 5] [--only NAME ...] [--out bench/results/index_attacks.json]
 
@@ -295,50 +296,60 @@ def _run_attack(name: str, url: str, stop, pool_path: str) -> None:
         ATTACKS[name](url, stop)
 
 
+def scenario(name: str, seconds: float, token_file: str) -> dict:
+    """A fresh index, the normal keys stored and held pinned, the attack (if any) running, the figures."""
+    pool_path = unique_shm_path("bench-attacks")
+    index = IndexProcess(pool_path, pool_size="256Mi", token_file=token_file,
+                         extra_args=["--page-size", "4Ki", "--log-level", "ERROR"]).start()  # fmt: skip
+    ctx = multiprocessing.get_context("spawn")
+    stop, attacker = ctx.Event(), None
+    try:
+        keys = _store(index.url, pool_path, NORMAL_KEYS)
+        holder = IndexClient(index.url, token=TOKEN, timeout_s=30)  # keeps the normal keys pinned: always a hit
+        holder.retrieve(b"".join(keys))
+        if name != "alone":
+            attacker = ctx.Process(target=_run_attack, args=(name, index.url, stop, pool_path), daemon=True)
+            attacker.start()
+            time.sleep(1.0)  # let the attack build up
+        try:
+            figures = measure(index.url, keys, seconds)
+        except Exception as exc:  # the index stopped answering altogether
+            figures = {"error": f"{type(exc).__name__}: {exc}"}
+        figures["index_rss_mb"] = _rss_mb(index.proc.pid) if index.proc.poll() is None else None
+        figures["index_alive"] = index.proc.poll() is None
+        holder.close()
+    finally:
+        stop.set()
+        if attacker is not None:
+            attacker.join(10)
+            if attacker.is_alive():
+                attacker.kill()
+        index.stop()
+        os.unlink(pool_path)
+    return figures
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=5.0, help="seconds measured per scenario (default 5)")
     parser.add_argument("--only", nargs="*", choices=sorted(ATTACKS), help="run only these attacks")
     parser.add_argument("--out", help="write the figures as JSON here")
     args = parser.parse_args(argv)
-    pool_path = unique_shm_path("bench-attacks")
     workdir = tempfile.mkdtemp(prefix="bench-attacks-")
     token_file = os.path.join(workdir, "token")
     with open(os.open(token_file, os.O_WRONLY | os.O_CREAT, 0o600), "w") as fh:
         fh.write(TOKEN)
-    index = IndexProcess(pool_path, pool_size="256Mi", token_file=token_file,
-                         extra_args=["--page-size", "4Ki", "--log-level", "ERROR"]).start()  # fmt: skip
     results = {}
     try:
-        keys = _store(index.url, pool_path, NORMAL_KEYS)
-        holder = IndexClient(index.url, token=TOKEN, timeout_s=30)  # keeps the normal keys pinned: always a hit
-        holder.retrieve(b"".join(keys))
         print(f"{'scenario':16} {'hb p50':>7} {'hb p99':>7} {'ret p50':>7} {'ret p99':>7} {'fail':>4} {'RSS MB':>7}")
         for name in ["alone", *(args.only or ATTACKS)]:
-            ctx = multiprocessing.get_context("spawn")
-            stop = ctx.Event()
-            attacker = None
-            if name != "alone":
-                attacker = ctx.Process(target=_run_attack, args=(name, index.url, stop, pool_path), daemon=True)
-                attacker.start()
-                time.sleep(1.0)  # let the attack build up
-            figures = measure(index.url, keys, args.seconds)
-            figures["index_rss_mb"] = _rss_mb(index.proc.pid)
-            figures["index_alive"] = index.proc.poll() is None
-            if attacker is not None:
-                stop.set()
-                attacker.join(10)
-                if attacker.is_alive():
-                    attacker.kill()
-            results[name] = figures
-            f = figures
+            results[name] = f = scenario(name, args.seconds, token_file)
+            if "error" in f:
+                print(f"{name:16} {f['error'][:80]} (index alive: {f['index_alive']})", flush=True)
+                continue
             print(f"{name:16} {f['heartbeat_p50_ms']!s:>7} {f['heartbeat_p99_ms']!s:>7} {f['retrieve_p50_ms']!s:>7} "
-                  f"{f['retrieve_p99_ms']!s:>7} {f['failures']:>4} {f['index_rss_mb']:>7}", flush=True)  # fmt: skip
-            time.sleep(1.0)
-        holder.close()
+                  f"{f['retrieve_p99_ms']!s:>7} {f['failures']:>4} {f['index_rss_mb']!s:>7}", flush=True)  # fmt: skip
     finally:
-        index.stop()
-        os.unlink(pool_path)
         os.unlink(token_file)
         os.rmdir(workdir)
     if args.out:
