@@ -31,7 +31,7 @@ import numpy as np
 from maru_core.index.client import IndexClient
 from maru_core.index.launcher import IndexProcess, unique_shm_path
 from maru_core.pool import Pool, SlotHeader
-from maru_core.protocol import MAX_BATCH_KEYS, PROTOCOL_VERSION, encode_frame, pack_lengths, parse_url
+from maru_core.protocol import MAX_BATCH_KEYS, PROTOCOL_VERSION, FrameDecoder, encode_frame, pack_lengths, parse_url
 from maru_core.protocol.framing import HEADER
 
 TOKEN = "bench-attack-token-0123456789abcdef"
@@ -164,15 +164,28 @@ def hello_flood(url: str, stop) -> None:
 
 
 def reserve_flood(url: str, stop) -> None:
-    """Reserves of 131,072 one-byte objects, back to back (the first fills the pool with reservations)."""
-    client = IndexClient(url, token=TOKEN, timeout_s=30)
-    lengths = np.ones(MAX_BATCH_KEYS, dtype=np.int64)
+    """Reserves of 131,072 one-byte objects, one after the other (the first fills the pool with reservations,
+    the next find it full of what cannot be evicted)."""
+    lengths = pack_lengths(np.ones(MAX_BATCH_KEYS, dtype=np.int64))
+    sock = _connect(url)
+    sock.sendall(_hello(sock))
+    decoder = FrameDecoder()
+    rid = 1
     while not stop.is_set():
         try:
-            client.reserve(zip(np.frombuffer(os.urandom(16 * MAX_BATCH_KEYS), "S16").tolist(), lengths.tolist()))
-        except Exception:
+            sock.sendall(encode_frame({"id": rid, "op": "reserve", "keys": os.urandom(16 * MAX_BATCH_KEYS),
+                                       "lengths": lengths}))  # fmt: skip
+            replies: list = []
+            while len(replies) < (2 if rid == 1 else 1):  # the hello's reply comes first
+                chunk = sock.recv(1 << 20)
+                if not chunk:
+                    raise ConnectionError("closed")
+                replies += decoder.feed(chunk)
+            rid += 1
+        except OSError:
             time.sleep(0.01)
-    client.close()
+            sock, decoder, rid = _connect(url), FrameDecoder(), 1
+            sock.sendall(_hello(sock))
 
 
 def unpin_bye(url: str, stop, pool_path: str) -> None:

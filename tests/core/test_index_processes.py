@@ -287,6 +287,24 @@ def test_unsafe_token_files_are_refused(pool_path, tmp_path, content, mode, word
     assert done.returncode == 2 and words in done.stderr and len(done.stderr.strip().splitlines()) == 1
 
 
+def test_metrics_follow_the_listen_host_and_an_open_index_without_token_is_warned_about(pool_path, tmp_path):
+    local = IndexProcess(pool_path, pool_size="16Mi", listen=f"unix://{tmp_path}/i.sock",
+                         extra_args=["--metrics-port", "0"]).start()  # fmt: skip
+    try:
+        assert local.metrics_url.startswith("http://127.0.0.1:")  # not every interface by default
+    finally:
+        local.stop()
+    proc = subprocess.Popen([sys.executable, "-m", "maru_core.cli", "index", "--pool", pool_path,
+                             "--listen", "tcp://0.0.0.0:0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    try:
+        assert "listening on" in proc.stdout.readline()
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=10)
+    assert "no --token-file: anyone who can reach tcp://0.0.0.0" in err
+
+
 def test_a_taken_metrics_port_is_named_as_the_metrics_port(pool_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -67,7 +67,7 @@ def test_memory_follows_the_bytes_sent_not_the_length_announced(pool):
         raws = [Raw(index.url) for _ in range(4)]
         for raw in raws:
             raw.hello()
-            raw.sock.sendall((16 * 1024 * 1024).to_bytes(4, "big") + b"abcdef")  # announces 16 MiB, sends 6 B
+            raw.sock.sendall((16 * 1024 * 1024).to_bytes(4, "big") + b"\x81abcde")  # announces 16 MiB, sends 6 B
         assert wait_for(lambda: len(buffer_sizes(index)) == 4)
         time.sleep(0.1)
         assert max(buffer_sizes(index)) <= 64 * 1024, buffer_sizes(index)
@@ -75,13 +75,19 @@ def test_memory_follows_the_bytes_sent_not_the_length_announced(pool):
             raw.close()
 
 
-def test_a_frame_of_millions_of_nils_is_refused_from_its_header(pool):
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_a_frame_of_many_nils_is_refused_from_its_headers(pool, wrapped):
     with serve(pool) as index:
         raw = Raw(index.url)
         raw.hello()
-        count = 16 * 1024 * 1024 - 5
-        payload = b"\xdd" + count.to_bytes(4, "big") + b"\xc0" * count  # one array of 16 million nils
-        raw.sock.sendall(len(payload).to_bytes(4, "big") + payload)
+        count = 300_000 if wrapped else 16 * 1024 * 1024 - 5
+        payload = b"\xdd" + count.to_bytes(4, "big") + b"\xc0" * count  # an array of nils
+        if wrapped:  # inside a request map: the array's own header is refused
+            payload = b"\x83" + b"\xa2id\x01" + b"\xa2op\xa5stats" + b"\xa1x" + payload
+        try:
+            raw.sock.sendall(len(payload).to_bytes(4, "big") + payload)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # closed before all of it was sent: refused from the first bytes
         assert raw.closed_by_peer()
         assert server_of(index).closed_connections["bad_frame"] == 1
 
@@ -289,3 +295,23 @@ def test_the_cap_follows_a_low_open_files_limit():
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert socket  # noqa: B018  (imported for Raw's peers)
+
+
+def test_a_large_reserve_is_looked_up_in_slices_and_never_reserves_a_key_twice(pool):
+    with ThreadedIndex(pool, token=TOKEN) as index:
+        big, small = Raw(index.url), Raw(index.url)
+        big.hello(), small.hello()
+        order = _completion_order(index)
+        keys = [key(i) for i in range(10_000)]
+        shared = keys[8_000]  # looked up late by the large reserve, reserved meanwhile by the other client
+        large = {"op": "reserve", "keys": b"".join(keys), "lengths": pack_lengths([100] * len(keys))}
+        one = {"op": "reserve", "keys": shared, "lengths": pack_lengths([100])}
+        _while_the_loop_is_blocked(index, lambda: (big.send(large), small.send(one)))
+        small_slots = SlotList.from_wire(small.recv()["slots"])
+        big_slots = SlotList.from_wire(big.recv()["slots"])
+        assert order == ["reserve", "reserve"]  # the small one completed first: between two slices
+        assert small_slots[0] is not None and big_slots[8_000] is None
+        assert sum(slot is not None for slot in big_slots) == len(keys) - 1
+        offsets = [slot.offset for slot in big_slots if slot is not None] + [small_slots[0].offset]
+        assert len(set(offsets)) == len(keys)
+        big.close(), small.close()

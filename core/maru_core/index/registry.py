@@ -132,6 +132,7 @@ class Registry:
         self._committed_keys = 0
         self._evictions = 0
         self._quarantine_until = -math.inf
+        self._additions = 0
 
     # -- leases ---------------------------------------------------------------------------------
 
@@ -314,7 +315,8 @@ class Registry:
         keys, lengths = split_items(items)
         return self.reserve_packed(lease_id, keys, lengths)
 
-    def reserve_packed(self, lease_id: str, keys: Keys, lengths: Sequence[int] | np.ndarray) -> SlotList:
+    def reserve_packed(self, lease_id: str, keys: Keys, lengths: Sequence[int] | np.ndarray,
+                       absent: np.ndarray | None = None) -> SlotList:  # fmt: skip
         """A slot per key, of ``lengths[i]`` bytes for ``keys[i]``, in order, or
         ``None`` for a key already committed or reserved (or repeated in the
         batch) or that does not fit even after eviction.
@@ -323,12 +325,16 @@ class Registry:
         extent holds them all, so a reader can copy adjacent objects at once.
         Raises ``NoSpace`` when no new item could be placed, ``BadRequest``
         for a key that is not 16 bytes or a length that is not positive.
+        ``absent`` may carry ``absent_keys(keys)`` computed earlier (in slices)
+        while ``additions`` stayed the same: it is then exact but for keys
+        removed since, which are answered as present (a miss, never a duplicate).
         """
         lease = self._lease(lease_id)
         joined = joined_keys(keys)
         lengths = checked_lengths(lengths, len(joined) // KEY_BYTES)
-        candidates = self._records.lookup(joined) < 0
-        candidates &= first_occurrences(joined)
+        if absent is None or len(absent) != len(lengths):
+            absent = self._records.lookup(joined) < 0
+        candidates = absent & first_occurrences(joined)
         if not candidates.any():
             return SlotList(bytes(len(joined)))
         if self._clock() < self._quarantine_until:
@@ -360,9 +366,19 @@ class Registry:
         words[idx, 1] = self._records.generation.take(rows)
         return SlotList(words.tobytes())
 
+    def absent_keys(self, keys: Keys) -> np.ndarray:
+        """Which of ``keys`` no record holds (a read, for a reserve looked up in slices)."""
+        return self._records.lookup(joined_keys(keys)) < 0
+
+    @property
+    def additions(self) -> int:
+        """Counts batches of records added: unchanged, an ``absent_keys`` answer still holds."""
+        return self._additions
+
     def _add_reserved(self, lease: Lease, keys: bytes, starts: np.ndarray, pages: np.ndarray,
                       lengths: np.ndarray) -> np.ndarray:  # fmt: skip
         rec = self._records
+        self._additions += 1
         rows = rec.add(keys)
         n = len(rows)
         rec.page[rows] = starts
@@ -534,6 +550,7 @@ class Registry:
             return 0
         self._alloc = ExtentAllocator.from_occupied(self.geometry.num_pages, pages, counts)
         rec = self._records
+        self._additions += 1
         rows = rec.add(keys)
         rec.page[rows], rec.pages[rows], rec.length[rows], rec.generation[rows] = pages, counts, lengths, gens
         rec.offset[rows] = pages * self.geometry.page_size + self.geometry.data_offset

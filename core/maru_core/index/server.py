@@ -42,6 +42,8 @@ import logging
 import os
 import time
 from collections.abc import Generator
+
+import numpy as np
 from typing import Any, Callable
 
 from maru_core.index.registry import RegistryError
@@ -126,6 +128,7 @@ class IndexServer:
         self._sliced: dict[str, Callable[[Connection, dict], Generator[None, None, dict]]] = {
             "commit": self._commit_sliced,
             "abort": self._abort_sliced,
+            "reserve": self._reserve_sliced,
             "unpin": self._unpin_sliced,
             "bye": self._bye_sliced,
         }
@@ -388,6 +391,22 @@ class IndexServer:
                 yield
             aborted += self.registry.abort(self._renewed(conn), keys)
         return {"aborted": aborted}
+
+    def _reserve_sliced(self, conn: Connection, args: dict) -> Generator[None, None, dict]:
+        """A large reserve: its keys are looked up a slice per step (the costly part),
+        then placed in one registry call. Should another reserve add records in
+        between, the lookups are redone (twice at most; then all at once)."""
+        keys, absent = args["keys"], None
+        for attempt in range(2):
+            additions, parts = self.registry.additions, []
+            for part in self._slices(keys):
+                parts.append(self.registry.absent_keys(part))
+                yield
+            if self.registry.additions == additions:
+                absent = np.concatenate(parts)
+                break
+        slots = self.registry.reserve_packed(self._renewed(conn), keys, args["lengths"], absent=absent)
+        return {"slots": pack_slots(slots)}
 
     def _unpin_sliced(self, conn: Connection, args: dict) -> Generator[None, None, dict]:
         unpinned = yield from self.registry.unpin_sliced(self._renewed(conn), args["keys"])

@@ -151,6 +151,16 @@ def decode_payload(payload: bytes | bytearray | memoryview) -> Any:
         raise FrameError(f"payload is not one msgpack object: {exc}") from exc
 
 
+#: A payload above this must start as a map to be received at all (smaller ones
+#: that are no map are decoded, to be answered ``bad_request``).
+_SMALL_PAYLOAD = 64 * 1024
+
+
+def _starts_a_map(first_byte: int) -> bool:
+    """Whether a msgpack object starting with this byte is a map (fixmap, map 16, map 32)."""
+    return 0x80 <= first_byte <= 0x8F or first_byte in (0xDE, 0xDF)
+
+
 class FrameBuffer:
     """A receive buffer that frames are read into in place and decoded from.
 
@@ -216,11 +226,15 @@ class FrameBuffer:
         self._end += count
 
     def complete(self) -> bool:
-        """Whether a whole frame is buffered; ``FrameError`` for a header no frame may have."""
+        """Whether a whole frame is buffered; ``FrameError`` for a header no frame may have,
+        or for a large frame whose payload does not start as a map (refused before the rest arrives)."""
         held = self._end - self._start
         if held < HEADER_BYTES:
             return False
-        return held >= HEADER_BYTES + payload_length(self._buf, self._start, self.max_frame)
+        length = payload_length(self._buf, self._start, self.max_frame)
+        if length > _SMALL_PAYLOAD and held > HEADER_BYTES and not _starts_a_map(self._buf[self._start + HEADER_BYTES]):
+            raise FrameError(f"a frame of {length} bytes whose payload is not a msgpack map: every message is one")
+        return held >= HEADER_BYTES + length
 
     def pop(self) -> Any:
         """Decode and consume the next frame (``complete()`` must be true); ``FrameError`` if undecodable."""
