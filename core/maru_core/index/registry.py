@@ -316,7 +316,7 @@ class Registry:
         return self.reserve_packed(lease_id, keys, lengths)
 
     def reserve_packed(self, lease_id: str, keys: Keys, lengths: Sequence[int] | np.ndarray,
-                       absent: np.ndarray | None = None) -> SlotList:  # fmt: skip
+                       candidates: np.ndarray | None = None) -> SlotList:  # fmt: skip
         """A slot per key, of ``lengths[i]`` bytes for ``keys[i]``, in order, or
         ``None`` for a key already committed or reserved (or repeated in the
         batch) or that does not fit even after eviction.
@@ -325,16 +325,16 @@ class Registry:
         extent holds them all, so a reader can copy adjacent objects at once.
         Raises ``NoSpace`` when no new item could be placed, ``BadRequest``
         for a key that is not 16 bytes or a length that is not positive.
-        ``absent`` may carry ``absent_keys(keys)`` computed earlier (in slices)
-        while ``additions`` stayed the same: it is then exact but for keys
-        removed since, which are answered as present (a miss, never a duplicate).
+        ``candidates`` may carry ``absent_keys(keys) & first_occurrences(keys)``
+        computed earlier (in slices) while ``additions`` stayed the same: it is
+        then exact but for keys removed since, which are answered as present (a
+        miss, never a duplicate).
         """
         lease = self._lease(lease_id)
         joined = joined_keys(keys)
         lengths = checked_lengths(lengths, len(joined) // KEY_BYTES)
-        if absent is None or len(absent) != len(lengths):
-            absent = self._records.lookup(joined) < 0
-        candidates = absent & first_occurrences(joined)
+        if candidates is None or len(candidates) != len(lengths):
+            candidates = (self._records.lookup(joined) < 0) & first_occurrences(joined)
         if not candidates.any():
             return SlotList(bytes(len(joined)))
         if self._clock() < self._quarantine_until:

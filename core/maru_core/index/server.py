@@ -47,6 +47,7 @@ import numpy as np
 from typing import Any, Callable
 
 from maru_core.index.registry import RegistryError
+from maru_core.index.registry_types import first_occurrences
 from maru_core.index.slot_check import SlotHeaderCheck
 from maru_core.protocol import (
     KEY_BYTES,
@@ -396,16 +397,18 @@ class IndexServer:
         """A large reserve: its keys are looked up a slice per step (the costly part),
         then placed in one registry call. Should another reserve add records in
         between, the lookups are redone (twice at most; then all at once)."""
-        keys, absent = args["keys"], None
+        keys, candidates = args["keys"], None
+        first = first_occurrences(keys)  # of the batch alone: holds whatever happens meanwhile
+        yield
         for attempt in range(2):
             additions, parts = self.registry.additions, []
             for part in self._slices(keys):
                 parts.append(self.registry.absent_keys(part))
                 yield
             if self.registry.additions == additions:
-                absent = np.concatenate(parts)
+                candidates = np.concatenate(parts) & first
                 break
-        slots = self.registry.reserve_packed(self._renewed(conn), keys, args["lengths"], absent=absent)
+        slots = self.registry.reserve_packed(self._renewed(conn), keys, args["lengths"], candidates=candidates)
         return {"slots": pack_slots(slots)}
 
     def _unpin_sliced(self, conn: Connection, args: dict) -> Generator[None, None, dict]:
