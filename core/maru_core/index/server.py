@@ -398,6 +398,7 @@ class IndexServer:
         then placed in one registry call. Should another reserve add records in
         between, the lookups are redone (twice at most; then all at once)."""
         keys, candidates = args["keys"], None
+        yield  # receiving and decoding the request was this turn's work
         first = first_occurrences(keys)  # of the batch alone: holds whatever happens meanwhile
         yield
         for attempt in range(2):
