@@ -8,6 +8,7 @@ alone, then while each attack runs in its own process. Also records the
 index's resident memory at the end of each scenario, and whether it lived. Usage (repository root)::
 
     python bench/index_attacks.py [--seconds 5] [--only NAME ...] [--out bench/results/index_attacks.json]
+    python bench/index_attacks.py --loop [--seconds 5] [--out ...]   # longest event-loop callbacks instead
 
 Each attack is what an unauthenticated peer, a broken client or a client
 holding the token could do (see ``ATTACKS``); the index's limits are its
@@ -342,12 +343,63 @@ def scenario(name: str, seconds: float, token_file: str) -> dict:
     return figures
 
 
+def longest_callbacks(name: str, seconds: float) -> list[float]:
+    """The five longest event-loop callbacks of an index (in this process) while the attack runs
+    (in another), in CPU milliseconds of the loop's thread: what one request or turn costs the
+    others, whatever else the machine is running."""
+    from asyncio import events
+
+    from maru_core.index.launcher import ThreadedIndex
+
+    durations: list[float] = []
+    run = events.Handle._run
+
+    def timed(handle) -> None:
+        started = time.thread_time()
+        run(handle)
+        durations.append(time.thread_time() - started)
+
+    pool_path = unique_shm_path("bench-attacks-loop")
+    pool = Pool.create(pool_path, 256 * 1024 * 1024, page_size=4096)
+    ctx = multiprocessing.get_context("spawn")
+    stop = ctx.Event()
+    try:
+        with ThreadedIndex(pool, token=TOKEN) as index:
+            _store(index.url, pool_path, NORMAL_KEYS)
+            events.Handle._run = timed
+            attacker = ctx.Process(target=_run_attack, args=(name, index.url, stop, pool_path), daemon=True)
+            attacker.start()
+            time.sleep(seconds)
+            stop.set()
+            attacker.join(10)
+            if attacker.is_alive():
+                attacker.kill()
+            events.Handle._run = run
+    finally:
+        events.Handle._run = run
+        pool.close()
+        os.unlink(pool_path)
+    return [round(1000 * d, 2) for d in sorted(durations, reverse=True)[:5]]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=5.0, help="seconds measured per scenario (default 5)")
     parser.add_argument("--only", nargs="*", choices=sorted(ATTACKS), help="run only these attacks")
     parser.add_argument("--out", help="write the figures as JSON here")
+    parser.add_argument("--loop", action="store_true",
+                        help="measure instead the longest event-loop callbacks (CPU ms) of an index in this process")
     args = parser.parse_args(argv)
+    if args.loop:
+        loop_results = {}
+        for name in args.only or ATTACKS:
+            loop_results[name] = longest_callbacks(name, args.seconds)
+            print(f"{name:16} longest callbacks, CPU ms: {loop_results[name]}", flush=True)
+        if args.out:
+            with open(args.out, "w") as fh:
+                json.dump({"cpus": os.cpu_count(), "seconds": args.seconds, "longest_callbacks_ms": loop_results},
+                          fh, indent=2)  # fmt: skip
+        return 0
     workdir = tempfile.mkdtemp(prefix="bench-attacks-")
     token_file = os.path.join(workdir, "token")
     with open(os.open(token_file, os.O_WRONLY | os.O_CREAT, 0o600), "w") as fh:
