@@ -147,7 +147,7 @@ class Connection(asyncio.BufferedProtocol):
             self._frame_error(exc)
 
     def _frame_error(self, exc: FrameError) -> None:
-        log.warning("closing connection from %s: %s", self.peer, exc)
+        self._server.refusals.warning("closing connection from %s: %s", self.peer, exc)
         if isinstance(exc, FrameTooLarge):
             self._send(error_reply(None, ProtocolError(ErrorType.TOO_LARGE, str(exc))))
         self._server.closing(self, "bad_frame")

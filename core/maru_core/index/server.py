@@ -114,7 +114,7 @@ class IndexServer:
         self._connections: dict[Connection, None] = {}  # insertion order: oldest first
         self._unix_listener: Any = None
         self.closed_connections: collections.Counter[str] = collections.Counter()
-        self._refusals = RateLimitedLog(log)
+        self.refusals = RateLimitedLog(log)  # at most a line a second about bad peers
         self._handlers: dict[str, Callable[[Connection, dict], Reply]] = {
             "hello": self._hello,
             "heartbeat": self._heartbeat,
@@ -209,7 +209,7 @@ class IndexServer:
         lease, or is closed itself when every connection holds one."""
         if len(self._connections) >= self.limits.max_connections:
             victim = next((c for c in self._connections if not c.authenticated), conn)
-            self._refusals.warning(
+            self.refusals.warning(
                 "at the connection cap (%d, --max-connections): closing %s from %s",
                 self.limits.max_connections, "a new connection" if victim is conn else "an unauthenticated one",
                 victim.peer,
@@ -234,14 +234,18 @@ class IndexServer:
         while True:
             await asyncio.sleep(self.limits.sweep_interval_s)
             try:
-                self._sweep(time.monotonic())
+                for _ in self._sweep(time.monotonic()):
+                    await asyncio.sleep(0)  # other connections between batches of closes
             except Exception:  # the loop must survive a bug here
                 log.exception("connection sweep failed")
 
-    def _sweep(self, now: float) -> None:
-        """Close connections past a deadline (``ServerLimits``)."""
+    def _sweep(self, now: float) -> Generator[None, None, None]:
+        """Close connections past a deadline (``ServerLimits``), yielding every 64 closes."""
         limits = self.limits
+        closed = 0
         for conn in list(self._connections):
+            if conn not in self._connections:
+                continue  # gone while we yielded
             if not conn.authenticated and now - conn.connected_at > limits.hello_timeout_s:
                 reason = "hello_timeout"
             elif conn.stalled() and now - conn.last_active > limits.frame_timeout_s:
@@ -250,10 +254,13 @@ class IndexServer:
                 reason = "idle"
             else:
                 continue
-            self._refusals.info("closing connection from %s: %s", conn.peer, reason.replace("_", " "))
+            self.refusals.info("closing connection from %s: %s", conn.peer, reason.replace("_", " "))
             self.closing(conn, reason)
             self._connections.pop(conn, None)
             conn.abort()
+            closed += 1
+            if closed % 64 == 0:
+                yield
 
     # -- requests ------------------------------------------------------------
 
@@ -316,7 +323,7 @@ class IndexServer:
             offered = (args["token"] or "").encode()
             if not hmac.compare_digest(offered, self._token):
                 conn.close_after_reply = "auth"
-                self._refusals.warning("wrong or missing token from %s (client %r): closing the connection",
+                self.refusals.warning("wrong or missing token from %s (client %r): closing the connection",
                                        conn.peer, str(args["client"])[:64])  # fmt: skip
                 if self._metrics is not None:
                     self._metrics.count_auth_failure()
