@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from maru_core.index.listen import RateLimitedLog
 from maru_core.handoff import ERROR_TYPES, HANDOFF_PROTOCOL, HandoffError, recv_frame, send_frame
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ class HandoffServer:
         self.socket_path = socket_path
         self._socket_gid = socket_gid
         self._slots = threading.BoundedSemaphore(MAX_CONCURRENT_HANDOFFS)
+        self._refusals = RateLimitedLog(log)  # a flood of bad clients costs a log line a second
         self._cache, self._index_url, self._stats_dir = cache, index_url, str(stats_dir)
         self._offer, self._read_token = offer, read_token
         self.results: collections.Counter[str] = collections.Counter()
@@ -142,7 +144,7 @@ class HandoffServer:
             try:
                 request, _ = recv_frame(conn, max_fds=0, deadline=deadline)
             except (OSError, EOFError, HandoffError) as exc:
-                log.warning("hand-off from %s: unreadable request (%s)", peer, exc)
+                self._refusals.warning("hand-off from %s: unreadable request (%s)", peer, exc)
                 self._count("bad_request")
                 return
             try:
