@@ -16,7 +16,7 @@ messages = st.lists(
                     st.integers(0, 2**32) | st.binary(max_size=3000) | st.text(max_size=20), max_size=4),
     min_size=1, max_size=6,
 )  # fmt: skip
-FAST = settings(max_examples=60, deadline=None)
+FAST = settings(max_examples=40, deadline=None)
 
 
 def feed(buffer: FrameBuffer, data: bytes, cuts: list[int]) -> list:
