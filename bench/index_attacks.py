@@ -22,7 +22,6 @@ import json
 import multiprocessing
 import os
 import socket
-import statistics
 import sys
 import tempfile
 import time

@@ -6,7 +6,6 @@ of the test process (so its internals can be read), real sockets."""
 from __future__ import annotations
 
 import os
-import socket
 import time
 
 import pytest
@@ -243,7 +242,6 @@ def test_releasing_many_pins_lets_other_connections_in(pool, op):
         keys = _pin_many(holder, pool, 12_000)  # 36,000 pins in one lease
         order = _completion_order(index)
         release = {"op": "bye"} if op == "bye" else {"op": "unpin", "keys": b"".join(keys[::-1])}  # not a batch
-        server_of(index).registry  # noqa: B018
         import maru_core.index.leases as leases
 
         chunk = leases.PIN_CHUNK_ROWS
@@ -294,7 +292,6 @@ def test_the_cap_follows_a_low_open_files_limit():
         assert default_max_connections() == 96
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-    assert socket  # noqa: B018  (imported for Raw's peers)
 
 
 def test_a_large_reserve_is_looked_up_in_slices_and_never_reserves_a_key_twice(pool):

@@ -17,7 +17,6 @@ delays the others by one turn, not by its whole backlog.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from typing import TYPE_CHECKING, Any, Generator
 
@@ -26,8 +25,6 @@ from maru_core.protocol.framing import MAX_FRAME_BYTES, FrameBuffer, FrameWriter
 
 if TYPE_CHECKING:
     from maru_core.index.server import IndexServer
-
-log = logging.getLogger("maru_core.index.server")
 
 #: Pending reply bytes above which a connection stops reading until its peer has read them.
 WRITE_HIGH_WATER = 4 * 1024 * 1024

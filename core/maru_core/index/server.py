@@ -16,10 +16,10 @@ batch sliced means exactly what it means whole (a key repeated across
 slices is committed once, by its first occurrence); only what others see
 in between differs: part of the batch already committed. ``unpin`` and
 ``bye`` release a lease's pins chunk by chunk (``Registry.unpin_sliced``,
-``close_lease_sliced``), and lapsed leases are released the same way.
-``retrieve`` (its all-or-nothing pin), ``reserve`` (one placement for the
-whole batch, its eviction bounded) and ``match_prefix`` (vectorised, fast)
-always run whole.
+``close_lease_sliced``), and lapsed leases are released the same way. A
+large ``reserve`` looks its keys up a slice per step, then places the whole
+batch (its eviction bounded) in one registry call. ``retrieve`` (its
+all-or-nothing pin) and ``match_prefix`` (vectorised) always run whole.
 
 Limits (``maru_core.index.limits``): a connection cap, a small frame limit
 until ``hello`` succeeds, deadlines for ``hello``, for a frame under way and
@@ -39,13 +39,15 @@ import collections
 import dataclasses
 import hmac
 import logging
-import os
 import time
 from collections.abc import Generator
-
-import numpy as np
 from typing import Any, Callable
 
+import numpy as np
+
+from maru_core.index.connection import Connection, Job, Reply
+from maru_core.index.limits import ServerLimits
+from maru_core.index.listen import RateLimitedLog, UnixListenerPath
 from maru_core.index.registry import RegistryError
 from maru_core.index.registry_types import first_occurrences
 from maru_core.index.slot_check import SlotHeaderCheck
@@ -54,8 +56,6 @@ from maru_core.protocol import (
     PROTOCOL_VERSION,
     Address,
     ErrorType,
-    FrameError,
-    FrameTooLarge,
     ProtocolError,
     TcpAddress,
     UnixAddress,
@@ -66,9 +66,6 @@ from maru_core.protocol import (
     parse_request,
     request_id,
 )
-from maru_core.index.connection import Connection, Job, Reply
-from maru_core.index.limits import ServerLimits
-from maru_core.index.listen import RateLimitedLog, UnixListenerPath
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +122,7 @@ class IndexServer:
             "abort": self._abort,
             "stats": self._stats,
         }
-        # Ops that may run in slices: commit and abort when large, unpin and bye always.
+        # Ops that may run in slices: commit, abort and reserve when large, unpin and bye always.
         self._sliced: dict[str, Callable[[Connection, dict], Generator[None, None, dict]]] = {
             "commit": self._commit_sliced,
             "abort": self._abort_sliced,
@@ -149,7 +146,7 @@ class IndexServer:
         """Listen on ``address``; return the bound address (a TCP port 0 becomes the real port).
 
         A Unix socket path must be free or hold a stale socket (one nobody
-        listens on); anything else raises ``AddressInUse`` with a one-line message.
+        listens on); anything else raises ``ListenError`` with a one-line message.
         """
         self._loop = asyncio.get_running_loop()
         protocol = lambda: Connection(self)  # noqa: E731
