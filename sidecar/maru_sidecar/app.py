@@ -90,6 +90,7 @@ class Sidecar:
             stats_dir=config.stats_dir,
             offer=self.attacher.offer,
             read_token=config.read_token,
+            socket_gid=config.socket_gid,
         )
         probe = IndexProbe(config.index_url, config.read_token, config.index_timeout_s, f"sidecar@{config.pod}")
         self.index_watch = IndexWatch(probe, INDEX_PROBE_INTERVAL_S, self._stop)

@@ -307,7 +307,7 @@ def fill(reg: Registry, lease: str, first: int, count: int) -> list[bytes]:
 
 
 def test_eviction_starts_above_high_and_goes_down_to_low(clock: Clock) -> None:
-    reg = Registry(geometry(100), high_watermark=0.9, low_watermark=0.6, clock=clock)
+    reg = Registry(geometry(100), high_watermark=0.9, low_watermark=0.6, clock=clock, max_evict_fraction=1.0)
     lease = reg.open_lease("a")
     keys = fill(reg, lease, 0, 90)
     assert reg.stats().evictions == 0
@@ -345,7 +345,7 @@ def test_pinned_objects_are_never_evicted(clock: Clock) -> None:
 
 
 def test_fragmented_space_is_defragmented_by_eviction(clock: Clock) -> None:
-    reg = Registry(geometry(10), high_watermark=1.0, low_watermark=1.0, clock=clock)
+    reg = Registry(geometry(10), high_watermark=1.0, low_watermark=1.0, clock=clock, max_evict_fraction=1.0)
     lease = reg.open_lease("a")
     keys = fill(reg, lease, 0, 10)  # page i holds key i; LRU: 0 oldest
     even = keys[0::2]

@@ -72,6 +72,7 @@ def test_readyz_fails_when_the_handoff_socket_is_gone(index, sock_dir, sidecars)
 def test_a_token_the_index_refuses_is_reported_but_keeps_the_pod_ready(index, sock_dir, sidecars):
     wrong = sock_dir.parent / f"{sock_dir.name}.wrong-token"
     wrong.write_text("not-the-index-token")
+    wrong.chmod(0o600)
     try:
         sidecar = sidecars(index.pool_path, sock_dir / "maru.sock", index.url, token_file=str(wrong))
         wait_until(lambda: _index_reachable(sidecar) == 0, 15, what="the index probed")
