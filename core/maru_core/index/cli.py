@@ -109,7 +109,7 @@ def _fraction_arg(text: str) -> float:
     except ValueError:
         value = -1.0
     if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction above 0 and at most 1 (e.g. 0.25)")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction of the pool above 0 and at most 1 (e.g. 0.25)")
     return value
 
 
