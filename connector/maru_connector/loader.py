@@ -68,6 +68,7 @@ class _Load:
     released: bool = False
     aborted: bool = False
     late_failure_recorded: bool = False  # failed after release, waiting to be reported
+    wakes_loader: bool = False  # its handle wakes the loader thread whenever it moves
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -117,7 +118,7 @@ class AsyncLoader:
         self._verify_payload = verify_payload
         self._inbox: queue.Queue[_Load | None] = queue.Queue()
         self._wake = threading.Event()  # the loader thread has something to look at
-        self._wake_after_s = _HOST_WAKE_S if getattr(engine, "backend", None) == "cpu" else _DEVICE_POLL_S
+        self._host_copies = getattr(engine, "backend", None) == "cpu"  # a landed layer is ready
         self._results_ready = threading.Event()  # set while _results holds something
         self._lock = threading.Lock()
         self._loads: dict[str, _Load] = {}  # in flight: queued, copying or released
@@ -249,10 +250,18 @@ class AsyncLoader:
                 self._guarded(item, lambda ld=item: self._start(ld, active))
             active = [ld for ld in active if self._guarded(ld, lambda ld=ld: not self._advance(ld))]
             if not stopping:
-                self._wake.wait(self._wake_after_s if active else None)
+                self._wake.wait(self._wake_after(active))
         for load in active:  # shutting down: copies from pinned slots still finish
             wait_done(load.handle)
             self._finish(load)
+
+    @staticmethod
+    def _wake_after(active: list[_Load]) -> float | None:
+        """How long the loader thread may sleep: until woken when every
+        active load wakes it, else until the next check of the others."""
+        if not active:
+            return None
+        return _HOST_WAKE_S if all(ld.wakes_loader for ld in active) else _DEVICE_POLL_S
 
     def _guarded(self, load: _Load, step: Callable[[], Any]) -> Any:
         """Run one step of one load; an exception fails that load only
@@ -298,6 +307,7 @@ class AsyncLoader:
         set_listener = getattr(load.handle, "set_listener", None)
         if set_listener is not None:  # else found by the periodic check
             set_listener(self._wake.set)
+            load.wakes_loader = self._host_copies
         active.append(load)
 
     def _advance(self, load: _Load) -> bool:
