@@ -1,10 +1,10 @@
 """Per-phase timeline of one async + overlapped hit, from a trace written by
 ``bench/ttft_async.py --trace FILE`` (one process and multiprocessing).
 
-    .venv/bin/python bench/plot_timeline.py out/trace.jsonl bench/ttft_async_timeline.png
+    .venv/bin/python bench/plot_timeline.py out/trace.jsonl bench/ttft_async_timeline.png [TOKENS]
 
-Picks, in each engine process group that served async hits, the last hit of
-the largest prompt, and draws its phases from arrival to first token: the
+Picks, for each caller process that served async hits, the last full hit of a
+TOKENS-token prompt (default 4096) served alone, and draws its phases from arrival to first token: the
 lookup, parking, the loader's resolve (retrieve, pins, header checks), each
 layer's copy, the release, the engine steps while parked, the forward and its
 per-layer waits.
@@ -21,18 +21,19 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def _hits(events):
-    """(events of one hit, label) for the last async hit in each process group."""
-    submits = [e for e in events if e[3] == "submit>"]
+def _hits(events, tokens: int):
+    """(events, arrival, first token, multiprocessing?) of the last lone full
+    hit of ``tokens`` tokens per caller process."""
     adds = [e for e in events if e[3] == "add_request>"]
+    allocs = [e for e in events if e[3] == "update_state_after_alloc>" and e[4][1] == tokens - 1]
     by_caller = {}
-    for sub in submits:
-        add = max((a for a in adds if a[0] <= sub[0]), key=lambda a: a[0])
-        by_caller[add[1]] = (add, sub)  # the last one per caller process
-    for caller, (add, sub) in by_caller.items():
+    for alloc in allocs:
+        add = max((a for a in adds if a[0] <= alloc[0]), key=lambda a: a[0])
         token = min((e for e in events if e[3] == "token" and e[0] >= add[0]), key=lambda e: e[0])
         window = [e for e in events if add[0] <= e[0] <= token[0]]
-        yield window, add[0], token[0], len({e[1] for e in window}) > 1
+        if sum(e[3] == "add_request>" for e in window) == 1 and any(e[3] == "submit>" for e in window):
+            by_caller[add[1]] = (window, add[0], token[0], len({e[1] for e in window}) > 1)
+    return list(by_caller.values())
 
 
 def _spans(window, t0):
@@ -62,9 +63,9 @@ ROWS = {"get_num_new_matched_tokens": "lookup", "get_finished": "engine waits fo
         "wait_for_layer_load": "forward: layer waits"}
 
 
-def main(trace: str, png: str) -> None:
+def main(trace: str, png: str, tokens: int = 4096) -> None:
     events = [json.loads(line) for line in open(trace, encoding="utf-8")]
-    hits = list(_hits(events))
+    hits = _hits(events, tokens)
     fig, axes = plt.subplots(len(hits), 1, figsize=(11, 3.2 * len(hits)), squeeze=False)
     for ax, (window, t0, t1, mp) in zip(axes[:, 0], hits):
         spans, marks = _spans(window, t0)
@@ -86,4 +87,4 @@ def main(trace: str, png: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], *map(int, sys.argv[3:4]))

@@ -10,7 +10,10 @@ engine A (async load, async store) serves the same prompts as misses and
 stores them; engines S (sync load) and O (async load + overlap) then serve
 them as hits, as full hits, as partial hits (a stored prefix of half the
 prompt plus as many new tokens), and as 8 concurrent requests (4 hits, 4
-misses). Every hit's tokens are compared with R's. Model: the float32 tiny
+misses). Engines serving the same kind of request alternate prompt by prompt
+(R and A; S and O), so both columns see the same load on a shared machine;
+S stores the new half of its partial hits, so O's partial hits put other new
+tokens behind the same prefix. Every full hit's tokens are compared with R's. Model: the float32 tiny
 Llama (2 layers, hidden 256), block size 128, 256-token chunks. Prints
 Markdown tables (medians) and writes the raw figures as JSON. With --trace,
 every engine process appends per-phase timestamps (bench/trace) to a file.
@@ -78,21 +81,38 @@ def _ttfts(engine: EngineProcess, prompts, concurrent=False) -> dict:
     return {"ttft_s": [r.ttft_s for r in runs], "tokens": [r.token_ids for r in runs]}
 
 
+def _alternating(engines: dict[str, EngineProcess], prompts: dict[str, list]) -> dict[str, dict]:
+    """Each engine serves its prompt i in turn, one request at a time: on a
+    shared machine every column then sees the same load."""
+    out = {name: {"ttft_s": [], "tokens": []} for name in engines}
+    for i in range(len(next(iter(prompts.values())))):
+        for name, engine in engines.items():
+            one = _ttfts(engine, [prompts[name][i]])
+            for k in out[name]:
+                out[name][k] += one[k]
+    return out
+
+
 def _warm(engine: EngineProcess, args) -> None:
     engine.generate([random_tokens(args.chunk_tokens // 2, seed=987_654)], max_tokens=1)
+
+
+def _engine_env(args) -> dict[str, str]:
+    env = {"OMP_NUM_THREADS": str(os.cpu_count() or 1)}
+    if args.trace:
+        env["MARU_TRACE_FILE"] = os.path.abspath(args.trace)
+        here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trace")
+        env["PYTHONPATH"] = here + os.pathsep + os.environ.get("PYTHONPATH", "")
+    return env
 
 
 def _run_mode(args, mp: bool, model_dir: str, workdir: str, out: dict) -> None:
     w = _workload(args)
     longest = max(len(p) for ps in w.values() for p in ps)
     base = EngineSpec(model_dir=model_dir, block_size=args.block_size, max_model_len=longest + 128,
-                      max_num_batched_tokens=longest + 128, multiprocessing=mp,
-                      env={"OMP_NUM_THREADS": str(os.cpu_count() or 1),
-                           **({"MARU_TRACE_FILE": os.path.abspath(args.trace),
-                               "PYTHONPATH": os.path.join(os.path.dirname(os.path.abspath(__file__)), "trace")
-                               + os.pathsep + os.environ.get("PYTHONPATH", "")} if args.trace else {})})
+                      max_num_batched_tokens=longest + 128, multiprocessing=mp, env=_engine_env(args))
     mode = "mp-on" if mp else "mp-off"
-    res = out.setdefault(mode, {"loadavg": [], "formats": {}})
+    res = out.setdefault(mode, {"formats": {}})
     with ExitStack() as stack:
         index = IndexProcess(unique_pool_path("marucache-bench"), pool_size="2Gi", log_dir=workdir)
         stack.callback(index.close)
@@ -100,35 +120,48 @@ def _run_mode(args, mp: bool, model_dir: str, workdir: str, out: dict) -> None:
         ref = EngineProcess(base, os.path.join(workdir, f"{mode}-R.log"))
         stack.callback(ref.close)
         _warm(ref, args)
-        res["loadavg"].append(os.getloadavg()[0])
-        res["recompute"] = {name: _ttfts(ref, ps) for name, ps in w.items() if not name.startswith("busy")}
         for fmt in args.formats:
-            data = res["formats"][fmt] = {}
+            data = res["formats"][fmt] = {"loadavg": []}
+            engines = {}
             for name, knobs in ENGINES.items():
                 config = make_kv_transfer_config(
                     index.url, pool_path=index.pool_path, token=index.token,
                     kv_chunk_tokens=args.chunk_tokens, use_layerwise=FORMATS[fmt],
                     async_store=True, lookup_timeout_s=1.0, **knobs)
-                engine = EngineProcess(EngineSpec(**{**base.__dict__, "kv_transfer_config": config}),
-                                       os.path.join(workdir, f"{mode}-{fmt}-{name}.log"))
-                try:
-                    _warm(engine, args)
-                    data.setdefault("loadavg", []).append(os.getloadavg()[0])
-                    if name == "A":
-                        stored = ["partial-prefix", "busy-hits"] + [k for k in w if k.startswith("full-")]
-                        data["miss"] = {k: _ttfts(engine, w[k]) for k in stored if k in w}
-                        time.sleep(1.0)  # the last stores commit
-                    else:
-                        data[name] = {k: _ttfts(engine, w[k]) for k in w
-                                      if k.startswith("full-") or k == "partial"}
-                        if args.concurrent:
-                            # Fresh misses each time: a miss's store must not turn the next run into hits.
-                            busy = w["busy-hits"] + [random_tokens(len(p), seed=6_000_000 + hash(name) % 997 + i)
-                                                     for i, p in enumerate(w["busy-misses"])]
-                            data[name]["busy"] = _ttfts(engine, busy, concurrent=True)
-                finally:
-                    engine.close()
-        ref.close()
+                engines[name] = EngineProcess(EngineSpec(**{**base.__dict__, "kv_transfer_config": config}),
+                                              os.path.join(workdir, f"{mode}-{fmt}-{name}.log"), wait=False)
+                stack.callback(engines[name].close)
+            for engine in engines.values():
+                engine.wait_ready()
+                _warm(engine, args)
+            data["loadavg"].append(os.getloadavg()[0])
+            stored = [k for k in w if k.startswith("full-") or k in ("partial-prefix", "busy-hits")]
+            data["miss"] = {}
+            for key in stored:
+                both = _alternating({"R": ref, "A": engines["A"]}, {"R": w[key], "A": w[key]})
+                data["miss"][key], data.setdefault("recompute", {})[key] = both["A"], both["R"]
+            time.sleep(1.0)  # the last stores commit
+            data["loadavg"].append(os.getloadavg()[0])
+            hits = {"S": engines["S"], "O": engines["O"]}
+            data["S"], data["O"] = {}, {}
+            for key in [k for k in w if k.startswith("full-")]:
+                both = _alternating(hits, {"S": w[key], "O": w[key]})
+                data["S"][key], data["O"][key] = both["S"], both["O"]
+            if args.partial:
+                # S stores what it computes: O gets other new tokens behind the same cached prefix.
+                other = [p[: args.partial] + random_tokens(args.partial, seed=7_000_000 + i)
+                         for i, p in enumerate(w["partial"])]
+                both = _alternating(hits, {"S": w["partial"], "O": other})
+                data["S"]["partial"], data["O"]["partial"] = both["S"], both["O"]
+            if args.concurrent:
+                for n, name in enumerate(hits):
+                    # Fresh misses each time: a miss's store must not turn the next run into hits.
+                    busy = w["busy-hits"] + [random_tokens(len(p), seed=6_000_000 + 1000 * n + i)
+                                             for i, p in enumerate(w["busy-misses"])]
+                    data[name]["busy"] = _ttfts(engines[name], busy, concurrent=True)
+            data["loadavg"].append(os.getloadavg()[0])
+            for engine in engines.values():
+                engine.close()
 
 
 def _ms(xs) -> str:
@@ -142,19 +175,22 @@ def _pct(xs, q) -> float:
 
 def _report(out: dict) -> None:
     for mode, res in out.items():
-        rec = res["recompute"]
-        print(f"\n### {mode} (load average at engine starts: {', '.join(f'{x:.1f}' for x in res['loadavg'])})")
+        print(f"\n### {mode}")
         print("| prompt | format | recompute | miss + store | × recompute | sync hit | async+overlap hit | × sync | tokens equal |")
         print("|---|---|---:|---:|---:|---:|---:|---:|---|")
         for fmt, data in res["formats"].items():
-            for key in [k for k in rec if k.startswith("full-") or k == "partial"]:
-                r, s, o = rec[key]["ttft_s"], data["S"][key]["ttft_s"], data["O"][key]["ttft_s"]
+            rec = data["recompute"]
+            print(f"| load average {fmt} | {', '.join(f'{x:.1f}' for x in data['loadavg'])} |")
+            for key in [k for k in data["S"] if k != "busy"]:
+                s, o = data["S"][key]["ttft_s"], data["O"][key]["ttft_s"]
+                r = rec[key]["ttft_s"] if key in rec else None
                 miss = data["miss"].get(key)
                 m = _ms(miss["ttft_s"]) if miss else "–"
                 mr = f"{statistics.median(miss['ttft_s']) / statistics.median(r):.2f}" if miss else "–"
-                equal = rec[key]["tokens"] == data["S"][key]["tokens"] == data["O"][key]["tokens"]
+                equal = "–" if key == "partial" else rec[key]["tokens"] == data["S"][key]["tokens"] == data["O"][key]["tokens"]
+                r = _ms(r) if r else "–"
                 ratio = statistics.median(o) / statistics.median(s)
-                print(f"| {key} | {fmt} | {_ms(r)} | {m} | {mr} | {_ms(s)} | {_ms(o)} | {ratio:.2f} | {equal} |")
+                print(f"| {key} | {fmt} | {r} | {m} | {mr} | {_ms(s)} | {_ms(o)} | {ratio:.2f} | {equal} |")
             if "busy" in data["S"]:
                 n = len(data["S"]["busy"]["ttft_s"]) // 2
                 for name, label in (("S", "sync"), ("O", "async+overlap")):
