@@ -18,6 +18,15 @@ first, or :meth:`AsyncLoader.take_results` hands it over when that request is
 scheduled). No exception ends the loader thread: it fails the load it came
 from and serves the others. The loader keeps state only for loads in flight
 and failures not yet reported.
+
+Nothing here polls on the CPU: the loader thread sleeps until a load is
+submitted, drained or one of its copies completes a layer (the handle's
+listener wakes it), and the engine thread, when its step computed nothing
+(every request parked), sleeps in :meth:`AsyncLoader.wait_for_results` until
+a load is released or failed instead of stepping again at once. Sleeping on
+an event leaves the GIL and the cores to the loader and the copies. CUDA
+handles complete a layer on the device, so there the loader still checks
+them every ``_DEVICE_POLL_S``.
 """
 
 from __future__ import annotations
@@ -37,8 +46,10 @@ from maru_connector.resolve import LoadFailure, PinnedLoad, release_pins, resolv
 
 logger = logging.getLogger(__name__)
 
-_POLL_S = 0.002
-_IDLE: Any = object()  # the inbox was empty for one poll interval
+_POLL_S = 0.002  # how often a failed handle's stopped copies are checked
+_DEVICE_POLL_S = 0.002  # device copies complete without waking anyone
+# A safety net only: on the CPU every completion wakes the loader thread.
+_HOST_WAKE_S = 0.05
 
 
 def wait_done(handle: Any) -> None:
@@ -57,6 +68,7 @@ class _Load:
     released: bool = False
     aborted: bool = False
     late_failure_recorded: bool = False  # failed after release, waiting to be reported
+    wakes_loader: bool = False  # its handle wakes the loader thread whenever it moves
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -105,6 +117,9 @@ class AsyncLoader:
         self._stats = stats
         self._verify_payload = verify_payload
         self._inbox: queue.Queue[_Load | None] = queue.Queue()
+        self._wake = threading.Event()  # the loader thread has something to look at
+        self._host_copies = getattr(engine, "backend", None) == "cpu"  # a landed layer is ready
+        self._results_ready = threading.Event()  # set while _results holds something
         self._lock = threading.Lock()
         self._loads: dict[str, _Load] = {}  # in flight: queued, copying or released
         self._results = LoadResults()
@@ -121,6 +136,22 @@ class AsyncLoader:
         with self._lock:
             self._loads[spec.req_id] = load
         self._inbox.put(load)
+        self._wake.set()
+
+    def wait_for_results(self, timeout: float) -> bool:
+        """Sleep until a load not yet released is released or fails, or
+        ``timeout`` seconds passed; returns at once when no such load is in
+        flight or results are waiting. True when results are waiting.
+
+        The engine thread calls this in a step that computed nothing, so that
+        an engine whose every request is parked waits for the loader instead
+        of stepping (and holding the GIL) again at once.
+        """
+        with self._lock:
+            pending = any(not ld.released for ld in self._loads.values())
+        if pending and self._dead is None:
+            self._results_ready.wait(timeout)
+        return self._results_ready.is_set()
 
     def take_results(self, scheduled_req_ids: Iterable[str] = ()) -> LoadResults:
         """Released and failed requests since the last call, atomically, and
@@ -135,6 +166,7 @@ class AsyncLoader:
         self._check_alive()
         with self._lock:
             results, self._results = self._results, LoadResults()
+            self._results_ready.clear()
             reportable = set(scheduled_req_ids) | results.released
             for req_id in reportable & self._late_failures.keys():
                 results.failed_after_release[req_id] = self._late_failures.pop(req_id)
@@ -175,6 +207,7 @@ class AsyncLoader:
                 load.aborted = True
                 if load.released:
                     waits.append(load.done)
+        self._wake.set()
         for event in waits:
             while not event.wait(0.1):
                 self._check_alive()
@@ -190,6 +223,7 @@ class AsyncLoader:
 
     def close(self) -> None:
         self._inbox.put(None)
+        self._wake.set()
         self._thread.join(timeout=30)
         if self._client is not None:
             self._client.close()
@@ -202,23 +236,36 @@ class AsyncLoader:
         except BaseException as exc:  # a bug outside any one load: stop the engine loudly
             logger.critical("the MaruCache loader thread died", exc_info=True)
             self._dead = exc
+            self._results_ready.set()  # the engine thread must not sleep on a dead loader
 
     def _serve(self) -> None:
         active: list[_Load] = []
-        while True:
-            try:
-                item = self._inbox.get(timeout=_POLL_S) if active else self._inbox.get()
-            except queue.Empty:
-                item = _IDLE
-            if item is None:
-                break
-            if item is not _IDLE:
+        stopping = False
+        while not stopping:
+            self._wake.clear()  # anything from now on wakes the wait below
+            while True:  # start every queued load before looking at copies
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    stopping = True
+                    break
                 self._guarded(item, lambda ld=item: self._start(ld, active))
-                continue  # start every queued load before waiting on copies
             active = [ld for ld in active if self._guarded(ld, lambda ld=ld: not self._advance(ld))]
+            if not stopping:
+                self._wake.wait(self._wake_after(active))
         for load in active:  # shutting down: copies from pinned slots still finish
             wait_done(load.handle)
             self._finish(load)
+
+    @staticmethod
+    def _wake_after(active: list[_Load]) -> float | None:
+        """How long the loader thread may sleep: until woken when every
+        active load wakes it, else until the next check of the others."""
+        if not active:
+            return None
+        return _HOST_WAKE_S if all(ld.wakes_loader for ld in active) else _DEVICE_POLL_S
 
     def _guarded(self, load: _Load, step: Callable[[], Any]) -> Any:
         """Run one step of one load; an exception fails that load only
@@ -261,6 +308,10 @@ class AsyncLoader:
         except Exception:
             release_pins(self._client, load.pinned)  # nothing was queued
             raise
+        set_listener = getattr(load.handle, "set_listener", None)
+        if set_listener is not None:  # else found by the periodic check
+            set_listener(self._wake.set)
+            load.wakes_loader = self._host_copies
         active.append(load)
 
     def _advance(self, load: _Load) -> bool:
@@ -305,6 +356,7 @@ class AsyncLoader:
         with self._lock:
             load.released = True
             self._results.released.add(load.spec.req_id)
+            self._results_ready.set()
 
     def _finish(self, load: _Load) -> None:
         release_pins(self._client, load.pinned)
@@ -324,5 +376,6 @@ class AsyncLoader:
                 self._results.failed[load.spec.req_id] = load.spec.all_block_ids()
             else:
                 self._results.released.add(load.spec.req_id)
+            self._results_ready.set()
             self._loads.pop(load.spec.req_id, None)
         load.done.set()

@@ -40,6 +40,12 @@ from maru_connector.store import Storer
 
 logger = logging.getLogger(__name__)
 
+# How long a step that computed nothing waits for a parked load to be
+# released before it returns: a release ends the wait at once, so this only
+# bounds how late a request that arrives while every request is parked is
+# admitted (vLLM schedules new requests between steps).
+_IDLE_STEP_WAIT_S = 0.002
+
 
 @dataclass
 class WorkerResources:
@@ -211,6 +217,10 @@ class MaruWorkerHalf:
         sending = self._storer.finished_requests(meta.held_req_ids) if self._storer else set()
         recving: set[str] = set()
         if self._loader is not None:
+            if not meta.scheduled_req_ids:
+                # Every request is parked (or none runs): wait for the loader
+                # here, GIL-free, rather than let the engine spin on empty steps.
+                self._loader.wait_for_results(_IDLE_STEP_WAIT_S)
             results = self._loader.take_results(meta.scheduled_req_ids)
             recving = results.released | set(results.failed)
             for req_id, blocks in results.failed.items():

@@ -238,3 +238,46 @@ def test_a_loader_thread_that_dies_stops_the_engine_loudly(env):
     _wait_until(lambda: reader._loader._dead is not None)
     with pytest.raises(RuntimeError, match="loader thread died"):
         finished(reader)  # parked requests would never be released: no silent hang
+
+
+def test_step_that_computed_nothing_waits_for_the_release_instead_of_returning(env, monkeypatch):
+    """An engine whose every request is parked must sleep until the loader
+    releases one, not step again at once (it would hold the GIL the loader
+    and the copies need): that step's get_finished reports the release."""
+    import maru_connector.worker as worker_module
+
+    monkeypatch.setattr(worker_module, "_IDLE_STEP_WAIT_S", 30.0)
+    keys, kv_w = _stored(env)
+    reader, kv_r = env.worker(seed=2, maru_async_load=True)
+    gated = GatedEngine(reader._res.engine)
+    reader._loader._engine = gated
+    reader.start_load_kv(load_meta("r", keys, first_block=10, is_async=True))
+    _wait_until(lambda: gated.handles)
+    # A step that computed something never waits: nothing is released yet.
+    assert finished(reader, scheduled={"other"}) == (set(), set())
+    threading.Timer(0.2, lambda: [gated.handles[0].land(i) for i in range(LAYERS)]).start()
+    # Copies of gated handles are only looked at every few ms: the wait ends with the release.
+    assert finished(reader) == (set(), {"r"})
+    assert blocks_equal(kv_w, range(4), kv_r, range(10, 14))
+    _wait_until(lambda: reader._loader.num_in_flight == 0)
+    # Nothing left to release: a step that computed nothing returns at once.
+    started = time.monotonic()
+    assert finished(reader) == (set(), set())
+    assert time.monotonic() - started < 10.0
+
+
+def test_landed_layers_wake_the_loader_thread(env, monkeypatch):
+    """On the CPU the loader thread is woken by each landed layer, never by a
+    timer: with the timer out of reach the load is still released."""
+    import maru_connector.loader as loader_module
+
+    monkeypatch.setattr(loader_module, "_HOST_WAKE_S", 3600.0)
+    keys, kv_w = _stored(env)
+    reader, kv_r = env.worker(seed=2, maru_async_load=True)
+    reader.start_load_kv(load_meta("r", keys, first_block=10, is_async=True))
+    assert reader._loader.wait_for_results(30.0)
+    recving, errors, _ = _poll_finished(reader, timeout=1.0)
+    assert recving == {"r"} and errors == set()
+    assert blocks_equal(kv_w, range(4), kv_r, range(10, 14))
+    _wait_until(lambda: reader._loader.num_in_flight == 0, timeout=30.0)
+    assert +env.index.pins == {}

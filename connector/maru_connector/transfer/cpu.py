@@ -42,13 +42,15 @@ class CpuTransferEngine(TransferEngine):
             first += view.shape[0]
 
     def _run_load(self, job: _Job) -> None:
-        ids = torch.tensor(job.block_ids, dtype=torch.int64)
+        # One copy_ per run of consecutive block ids: a byte-wise index_copy_
+        # moves about 0.1 GB/s on the CPU, copy_ of whole blocks 2-3 GB/s.
         for layer in range(self.layout.num_layers):
             dst = self.block_views[layer]
             for run in self._runs(job, layer):
                 views = self._rows(run)
                 for src, a, b in self._block_ranges(run, views):
-                    dst.index_copy_(0, ids[a:b], src)
+                    for first, n, offset in _consecutive(job.block_ids, a, b):
+                        dst[first:first + n].copy_(src[offset:offset + n])
             job.handle._mark_layer(layer)
 
     def _run_store(self, job: _Job) -> None:
@@ -60,3 +62,13 @@ class CpuTransferEngine(TransferEngine):
                 for dst, a, b in self._block_ranges(run, views):
                     torch.index_select(src, 0, ids[a:b], out=dst)
         job.handle._finish()
+
+
+def _consecutive(block_ids: list[int], a: int, b: int):
+    """``(first block id, count, offset from a)`` for each run of consecutive
+    ids in ``block_ids[a:b]``."""
+    start = a
+    for i in range(a + 1, b + 1):
+        if i == b or block_ids[i] != block_ids[i - 1] + 1:
+            yield block_ids[start], i - start, start - a
+            start = i

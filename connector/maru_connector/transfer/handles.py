@@ -8,12 +8,17 @@ them; ``wait_layer`` then waits for that event on the host, and
 
 A failed copy sets ``error`` and completes every layer not yet landed, so no
 waiter ever hangs; waits then return ``False``.
+
+A listener (``LoadHandle.set_listener``) is called on the copy thread each
+time a layer completes or the load fails, so a thread that serves several
+loads can sleep until one of them moves instead of polling them.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["LoadHandle", "StoreHandle", "TransferError"]
@@ -58,6 +63,7 @@ class LoadHandle:
         self._lock = threading.Lock()
         self._all_marked = threading.Event()
         self._remaining = num_layers
+        self._listener: Callable[[], None] | None = None
         if num_layers == 0:
             self._all_marked.set()
             self.finished_at = self.submitted_at
@@ -89,11 +95,21 @@ class LoadHandle:
             if self._device_events is None:
                 self.finished_at = time.monotonic()
             self._all_marked.set()
+        listener = self._listener
+        if listener is not None:
+            listener()
 
     def _device_event(self, layer: int) -> Any:
         return self._device_events[layer] if self._device_events else None
 
     # -- public ----------------------------------------------------------------
+    def set_listener(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` (on the copy thread, so it must be quick and
+        must not block) whenever a layer completes or the load fails from now
+        on; completions before this call are not replayed: check the state
+        after setting it."""
+        self._listener = listener
+
     def layer_ready(self, layer: int) -> bool:
         """True once layer ``layer``'s bytes have landed (non-blocking)."""
         if not (self._marked[layer].is_set() and self._ok[layer]):

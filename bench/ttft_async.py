@@ -1,0 +1,220 @@
+"""TTFT of hits served by async + overlapped loads against synchronous loads,
+of misses that store against an engine without the connector, and of mixed
+hits and misses under load, on the vLLM CPU engine.
+
+    .venv/bin/python bench/ttft_async.py [--sizes 1024 4096 16384] [--repeats 5]
+        [--mp off on] [--formats chunkwise layerwise] [--trace out/trace.jsonl]
+
+Per multiprocessing mode: engine R (no connector) computes every prompt;
+engine A (async load, async store) serves the same prompts as misses and
+stores them; engines S (sync load) and O (async load + overlap) then serve
+them as hits, as full hits, as partial hits (a stored prefix of half the
+prompt plus as many new tokens), and as 8 concurrent requests (4 hits, 4
+misses). Engines serving the same kind of request alternate prompt by prompt
+(R and A; S and O), so both columns see the same load on a shared machine;
+S stores the new half of its partial hits, so O's partial hits put other new
+tokens behind the same prefix. Every full hit's tokens are compared with R's. Model: the float32 tiny
+Llama (2 layers, hidden 256), block size 128, 256-token chunks. Prints
+Markdown tables (medians) and writes the raw figures as JSON. With --trace,
+every engine process appends per-phase timestamps (bench/trace) to a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+
+from maru_connector.config import make_kv_transfer_config
+from maru_connector.testing.engine import EngineProcess, EngineSpec
+from maru_connector.testing.index_process import IndexProcess, unique_pool_path
+from maru_connector.testing.tiny_model import TinyModelSpec, build_tiny_model
+from maru_connector.testing.workload import random_tokens
+
+FORMATS = {"chunkwise": False, "layerwise": True}
+ENGINES = {"A": dict(async_load=True, overlap_load_with_compute=True),
+           "S": dict(async_load=False, overlap_load_with_compute=False),
+           "O": dict(async_load=True, overlap_load_with_compute=True)}
+
+
+def _parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 16384])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--chunk-tokens", type=int, default=256)
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+    p.add_argument("--mp", nargs="+", default=["off", "on"], choices=["off", "on"])
+    p.add_argument("--partial", type=int, default=2048, help="cached tokens of the partial hits (0: none)")
+    p.add_argument("--concurrent", type=int, default=8, help="requests at once, half hits (0: none)")
+    p.add_argument("--trace", default=None, help="append per-phase timestamps to this file")
+    p.add_argument("--json", default=os.path.join("out", "ttft_async.json"))
+    return p.parse_args()
+
+
+def _prompts(args, size: int, tag: int) -> list[list[int]]:
+    return [random_tokens(size, seed=tag * 1_000_000 + size * 100 + i) for i in range(args.repeats)]
+
+
+def _workload(args) -> dict[str, list[list[int]]]:
+    """Named prompt lists; ``stored`` ones are served by A first (misses)."""
+    w = {f"full-{n}": _prompts(args, n, 1) for n in args.sizes}
+    if args.partial:
+        w["partial-prefix"] = _prompts(args, args.partial, 2)
+        fresh = _prompts(args, args.partial, 3)
+        w["partial"] = [p + f for p, f in zip(w["partial-prefix"], fresh)]
+    if args.concurrent:
+        half = args.concurrent // 2
+        n = min(args.sizes)
+        w["busy-hits"] = [random_tokens(n, seed=4_000_000 + i) for i in range(half)]
+        w["busy-misses"] = [random_tokens(n, seed=5_000_000 + i) for i in range(args.concurrent - half)]
+    return w
+
+
+def _ttfts(engine: EngineProcess, prompts, concurrent=False) -> dict:
+    runs = engine.generate(prompts, max_tokens=1, concurrent=concurrent)
+    return {"ttft_s": [r.ttft_s for r in runs], "tokens": [r.token_ids for r in runs]}
+
+
+def _alternating(engines: dict[str, EngineProcess], prompts: dict[str, list]) -> dict[str, dict]:
+    """Each engine serves its prompt i in turn, one request at a time: on a
+    shared machine every column then sees the same load."""
+    out = {name: {"ttft_s": [], "tokens": []} for name in engines}
+    for i in range(len(next(iter(prompts.values())))):
+        for name, engine in engines.items():
+            one = _ttfts(engine, [prompts[name][i]])
+            for k in out[name]:
+                out[name][k] += one[k]
+    return out
+
+
+def _warm(engine: EngineProcess, args) -> None:
+    engine.generate([random_tokens(args.chunk_tokens // 2, seed=987_654)], max_tokens=1)
+
+
+def _engine_env(args) -> dict[str, str]:
+    env = {"OMP_NUM_THREADS": str(os.cpu_count() or 1)}
+    if args.trace:
+        env["MARU_TRACE_FILE"] = os.path.abspath(args.trace)
+        here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trace")
+        env["PYTHONPATH"] = here + os.pathsep + os.environ.get("PYTHONPATH", "")
+    return env
+
+
+def _run_mode(args, mp: bool, model_dir: str, workdir: str, out: dict) -> None:
+    w = _workload(args)
+    longest = max(len(p) for ps in w.values() for p in ps)
+    base = EngineSpec(model_dir=model_dir, block_size=args.block_size, max_model_len=longest + 128,
+                      max_num_batched_tokens=longest + 128, multiprocessing=mp, env=_engine_env(args))
+    mode = "mp-on" if mp else "mp-off"
+    res = out.setdefault(mode, {"formats": {}})
+    with ExitStack() as stack:
+        index = IndexProcess(unique_pool_path("marucache-bench"), pool_size="2Gi", log_dir=workdir)
+        stack.callback(index.close)
+        index.start()
+        ref = EngineProcess(base, os.path.join(workdir, f"{mode}-R.log"))
+        stack.callback(ref.close)
+        _warm(ref, args)
+        for fmt in args.formats:
+            data = res["formats"][fmt] = {"loadavg": []}
+            engines = {}
+            for name, knobs in ENGINES.items():
+                config = make_kv_transfer_config(
+                    index.url, pool_path=index.pool_path, token=index.token,
+                    kv_chunk_tokens=args.chunk_tokens, use_layerwise=FORMATS[fmt],
+                    async_store=True, lookup_timeout_s=1.0, **knobs)
+                engines[name] = EngineProcess(EngineSpec(**{**base.__dict__, "kv_transfer_config": config}),
+                                              os.path.join(workdir, f"{mode}-{fmt}-{name}.log"), wait=False)
+                stack.callback(engines[name].close)
+            for engine in engines.values():
+                engine.wait_ready()
+                _warm(engine, args)
+            data["loadavg"].append(os.getloadavg()[0])
+            stored = [k for k in w if k.startswith("full-") or k in ("partial-prefix", "busy-hits")]
+            data["miss"] = {}
+            for key in stored:
+                both = _alternating({"R": ref, "A": engines["A"]}, {"R": w[key], "A": w[key]})
+                data["miss"][key], data.setdefault("recompute", {})[key] = both["A"], both["R"]
+            time.sleep(1.0)  # the last stores commit
+            data["loadavg"].append(os.getloadavg()[0])
+            hits = {"S": engines["S"], "O": engines["O"]}
+            data["S"], data["O"] = {}, {}
+            for key in [k for k in w if k.startswith("full-")]:
+                both = _alternating(hits, {"S": w[key], "O": w[key]})
+                data["S"][key], data["O"][key] = both["S"], both["O"]
+            if args.partial:
+                # S stores what it computes: O gets other new tokens behind the same cached prefix.
+                other = [p[: args.partial] + random_tokens(args.partial, seed=7_000_000 + i)
+                         for i, p in enumerate(w["partial"])]
+                both = _alternating(hits, {"S": w["partial"], "O": other})
+                data["S"]["partial"], data["O"]["partial"] = both["S"], both["O"]
+            if args.concurrent:
+                for n, name in enumerate(hits):
+                    # Fresh misses each time: a miss's store must not turn the next run into hits.
+                    busy = w["busy-hits"] + [random_tokens(len(p), seed=6_000_000 + 1000 * n + i)
+                                             for i, p in enumerate(w["busy-misses"])]
+                    data[name]["busy"] = _ttfts(engines[name], busy, concurrent=True)
+            data["loadavg"].append(os.getloadavg()[0])
+            for engine in engines.values():
+                engine.close()
+
+
+def _ms(xs) -> str:
+    return f"{statistics.median(xs) * 1e3:.1f}"
+
+
+def _pct(xs, q) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+def _report(out: dict) -> None:
+    for mode, res in out.items():
+        print(f"\n### {mode}")
+        print("| prompt | format | recompute | miss + store | × recompute | sync hit | async+overlap hit | × sync | tokens equal |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|---|")
+        for fmt, data in res["formats"].items():
+            rec = data["recompute"]
+            print(f"| load average {fmt} | {', '.join(f'{x:.1f}' for x in data['loadavg'])} |")
+            for key in [k for k in data["S"] if k != "busy"]:
+                s, o = data["S"][key]["ttft_s"], data["O"][key]["ttft_s"]
+                r = rec[key]["ttft_s"] if key in rec else None
+                miss = data["miss"].get(key)
+                m = _ms(miss["ttft_s"]) if miss else "–"
+                mr = f"{statistics.median(miss['ttft_s']) / statistics.median(r):.2f}" if miss else "–"
+                equal = "–" if key == "partial" else rec[key]["tokens"] == data["S"][key]["tokens"] == data["O"][key]["tokens"]
+                r = _ms(r) if r else "–"
+                ratio = statistics.median(o) / statistics.median(s)
+                print(f"| {key} | {fmt} | {r} | {m} | {mr} | {_ms(s)} | {_ms(o)} | {ratio:.2f} | {equal} |")
+            if "busy" in data["S"]:
+                n = len(data["S"]["busy"]["ttft_s"]) // 2
+                for name, label in (("S", "sync"), ("O", "async+overlap")):
+                    t = data[name]["busy"]["ttft_s"]
+                    hits, misses = t[:n], t[n:]
+                    print(f"| busy {fmt} {label} | hits p50/p99 {_pct(hits, .5) * 1e3:.1f}/{_pct(hits, .99) * 1e3:.1f} ms"
+                          f" | misses p50/p99 {_pct(misses, .5) * 1e3:.1f}/{_pct(misses, .99) * 1e3:.1f} ms |")
+
+
+def main() -> int:
+    args = _parse()
+    workdir = tempfile.mkdtemp(prefix="marucache-bench-")
+    spec = TinyModelSpec(max_position_embeddings=max(8192, 2 * max(args.sizes + [args.partial]) + 256))
+    model_dir = str(build_tiny_model(spec))
+    out: dict = {}
+    for mp in args.mp:
+        _run_mode(args, mp == "on", model_dir, workdir, out)
+    _report(out)
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w", encoding="utf-8") as fh:
+        json.dump({"args": vars(args), "results": out}, fh)
+    print(f"\nlogs: {workdir}; raw: {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
