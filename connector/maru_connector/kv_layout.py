@@ -19,6 +19,7 @@ vLLM is not installed.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
@@ -262,6 +263,8 @@ def _classify(shape, strides) -> tuple[str, _Geometry]:
     for kind, matcher in _MATCHERS.items():
         geo = matcher(kind, shape, strides)
         if geo is not None:
+            if geo.segments == 1:  # one segment per block: the stride between segments means nothing
+                geo = dataclasses.replace(geo, segment_stride=0)
             found.append((kind, geo))
     # Size-1 dimensions can make several layouts fit; they are the same bytes
     # when the geometry agrees, otherwise the tensor is truly ambiguous.
@@ -271,7 +274,8 @@ def _classify(shape, strides) -> tuple[str, _Geometry]:
     if found:
         raise UnsupportedKVLayout(
             f"KV cache tensor with {seen} is ambiguous: it fits "
-            f"{[k for k, _ in found]}. Use more than two KV cache blocks."
+            f"{[k for k, _ in found]} with different geometries; MaruCache cannot tell where "
+            "its blocks lie, so it refuses to guess"
         )
     supported = "; ".join(f"{k}: {v}" for k, v in SUPPORTED_LAYOUTS.items())
     raise UnsupportedKVLayout(

@@ -155,6 +155,16 @@ def test_ambiguous_tensor_is_refused():
         detect_kv_layout({layer_name(0): torch.zeros(2, 2, 16, 2, 8)})
 
 
+def test_one_kv_head_is_the_cpu_layout_not_an_ambiguity():
+    # vLLM's CPU cache with one KV head (a multi-query model, or one rank of
+    # TP=2 over two KV heads) also fits the packed layouts, with the same bytes
+    # per block: it is detected, not refused.
+    caches = {layer_name(i): t for i, t in enumerate(torch.zeros(2, 1024, 1, 32, 128).unbind(0))}
+    layout = detect_kv_layout(caches)
+    assert (layout.num_blocks, layout.num_kv_heads, layout.block_size, layout.head_size) == (1024, 1, 32, 64)
+    assert layout.block_bytes_per_layer == 32 * 128 * 4
+
+
 def test_layers_that_disagree_are_refused():
     a = make_kv_caches("cpu", layers=1, shuffle=False)[layer_name(0)]
     b = make_kv_caches("packed_lbnhc", layers=1, shuffle=False)[layer_name(0)]

@@ -47,6 +47,7 @@ class EngineSpec:
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = False
     dtype: str = "float32"  # the model's own dtype (see TinyModelSpec.dtype)
+    tensor_parallel_size: int = 1  # > 1 needs multiprocessing (one worker process per rank)
     # False: EngineCore runs inside the engine process (starts in ~4 s);
     # True: vLLM's usual three processes (caller, EngineCore, worker).
     multiprocessing: bool = False

@@ -31,6 +31,8 @@ def _build_engine(spec: dict[str, Any]):
         enable_prefix_caching=spec["enable_prefix_caching"],
         seed=0,
     )
+    if spec["tensor_parallel_size"] > 1:
+        kwargs.update(tensor_parallel_size=spec["tensor_parallel_size"], distributed_executor_backend="mp")
     if spec["num_gpu_blocks_override"] is not None:
         kwargs["num_gpu_blocks_override"] = spec["num_gpu_blocks_override"]
     if spec["kv_transfer_config"] is not None:
