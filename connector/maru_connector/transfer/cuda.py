@@ -5,26 +5,38 @@ blocks with ``index_copy_`` on a scatter stream, so the scatter of one piece
 overlaps the copy of the next (two staging buffers, used in turn). Stores
 gather blocks with ``index_select`` into staging and copy them out on the
 store stream. Copying straight into paged blocks piece by piece is about 18x
-slower than this on an H200."""
+slower than this on an H200.
+
+Load and scatter streams run at high priority: a scatter queued while the
+forward's kernels fill the GPU must not wait behind them, or the load stream
+stalls on a staging buffer that is not yet free. Stores stay at the default
+(lowest) priority so they take nothing from the forward. The copy thread's
+work per layer is kept to a few raw runtime calls: for a small hit (a few MiB
+per layer) the copy thread, not PCIe, would otherwise set the pace."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 
-from .cudart import D2H, H2D, find_memcpy2d, register_host, unregister_host
+from .cudart import D2H, H2D, find_memcpy, find_memcpy2d, register_host, unregister_host
 from .engine import TransferEngine, _Job
-from .plan import Run, split_runs
+from .handles import TransferError
+from .plan import Run, layer_pieces
 
 __all__ = ["CudaTransferEngine"]
 
 DEFAULT_STAGING_BYTES = 64 << 20  # per buffer; >= 64 MiB copies reach peak
+HIGH_PRIORITY = -1  # torch maps it to the highest the device allows
 
 
 class CudaTransferEngine(TransferEngine):
     backend = "cuda"
 
     def __init__(self, pool_buffer, kv_caches, fmt, staging_bytes: int = DEFAULT_STAGING_BYTES,
-                 copy_2d: bool = True, timing: bool = False) -> None:
+                 copy_2d: bool = True, timing: bool = False,
+                 load_priority: int = HIGH_PRIORITY) -> None:
         super().__init__(pool_buffer, kv_caches, fmt)
         self.device = self.kv_caches[0].device
         self._pool_ptr = self.pool.data_ptr()
@@ -34,19 +46,21 @@ class CudaTransferEngine(TransferEngine):
             self._registered = (not self.pool.is_pinned()
                                 and register_host(self._pool_ptr, self.pool_size))
             try:
-                self._setup(fmt, staging_bytes, copy_2d)
+                self._setup(fmt, staging_bytes, copy_2d, load_priority)
             except BaseException:
                 self._release()
                 raise
         self._staging_free: list[torch.cuda.Event | None] = [None, None]
         self._next_staging = 0
         self._timing = timing
+        self.last_issue_s = 0.0  # host time the copy thread spent queueing the last load
 
-    def _setup(self, fmt, staging_bytes: int, copy_2d: bool) -> None:
-        self.load_stream = torch.cuda.Stream(self.device)
-        self.scatter_stream = torch.cuda.Stream(self.device)
+    def _setup(self, fmt, staging_bytes: int, copy_2d: bool, load_priority: int) -> None:
+        self.load_stream = torch.cuda.Stream(self.device, priority=load_priority)
+        self.scatter_stream = torch.cuda.Stream(self.device, priority=load_priority)
         self.store_stream = torch.cuda.Stream(self.device)
         self.copy_2d_backend, self._memcpy2d = find_memcpy2d() if copy_2d else ("rows", None)
+        self._memcpy = find_memcpy()
         row = fmt.layer_bytes
         self._rows_cap = max(1, staging_bytes // row)
         self._staging = [
@@ -54,6 +68,7 @@ class CudaTransferEngine(TransferEngine):
             for _ in range(2)
         ]
         self._store_staging: torch.Tensor | None = None
+        self._views: dict[tuple[int, int], torch.Tensor] = {}
 
     # ---------------------------------------------------------------- helpers
     def _event(self) -> torch.cuda.Event:
@@ -71,37 +86,50 @@ class CudaTransferEngine(TransferEngine):
         with torch.cuda.stream(stream):
             return host.to(self.device, non_blocking=True)
 
+    def _check(self, pieces: list[list[Run]], layer: int) -> None:
+        row = self.fmt.layer_bytes
+        for piece in pieces:
+            for run in piece:
+                if run.offset < 0 or run.end(row) > self.pool_size:
+                    raise TransferError(
+                        f"layer {layer}: pool extent [{run.offset}, {run.end(row)}) is "
+                        f"outside the {self.pool_size}-byte pool"
+                    )
+
     def _copy(self, run: Run, device_ptr: int, device_pitch: int, kind: int,
               stream: torch.cuda.Stream) -> None:
         """Copy one run between the pool and device memory at ``device_ptr``
         (rows ``device_pitch`` apart) on ``stream``."""
         row = self.fmt.layer_bytes
-        contiguous = run.rows == 1 or (run.stride == row and device_pitch == row)
-        rows = [(run.offset, device_ptr, run.rows * row)] if contiguous else None
-        if rows is None and self._memcpy2d is not None:
-            host = self._pool_ptr + run.offset
+        host = self._pool_ptr + run.offset
+        if run.rows == 1 or (run.stride == row and device_pitch == row):
+            self._copy_1d(host, device_ptr, run.rows * row, kind, stream)
+        elif self._memcpy2d is not None:
             if kind == H2D:
                 self._memcpy2d(device_ptr, device_pitch, host, run.stride, row, run.rows,
                                kind, stream.cuda_stream)
             else:
                 self._memcpy2d(host, run.stride, device_ptr, device_pitch, row, run.rows,
                                kind, stream.cuda_stream)
-            return
-        if rows is None:
-            rows = [(run.offset + r * run.stride, device_ptr + r * device_pitch, row)
-                    for r in range(run.rows)]
-        for offset, ptr, nbytes in rows:
-            self._copy_1d(offset, ptr, nbytes, kind, stream)
+        else:
+            for r in range(run.rows):
+                self._copy_1d(host + r * run.stride, device_ptr + r * device_pitch, row,
+                              kind, stream)
 
-    def _copy_1d(self, offset: int, ptr: int, nbytes: int, kind: int,
+    def _copy_1d(self, host: int, device: int, nbytes: int, kind: int,
                  stream: torch.cuda.Stream) -> None:
-        host = self.pool[offset:offset + nbytes]
-        dev = self._device_slice(ptr, nbytes)
+        if self._memcpy is not None:
+            dst, src = (device, host) if kind == H2D else (host, device)
+            self._memcpy(dst, src, nbytes, kind, stream.cuda_stream)
+            return
+        offset = host - self._pool_ptr
+        pool = self.pool[offset:offset + nbytes]
+        dev = self._device_slice(device, nbytes)
         with torch.cuda.stream(stream):
             if kind == H2D:
-                dev.copy_(host, non_blocking=True)
+                dev.copy_(pool, non_blocking=True)
             else:
-                host.copy_(dev, non_blocking=True)
+                pool.copy_(dev, non_blocking=True)
 
     def _device_slice(self, ptr: int, nbytes: int) -> torch.Tensor:
         for buf in (*self._staging, self._store_staging):
@@ -110,42 +138,52 @@ class CudaTransferEngine(TransferEngine):
                 return buf[start:start + nbytes]
         raise AssertionError("device pointer outside the staging buffers")
 
-    def _piece_view(self, staging: torch.Tensor, blocks: int) -> torch.Tensor:
-        layout = self.layout
-        used = blocks * layout.block_bytes_per_layer
-        return staging[:used].view(blocks, layout.block_segments, layout.segment_bytes)
+    def _piece_view(self, staging: torch.Tensor, slot: int, blocks: int) -> torch.Tensor:
+        view = self._views.get((slot, blocks))
+        if view is None:
+            layout = self.layout
+            used = blocks * layout.block_bytes_per_layer
+            view = staging[:used].view(blocks, layout.block_segments, layout.segment_bytes)
+            self._views[(slot, blocks)] = view
+        return view
 
     # ------------------------------------------------------------------- load
     def _run_load(self, job: _Job) -> None:
+        started = time.perf_counter()
         torch.cuda.set_device(self.device)
         ids = self._device_ids(job, self.scatter_stream)
         self.scatter_stream.wait_event(job.ready)
-        bpc = self.fmt.blocks_per_chunk
+        # The scatters below run on this thread's current stream.
+        torch.cuda.set_stream(self.scatter_stream)
         row = self.fmt.layer_bytes
-        for layer in range(self.layout.num_layers):
+        block_bytes = self.layout.block_bytes_per_layer
+        pieces_of = layer_pieces(self.fmt, job.offsets, self._rows_cap)
+        for layer, pieces in enumerate(pieces_of):
+            self._check(pieces, layer)
             view = self.block_views[layer]
-            for piece in split_runs(self._runs(job, layer), self._rows_cap, bpc):
+            for piece in pieces:
                 slot = self._next_staging
                 self._next_staging ^= 1
                 staging = self._staging[slot]
                 if self._staging_free[slot] is not None:
                     self.load_stream.wait_event(self._staging_free[slot])
                 pos = 0
+                base = staging.data_ptr()
                 for run in piece:
-                    self._copy(run, staging.data_ptr() + pos, row, H2D, self.load_stream)
+                    self._copy(run, base + pos, row, H2D, self.load_stream)
                     pos += run.rows * row
                 filled = self._event()
                 filled.record(self.load_stream)
                 self.scatter_stream.wait_event(filled)
-                first, blocks = piece[0].first_block, pos // self.layout.block_bytes_per_layer
-                with torch.cuda.stream(self.scatter_stream):
-                    view.index_copy_(0, ids[first:first + blocks], self._piece_view(staging, blocks))
+                first, blocks = piece[0].first_block, pos // block_bytes
+                view.index_copy_(0, ids[first:first + blocks],
+                                 self._piece_view(staging, slot, blocks))
                 freed = self._event()
                 freed.record(self.scatter_stream)
                 self._staging_free[slot] = freed
-            landed = self._event()
-            landed.record(self.scatter_stream)
-            job.handle._mark_layer(layer, landed)
+            # The last scatter of the layer frees its buffer and lands the layer.
+            job.handle._mark_layer(layer, freed)
+        self.last_issue_s = time.perf_counter() - started
 
     # ------------------------------------------------------------------ store
     def _run_store(self, job: _Job) -> None:
@@ -158,15 +196,16 @@ class CudaTransferEngine(TransferEngine):
         staging = self._store_staging
         ids = self._device_ids(job, stream)
         stream.wait_event(job.ready)
-        for layer in range(self.layout.num_layers):
+        torch.cuda.set_stream(stream)
+        pieces_of = layer_pieces(self.fmt, job.offsets, self._rows_cap)
+        for layer, pieces in enumerate(pieces_of):
+            self._check(pieces, layer)
             view = self.block_views[layer]
-            for piece in split_runs(self._runs(job, layer), self._rows_cap,
-                                    self.fmt.blocks_per_chunk):
+            for piece in pieces:
                 blocks = sum(r.rows for r in piece) * self.fmt.blocks_per_chunk
                 first = piece[0].first_block
-                with torch.cuda.stream(stream):
-                    torch.index_select(view, 0, ids[first:first + blocks],
-                                       out=self._piece_view(staging, blocks))
+                torch.index_select(view, 0, ids[first:first + blocks],
+                                   out=self._piece_view(staging, 2, blocks))
                 pos = 0
                 for run in piece:
                     self._copy(run, staging.data_ptr() + pos, row, D2H, stream)
