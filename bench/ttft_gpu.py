@@ -86,6 +86,14 @@ def parse(argv=None):
     return args
 
 
+def pool_size(need: int) -> int:
+    """``need`` with room for headers, capped by what ``/dev/shm`` can hold
+    (past that, stores are skipped for lack of space: a future miss)."""
+    want = int(need * 1.1) + (256 << 20)
+    st = os.statvfs("/dev/shm")
+    return min(want, int(st.f_bavail * st.f_frsize * 0.8)) // (2 << 20) * (2 << 20)
+
+
 def median(xs):
     return statistics.median(xs) if xs else None
 
@@ -237,9 +245,13 @@ class Bench:
     def run_format(self, fmt: str) -> dict:
         args = self.args
         kv_bytes = self.geo.kv_bytes_per_token_layer * self.geo.layers
-        need = (sum(args.sizes) + args.store_size * (args.repeats + 2)) * kv_bytes
+        # stored prompts, store-cost runs (fresh keys each), and the chunks
+        # the reader stores after partial hits (fresh suffixes each run)
+        runs = args.repeats + 1
+        need = (sum(args.sizes) + args.store_size * (runs + 1)
+                + args.partial[1] * runs * (len(args.modes) + 1)) * kv_bytes
         res: dict = {"format": fmt}
-        with Cluster(self.model, args, fmt, pool_bytes=int(need * 1.1) + (256 << 20)) as cl:
+        with Cluster(self.model, args, fmt, pool_bytes=pool_size(need)) as cl:
             res["stored"] = self.store_prompts(cl, fmt)
             res["store_cost"] = self.store_cost(cl, fmt)
             cases = {f"{n}": (self.prompts[n], n) for n in args.sizes}
