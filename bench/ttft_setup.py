@@ -88,9 +88,7 @@ class Cluster:
                "maru_use_layerwise": fmt == "layerwise", **knobs}
         cfg = parse_config(raw, args.block_size)
         device = self.model.device.type
-        ns = KeyNamespace(model="llama-stand-in", dtype="bfloat16", kv_dtype="auto",
-                          layout=f"{device}/packed", block_size=args.block_size,
-                          chunk_tokens=args.chunk_tokens, fmt=cfg.fmt_name)
+        ns = self.namespace(cfg.fmt_name)
         options = options if device == "cuda" else {}
         index = self.index
 
@@ -111,6 +109,18 @@ class Cluster:
         worker.register_kv_caches(kv_caches)
         return Engine(self.model, kv_caches, args.block_size, scheduler, worker, graphs=graphs,
                       max_batched_tokens=args.max_batched_tokens)
+
+    def namespace(self, fmt_name: str) -> KeyNamespace:
+        args = self.args
+        return KeyNamespace(model="llama-stand-in", dtype="bfloat16", kv_dtype="auto",
+                            layout=f"{self.model.device.type}/packed",
+                            block_size=args.block_size, chunk_tokens=args.chunk_tokens,
+                            fmt=fmt_name)
+
+    def transfer_engine(self, kv_caches: dict, layerwise: bool) -> TransferEngine:
+        fmt = TransferEngine.detect(kv_caches, self.args.chunk_tokens, layerwise,
+                                    self.args.block_size)
+        return TransferEngine.create(self.pool.buffer, kv_caches, fmt)
 
     @staticmethod
     def close_engine(engine: Engine) -> None:

@@ -11,8 +11,11 @@ Load and scatter streams run at high priority: a scatter queued while the
 forward's kernels fill the GPU must not wait behind them, or the load stream
 stalls on a staging buffer that is not yet free. Stores stay at the default
 (lowest) priority so they take nothing from the forward. The copy thread's
-work per layer is kept to a few raw runtime calls: for a small hit (a few MiB
-per layer) the copy thread, not PCIe, would otherwise set the pace."""
+work per layer is kept to a few raw runtime calls, and layers small enough
+to share a staging buffer go in groups (1, 2, 4, ... layers: copies back to
+back, one scatter into all of them through their common stride, one event):
+for a small hit (a few MiB per layer) the copy thread, not PCIe, would
+otherwise set the pace."""
 
 from __future__ import annotations
 
@@ -29,6 +32,18 @@ __all__ = ["CudaTransferEngine"]
 
 DEFAULT_STAGING_BYTES = 64 << 20  # per buffer; >= 64 MiB copies reach peak
 HIGH_PRIORITY = -1  # torch maps it to the highest the device allows
+
+
+def _evenly_spaced(views: list[torch.Tensor], stride: int | None) -> bool:
+    if not stride or stride <= 0 or len(views) < 2:
+        return False
+    first = views[0]
+    return all(
+        v.data_ptr() - first.data_ptr() == i * stride and v.stride() == first.stride()
+        and v.shape == first.shape and v.untyped_storage().data_ptr()
+        == first.untyped_storage().data_ptr()
+        for i, v in enumerate(views)
+    )
 
 
 class CudaTransferEngine(TransferEngine):
@@ -69,6 +84,10 @@ class CudaTransferEngine(TransferEngine):
         ]
         self._store_staging: torch.Tensor | None = None
         self._views: dict[tuple[int, int], torch.Tensor] = {}
+        # Layers evenly spaced in one buffer (vLLM allocates them so) can be
+        # scattered together; None: one layer at a time.
+        self._stacked: dict[tuple[int, int], torch.Tensor] | None = (
+            {} if _evenly_spaced(self.block_views, self.layout.layer_stride_bytes) else None)
 
     # ---------------------------------------------------------------- helpers
     def _event(self) -> torch.cuda.Event:
@@ -155,35 +174,109 @@ class CudaTransferEngine(TransferEngine):
         self.scatter_stream.wait_event(job.ready)
         # The scatters below run on this thread's current stream.
         torch.cuda.set_stream(self.scatter_stream)
-        row = self.fmt.layer_bytes
-        block_bytes = self.layout.block_bytes_per_layer
         pieces_of = layer_pieces(self.fmt, job.offsets, self._rows_cap)
+        for group in self._groups(pieces_of):
+            if len(group) == 1:
+                self._load_layer(job, ids, *group[0])
+            else:
+                self._load_group(job, ids, group)
+        self.last_issue_s = time.perf_counter() - started
+
+    def _groups(self, pieces_of):
+        """Layers in groups whose bytes fit one staging buffer together: 1,
+        2, 4, ... consecutive layers, so the first layer lands early and a
+        small load costs the copy thread a few calls per group, not per
+        layer. A layer of several pieces is a group of its own."""
+        group: list = []
+        rows = 0
+        want = 1
         for layer, pieces in enumerate(pieces_of):
             self._check(pieces, layer)
-            view = self.block_views[layer]
-            for piece in pieces:
-                slot = self._next_staging
-                self._next_staging ^= 1
-                staging = self._staging[slot]
-                if self._staging_free[slot] is not None:
-                    self.load_stream.wait_event(self._staging_free[slot])
-                pos = 0
-                base = staging.data_ptr()
-                for run in piece:
-                    self._copy(run, base + pos, row, H2D, self.load_stream)
-                    pos += run.rows * row
-                filled = self._event()
-                filled.record(self.load_stream)
-                self.scatter_stream.wait_event(filled)
-                first, blocks = piece[0].first_block, pos // block_bytes
-                view.index_copy_(0, ids[first:first + blocks],
-                                 self._piece_view(staging, slot, blocks))
-                freed = self._event()
-                freed.record(self.scatter_stream)
-                self._staging_free[slot] = freed
-            # The last scatter of the layer frees its buffer and lands the layer.
+            n = sum(r.rows for r in pieces[0]) if len(pieces) == 1 else None
+            if group and (n is None or rows + n > self._rows_cap or len(group) >= want):
+                yield group
+                want *= 2
+                group, rows = [], 0
+            if n is None or self._stacked is None:
+                yield [(layer, pieces)]
+                continue
+            group.append((layer, pieces))
+            rows += n
+        if group:
+            yield group
+
+    def _take_staging(self) -> tuple[int, torch.Tensor]:
+        slot = self._next_staging
+        self._next_staging ^= 1
+        if self._staging_free[slot] is not None:
+            self.load_stream.wait_event(self._staging_free[slot])
+        return slot, self._staging[slot]
+
+    def _fill(self, pieces: list[list[Run]], base: int) -> int:
+        """Queue the copies of ``pieces`` into staging from ``base``; bytes."""
+        row = self.fmt.layer_bytes
+        pos = 0
+        for piece in pieces:
+            for run in piece:
+                self._copy(run, base + pos, row, H2D, self.load_stream)
+                pos += run.rows * row
+        return pos
+
+    def _filled(self) -> None:
+        filled = self._event()
+        filled.record(self.load_stream)
+        self.scatter_stream.wait_event(filled)
+
+    def _freed(self, slot: int) -> torch.cuda.Event:
+        freed = self._event()
+        freed.record(self.scatter_stream)
+        self._staging_free[slot] = freed
+        return freed
+
+    def _load_layer(self, job: _Job, ids: torch.Tensor, layer: int, pieces) -> None:
+        view = self.block_views[layer]
+        for piece in pieces:
+            slot, staging = self._take_staging()
+            used = self._fill([piece], staging.data_ptr())
+            self._filled()
+            first, blocks = piece[0].first_block, used // self.layout.block_bytes_per_layer
+            view.index_copy_(0, ids[first:first + blocks],
+                             self._piece_view(staging, slot, blocks))
+            freed = self._freed(slot)
+        # The last scatter of the layer frees its buffer and lands the layer.
+        job.handle._mark_layer(layer, freed)
+
+    def _load_group(self, job: _Job, ids: torch.Tensor, group) -> None:
+        """Several one-piece layers: their copies back to back in one staging
+        buffer (layer-major), one scatter into all of them, one event."""
+        slot, staging = self._take_staging()
+        base = staging.data_ptr()
+        used = 0
+        for _, pieces in group:
+            used += self._fill(pieces, base + used)
+        self._filled()
+        layer0, count = group[0][0], len(group)
+        blocks = used // count // self.layout.block_bytes_per_layer
+        first = group[0][1][0][0].first_block  # the same for every layer of the group
+        source = staging[:used].view(count, blocks, self.layout.block_segments,
+                                     self.layout.segment_bytes)
+        self._stacked_view(layer0, count).index_copy_(1, ids[first:first + blocks], source)
+        freed = self._freed(slot)
+        for layer, _ in group:
             job.handle._mark_layer(layer, freed)
-        self.last_issue_s = time.perf_counter() - started
+
+    def _stacked_view(self, layer0: int, count: int) -> torch.Tensor:
+        """Layers ``layer0 .. layer0 + count - 1`` as one view
+        ``[count, blocks, segments, segment_bytes]`` (their common stride)."""
+        key = (layer0, count)
+        view = self._stacked.get(key)
+        if view is None:
+            first = self.block_views[layer0]
+            view = torch.as_strided(first, (count, *first.shape),
+                                    (self.layout.layer_stride_bytes, *first.stride()),
+                                    first.storage_offset())
+            self._stacked[key] = view
+        return view
 
     # ------------------------------------------------------------------ store
     def _run_store(self, job: _Job) -> None:
