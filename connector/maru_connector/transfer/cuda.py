@@ -34,6 +34,20 @@ DEFAULT_STAGING_BYTES = 64 << 20  # per buffer; >= 64 MiB copies reach peak
 HIGH_PRIORITY = -1  # torch maps it to the highest the device allows
 
 
+def _widest_element(views: list[torch.Tensor], layer_stride: int | None) -> torch.dtype:
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        size = dtype.itemsize
+        if layer_stride and layer_stride % size:
+            continue
+        try:
+            for v in views:
+                v.view(dtype)
+        except RuntimeError:
+            continue
+        return dtype
+    return torch.uint8
+
+
 def _evenly_spaced(views: list[torch.Tensor], stride: int | None) -> bool:
     if not stride or stride <= 0 or len(views) < 2:
         return False
@@ -84,6 +98,11 @@ class CudaTransferEngine(TransferEngine):
         ]
         self._store_staging: torch.Tensor | None = None
         self._views: dict[tuple[int, int], torch.Tensor] = {}
+        # Scatters and gathers move 8-byte elements where the layout allows:
+        # torch's index kernels are several times slower on single bytes,
+        # and a slow scatter takes the GPU from the forward it overlaps.
+        self._elem = _widest_element(self.block_views, self.layout.layer_stride_bytes)
+        self._wide_views = [v.view(self._elem) for v in self.block_views]
         # Layers evenly spaced in one buffer (vLLM allocates them so) can be
         # scattered together; None: one layer at a time.
         self._stacked: dict[tuple[int, int], torch.Tensor] | None = (
@@ -157,13 +176,17 @@ class CudaTransferEngine(TransferEngine):
                 return buf[start:start + nbytes]
         raise AssertionError("device pointer outside the staging buffers")
 
-    def _piece_view(self, staging: torch.Tensor, slot: int, blocks: int) -> torch.Tensor:
-        view = self._views.get((slot, blocks))
+    def _piece_view(self, staging: torch.Tensor, slot: int, blocks: int,
+                    layers: int = 1) -> torch.Tensor:
+        """Staging as ``[layers,] blocks`` blocks of wide elements."""
+        view = self._views.get((slot, blocks, layers))
         if view is None:
             layout = self.layout
-            used = blocks * layout.block_bytes_per_layer
-            view = staging[:used].view(blocks, layout.block_segments, layout.segment_bytes)
-            self._views[(slot, blocks)] = view
+            used = layers * blocks * layout.block_bytes_per_layer
+            shape = (blocks, layout.block_segments, layout.segment_bytes // self._elem.itemsize)
+            view = staging[:used].view(self._elem).view(*(((layers,) if layers > 1 else ())
+                                                           + shape))
+            self._views[(slot, blocks, layers)] = view
         return view
 
     # ------------------------------------------------------------------- load
@@ -191,7 +214,12 @@ class CudaTransferEngine(TransferEngine):
         rows = 0
         want = 1
         for layer, pieces in enumerate(pieces_of):
-            self._check(pieces, layer)
+            try:
+                self._check(pieces, layer)
+            except TransferError:
+                if group:  # the layers before the bad one still land
+                    yield group
+                raise
             n = sum(r.rows for r in pieces[0]) if len(pieces) == 1 else None
             if group and (n is None or rows + n > self._rows_cap or len(group) >= want):
                 yield group
@@ -234,7 +262,7 @@ class CudaTransferEngine(TransferEngine):
         return freed
 
     def _load_layer(self, job: _Job, ids: torch.Tensor, layer: int, pieces) -> None:
-        view = self.block_views[layer]
+        view = self._wide_views[layer]
         for piece in pieces:
             slot, staging = self._take_staging()
             used = self._fill([piece], staging.data_ptr())
@@ -258,8 +286,7 @@ class CudaTransferEngine(TransferEngine):
         layer0, count = group[0][0], len(group)
         blocks = used // count // self.layout.block_bytes_per_layer
         first = group[0][1][0][0].first_block  # the same for every layer of the group
-        source = staging[:used].view(count, blocks, self.layout.block_segments,
-                                     self.layout.segment_bytes)
+        source = self._piece_view(staging, slot, blocks, count)
         self._stacked_view(layer0, count).index_copy_(1, ids[first:first + blocks], source)
         freed = self._freed(slot)
         for layer, _ in group:
@@ -271,9 +298,9 @@ class CudaTransferEngine(TransferEngine):
         key = (layer0, count)
         view = self._stacked.get(key)
         if view is None:
-            first = self.block_views[layer0]
-            view = torch.as_strided(first, (count, *first.shape),
-                                    (self.layout.layer_stride_bytes, *first.stride()),
+            first = self._wide_views[layer0]
+            stride = self.layout.layer_stride_bytes // self._elem.itemsize
+            view = torch.as_strided(first, (count, *first.shape), (stride, *first.stride()),
                                     first.storage_offset())
             self._stacked[key] = view
         return view
@@ -293,7 +320,7 @@ class CudaTransferEngine(TransferEngine):
         pieces_of = layer_pieces(self.fmt, job.offsets, self._rows_cap)
         for layer, pieces in enumerate(pieces_of):
             self._check(pieces, layer)
-            view = self.block_views[layer]
+            view = self._wide_views[layer]
             for piece in pieces:
                 blocks = sum(r.rows for r in piece) * self.fmt.blocks_per_chunk
                 first = piece[0].first_block
