@@ -135,10 +135,11 @@ class CudaTransferEngine(TransferEngine):
                     )
 
     def _copy(self, run: Run, device_ptr: int, device_pitch: int, kind: int,
-              stream: torch.cuda.Stream) -> None:
-        """Copy one run between the pool and device memory at ``device_ptr``
-        (rows ``device_pitch`` apart) on ``stream``."""
-        row = self.fmt.layer_bytes
+              stream: torch.cuda.Stream, width: int | None = None) -> None:
+        """Copy one run (rows of ``width`` bytes, a layer extent by default)
+        between the pool and device memory at ``device_ptr`` (rows
+        ``device_pitch`` apart) on ``stream``."""
+        row = width or self.fmt.layer_bytes
         host = self._pool_ptr + run.offset
         if run.rows == 1 or (run.stride == row and device_pitch == row):
             self._copy_1d(host, device_ptr, run.rows * row, kind, stream)
@@ -191,19 +192,42 @@ class CudaTransferEngine(TransferEngine):
 
     # ------------------------------------------------------------------- load
     def _run_load(self, job: _Job) -> None:
+        """Copies of one staging fill are queued before the scatter of the
+        previous fill, so the copy engine never waits for the copy thread's
+        scatter calls; the block ids go up after the first copies."""
         started = time.perf_counter()
         torch.cuda.set_device(self.device)
-        ids = self._device_ids(job, self.scatter_stream)
-        self.scatter_stream.wait_event(job.ready)
-        # The scatters below run on this thread's current stream.
-        torch.cuda.set_stream(self.scatter_stream)
-        pieces_of = layer_pieces(self.fmt, job.offsets, self._rows_cap)
-        for group in self._groups(pieces_of):
-            if len(group) == 1:
-                self._load_layer(job, ids, *group[0])
-            else:
-                self._load_group(job, ids, group)
+        torch.cuda.set_stream(self.scatter_stream)  # the scatters run on this thread's stream
+        ids = None
+        pending = None
+        try:
+            for unit in self._units(layer_pieces(self.fmt, job.offsets, self._rows_cap)):
+                filled = self._copy_unit(unit)
+                if ids is None:
+                    ids = self._device_ids(job, self.scatter_stream)
+                    self.scatter_stream.wait_event(job.ready)
+                if pending is not None:
+                    self._scatter_unit(job, ids, *pending)
+                pending = (unit, filled)
+        except TransferError:  # a bad extent: the layers before it still land
+            if pending is not None:
+                self._scatter_unit(job, ids, *pending)
+            raise
+        if pending is not None:
+            self._scatter_unit(job, ids, *pending)
         self.last_issue_s = time.perf_counter() - started
+
+    def _units(self, pieces_of):
+        """Staging fills in order: (layers, pieces, whether the fill
+        completes its layers). A group of small layers is one fill; a layer
+        larger than a staging buffer is several."""
+        for group in self._groups(pieces_of):
+            if len(group) > 1:
+                yield [layer for layer, _ in group], [p for _, ps in group for p in ps], True
+                continue
+            layer, pieces = group[0]
+            for i, piece in enumerate(pieces):
+                yield [layer], [piece], i == len(pieces) - 1
 
     def _groups(self, pieces_of):
         """Layers in groups whose bytes fit one staging buffer together: 1,
@@ -240,57 +264,76 @@ class CudaTransferEngine(TransferEngine):
             self.load_stream.wait_event(self._staging_free[slot])
         return slot, self._staging[slot]
 
-    def _fill(self, pieces: list[list[Run]], base: int) -> int:
-        """Queue the copies of ``pieces`` into staging from ``base``; bytes."""
+    def _copy_unit(self, unit) -> tuple[int, int, torch.cuda.Event, int]:
+        """Queue one fill's copies on the load stream: (slot, bytes, filled,
+        rows interleaved). Layers whose extents sit side by side in each
+        object (chunkwise; layerwise objects stored chunk by chunk) go in one
+        strided copy of wide rows, staged chunk-major: ``rows`` chunks, each
+        the group's layers in turn; otherwise layer-major (``rows`` 0)."""
+        layers, pieces, _ = unit
+        slot, staging = self._take_staging()
         row = self.fmt.layer_bytes
-        pos = 0
-        for piece in pieces:
-            for run in piece:
-                self._copy(run, base + pos, row, H2D, self.load_stream)
-                pos += run.rows * row
-        return pos
-
-    def _filled(self) -> None:
+        base, pos = staging.data_ptr(), 0
+        wide = self._wide_run(pieces) if len(layers) > 1 else None
+        if wide is not None:
+            self._copy(wide, base, len(layers) * row, H2D, self.load_stream,
+                       width=len(layers) * row)
+            pos = wide.rows * len(layers) * row
+        else:
+            for piece in pieces:
+                for run in piece:
+                    self._copy(run, base + pos, row, H2D, self.load_stream)
+                    pos += run.rows * row
         filled = self._event()
         filled.record(self.load_stream)
-        self.scatter_stream.wait_event(filled)
+        return slot, pos, filled, wide.rows if wide is not None else 0
 
-    def _freed(self, slot: int) -> torch.cuda.Event:
+    def _wide_run(self, pieces: list[list[Run]]) -> Run | None:
+        """One run of rows ``len(pieces)`` layers wide, when every layer is
+        one run and the next layer's extents follow the previous one's."""
+        if self._memcpy2d is None or any(len(p) != 1 for p in pieces):
+            return None
+        first = pieces[0][0]
+        row, count = self.fmt.layer_bytes, len(pieces)
+        if first.rows < 2 or (first.stride < count * row):
+            return None
+        for i, piece in enumerate(pieces):
+            run = piece[0]
+            if (run.rows, run.stride, run.first_block) != (first.rows, first.stride,
+                                                           first.first_block) \
+                    or run.offset != first.offset + i * row:
+                return None
+        return first
+
+    def _scatter_unit(self, job: _Job, ids: torch.Tensor, unit, copied) -> None:
+        """Scatter one fill into the blocks of its layers (one index copy
+        through the layers' common stride for a group), then free the
+        staging buffer; the fill's last event lands its layers."""
+        layers, pieces, completes = unit
+        slot, used, filled, interleaved = copied
+        self.scatter_stream.wait_event(filled)
+        staging = self._staging[slot]
+        count = len(layers)
+        blocks = used // count // self.layout.block_bytes_per_layer
+        first = pieces[0][0].first_block  # the same for every layer of a group
+        index = ids[first:first + blocks]
+        if interleaved:  # staged [chunk][layer][block]: index by (chunk, block)
+            per = blocks // interleaved
+            source = self._piece_view(staging, slot, per, count * interleaved)
+            source = source.view(interleaved, count, *source.shape[1:]).transpose(0, 1)
+            self._stacked_view(layers[0], count)[:, index.view(interleaved, per)] = source
+        elif count > 1:
+            self._stacked_view(layers[0], count).index_copy_(
+                1, index, self._piece_view(staging, slot, blocks, count))
+        else:
+            self._wide_views[layers[0]].index_copy_(0, index,
+                                                    self._piece_view(staging, slot, blocks))
         freed = self._event()
         freed.record(self.scatter_stream)
         self._staging_free[slot] = freed
-        return freed
-
-    def _load_layer(self, job: _Job, ids: torch.Tensor, layer: int, pieces) -> None:
-        view = self._wide_views[layer]
-        for piece in pieces:
-            slot, staging = self._take_staging()
-            used = self._fill([piece], staging.data_ptr())
-            self._filled()
-            first, blocks = piece[0].first_block, used // self.layout.block_bytes_per_layer
-            view.index_copy_(0, ids[first:first + blocks],
-                             self._piece_view(staging, slot, blocks))
-            freed = self._freed(slot)
-        # The last scatter of the layer frees its buffer and lands the layer.
-        job.handle._mark_layer(layer, freed)
-
-    def _load_group(self, job: _Job, ids: torch.Tensor, group) -> None:
-        """Several one-piece layers: their copies back to back in one staging
-        buffer (layer-major), one scatter into all of them, one event."""
-        slot, staging = self._take_staging()
-        base = staging.data_ptr()
-        used = 0
-        for _, pieces in group:
-            used += self._fill(pieces, base + used)
-        self._filled()
-        layer0, count = group[0][0], len(group)
-        blocks = used // count // self.layout.block_bytes_per_layer
-        first = group[0][1][0][0].first_block  # the same for every layer of the group
-        source = self._piece_view(staging, slot, blocks, count)
-        self._stacked_view(layer0, count).index_copy_(1, ids[first:first + blocks], source)
-        freed = self._freed(slot)
-        for layer, _ in group:
-            job.handle._mark_layer(layer, freed)
+        if completes:
+            for layer in layers:
+                job.handle._mark_layer(layer, freed)
 
     def _stacked_view(self, layer0: int, count: int) -> torch.Tensor:
         """Layers ``layer0 .. layer0 + count - 1`` as one view
