@@ -231,27 +231,32 @@ class CudaTransferEngine(TransferEngine):
     def _run_load(self, job: _Job) -> None:
         """Copies of one staging fill are queued before the scatter of the
         previous fill, so the copy engine never waits for the copy thread's
-        scatter calls; the block ids go up after the first copies."""
+        scatter calls; the block ids go up just before the first scatter."""
         started = time.perf_counter()
         torch.cuda.set_device(self.device)
         torch.cuda.set_stream(self.scatter_stream)  # the scatters run on this thread's stream
         ids = None
         pending = None
+
+        def scatter(pending):
+            nonlocal ids
+            if ids is None:  # needed from the first scatter on, not before
+                ids = self._device_ids(job, self.scatter_stream)
+                self.scatter_stream.wait_event(job.ready)
+            self._scatter_unit(job, ids, *pending)
+
         try:
             for unit in self._units(layer_pieces(self.fmt, job.offsets, self._rows_cap)):
                 filled = self._copy_unit(unit)
-                if ids is None:
-                    ids = self._device_ids(job, self.scatter_stream)
-                    self.scatter_stream.wait_event(job.ready)
                 if pending is not None:
-                    self._scatter_unit(job, ids, *pending)
+                    scatter(pending)
                 pending = (unit, filled)
         except TransferError:  # a bad extent: the layers before it still land
             if pending is not None:
-                self._scatter_unit(job, ids, *pending)
+                scatter(pending)
             raise
         if pending is not None:
-            self._scatter_unit(job, ids, *pending)
+            scatter(pending)
         self.last_issue_s = time.perf_counter() - started
 
     def _units(self, pieces_of):
