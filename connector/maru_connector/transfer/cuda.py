@@ -319,10 +319,14 @@ class CudaTransferEngine(TransferEngine):
         row = self.fmt.layer_bytes
         base, pos = staging.data_ptr(), 0
         wide = self._wide_run(pieces) if len(layers) > 1 else None
+        span = self._span(pieces) if len(layers) > 1 and wide is None else None
         if wide is not None:
             self._copy(wide, base, len(layers) * row, H2D, self.load_stream,
                        width=len(layers) * row)
             pos = wide.rows * len(layers) * row
+        elif span is not None:  # the layers' extents back to back: one plain copy
+            pos = span[1]
+            self._copy_1d(self._pool_ptr + span[0], base, pos, H2D, self.load_stream)
         else:
             for piece in pieces:
                 for run in piece:
@@ -331,6 +335,21 @@ class CudaTransferEngine(TransferEngine):
         filled = self._event()
         filled.record(self.load_stream)
         return slot, pos, filled, wide.rows if wide is not None else 0
+
+    def _span(self, pieces: list[list[Run]]) -> tuple[int, int] | None:
+        """(pool offset, bytes) when the pieces' runs are contiguous and
+        follow one another in the pool, as staged (layer-major)."""
+        row = self.fmt.layer_bytes
+        start = end = None
+        for piece in pieces:
+            for run in piece:
+                if run.rows > 1 and run.stride != row:
+                    return None
+                if end is not None and run.offset != end:
+                    return None
+                start = run.offset if start is None else start
+                end = run.offset + run.rows * row
+        return (start, end - start) if start is not None else None
 
     def _wide_run(self, pieces: list[list[Run]]) -> Run | None:
         """One run of rows ``len(pieces)`` layers wide, when every layer is
