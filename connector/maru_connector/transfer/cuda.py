@@ -11,11 +11,11 @@ Load and scatter streams run at high priority: a scatter queued while the
 forward's kernels fill the GPU must not wait behind them, or the load stream
 stalls on a staging buffer that is not yet free. Stores stay at the default
 (lowest) priority so they take nothing from the forward. The copy thread's
-work per layer is kept to a few raw runtime calls, and layers small enough
-to share a staging buffer go in groups (1, 2, 4, ... layers: copies back to
-back, one scatter into all of them through their common stride, one event):
-for a small hit (a few MiB per layer) the copy thread, not PCIe, would
-otherwise set the pace."""
+work per layer is kept to a few raw runtime calls, and layers under 8 MiB
+go in groups (1, 2, 4, ... layers: one copy where their extents sit side by
+side in the pool, one scatter into all of them through their common stride,
+one event): for a small hit (a few MiB per layer) the copy thread, not PCIe,
+would otherwise set the pace."""
 
 from __future__ import annotations
 
@@ -112,7 +112,7 @@ class CudaTransferEngine(TransferEngine):
             for _ in range(2)
         ]
         self._store_staging: torch.Tensor | None = None
-        self._views: dict[tuple[int, int], torch.Tensor] = {}
+        self._views: dict[tuple[int, int, int], torch.Tensor] = {}
         self._ids = {s.cuda_stream: _IdsRing(self.layout.num_blocks, self.device)
                      for s in (self.scatter_stream, self.store_stream)}
         # Scatters and gathers move 8-byte elements where the layout allows:
