@@ -95,6 +95,18 @@ class MaruKVConnector(KVConnectorBase_V1):
         # A best-effort cache: a dropped store is only a future miss.
         return False
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """True whenever a forward may run while a load is still landing.
+
+        A FULL CUDA graph replays attention without calling
+        ``wait_for_layer_load``, so the forward would read blocks still being
+        written; PIECEWISE keeps attention (and our waits) outside the graphs.
+        Only ``maru_overlap_load_with_compute`` lets a forward start before
+        every layer landed.
+        """
+        return parse_config(extra_config).maru_overlap_load_with_compute
+
     # ---- worker side --------------------------------------------------------
 
     def _worker(self) -> MaruWorkerHalf:
@@ -135,18 +147,18 @@ class MaruKVConnector(KVConnectorBase_V1):
         self._worker().wait_for_save(self._meta())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        sending, recving = self._worker().get_finished(finished_req_ids)
+        sending, recving = self._worker().get_finished(self._meta())
         return sending or None, recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        sending, recving = self._worker().get_finished(finished_req_ids)
+        sending, recving = self._worker().get_finished(self._meta())
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker().get_block_ids_with_load_errors()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        return self._worker().build_worker_meta()
+        return self._worker().build_worker_meta(self._meta())
 
     def shutdown(self) -> None:
         if self.worker_half is not None:
@@ -181,3 +193,7 @@ class MaruKVConnector(KVConnectorBase_V1):
         self, request: "Request", block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler().request_finished(request, block_ids)
+
+    def has_pending_push_work(self) -> bool:
+        # Stores wait for a verdict that only a further step delivers.
+        return self.scheduler_half is not None and self.scheduler_half.has_pending_push_work()

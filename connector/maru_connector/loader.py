@@ -12,7 +12,12 @@ request once enough layers have landed:
 A failure before release fails the request while it is still parked (its
 blocks are reported as load errors in the same step as its release). After
 release only copies from pinned slots remain; pins are released once every
-copy has completed. The loader keeps state only for loads in flight.
+copy has completed. A copy that still fails after release is reported in the
+step whose forward computes the request (the forward's layer wait sees it
+first, or :meth:`AsyncLoader.take_results` hands it over when that request is
+scheduled). No exception ends the loader thread: it fails the load it came
+from and serves the others. The loader keeps state only for loads in flight
+and failures not yet reported.
 """
 
 from __future__ import annotations
@@ -51,15 +56,18 @@ class _Load:
     handle: Any = None
     released: bool = False
     aborted: bool = False
+    late_failure_recorded: bool = False  # failed after release, waiting to be reported
     done: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass
 class LoadResults:
-    """What the loader finished since the last call: released ids, failures."""
+    """What the loader finished since the last call: released ids, failures
+    before release, and failures after release of requests now scheduled."""
 
     released: set[str] = field(default_factory=set)
     failed: dict[str, list[int]] = field(default_factory=dict)
+    failed_after_release: dict[str, list[int]] = field(default_factory=dict)
 
 
 class AsyncLoader:
@@ -97,6 +105,9 @@ class AsyncLoader:
         self._lock = threading.Lock()
         self._loads: dict[str, _Load] = {}  # in flight: queued, copying or released
         self._results = LoadResults()
+        # Released loads that failed, until the request is scheduled (or gone).
+        self._late_failures: dict[str, list[int]] = {}
+        self._dead: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="maru-loader", daemon=True)
         self._thread.start()
 
@@ -108,23 +119,42 @@ class AsyncLoader:
             self._loads[spec.req_id] = load
         self._inbox.put(load)
 
-    def take_results(self) -> LoadResults:
-        """Released and failed requests since the last call, atomically."""
+    def take_results(self, scheduled_req_ids: Iterable[str] = ()) -> LoadResults:
+        """Released and failed requests since the last call, atomically, and
+        the failures after release of requests that vLLM can still roll back:
+        those this step computed (``scheduled_req_ids``) and those whose
+        release is reported now (vLLM sees them still parked).
+
+        Raises:
+            RuntimeError: the loader thread died; parked requests could never
+                be released, so the engine must stop rather than hang.
+        """
+        if self._dead is not None:
+            raise RuntimeError("the MaruCache loader thread died; see the log") from self._dead
         with self._lock:
             results, self._results = self._results, LoadResults()
+            reportable = set(scheduled_req_ids) | results.released
+            for req_id in reportable & self._late_failures.keys():
+                results.failed_after_release[req_id] = self._late_failures.pop(req_id)
         return results
 
     def wait_layer(self, position: int) -> float:
-        """Block until layer ``position`` of every released load landed; seconds waited."""
+        """Block until layer ``position`` of every released load landed (or
+        failed: recorded for :meth:`take_results`); the seconds waited."""
         with self._lock:
-            handles = [ld.handle for ld in self._loads.values() if ld.released]
-        if not handles:
+            loads = [ld for ld in self._loads.values() if ld.released]
+        if not loads:
             return 0.0
         start = time.perf_counter()
-        for handle in handles:
+        failed = []
+        for load in loads:
             # CUDA: the forward's stream waits on the copy event, not the host.
-            handle.wait_layer_on_device(position)
-        return time.perf_counter() - start
+            if not load.handle.wait_layer_on_device(position):
+                failed.append(load)
+        waited = time.perf_counter() - start
+        for load in failed:
+            self._record_late_failure(load)
+        return waited
 
     def drain(self, req_ids: Iterable[str]) -> None:
         """Before vLLM reuses these requests' blocks: abort and finish their copies.
@@ -136,6 +166,7 @@ class AsyncLoader:
         waits = []
         with self._lock:
             for req_id in req_ids:
+                self._late_failures.pop(req_id, None)  # its blocks are being freed
                 load = self._loads.get(req_id)
                 if load is None:
                     continue
@@ -159,6 +190,13 @@ class AsyncLoader:
     # ---- loader thread ----------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # a bug outside any one load: stop the engine loudly
+            logger.critical("the MaruCache loader thread died", exc_info=True)
+            self._dead = exc
+
+    def _serve(self) -> None:
         active: list[_Load] = []
         while True:
             try:
@@ -168,12 +206,29 @@ class AsyncLoader:
             if item is None:
                 break
             if item is not _IDLE:
-                self._start(item, active)
+                self._guarded(item, lambda ld=item: self._start(ld, active))
                 continue  # start every queued load before waiting on copies
-            active = [ld for ld in active if not self._advance(ld)]
+            active = [ld for ld in active if self._guarded(ld, lambda ld=ld: not self._advance(ld))]
         for load in active:  # shutting down: copies from pinned slots still finish
             wait_done(load.handle)
             self._finish(load)
+
+    def _guarded(self, load: _Load, step: Callable[[], Any]) -> Any:
+        """Run one step of one load; an exception fails that load only
+        (recompute), and the thread goes on serving the others. Returns the
+        step's result, or False once the load has been failed."""
+        try:
+            return step()
+        except Exception as exc:
+            logger.exception("KV load for %s failed in the loader", load.spec.req_id)
+            if load.released:  # its copies may still run: keep the pins to the lease
+                self._late_failure(load, "copy_error")
+                with self._lock:
+                    self._loads.pop(load.spec.req_id, None)
+                load.done.set()
+            else:
+                self._fail(load, "copy_error", f"{type(exc).__name__}: {exc}")
+            return False
 
     def _start(self, load: _Load, active: list[_Load]) -> None:
         spec = load.spec
@@ -193,7 +248,11 @@ class AsyncLoader:
         except Exception as exc:  # e.g. the client could not connect
             self._fail(load, "index_error", f"{type(exc).__name__}: {exc}")
             return
-        load.handle = self._engine.submit_load(load.pinned.chunks)
+        try:
+            load.handle = self._engine.submit_load(load.pinned.chunks)
+        except Exception:
+            release_pins(self._client, load.pinned)  # nothing was queued
+            raise
         active.append(load)
 
     def _advance(self, load: _Load) -> bool:
@@ -213,11 +272,26 @@ class AsyncLoader:
         if not handle.done():
             return False
         if handle.error is not None:
-            # After release a failure can no longer be reported to vLLM.
-            logger.error("KV copy for %s failed after release: %r", load.spec.req_id, handle.error)
-            self._stats.record_load_failure("copy_error")
+            self._late_failure(load, "copy_error")
         self._finish(load)
         return True
+
+    def _late_failure(self, load: _Load, reason: str) -> None:
+        """A released load failed: vLLM hears of it when the request is scheduled."""
+        if self._record_late_failure(load):
+            logger.error("KV copy for %s failed after release: %r", load.spec.req_id,
+                         load.handle.error if load.handle is not None else None)
+            self._stats.record_load_failure(reason)
+
+    def _record_late_failure(self, load: _Load) -> bool:
+        """Record once that ``load`` failed after release; True the first time."""
+        with self._lock:
+            if load.late_failure_recorded:
+                return False
+            load.late_failure_recorded = True
+            if not load.aborted:
+                self._late_failures[load.spec.req_id] = load.spec.all_block_ids()
+            return True
 
     def _release(self, load: _Load) -> None:
         with self._lock:

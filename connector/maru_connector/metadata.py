@@ -51,31 +51,62 @@ class LoadSpec(ChunkRun):
 
 @dataclass(frozen=True)
 class StoreSpec(ChunkRun):
-    """Store these freshly computed chunks from these blocks."""
+    """Store these chunks, computed in scheduler step ``step``, from these blocks."""
+
+    step: int = 0
 
 
 @dataclass
 class MaruConnectorMetadata(KVConnectorMetadata):
     """Scheduler → worker, one per step.
 
+    ``step``: the scheduler's step number; the stores of this step are
+    copied now but committed only once the scheduler has sent this step's
+    verdict in ``store_verdicts`` (step → commit?), decided from every rank's
+    :class:`MaruWorkerMetadata` for the step: a step in which any rank's
+    forward used a load that failed commits nothing.
+
     ``preempted_req_ids`` and ``finished_req_ids``: requests whose blocks may
     be reused from this step on; before the forward (``handle_preemptions``)
     the worker finishes every copy that still touches blocks vLLM has freed.
+
+    ``scheduled_req_ids``: requests this step's forward computes (a load that
+    failed after its request was released is reported in such a step, when
+    vLLM can still roll the request back). ``held_req_ids``: finished requests
+    whose blocks vLLM keeps until the worker reports them in
+    ``finished_sending`` (``request_finished`` returned True for them).
     """
 
+    step: int = 0
     loads: list[LoadSpec] = field(default_factory=list)
     stores: list[StoreSpec] = field(default_factory=list)
+    store_verdicts: dict[int, bool] = field(default_factory=dict)
     preempted_req_ids: set[str] = field(default_factory=set)
     finished_req_ids: set[str] = field(default_factory=set)
+    scheduled_req_ids: frozenset[str] = frozenset()
+    held_req_ids: set[str] = field(default_factory=set)
 
 
 @dataclass
 class MaruWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker → scheduler: requests whose load failed (now a miss for them)."""
+    """Worker → scheduler, every step: what this step's loads did.
 
+    ``failed_load_req_ids``: requests whose load failed (a miss for them from
+    now on). ``tainted``: this step's forward computed on top of a load that
+    failed, so none of the step's stores may be committed.
+    """
+
+    step: int = 0
     failed_load_req_ids: set[str] = field(default_factory=set)
+    tainted: bool = False
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "MaruWorkerMetadata":
         if not isinstance(other, MaruWorkerMetadata):
             raise TypeError(f"cannot aggregate {type(other).__name__} into MaruWorkerMetadata")
-        return MaruWorkerMetadata(self.failed_load_req_ids | other.failed_load_req_ids)
+        if other.step != self.step:
+            raise ValueError(f"workers report different steps ({self.step} and {other.step})")
+        return MaruWorkerMetadata(
+            self.step,
+            self.failed_load_req_ids | other.failed_load_req_ids,
+            self.tainted or other.tainted,
+        )

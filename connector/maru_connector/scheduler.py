@@ -36,6 +36,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# Steps whose stores may wait for their workers' report at once; vLLM reports
+# every step, so only a broken report path ever reaches this.
+_MAX_STEPS_AWAITING_VERDICT = 256
+
 
 @dataclass
 class _RequestState:
@@ -44,6 +48,8 @@ class _RequestState:
     local_tokens: int = 0  # vLLM's own (block-aligned) hit at the last lookup
     hit_tokens: int = 0  # what the last lookup answered beyond local_tokens
     stored_chunks: int = 0  # chunks [0, stored_chunks) are in the pool or on their way
+    load_first_chunk: int | None = None  # where the last planned load began
+    lookup_first_chunk: int | None = None  # where the lookup in flight began
     load_failed: bool = False  # a failed load is a miss for the rest of the request
     parked: bool = False
     store_sent: bool = False
@@ -86,6 +92,12 @@ class MaruSchedulerHalf:
         self.stats = stats if stats is not None else ConnectorStats(role="scheduler")
         self._reqs: dict[str, _RequestState] = {}
         self._pending_loads: list[LoadSpec] = []
+        self._step = 0
+        # Steps whose stores were sent and whose verdict is not known yet, and
+        # verdicts (step -> commit?) not yet sent to the workers.
+        self._awaiting_verdict: set[int] = set()
+        self._verdicts: dict[int, bool] = {}
+        self._held: set[str] = set()  # finished requests whose blocks vLLM keeps for stores
 
     # ---- lookup -----------------------------------------------------------
 
@@ -106,13 +118,18 @@ class MaruSchedulerHalf:
         first = num_computed_tokens // self._chunk
         if keys.num_chunks <= first:
             return 0, False
+        # A lookup still in flight answers for the chunks it was asked about,
+        # even when vLLM's own hit has grown since.
+        base = state.lookup_first_chunk if state.lookup_first_chunk is not None else first
         matched = self._lookup.match(request.request_id, self._lookup_keys(keys, first))
         if matched is None:
+            state.lookup_first_chunk = base
             return None, False
+        state.lookup_first_chunk = None
         if self._layers is not None:
             matched //= len(self._layers)
         self.stats.record_lookup()
-        hit_end = min((first + matched) * self._chunk, request.num_tokens - 1)
+        hit_end = min((base + matched) * self._chunk, request.num_tokens - 1)
         ext = max(0, hit_end - num_computed_tokens)
         state.local_tokens, state.hit_tokens = num_computed_tokens, ext
         return ext, bool(ext) and self.cfg.maru_async_load
@@ -140,26 +157,43 @@ class MaruSchedulerHalf:
         )
         self._pending_loads.append(spec)
         self.stats.record_hit_tokens(num_external_tokens)
+        state.load_first_chunk = min(first, state.stored_chunks)
         state.stored_chunks = max(state.stored_chunks, end)
         state.parked = spec.is_async
 
     # ---- per step ---------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> MaruConnectorMetadata:
-        """This step's loads, the stores of chunks this step completes, and drains."""
+        """This step's loads, the stores of chunks this step completes, the
+        verdicts on earlier steps' stores, and drains."""
+        self._step += 1
         meta = MaruConnectorMetadata(
+            step=self._step,
             loads=self._pending_loads,
+            store_verdicts=self._verdicts,
             preempted_req_ids=set(scheduler_output.preempted_req_ids or ()),
             finished_req_ids=set(scheduler_output.finished_req_ids),
+            scheduled_req_ids=frozenset(scheduler_output.num_scheduled_tokens),
+            held_req_ids=self._held,
         )
-        self._pending_loads = []
+        self._pending_loads, self._verdicts, self._held = [], {}, set()
         block_state = scheduler_output.kv_connector_block_state
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             spec = self._plan_store(req_id, num_tokens, block_state)
             if spec is not None:
                 meta.stores.append(spec)
+        if meta.stores:
+            self._awaiting_verdict.add(self._step)
+            if len(self._awaiting_verdict) > _MAX_STEPS_AWAITING_VERDICT:
+                # Reports stopped coming back: judge the oldest step now.
+                self._decide(min(self._awaiting_verdict), commit=False)
         self.stats.set_parked_requests(sum(s.parked for s in self._reqs.values()))
         return meta
+
+    def has_pending_push_work(self) -> bool:
+        """True while stores wait for a verdict the workers have not been sent:
+        vLLM keeps stepping until they have it."""
+        return bool(self._awaiting_verdict or self._verdicts or self._held)
 
     def _plan_store(self, req_id: str, num_tokens: int, block_state: Any) -> StoreSpec | None:
         state = self._reqs.get(req_id)
@@ -186,21 +220,49 @@ class MaruSchedulerHalf:
             req_id=req_id,
             keys_by_rank=keys.slice(start, full),
             block_ids=self._chunk_blocks(block_ids, start, full),
+            step=self._step,
         )
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
-        """Turn failed loads into misses and unpark requests whose load ended."""
+        """Turn failed loads into misses, decide the step's stores, unpark
+        requests whose load ended.
+
+        The metadata is every rank's report on one step, aggregated by vLLM:
+        the step's stores are committed only when no rank's forward used a
+        failed load. A step whose report never came is judged with the next
+        report: its stores are dropped (any doubt means no store).
+        """
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, MaruWorkerMetadata):
             for req_id in meta.failed_load_req_ids:
-                state = self._reqs.get(req_id)
-                if state is not None and not state.load_failed:
-                    state.load_failed = True
-                    self.stats.record_recomputed_tokens(state.hit_tokens)
+                self._fail_request(req_id)
+            self._decide(meta.step, commit=not meta.tainted)
         for req_id in connector_output.finished_recving or ():
             state = self._reqs.get(req_id)
             if state is not None:
                 state.parked = False
+
+    def _fail_request(self, req_id: str) -> None:
+        state = self._reqs.get(req_id)
+        if state is None or state.load_failed:
+            return
+        state.load_failed = True
+        self.stats.record_recomputed_tokens(state.hit_tokens)
+        # vLLM recomputes from the failed blocks on: those chunks may be stored again.
+        if state.load_first_chunk is not None:
+            state.stored_chunks = min(state.stored_chunks, state.load_first_chunk)
+
+    def _decide(self, step: int, commit: bool) -> None:
+        for waiting in sorted(self._awaiting_verdict):
+            if waiting > step:
+                break
+            self._awaiting_verdict.discard(waiting)
+            ok = commit and waiting == step
+            if not ok:
+                logger.warning("stores of step %d dropped: %s", waiting,
+                               "a load its forward used failed" if waiting == step
+                               else "no report on that step came back")
+            self._verdicts[waiting] = ok
 
     def request_finished(
         self, request: "Request", block_ids: list[int]
@@ -214,7 +276,10 @@ class MaruSchedulerHalf:
         self._lookup.forget(request.request_id)
         if state is None or state.parked:
             return False, None
-        return (self.cfg.maru_async_store and state.store_sent), None
+        hold = self.cfg.maru_async_store and state.store_sent
+        if hold:
+            self._held.add(request.request_id)
+        return hold, None
 
     def shutdown(self) -> None:
         self._lookup.close()

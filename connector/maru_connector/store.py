@@ -2,11 +2,14 @@
 
 A store job is one :class:`StoreSpec` (one request, one step): one batched
 ``reserve`` for all its objects, one ``submit_store`` of the copies into the
-reserved slots, then — once the copy completed — the slot headers and one
-batched ``commit``. Any failure aborts the reservation and only costs a
-future miss (counted by reason). With ``maru_async_store`` the jobs run on the
-store thread and never block the forward; vLLM keeps a finished request's
-blocks until :meth:`Storer.finished_requests` reports its jobs done, and a
+reserved slots, then — once the copy completed — the slot headers. The job
+then waits for the scheduler's verdict on its step (:meth:`Storer.apply_verdicts`):
+a step whose forward used a failed load on any rank is never committed; the
+others are committed with one batched ``commit`` per step. Any failure aborts
+the reservation and only costs a future miss (counted by reason). With
+``maru_async_store`` the jobs run on the store thread and never block the
+forward; vLLM keeps a finished request's blocks until
+:meth:`Storer.finished_requests` reports that no job reads them any more, and a
 preempted request's jobs are cancelled or finished before its blocks are
 reused (:meth:`Storer.drain`).
 """
@@ -30,7 +33,8 @@ from maru_connector.transfer import ChunkStore
 
 logger = logging.getLogger(__name__)
 
-_QUEUED, _RESERVING, _COPYING, _DONE, _CANCELLED = range(5)
+_QUEUED, _RESERVING, _COPYING, _AWAITING_VERDICT, _DONE, _CANCELLED = range(6)
+_READING_BLOCKS = (_QUEUED, _RESERVING, _COPYING)
 
 
 @dataclass
@@ -38,6 +42,10 @@ class _StoreJob:
     spec: StoreSpec
     state: int = _QUEUED
     done: threading.Event = field(default_factory=threading.Event)
+    blocks_read: threading.Event = field(default_factory=threading.Event)  # no block read any more
+    started: float = 0.0
+    nbytes: int = 0
+    to_commit: list[bytes] = field(default_factory=list)  # reserved keys, copied and headed
 
 
 class _Cancelled(Exception):
@@ -73,9 +81,9 @@ class Storer:
         self._async = async_store
         self._lock = threading.Lock()
         self._jobs: dict[str, list[_StoreJob]] = {}  # live jobs of live requests
-        self._stored_reqs: set[str] = set()  # live requests that had a store job
-        self._awaiting: set[str] = set()  # finished, waiting for their jobs
-        self._inbox: queue.Queue[_StoreJob | None] = queue.Queue()
+        self._held: set[str] = set()  # finished requests vLLM keeps blocks for
+        self._by_step: dict[int, list[_StoreJob]] = {}  # copied, awaiting their step's verdict
+        self._inbox: queue.Queue[_StoreJob | dict[int, bool] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         if async_store:
             self._thread = threading.Thread(target=self._serve, name="maru-storer", daemon=True)
@@ -85,11 +93,21 @@ class Storer:
         job = _StoreJob(spec)
         with self._lock:
             self._jobs.setdefault(spec.req_id, []).append(job)
-            self._stored_reqs.add(spec.req_id)
         if self._async:
             self._inbox.put(job)
         else:
             self._run(job)
+
+    def apply_verdicts(self, verdicts: dict[int, bool]) -> None:
+        """The scheduler's verdicts (step -> commit?) on stores already submitted.
+
+        Queued behind the jobs of those steps, so every job is copied before
+        its verdict is applied.
+        """
+        if self._async:
+            self._inbox.put(dict(verdicts))
+        else:
+            self._apply(verdicts)
 
     def drain(self, req_ids: Iterable[str]) -> None:
         """Cancel queued jobs of these requests and wait for their copies in progress."""
@@ -100,50 +118,58 @@ class Storer:
                     if job.state in (_QUEUED, _RESERVING):
                         job.state = _CANCELLED  # no block read yet: skip it
                     elif job.state == _COPYING:
-                        waits.append(job.done)
+                        waits.append(job.blocks_read)
         for event in waits:
             event.wait()
 
-    def finished_requests(self, finished_req_ids: Iterable[str]) -> set[str]:
-        """Finished requests whose stores are all done (async mode: report them
-        as ``finished_sending``); each id is reported once, then forgotten."""
+    def finished_requests(self, held_req_ids: Iterable[str]) -> set[str]:
+        """Held requests (finished; vLLM keeps their blocks for us) whose store
+        jobs no longer read their blocks: report them as ``finished_sending``.
+
+        Only requests the scheduler half said are held are ever reported: vLLM
+        frees the blocks of every id it gets here.
+        """
         with self._lock:
-            for req_id in finished_req_ids:
-                if req_id in self._stored_reqs:
-                    self._stored_reqs.discard(req_id)
-                    self._awaiting.add(req_id)
-            ready = {r for r in self._awaiting if not self._jobs.get(r)}
-            self._awaiting -= ready
-            for req_id in ready:
-                self._jobs.pop(req_id, None)
-        return ready if self._async else set()
+            self._held.update(held_req_ids)
+            ready = {
+                r for r in self._held
+                if not any(job.state in _READING_BLOCKS for job in self._jobs.get(r, ()))
+            }
+            self._held -= ready
+        return ready
 
     @property
     def num_tracked(self) -> int:
         with self._lock:
-            return len(self._jobs) + len(self._stored_reqs) + len(self._awaiting)
+            jobs = len(self._jobs) + sum(len(j) for j in self._by_step.values())
+            return jobs + len(self._held)
 
     def close(self) -> None:
         if self._thread is not None:
             self._inbox.put(None)
             self._thread.join(timeout=30)
+        with self._lock:  # no verdict will come for these any more
+            awaiting, self._by_step = self._by_step, {}
+        self._abort([k for jobs in awaiting.values() for job in jobs for k in job.to_commit])
         if self._client is not None:
             self._client.close()
 
     # ---- job execution ----------------------------------------------------
 
     def _serve(self) -> None:
-        while (job := self._inbox.get()) is not None:
-            self._run(job)
+        while (item := self._inbox.get()) is not None:
+            if isinstance(item, dict):
+                self._apply(item)
+            else:
+                self._run(item)
 
     def _run(self, job: _StoreJob) -> None:
-        started = time.monotonic()
+        """Reserve and copy one job; it then waits for its step's verdict."""
+        job.started = time.monotonic()
         reserved: list[bytes] = []
         try:
             if self._set_state(job, _QUEUED, _RESERVING):
-                nbytes = self._store(job, reserved)
-                if nbytes:
-                    self._stats.record_store(nbytes, time.monotonic() - started)
+                self._copy(job, reserved)
         except _Cancelled:
             self._stats.record_store_failure("aborted")
             self._abort(reserved)
@@ -155,23 +181,20 @@ class Storer:
             logger.exception("store for %s failed", job.spec.req_id)
             self._stats.record_store_failure("other")
             self._abort(reserved)
-        finally:
+        job.blocks_read.set()
+        if job.to_commit and self._set_state(job, _COPYING, _AWAITING_VERDICT):
             with self._lock:
-                job.state = _DONE
-                jobs = self._jobs.get(job.spec.req_id)
-                if jobs is not None:
-                    jobs.remove(job)
-                    if not jobs:
-                        del self._jobs[job.spec.req_id]
-            job.done.set()
+                self._by_step.setdefault(job.spec.step, []).append(job)
+        else:
+            self._finish(job)
 
-    def _store(self, job: _StoreJob, reserved: list[bytes]) -> int:
-        """Reserve, copy, write headers, commit; returns bytes stored."""
+    def _copy(self, job: _StoreJob, reserved: list[bytes]) -> None:
+        """Reserve, copy and write the slot headers; the keys wait in ``job.to_commit``."""
         keys = object_keys(self._fmt, job.spec.keys(self._tp_rank))
         slots = self._reserve(keys)
         chunks, chunk_keys = self._plan(job.spec, keys, slots)
         if not chunks:
-            return 0
+            return
         reserved.extend(k for k, _ in chunk_keys)
         if not self._set_state(job, _RESERVING, _COPYING):
             raise _Cancelled()
@@ -183,12 +206,49 @@ class Storer:
         for key, slot in chunk_keys:
             header = SlotHeader(key, slot.generation, self._fmt.object_bytes, self._slot_fmt)
             self._pool.write_slot_header(slot.offset, header)
+        job.nbytes = handle.nbytes
+        job.to_commit = list(reserved)
+
+    def _apply(self, verdicts: dict[int, bool]) -> None:
+        """Commit (one batch per step) or abort the jobs awaiting these verdicts."""
+        for step in sorted(verdicts):
+            with self._lock:
+                jobs = self._by_step.pop(step, [])
+            if not jobs:
+                continue
+            keys = [k for job in jobs for k in job.to_commit]
+            if not verdicts[step]:
+                for _ in jobs:
+                    self._stats.record_store_failure("load_failed")
+                self._abort(keys)
+            else:
+                self._commit(jobs, keys)
+            for job in jobs:
+                self._finish(job)
+
+    def _commit(self, jobs: list[_StoreJob], keys: list[bytes]) -> None:
         try:
-            committed = self._client.commit([k for k, _ in chunk_keys])
-        except Exception as exc:
-            raise StoreFailure("commit_error", f"{type(exc).__name__}: {exc}") from exc
-        reserved.clear()  # committed or released by the index: nothing to abort
-        return handle.nbytes if any(committed) else 0
+            committed = list(self._client.commit(keys))
+        except Exception as exc:  # the reservations lapse with the lease
+            logger.warning("commit of %d objects failed (%s)", len(keys), exc)
+            for _ in jobs:
+                self._stats.record_store_failure("commit_error")
+            return
+        done = dict(zip(keys, committed))
+        for job in jobs:
+            if any(done.get(k) for k in job.to_commit):
+                self._stats.record_store(job.nbytes, time.monotonic() - job.started)
+
+    def _finish(self, job: _StoreJob) -> None:
+        job.blocks_read.set()
+        with self._lock:
+            job.state = _DONE
+            jobs = self._jobs.get(job.spec.req_id)
+            if jobs is not None and job in jobs:
+                jobs.remove(job)
+                if not jobs:
+                    del self._jobs[job.spec.req_id]
+        job.done.set()
 
     def _reserve(self, keys: list[bytes]) -> list[Any]:
         try:
@@ -196,7 +256,7 @@ class Storer:
                 self._client = self._client_factory()
             slots = list(self._client.reserve([(k, self._fmt.object_bytes) for k in keys]))
         except Exception as exc:
-            reason = "no_space" if getattr(exc, "type", None) == "no_space" else "index_error"
+            reason = "no_space" if getattr(exc, "error_type", None) == "no_space" else "index_error"
             raise StoreFailure(reason, f"{type(exc).__name__}: {exc}") from exc
         if len(slots) != len(keys):
             raise StoreFailure("index_error", f"{len(slots)} slots for {len(keys)} keys")

@@ -9,10 +9,15 @@ carries out what the scheduler half planned:
   while the forward waits per layer in ``wait_for_layer_load`` and are
   finished in ``wait_for_save``;
 - async loads on the :class:`~maru_connector.loader.AsyncLoader` thread;
-- stores in ``wait_for_save`` through the :class:`~maru_connector.store.Storer`.
+- stores in ``wait_for_save`` through the :class:`~maru_connector.store.Storer`,
+  committed only once the scheduler half's verdict on their step came back.
 
 Failed loads are reported through ``get_block_ids_with_load_errors`` (and to
-the scheduler half as a miss for that request) in the step they are found.
+the scheduler half as a miss for that request) in the step they are found,
+except a load that fails after its request was released: that one is reported
+in the first step whose forward computes the request, the only step in which
+vLLM can still roll the request back. A step whose forward used a failed load
+is reported ``tainted``: the scheduler then drops every store of that step.
 """
 
 from __future__ import annotations
@@ -123,6 +128,7 @@ class MaruWorkerHalf:
         self._sync_loads: list[_SyncLoad] = []
         self._error_blocks: set[int] = set()
         self._failed_req_ids: set[str] = set()
+        self._tainted = False  # this step's forward used a load that failed
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         res = self._res = self._resources_factory(self.cfg, kv_caches, self._block_size)
@@ -177,7 +183,7 @@ class MaruWorkerHalf:
         position = self._layout.position(layer_name)
         start = time.perf_counter()
         for load in self._sync_loads:
-            load.handle.wait_layer_on_device(position)
+            load.handle.wait_layer_on_device(position)  # a failure is found in _finish_sync_loads
         waited = time.perf_counter() - start
         if self._loader is not None:
             waited += self._loader.wait_layer(position)
@@ -189,30 +195,40 @@ class MaruWorkerHalf:
         self._finish_sync_loads()
         if self._storer is None:
             return
+        if meta.store_verdicts:
+            self._storer.apply_verdicts(meta.store_verdicts)
         for spec in meta.stores:
             self._storer.submit(spec)
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        """(stores finished for finished requests, async loads released or failed)."""
-        sending = self._storer.finished_requests(finished_req_ids) if self._storer else set()
+    def get_finished(self, meta: MaruConnectorMetadata) -> tuple[set[str], set[str]]:
+        """(held requests whose stores are done, async loads released or failed).
+
+        Also reports, as failures of this step, the released loads that
+        failed and whose requests this step's forward computed.
+        """
+        sending = self._storer.finished_requests(meta.held_req_ids) if self._storer else set()
         recving: set[str] = set()
         if self._loader is not None:
-            results = self._loader.take_results()
+            results = self._loader.take_results(meta.scheduled_req_ids)
             recving = results.released | set(results.failed)
             for req_id, blocks in results.failed.items():
                 self._record_failure(req_id, blocks)
+            for req_id, blocks in results.failed_after_release.items():
+                logger.warning("KV copy for %s failed after its release; vLLM recomputes it", req_id)
+                self._record_failure(req_id, blocks)
+                if req_id in meta.scheduled_req_ids:  # this step's forward used the blocks
+                    self._tainted = True
         return sending, recving
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         blocks, self._error_blocks = self._error_blocks, set()
         return blocks
 
-    def build_worker_meta(self) -> MaruWorkerMetadata | None:
-        if not self._failed_req_ids:
-            return None
-        meta = MaruWorkerMetadata(self._failed_req_ids)
-        self._failed_req_ids = set()
-        return meta
+    def build_worker_meta(self, meta: MaruConnectorMetadata) -> MaruWorkerMetadata:
+        """This step's report; sent every step, so the scheduler can judge the step's stores."""
+        report = MaruWorkerMetadata(meta.step, self._failed_req_ids, self._tainted)
+        self._failed_req_ids, self._tainted = set(), False
+        return report
 
     def shutdown(self) -> None:
         self._finish_sync_loads()
@@ -257,6 +273,7 @@ class MaruWorkerHalf:
         logger.warning("KV load for %s failed (%s); vLLM recomputes it", spec.req_id, detail)
         self.stats.record_load_failure(reason)
         self._record_failure(spec.req_id, spec.all_block_ids())
+        self._tainted = True  # this step's forward computes on top of the unloaded blocks
 
     def _record_failure(self, req_id: str, blocks: list[int]) -> None:
         self._error_blocks.update(blocks)

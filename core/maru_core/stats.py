@@ -72,6 +72,7 @@ STORE_FAILURE_REASONS = (
     "commit_error",  # the commit was refused or its reply lost
     "aborted",
     "other",
+    "load_failed",  # computed in a step whose forward used a failed load: never committed
 )
 HISTOGRAMS = ("load_duration_seconds", "layer_wait_seconds", "store_duration_seconds")
 # Upper bounds in seconds; one more bucket (+Inf) follows. From 10 us (one

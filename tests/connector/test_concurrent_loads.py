@@ -14,7 +14,7 @@ import pytest
 
 from maru_connector.metadata import LoadSpec, MaruConnectorMetadata, StoreSpec
 
-from worker_env import BLOCK, CHUNK, LAYERS, WorkerEnv, same_bytes, spec_blocks, tokens
+from worker_env import BLOCK, CHUNK, LAYERS, WorkerEnv, finished, report, same_bytes, save, spec_blocks, tokens
 
 LAYER = "model.layers.{}.self_attn.attn"
 CHUNKS = (1, 2, 3)  # three requests of different lengths, as vLLM batches them
@@ -39,7 +39,7 @@ def _store_requests(env, writer):
         per = CHUNK // BLOCK
         writer_block += per * n
         reader_block += per * n
-    writer.wait_for_save(MaruConnectorMetadata(stores=stores))
+    save(writer, MaruConnectorMetadata(stores=stores))
     return requests
 
 
@@ -48,7 +48,7 @@ def _wait_released(reader, req_ids, timeout=10.0):
     deadline = time.monotonic() + timeout
     while released != req_ids:
         assert time.monotonic() < deadline, f"released only {released}"
-        _, recving = reader.get_finished(set())
+        _, recving = finished(reader)
         assert not reader.get_block_ids_with_load_errors()
         released |= recving
         time.sleep(0.001)
@@ -84,7 +84,7 @@ def test_each_layer_of_each_request_holds_its_own_bytes_when_the_forward_reads_i
         for req_id, _, w0, r0, n in requests:
             if not same_bytes(kv_w[name][w0:w0 + per * n], kv_r[name][r0:r0 + per * n]):
                 wrong.append((req_id, i))
-    reader.wait_for_save(meta)
+    save(reader, meta)
 
     assert wrong == []
     deadline = time.monotonic() + 5.0

@@ -9,7 +9,7 @@ import pytest
 
 from maru_connector.metadata import MaruConnectorMetadata
 
-from worker_env import LAYERS, WorkerEnv, blocks_equal, load_meta, store_meta, tokens
+from worker_env import LAYERS, WorkerEnv, blocks_equal, finished, load_meta, report, save, store_meta, tokens
 
 LAYER = "model.layers.{}.self_attn.attn"
 
@@ -71,18 +71,18 @@ def _stored(env, n_tokens=64):
     writer, kv_w = env.worker(seed=1, maru_async_store=False)
     keys = env.keys(tokens(n_tokens))
     meta = store_meta("w", keys, first_block=0)
-    writer.wait_for_save(meta)
+    save(writer, meta)
     return keys, kv_w
 
 
-def _poll_finished(half, finished=frozenset(), timeout=5.0):
+def _poll_finished(half, held=frozenset(), timeout=5.0):
     """get_finished + load errors of one step, polled until something is reported."""
     deadline = time.monotonic() + timeout
     while True:
-        _, recving = half.get_finished(set(finished))
+        _, recving = finished(half, held=held)
         errors = half.get_block_ids_with_load_errors()
         if recving or errors or time.monotonic() > deadline:
-            return recving, errors, half.build_worker_meta()
+            return recving, errors, report(half)
         time.sleep(0.005)
 
 
@@ -99,11 +99,11 @@ def test_async_load_releases_with_exact_bytes(env, layerwise):
     if layerwise:
         writer, kv_w = env.worker(seed=1, maru_async_store=False, maru_use_layerwise=True)
         keys = env.keys(tokens(64))
-        writer.wait_for_save(store_meta("w", keys, first_block=0))
+        save(writer, store_meta("w", keys, first_block=0))
     reader, kv_r = env.worker(seed=2, maru_async_load=True, maru_use_layerwise=layerwise)
     reader.start_load_kv(load_meta("r", keys, first_block=10, is_async=True))
     recving, errors, meta = _poll_finished(reader)
-    assert recving == {"r"} and errors == set() and meta is None
+    assert recving == {"r"} and errors == set() and not meta.failed_load_req_ids and not meta.tainted
     assert blocks_equal(kv_w, range(4), kv_r, range(10, 14))
     _wait_until(lambda: reader._loader.num_in_flight == 0)
     assert +env.index.pins == {}
@@ -122,7 +122,7 @@ def test_overlap_releases_after_n_layers_and_forward_waits_per_layer(env, releas
     _wait_until(lambda: gated[0].handles)
     handle = gated[0].handles[0]
     for layer in range(release_after):
-        assert reader.get_finished(set()) == (set(), set())  # still parked
+        assert finished(reader) == (set(), set())  # still parked
         handle.land(layer)
     recving, errors, _ = _poll_finished(reader)
     assert recving == {"r"} and errors == set()
@@ -160,7 +160,7 @@ def test_without_overlap_release_waits_for_every_layer(env):
     for layer in range(LAYERS - 1):
         gated[0].handles[0].land(layer)
     time.sleep(0.05)
-    assert reader.get_finished(set()) == (set(), set())
+    assert finished(reader) == (set(), set())
     gated[0].handles[0].land(LAYERS - 1)
     recving, _, _ = _poll_finished(reader)
     assert recving == {"r"}
@@ -176,7 +176,7 @@ def test_abort_while_parked_finishes_every_layer_before_reporting(env):
     reader.handle_preemptions(MaruConnectorMetadata(finished_req_ids={"r"}))  # aborted
     gated[0].handles[0].land(0)  # would release a live request
     time.sleep(0.05)
-    assert reader.get_finished({"r"}) == (set(), set())
+    assert finished(reader) == (set(), set())
     for layer in range(1, LAYERS):
         gated[0].handles[0].land(layer)
     recving, _, _ = _poll_finished(reader)

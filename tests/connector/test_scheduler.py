@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 import tracemalloc
 
@@ -113,7 +114,7 @@ def test_failed_load_is_a_miss_for_that_request_next_time(index):
     half.update_state_after_alloc(req, Blocks(range(7)), 96)
     half.build_connector_meta(step_output({}, {}))
     half.update_connector_output(KVConnectorOutput(
-        finished_recving={"a"}, kv_connector_worker_meta=MaruWorkerMetadata({"a"})))
+        finished_recving={"a"}, kv_connector_worker_meta=MaruWorkerMetadata(failed_load_req_ids={"a"})))
     assert half.get_num_new_matched_tokens(req, 0) == (0, False)  # no livelock
     assert half.stats.snapshot()["counters"]["recomputed_tokens"] == 96
     other = request("b", 100)  # the same prefix for another request still hits
@@ -187,14 +188,17 @@ def test_memory_does_not_grow_with_the_number_of_requests(index):
             req = request(f"r{offset + i}", 70, start=offset + i)
             half.get_num_new_matched_tokens(req, 0)
             req.num_computed_tokens = 0
-            half.build_connector_meta(step_output({req.request_id: 70},
-                                                  {req.request_id: list(range(5))}))
+            meta = half.build_connector_meta(step_output({req.request_id: 70},
+                                                         {req.request_id: list(range(5))}))
+            half.update_connector_output(KVConnectorOutput(  # every step's report, as vLLM sends it
+                kv_connector_worker_meta=MaruWorkerMetadata(step=meta.step)))
             half.request_finished(req, list(range(5)))
 
     run(200, 0)
     tracemalloc.start()
     before = tracemalloc.take_snapshot()
     run(2000, 10_000)
+    gc.collect()  # reference cycles of the test's scheduler outputs are garbage, not state
     after = tracemalloc.take_snapshot()
     tracemalloc.stop()
     growth = sum(s.size_diff for s in after.compare_to(before, "filename")

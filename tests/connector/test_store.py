@@ -8,7 +8,7 @@ import pytest
 
 from maru_connector.metadata import MaruConnectorMetadata
 
-from worker_env import WorkerEnv, blocks_equal, load_meta, store_meta, tokens
+from worker_env import WorkerEnv, blocks_equal, finished, load_meta, report, save, store_meta, tokens
 
 
 @pytest.fixture
@@ -18,13 +18,13 @@ def env():
     env.close()
 
 
-def _finished_sending(half, finished, timeout=5.0):
+def _finished_sending(half, held, timeout=5.0):
     deadline = time.monotonic() + timeout
     reported = set()
     while time.monotonic() < deadline:
-        sending, _ = half.get_finished(set(finished))
+        sending, _ = finished(half, held=held)
         reported |= sending
-        finished = set()
+        held = set()
         if reported:
             return reported
         time.sleep(0.005)
@@ -36,13 +36,16 @@ def test_async_store_does_not_block_and_reports_the_finished_request_once(env):
     env.index.delay_s = 0.2  # a slow index must not slow the step
     keys = env.keys(tokens(64))
     start = time.monotonic()
-    writer.wait_for_save(store_meta("w", keys, first_block=0))
+    save(writer, store_meta("w", keys, first_block=0))
     assert time.monotonic() - start < 0.1
     # The request finishes while its store is in flight: reported only when done.
-    assert writer.get_finished({"w"}) == (set(), set())
+    assert finished(writer, held={"w"}) == (set(), set())
     assert _finished_sending(writer, set()) == {"w"}
+    deadline = time.monotonic() + 5  # committed once the verdict on its step is applied
+    while len(env.index.committed) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert len(env.index.committed) == 2
-    assert writer.get_finished(set()) == (set(), set())  # once, then forgotten
+    assert finished(writer) == (set(), set())  # once, then forgotten
     env.index.delay_s = 0
     reader, kv_r = env.worker(seed=2, maru_async_store=False)
     reader.start_load_kv(load_meta("r", keys, first_block=20))
@@ -52,8 +55,8 @@ def test_async_store_does_not_block_and_reports_the_finished_request_once(env):
 def test_preemption_cancels_queued_stores_before_blocks_are_reused(env):
     writer, _ = env.worker(seed=1)
     env.index.delay_s = 0.3
-    writer.wait_for_save(store_meta("a", env.keys(tokens(64)), first_block=0))
-    writer.wait_for_save(store_meta("b", env.keys(tokens(64, start=100)), first_block=8))
+    save(writer, store_meta("a", env.keys(tokens(64)), first_block=0))
+    save(writer, store_meta("b", env.keys(tokens(64, start=100)), first_block=8))
     time.sleep(0.05)  # "a" is reserving on the store thread, "b" is queued
     start = time.monotonic()
     writer.handle_preemptions(MaruConnectorMetadata(preempted_req_ids={"a", "b"}))
@@ -69,7 +72,7 @@ def test_preemption_cancels_queued_stores_before_blocks_are_reused(env):
 def test_failed_store_is_counted_and_leaves_nothing_reserved(env):
     writer, _ = env.worker(seed=1)
     env.index.down = True
-    writer.wait_for_save(store_meta("w", env.keys(tokens(64)), first_block=0))
+    save(writer, store_meta("w", env.keys(tokens(64)), first_block=0))
     assert _finished_sending(writer, {"w"}) == {"w"}  # blocks are freed even so
     assert writer.stats.snapshot()["store_failures"]["index_error"] == 1
     assert env.index.reserved == {} and env.index.committed == {}
@@ -78,12 +81,12 @@ def test_failed_store_is_counted_and_leaves_nothing_reserved(env):
 def test_store_state_does_not_grow_with_requests(env):
     writer, _ = env.worker(seed=1)
     for i in range(300):
-        writer.wait_for_save(store_meta(f"r{i}", env.keys(tokens(32, start=i * 40)), 0))
-        writer.get_finished({f"r{i - 1}"} if i else set())
+        save(writer, store_meta(f"r{i}", env.keys(tokens(32, start=i * 40)), 0))
+        finished(writer, held={f"r{i - 1}"} if i else set())
     _finished_sending(writer, {"r299"})
     deadline = time.monotonic() + 5
     while writer._storer.num_tracked and time.monotonic() < deadline:
-        writer.get_finished(set())
+        finished(writer)
         time.sleep(0.01)
     assert writer._storer.num_tracked == 0
     assert len(env.index.committed) == 300

@@ -7,7 +7,7 @@ from maru_core.pool.slots import SlotHeader
 
 from maru_connector.metadata import MaruConnectorMetadata
 
-from worker_env import LAYERS, WorkerEnv, blocks_equal, load_meta, store_meta, tokens
+from worker_env import LAYERS, finished, report, save, WorkerEnv, blocks_equal, load_meta, store_meta, tokens
 
 
 @pytest.fixture
@@ -23,9 +23,9 @@ def _step(half, meta):
     half.start_load_kv(meta)
     for i in range(LAYERS):
         half.wait_for_layer_load(f"model.layers.{i}.self_attn.attn")
-    half.wait_for_save(meta)
-    sending, recving = half.get_finished(set())
-    return half.get_block_ids_with_load_errors(), half.build_worker_meta()
+    save(half, meta)
+    sending, recving = finished(half)
+    return half.get_block_ids_with_load_errors(), report(half)
 
 
 @pytest.mark.parametrize("layerwise", [False, True])
@@ -41,7 +41,7 @@ def test_store_then_load_copies_exact_bytes(env, layerwise, overlap):
 
     errors, meta = _step(reader, load_meta("r", keys, first_block=10))
 
-    assert errors == set() and meta is None
+    assert errors == set() and not meta.failed_load_req_ids and not meta.tainted
     assert blocks_equal(kv_w, range(6), kv_r, range(10, 16))
     assert +env.index.pins == {}  # every pin released after the copies
     assert reader.stats.snapshot()["counters"]["load_bytes"] > 0
@@ -111,7 +111,8 @@ def test_unreachable_index_is_a_failed_load_not_a_crash(env):
     _assert_failed_untouched(env, reader, kv_r, before, errors, meta, "index_error")
     # The next step reports nothing again: errors are per step.
     env.index.down = False
-    assert _step(reader, MaruConnectorMetadata()) == (set(), None)
+    errors, meta = _step(reader, MaruConnectorMetadata())
+    assert errors == set() and not meta.failed_load_req_ids and not meta.tainted
 
 
 def test_store_with_index_down_is_a_skipped_store(env):

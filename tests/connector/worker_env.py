@@ -107,3 +107,21 @@ def blocks_equal(kv_a, blocks_a, kv_b, blocks_b) -> bool:
 
 def tokens(n: int, start: int = 1) -> list[int]:
     return list(range(start, start + n))
+
+
+def save(half: MaruWorkerHalf, meta: MaruConnectorMetadata, commit: bool = True) -> None:
+    """``wait_for_save`` of one step, then the scheduler's verdict on that
+    step's stores, delivered with the next step as vLLM would."""
+    half.wait_for_save(meta)
+    half.wait_for_save(MaruConnectorMetadata(step=meta.step + 1, store_verdicts={meta.step: commit}))
+
+
+def finished(half: MaruWorkerHalf, held=(), scheduled=()) -> tuple[set[str], set[str]]:
+    """``get_finished`` of a step whose metadata names these held and scheduled requests."""
+    meta = MaruConnectorMetadata(held_req_ids=set(held), scheduled_req_ids=frozenset(scheduled))
+    return half.get_finished(meta)
+
+
+def report(half: MaruWorkerHalf, step: int = 0):
+    """The worker's report on a step (``build_connector_worker_meta``)."""
+    return half.build_worker_meta(MaruConnectorMetadata(step=step))

@@ -22,7 +22,7 @@ import pytest
 
 from maru_connector.config import make_kv_transfer_config
 from maru_connector.testing.cluster import CacheEngine, EngineFarm, wait_until
-from maru_connector.testing.engine import EngineSpec
+from maru_connector.testing.engine import EngineSpec, prefix_kv_mismatch
 from maru_connector.testing.index_process import IndexProcess
 from maru_connector.testing.sidecar_process import SidecarProcess
 from maru_connector.testing.tiny_model import TinyModelSpec, build_tiny_model
@@ -167,6 +167,14 @@ class Reference:
             for prompt, out in zip(missing, engine.outputs(missing, max_tokens)):
                 self._memo[(model, tuple(prompt), max_tokens)] = out
         return [self._memo[(model, tuple(p), max_tokens)] for p in prompts]
+
+
+def assert_same_prefix_kv(written: bytes | None, read: bytes | None, num_tokens: int, prefix_tokens: int) -> None:
+    """The first ``prefix_tokens`` positions of two dumps of one prompt's KV
+    (``generate(dump_kv=True)``) are byte-identical in every layer."""
+    where = prefix_kv_mismatch(written, read, num_tokens, num_tokens, prefix_tokens, NUM_LAYERS)
+    assert where is None, (f"layer {where[0]}: the loaded KV differs from the computed KV from "
+                           f"position {where[1]} on (of a {prefix_tokens}-token prefix)")
 
 
 def pool_state(index: IndexProcess) -> dict[str, Any]:

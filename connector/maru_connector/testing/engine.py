@@ -46,6 +46,7 @@ class EngineSpec:
     kvcache_space_gib: int = 1
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = False
+    dtype: str = "float32"  # the model's own dtype (see TinyModelSpec.dtype)
     # False: EngineCore runs inside the engine process (starts in ~4 s);
     # True: vLLM's usual three processes (caller, EngineCore, worker).
     multiprocessing: bool = False
@@ -62,6 +63,9 @@ class RequestResult:
     num_prompt_tokens: int
     aborted: bool = False
     state_at_abort: str | None = None  # the scheduler's status of an aborted request
+    # With generate(dump_kv=True): the prompt's KV as the engine held it right
+    # after the prefill, (layers, tokens, kv heads, 2 * head size) raw bytes.
+    prompt_kv: bytes | None = None
 
 
 class EngineProcess:
@@ -116,6 +120,7 @@ class EngineProcess:
         concurrent: bool = False,
         abort_after_s: float | None = None,
         timeout_s: float = 600.0,
+        dump_kv: bool = False,
     ) -> list[RequestResult]:
         """Run `prompts` with greedy sampling; results are in prompt order.
 
@@ -129,6 +134,7 @@ class EngineProcess:
             "max_tokens": max_tokens,
             "concurrent": concurrent,
             "abort_after_s": abort_after_s,
+            "dump_kv": dump_kv,
         }))
         reply = self._receive(timeout_s, "generate")
         return [RequestResult(**r) for r in reply]
@@ -194,6 +200,24 @@ class EngineProcess:
         if status != "ok":
             raise EngineError(f"engine failed in {what}: {payload}\nlog:\n" + self.log_tail())
         return payload
+
+
+def prefix_kv_mismatch(written: bytes | None, read: bytes | None, written_tokens: int, read_tokens: int,
+                       prefix_tokens: int, num_layers: int) -> tuple[int, int] | None:
+    """Where two prompt-KV dumps (``generate(dump_kv=True)``) first differ
+    within the first ``prefix_tokens`` positions, as (layer, position); None
+    when those positions hold the same bytes in every layer."""
+    if not written or not read:
+        return (0, 0)
+    row = len(written) // (num_layers * written_tokens)
+    if len(read) != row * num_layers * read_tokens:
+        return (0, 0)
+    for layer in range(num_layers):
+        a = written[layer * written_tokens * row:][: prefix_tokens * row]
+        b = read[layer * read_tokens * row:][: prefix_tokens * row]
+        if a != b:
+            return layer, next(i for i in range(len(a)) if a[i] != b[i]) // row
+    return None
 
 
 def _engine_env(spec: EngineSpec) -> dict[str, str]:

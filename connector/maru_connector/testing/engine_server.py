@@ -22,7 +22,7 @@ def _build_engine(spec: dict[str, Any]):
     kwargs: dict[str, Any] = dict(
         model=spec["model_dir"],
         tokenizer=spec["model_dir"],
-        dtype="bfloat16",
+        dtype=spec["dtype"],
         max_model_len=spec["max_model_len"],
         max_num_batched_tokens=spec["max_num_batched_tokens"],
         max_num_seqs=spec["max_num_seqs"],
@@ -57,6 +57,7 @@ def _run_batch(llm, prompts: list[list[int]], payload: dict[str, Any]) -> list[d
     base = f"r{time.monotonic_ns()}-"
     submitted: dict[str, float] = {}
     first_token: dict[str, float] = {}
+    prompt_kv: dict[str, bytes | None] = {}
     finished: dict[str, dict[str, Any]] = {}
     for i, prompt in enumerate(prompts):
         rid = f"{base}{i}"
@@ -84,9 +85,33 @@ def _run_batch(llm, prompts: list[list[int]], payload: dict[str, Any]) -> list[d
             tokens = list(out.outputs[0].token_ids) if out.outputs else []
             if tokens and rid not in first_token:
                 first_token[rid] = now
+                if payload.get("dump_kv"):
+                    prompt_kv[rid] = _prompt_kv(llm, rid, len(out.prompt_token_ids or []))
             if out.finished:
                 finished[rid] = _result(rid, tokens, submitted, first_token, now, len(out.prompt_token_ids or []), False)
+                finished[rid]["prompt_kv"] = prompt_kv.get(rid)
     return [finished[f"{base}{i}"] for i in range(len(prompts))]
+
+
+def _prompt_kv(llm, request_id: str, num_tokens: int) -> bytes | None:
+    """The KV the engine holds for a request's prompt, right after its prefill:
+    every layer's rows of positions ``[0, num_tokens)``, gathered from its
+    blocks (vLLM's CPU layout), as raw bytes. In-process engines only."""
+    import torch
+
+    scheduler = _scheduler(llm)
+    if scheduler is None:
+        raise RuntimeError("KV dumps need the engine in this process (multiprocessing off)")
+    internal = next((r for r in scheduler.requests if r.rsplit("-", 1)[0] == request_id), None)
+    if internal is None:
+        return None  # already finished (max_tokens=1): its blocks may be reused
+    block_ids = scheduler.kv_cache_manager.get_block_ids(internal)[0]
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    layers = []
+    for cache in runner.kv_caches:  # (blocks, kv heads, block size, 2 * head size)
+        rows = cache[list(block_ids)].transpose(1, 2).reshape(-1, cache.shape[1], cache.shape[3])
+        layers.append(rows[:num_tokens])
+    return torch.stack(layers).contiguous().view(torch.uint8).numpy().tobytes()
 
 
 def _result(rid, tokens, submitted, first_token, now, n_prompt, aborted) -> dict[str, Any]:

@@ -32,8 +32,14 @@ class TinyModelSpec:
     intermediate_size: int = 512
     max_position_embeddings: int = 8192
     seed: int = 0
+    # float32: a split prefill and a whole one agree except on true ties, so
+    # greedy tokens are an oracle (bf16 near-ties flip with batching), and
+    # vLLM's CPU kernels run it faster than bf16 on CPUs without AMX.
+    dtype: str = "float32"
 
     def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, not {self.dtype!r}")
         if self.num_heads * self.head_dim != self.hidden_size:
             raise ValueError(
                 f"num_heads*head_dim ({self.num_heads}*{self.head_dim}) must equal "
@@ -102,7 +108,7 @@ def _build_weights(spec: TinyModelSpec, out_dir: Path) -> None:
         bos_token_id=0,
         eos_token_id=1,
         tie_word_embeddings=False,
-        torch_dtype="bfloat16",
+        torch_dtype=spec.dtype,
     )
     torch.manual_seed(spec.seed)
     model = LlamaForCausalLM(config)
@@ -112,7 +118,7 @@ def _build_weights(spec: TinyModelSpec, out_dir: Path) -> None:
         for name, param in model.named_parameters():
             if param.dim() >= 2:
                 param.normal_(0.0, 0.5 / param.shape[-1] ** 0.5 * 4)
-    model.to(torch.bfloat16).save_pretrained(str(out_dir), safe_serialization=True)
+    model.to(getattr(torch, spec.dtype)).save_pretrained(str(out_dir), safe_serialization=True)
 
 
 def build_tiny_model(spec: TinyModelSpec = TinyModelSpec(), cache_dir: Path | None = None) -> Path:

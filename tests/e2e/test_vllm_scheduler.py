@@ -1,0 +1,280 @@
+"""The connector driven by vLLM's own scheduler, step by step, over a toy model.
+
+Each engine here is vLLM's real ``Scheduler`` with MaruCache's scheduler half
+(created by vLLM), a worker-role connector on a CPU KV cache and the toy
+forward of :mod:`maru_connector.testing.stepper`, whose KV is exact and
+depends on the KV stored before it. So every check is exact: the blocks a
+request holds equal the KV computed from its tokens alone, and a store made
+on top of wrong KV would hand the next engine wrong KV (which a third engine
+then shows).
+
+The paths covered are the ones that let wrong KV through before: a failed
+sync load whose step still stored, a copy that fails after an overlapped
+release, an abort while parked after a preemption, a loader thread that
+raises, and chunked prefills longer than one step's budget.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import pytest
+
+from maru_connector.config import make_kv_transfer_config
+from maru_connector.testing.stepper import SteppedEngine, expected_next_token
+from maru_connector.testing.workload import random_tokens
+from maru_connector.transfer.handles import LoadHandle, TransferError
+
+from .conftest import index_keys, wait_for_keys, wait_settled
+
+CHUNK = 32
+BLOCK = 16
+MODES = {  # name -> knobs
+    "sync": {},
+    "sync-overlap": {"overlap_load_with_compute": True},
+    "async": {"async_load": True},
+    "async-overlap": {"async_load": True, "overlap_load_with_compute": True,
+                      "overlap_release_after_layers": 1},
+}
+
+
+def _config(index, url=None, **knobs):
+    return make_kv_transfer_config(url or index.url, pool_path=index.pool_path, token=index.token,
+                                   kv_chunk_tokens=CHUNK, load_timeout_s=5.0, lookup_timeout_s=2.0,
+                                   **knobs)
+
+
+@pytest.fixture
+def engines(model_dir):
+    """A factory of stepped engines, all closed after the test."""
+    made: list[SteppedEngine] = []
+
+    def make(config, **kwargs) -> SteppedEngine:
+        engine = SteppedEngine(model_dir, config, block_size=BLOCK, **kwargs)
+        made.append(engine)
+        return engine
+
+    yield make
+    for engine in made:
+        engine.close()
+
+
+def _serve(engine, req_id, prompt, max_tokens=2):
+    engine.add(req_id, prompt, max_tokens)
+    engine.run(until=lambda: req_id in engine.finished)
+    return engine.finished[req_id].output
+
+
+def _expected_tokens(prompt, num_layers, n):
+    tokens = list(prompt)
+    for _ in range(n):
+        tokens.append(expected_next_token(tokens, num_layers))
+    return tokens[len(prompt):]
+
+
+def _store(engines, index, prompt, layerwise=False):
+    writer = engines(_config(index, use_layerwise=layerwise))
+    keys = index_keys(index)
+    out = _serve(writer, "w", prompt)
+    assert out == _expected_tokens(prompt, writer.num_layers, 2)
+    per_chunk = writer.num_layers if layerwise else 1
+    wait_for_keys(index, keys + per_chunk * (len(prompt) // CHUNK))
+    return writer
+
+
+_seeds = itertools.count(7000)
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["chunkwise", "layerwise"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_hit_blocks_hold_exactly_the_computed_kv(engines, index, mode, layerwise):
+    prompt = random_tokens(4 * CHUNK + 5, seed=next(_seeds))
+    _store(engines, index, prompt, layerwise)
+    reader = engines(_config(index, use_layerwise=layerwise, **MODES[mode]))
+    reader.add("r", prompt, max_tokens=2)
+    hit_before = reader.worker.worker_half.stats.snapshot()["counters"]["load_bytes"]
+    reader.run(until=lambda: reader.requests.get("r") is None or reader.requests["r"].output)
+    assert reader.wrong_positions("r", prompt) == []  # loaded prefix and computed tail
+    reader.run(until=lambda: "r" in reader.finished)
+    assert reader.finished["r"].output == _expected_tokens(prompt, reader.num_layers, 2)
+    assert reader.worker.worker_half.stats.snapshot()["counters"]["load_bytes"] > hit_before
+
+
+@pytest.mark.parametrize("mode", ["sync", "sync-overlap"])
+def test_failed_sync_load_stores_nothing_computed_on_it(engines, index, proxy, mode):
+    """The load fails in the step whose forward also computes the rest of the
+    prompt: that step's stores must never be committed."""
+    prefix = random_tokens(2 * CHUNK, seed=next(_seeds))
+    prompt = prefix + random_tokens(2 * CHUNK + 3, seed=next(_seeds))
+    _store(engines, index, prefix + [1])
+    failing = engines(_config(index, url=proxy.url, **MODES[mode]))
+    proxy.arm("miss", count=1)
+    try:
+        out = _serve(failing, "b", prompt)
+    finally:
+        proxy.disarm()
+    assert proxy.fired == 1
+    assert out == _expected_tokens(prompt, failing.num_layers, 2)  # recomputed
+    assert any(r.worker_meta.tainted for r in failing.history)
+    wait_settled(index)
+    # A third engine loads every chunk of the prompt: all of it must be right.
+    reader = engines(_config(index))
+    reader.add("c", prompt, max_tokens=2)
+    reader.run(until=lambda: reader.requests["c"].output)
+    assert reader.worker.worker_half.stats.snapshot()["counters"]["load_bytes"] > 0
+    assert reader.wrong_positions("c", prompt) == []
+
+
+class _FailingHandle(LoadHandle):
+    """Its first ``ok_layers`` layers landed; the copy of the others fails as
+    soon as the forward waits for one of them (so after the release)."""
+
+    def __init__(self, num_layers, nbytes, ok_layers, on_fail):
+        super().__init__(num_layers, nbytes)
+        self._ok_layers, self._on_fail = ok_layers, on_fail
+        for layer in range(ok_layers):
+            self._mark_layer(layer)
+
+    def wait_layer_on_device(self, layer, timeout=None):
+        if layer >= self._ok_layers and self.error is None:
+            self._fail(TransferError("injected: copy failed after release"))
+            self._on_fail()
+        return super().wait_layer_on_device(layer, timeout)
+
+
+class _FailAfterRelease:
+    """Transfer engine wrapper whose loads land ``ok_layers`` layers; the
+    blocks of the other layers keep garbage and their copy fails."""
+
+    def __init__(self, real, ok_layers: int):
+        self.real, self.ok_layers, self.fmt = real, ok_layers, real.fmt
+        self.failed = 0
+
+    def submit_load(self, chunks):
+        real = self.real.submit_load(chunks)
+        real.wait_all()
+        blocks = [b for c in chunks for b in c[0]]
+        for layer in range(self.ok_layers, real.num_layers):
+            self.real.kv_caches[layer][blocks] = 4242.0  # the bytes that never landed
+        return _FailingHandle(real.num_layers, real.nbytes, self.ok_layers, self._count)
+
+    def _count(self):
+        self.failed += 1
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def test_copy_failing_after_release_is_reported_and_not_stored(engines, index):
+    prefix = random_tokens(2 * CHUNK, seed=next(_seeds))
+    prompt = prefix + random_tokens(2 * CHUNK + 3, seed=next(_seeds))
+    _store(engines, index, prefix + [1])
+    wrapped = []
+
+    def wrap(resources):
+        resources.engine = _FailAfterRelease(resources.engine, ok_layers=1)
+        wrapped.append(resources.engine)
+        return resources
+
+    failing = engines(_config(index, **MODES["async-overlap"]), wrap_resources=wrap)
+    out = _serve(failing, "b", prompt)
+    assert wrapped[0].failed == 1
+    assert out == _expected_tokens(prompt, failing.num_layers, 2)
+    reported = [r for r in failing.history if r.invalid_block_ids]
+    assert reported and "b" in reported[0].scheduled  # in the step that computed it
+    assert reported[0].worker_meta.tainted
+    wait_settled(index)
+    reader = engines(_config(index))
+    reader.add("c", prompt, max_tokens=2)
+    reader.run(until=lambda: reader.requests["c"].output)
+    assert reader.wrong_positions("c", prompt) == []
+
+
+def test_loader_exception_fails_that_load_and_the_thread_serves_the_next(engines, index):
+    first = random_tokens(2 * CHUNK + 1, seed=next(_seeds))
+    second = random_tokens(2 * CHUNK + 1, seed=next(_seeds))
+    _store(engines, index, first)
+    _store(engines, index, second)
+    raised = []
+
+    def wrap(resources):
+        real_submit = resources.engine.submit_load
+
+        def submit_load(chunks):
+            if not raised:
+                raised.append(True)
+                raise RuntimeError("injected: the engine refused the load")
+            return real_submit(chunks)
+
+        resources.engine.submit_load = submit_load
+        return resources
+
+    reader = engines(_config(index, **MODES["async-overlap"]), wrap_resources=wrap)
+    assert _serve(reader, "a", first) == _expected_tokens(first, reader.num_layers, 2)
+    assert raised
+    assert reader.worker.worker_half.stats.snapshot()["load_failures"].get("copy_error") == 1
+    assert _serve(reader, "b", second) == _expected_tokens(second, reader.num_layers, 2)
+    assert reader.worker.worker_half.stats.snapshot()["counters"]["load_bytes"] > 0
+    wait_settled(index)
+
+
+def test_abort_while_parked_after_preemption_keeps_blocks_until_the_load_ends(engines, index):
+    """Stores, preemption, an async hit on its own chunks, abort while parked:
+    vLLM must keep the blocks until the load reports, and never hear of the
+    request from the storer (which would free them twice)."""
+    prompt = random_tokens(3 * CHUNK + 1, seed=next(_seeds))
+    engine = engines(_config(index, **MODES["async-overlap"]), max_num_batched_tokens=CHUNK)
+    keys = index_keys(index)
+    engine.add("r", prompt, max_tokens=40)
+    engine.run(until=lambda: engine.requests["r"].output)
+    wait_for_keys(index, keys + 3)
+    assert engine.scheduler.reset_prefix_cache(reset_running_requests=True)  # preempts "r"
+    engine.run(until=lambda: engine.status("r") == "WAITING_FOR_REMOTE_KVS", max_steps=50)
+    engine.abort("r")
+    other = random_tokens(CHUNK + 1, seed=next(_seeds))
+    engine.add("x", other, max_tokens=2)  # the engine goes on serving
+    engine.run(max_steps=500)  # before the fix: vLLM's `assert req_id in self.requests`
+    assert engine.finished["x"].output == _expected_tokens(other, engine.num_layers, 2)
+    assert engine.scheduler.requests == {}
+    pool = engine.scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1  # every block back, once
+    wait_settled(index)
+
+
+def test_chunked_prefill_longer_than_a_step_stores_every_chunk(engines, index):
+    prompt = random_tokens(8 * CHUNK + 3, seed=next(_seeds))
+    writer = engines(_config(index), max_num_batched_tokens=2 * CHUNK)
+    keys = index_keys(index)
+    assert _serve(writer, "w", prompt) == _expected_tokens(prompt, writer.num_layers, 2)
+    assert sum(1 for r in writer.history if "w" in r.scheduled) >= 4  # really split
+    wait_for_keys(index, keys + 8)
+    reader = engines(_config(index, **MODES["async"]))
+    reader.add("r", prompt, max_tokens=2)
+    reader.run(until=lambda: reader.requests["r"].output)
+    assert reader.wrong_positions("r", prompt) == []
+    hit = reader.scheduler.connector.scheduler_half.stats.snapshot()["counters"]["lookup_hit_tokens"]
+    assert hit == 8 * CHUNK
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_failed_load_is_recomputed_and_not_tried_again(engines, index, proxy, mode):
+    prompt = random_tokens(3 * CHUNK + 2, seed=next(_seeds))
+    _store(engines, index, prompt)
+    reader = engines(_config(index, url=proxy.url, **MODES[mode]))
+    proxy.arm("short", count=1)
+    try:
+        assert _serve(reader, "r", prompt, max_tokens=3) == _expected_tokens(prompt, reader.num_layers, 3)
+    finally:
+        proxy.disarm()
+    assert proxy.fired == 1  # one failed load, then recompute: no second attempt
+    assert sum(bool(r.invalid_block_ids) for r in reader.history) == 1
+    wait_settled(index)
+
+
+def test_round_prompt_full_hit_leaves_one_token_to_compute(engines, index):
+    prompt = random_tokens(4 * CHUNK, seed=next(_seeds))  # a multiple of the chunk
+    _store(engines, index, prompt)
+    time.sleep(0.1)
+    reader = engines(_config(index, **MODES["async-overlap"]))
+    assert _serve(reader, "r", prompt) == _expected_tokens(prompt, reader.num_layers, 2)
