@@ -7,8 +7,9 @@ allocation and ``update_state_after_alloc`` for new requests,
 ``start_load_kv``, the forward (``wait_for_layer_load`` before each layer's
 attention; ``save_kv_layer`` is a no-op in this connector), ``wait_for_save``,
 ``get_finished``, ``get_block_ids_with_load_errors`` and
-``build_worker_meta``; and back on the scheduler side
-``update_connector_output``. Parked (async) requests wait until
+``build_worker_meta`` (the step's report); and back on the scheduler side
+``update_connector_output``, whose verdict on the step's stores reaches the
+workers with the next step. Parked (async) requests wait until
 ``get_finished`` reports them; a finished request's blocks are freed at once
 or, when the connector asks (async store), once its stores are reported.
 
@@ -201,9 +202,9 @@ class Engine:
         sending, recving = set(), set()
         if w is not None:
             w.wait_for_save(meta)
-            sending, recving = w.get_finished(set(finished_ids))
+            sending, recving = w.get_finished(meta)
             self.load_errors |= w.get_block_ids_with_load_errors()
-            worker_meta = w.build_worker_meta()
+            worker_meta = w.build_worker_meta(meta)
             self.scheduler.update_connector_output(SimpleNamespace(
                 kv_connector_worker_meta=worker_meta, finished_recving=recving,
                 finished_sending=sending))
@@ -242,8 +243,11 @@ class Engine:
         logits.argmax(-1).tolist()  # the sampled tokens reach the host: the step ends
 
     def _drain_stores(self, finished_ids, delayed, deadline) -> None:
-        """Empty steps until every delayed block is released (stores committed)."""
-        while delayed:
+        """Empty steps until every delayed block is released and the
+        scheduler has sent every verdict on stores (vLLM steps while
+        ``has_pending_push_work``): the stores are committed then."""
+        while delayed or (self.scheduler is not None
+                          and self.scheduler.has_pending_push_work()):
             if time.perf_counter() > deadline:
                 raise TimeoutError("stores not finished")
             self._step([], {}, finished_ids, delayed, compute=True)

@@ -33,6 +33,7 @@ from maru_connector.metadata import LoadSpec, MaruConnectorMetadata, StoreSpec  
 from maru_connector.stats import open_stats  # noqa: E402
 from maru_connector.transfer import TransferEngine  # noqa: E402
 from maru_connector.worker import MaruWorkerHalf, WorkerResources  # noqa: E402
+from worker_env import finished, save  # noqa: E402
 
 pytestmark = [
     pytest.mark.cuda,
@@ -94,7 +95,7 @@ def _store(model, writer, kv, tokens, blocks, keys):
     meta = MaruConnectorMetadata(stores=[StoreSpec(
         req_id="w", keys_by_rank=(tuple(keys[:chunks]),), block_ids=_chunk_blocks(blocks, chunks))])
     writer.start_load_kv(meta)
-    writer.wait_for_save(meta)
+    save(writer, meta)  # the copy, then the scheduler's verdict: committed
     assert writer.get_block_ids_with_load_errors() == set()
 
 
@@ -134,7 +135,7 @@ def test_overlapped_load_under_graph_pieces_is_bit_exact(model, env, is_async, l
     reader.start_load_kv(meta)
     if is_async:  # parked until the loader releases it (after its first layer landed)
         deadline = time.monotonic() + 30
-        while "r" not in reader.get_finished(set())[1]:
+        while "r" not in finished(reader)[1]:
             assert time.monotonic() < deadline
             time.sleep(0.0002)
         meta = MaruConnectorMetadata()
@@ -146,7 +147,7 @@ def test_overlapped_load_under_graph_pieces_is_bit_exact(model, env, is_async, l
 
     logits = pieces(suffix, wait)
     reader.wait_for_save(meta)
-    reader.get_finished(set())
+    finished(reader, scheduled={"r"})
     torch.cuda.synchronize()
 
     assert waited == [f"model.layers.{i}.self_attn.attn" for i in range(GEO.layers)]
