@@ -31,7 +31,7 @@ from .plan import Run, layer_pieces
 __all__ = ["CudaTransferEngine"]
 
 DEFAULT_STAGING_BYTES = 64 << 20  # per buffer; >= 64 MiB copies reach peak
-HIGH_PRIORITY = -1  # torch maps it to the highest the device allows
+HIGH_PRIORITY = -1  # above the default 0 (lower numbers are served first)
 # Layers smaller than this load in groups: below it a copy's fixed cost and
 # the copy thread's calls per layer show (on an H200 a 4 MiB strided copy
 # ran at 0.94 of the pinned peak, a 64 MiB one at 1.0).
