@@ -23,3 +23,10 @@ bench-index: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
+
+# The operator/index/sidecar image (Dockerfile). CONTAINER_ENGINE=podman works too.
+CONTAINER_ENGINE ?= docker
+IMAGE ?= ghcr.io/marucache/marucache:$(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+.PHONY: image
+image:
+	$(CONTAINER_ENGINE) build -t $(IMAGE) .

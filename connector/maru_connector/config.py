@@ -47,11 +47,25 @@ class MaruConfig:
     maru_model_id: str | None = None
     maru_cache_salt: str = ""
     maru_stats_dir: str | None = None
+    # None: on where it costs a hit little (the CPU backend), see verify_payload().
+    maru_verify_payload: bool | None = None
 
     @property
     def fmt_name(self) -> str:
         """The storage format as it appears in the key namespace."""
         return "layerwise" if self.maru_use_layerwise else "chunkwise"
+
+    def verify_payload(self, device_type: str) -> bool:
+        """Whether loads check each object's payload checksum before copying it.
+
+        ``maru_verify_payload`` decides when set. Unset, it is on for the CPU
+        backend, where the check costs a small part of a hit (bench/RESULTS.md),
+        and off on the GPU, where a CPU pass over the pool costs more than the
+        55 GB/s copy it guards until that is measured there.
+        """
+        if self.maru_verify_payload is not None:
+            return self.maru_verify_payload
+        return device_type == "cpu"
 
     def resolve_token(self) -> str | None:
         """The index token: inline, or read from ``maru_token_file``."""

@@ -21,7 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from maru_connector.config import parse_config
-from maru_connector.identity import base_namespaces, block_size_of
+from maru_connector.identity import base_namespaces, block_size_of, check_engine_supported
 from maru_connector.lookup import LookupService
 from maru_connector.metadata import MaruConnectorMetadata
 from maru_connector.scheduler import MaruSchedulerHalf
@@ -76,6 +76,7 @@ class MaruKVConnector(KVConnectorBase_V1):
         kv_cache_config: "KVCacheConfig",
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        check_engine_supported(vllm_config, kv_cache_config)
         block_size = block_size_of(kv_cache_config)
         cfg = parse_config(self._kv_transfer_config.kv_connector_extra_config, block_size)
         self.scheduler_half: MaruSchedulerHalf | None = None

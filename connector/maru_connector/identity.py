@@ -1,34 +1,95 @@
 """The identity namespace of this engine's keys, built the same way on both halves.
 
 Everything that makes KV bytes meaningful goes into the namespace
-(``maru_core.keys.KeyNamespace``): model and revision, dtype, kv-cache dtype,
-layout, block size, chunk size, format, TP rank and size, the configured salt
-and, per request, vLLM's ``cache_salt`` and LoRA adapter. Two engines that
-differ in any of these never share a key.
+(``maru_core.keys.KeyNamespace``): the model (a fingerprint of its files, not
+its path), its effective configuration (overrides, rope scaling), weight
+quantization, dtype, kv-cache dtype and spec, the layout both halves know at
+start-up, block size, chunk size, format, TP rank and size, context-parallel
+sizes, the configured salt and, per request, vLLM's ``cache_salt`` and LoRA
+adapter (name and path). What a chunk holds beyond token ids — multimodal
+inputs, prompt embeddings — goes into its key through the extra keys vLLM's
+own prefix cache hashes. Two engines that differ in any of these never share
+a key.
+
+What keys cannot make safe is refused at start-up
+(:func:`check_engine_supported`): pipeline and context parallelism, sliding
+window and chunked-local attention, and ``kv_load_failure_policy: fail``.
+
+The worker's detected KV layout is not known to the scheduler half when it
+builds keys, so it travels in the slot header instead
+(``ObjectFormat.fingerprint``): a reader never uses bytes arranged in a
+layout other than its own, whatever the key.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+import msgpack
 from maru_core.keys import KeyNamespace, chunk_keys
 
-from maru_connector.config import MaruConfig
+from maru_connector.config import MaruConfig, MaruConfigError
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+    from vllm.config import ModelConfig, VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
+logger = logging.getLogger(__name__)
 
-def layout_id(kv_cache_config: "KVCacheConfig") -> str:
-    """The paged-KV layout both halves agree on: device type and vLLM's layout."""
-    from vllm.platforms import current_platform
+# ---------------------------------------------------------------- start-up checks
 
-    layout = getattr(kv_cache_config, "kv_cache_layout", None) or "default"
-    return f"{current_platform.device_type}/{layout}"
+
+def check_engine_supported(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> None:
+    """Refuse, with one line that says what to change, an engine whose KV the keys
+    cannot make safe to share. Called by both halves at construction."""
+    policy = getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "recompute")
+    if policy != "recompute":
+        raise MaruConfigError(
+            f"kv_load_failure_policy={policy!r} turns every failed MaruCache load into a failed "
+            'request; set "kv_load_failure_policy": "recompute" in --kv-transfer-config '
+            "(maru_connector.make_kv_transfer_config does)"
+        )
+    par = vllm_config.parallel_config
+    if par.pipeline_parallel_size > 1:
+        raise MaruConfigError(
+            f"MaruKVConnector does not support pipeline parallelism (pipeline_parallel_size="
+            f"{par.pipeline_parallel_size}): each stage holds other layers under the same keys; "
+            "use tensor parallelism instead"
+        )
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if getattr(par, name, 1) > 1:
+            raise MaruConfigError(
+                f"MaruKVConnector does not support context parallelism ({name}="
+                f"{getattr(par, name)}): a block's tokens are spread over ranks; set it to 1"
+            )
+    block_size_of(kv_cache_config)  # one KV cache group
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    other = _not_full_attention(spec, vllm_config.model_config.get_sliding_window())
+    if other is not None:
+        raise MaruConfigError(
+            f"MaruKVConnector supports full attention only; this model's KV cache uses {other} "
+            "(vLLM frees or rewrites blocks while a request runs); run it without the connector"
+        )
+
+
+def _not_full_attention(spec: Any, model_window: int | None) -> str | None:
+    """What other attention than plain full attention the KV spec or model uses, if any."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    window = getattr(spec, "sliding_window", None) or model_window
+    if window:
+        return f"sliding window {window}"
+    chunk = getattr(spec, "attention_chunk_size", None)
+    if chunk:
+        return f"chunked local attention {chunk}"
+    return None if type(spec) is FullAttentionSpec else type(spec).__name__
 
 
 def block_size_of(kv_cache_config: "KVCacheConfig") -> int:
@@ -41,29 +102,157 @@ def block_size_of(kv_cache_config: "KVCacheConfig") -> int:
     return groups[0].kv_cache_spec.block_size
 
 
+# ---------------------------------------------------------------- model identity
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz", ".msgpack", ".h5")
+_EDGE_BYTES = 1 << 20  # read whole at both ends of each file (safetensors headers, first tensors)
+_PIECE_BYTES = 64 << 10
+_PIECES = 32  # spread evenly between the ends
+
+
+def _model_files(model_dir: Path) -> list[Path]:
+    files = []
+    for path in model_dir.rglob("*"):
+        parts = path.relative_to(model_dir).parts
+        if any(p.startswith(".") for p in parts) or not path.is_file():
+            continue
+        if path.name == "config.json" or path.suffix in _WEIGHT_SUFFIXES:
+            files.append(path)
+    return sorted(files, key=lambda p: p.relative_to(model_dir).as_posix())
+
+
+def _sample_offsets(size: int) -> list[tuple[int, int]]:
+    if size <= 2 * _EDGE_BYTES + _PIECES * _PIECE_BYTES:
+        return [(0, size)]
+    middle = range(_EDGE_BYTES, size - _EDGE_BYTES - _PIECE_BYTES, (size - 2 * _EDGE_BYTES) // _PIECES)
+    return [(0, _EDGE_BYTES), *((o, _PIECE_BYTES) for o in middle), (size - _EDGE_BYTES, _EDGE_BYTES)]
+
+
+def weights_fingerprint(model_dir: Path) -> str | None:
+    """A digest of the model's files as they lie on disk: each weight file's name,
+    size and bytes sampled at both ends and at 32 points between, and config.json
+    whole. The same files give the same digest on every machine, wherever they are
+    mounted; ``None`` when the directory holds no weight file."""
+    files = _model_files(model_dir)
+    if not any(f.suffix in _WEIGHT_SUFFIXES for f in files):
+        return None
+    digest = hashlib.blake2b(digest_size=16, person=b"maru.weights")
+    for path in files:
+        size = path.stat().st_size
+        digest.update(f"{path.relative_to(model_dir).as_posix()}\0{size}\0".encode())
+        with path.open("rb") as f:
+            for offset, length in _sample_offsets(size):
+                f.seek(offset)
+                digest.update(f.read(length))
+    return digest.hexdigest()
+
+
+def _model_dir(model_config: "ModelConfig") -> Path | None:
+    """Where the model's files are: its path, or its snapshot in the Hugging Face cache."""
+    path = Path(str(model_config.model))
+    if path.is_dir():
+        return path
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(str(model_config.model), "config.json", revision=model_config.revision)
+    except Exception:  # not a repo id, or no cache: fall back to the name
+        return None
+    return Path(found).parent if isinstance(found, str) else None
+
+
+def config_digest(model_config: "ModelConfig") -> str:
+    """A digest of the effective model configuration: the Hugging Face config after
+    vLLM applied ``hf_overrides`` (rope scaling, context length, ...), without the
+    fields that name where it was loaded from."""
+    hf = model_config.hf_config.to_dict()
+    kept = {k: v for k, v in hf.items() if not k.startswith("_") and k != "transformers_version"}
+    text = json.dumps(kept, sort_keys=True, default=str)
+    return hashlib.blake2b(text.encode(), digest_size=16, person=b"maru.config").hexdigest()
+
+
+def model_identity(model_config: "ModelConfig", cfg: MaruConfig) -> dict[str, str]:
+    """The namespace fields naming the model: ``model``, ``revision``, ``weights``,
+    ``model_config``, ``quantization``. The model's path is used only when its
+    files cannot be read (with a warning): a path does not name weights."""
+    model_dir = _model_dir(model_config)
+    weights = weights_fingerprint(model_dir) if model_dir is not None else None
+    if weights is None and cfg.maru_model_id is None:
+        logger.warning(
+            "MaruCache cannot read the files of model %s; its keys rely on the name and "
+            "revision. Set maru_model_id to a name that changes whenever the weights do.",
+            model_config.model,
+        )
+    return {
+        "model": cfg.maru_model_id or (f"files:{weights}" if weights else str(model_config.model)),
+        "revision": "" if weights else str(model_config.revision or ""),
+        "weights": weights or "",
+        "model_config": config_digest(model_config),
+        "quantization": str(model_config.quantization or ""),
+    }
+
+
+# ---------------------------------------------------------------- namespaces
+
+
+def layout_id(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> str:
+    """The paged-KV layout both halves know at start-up: device type, the layout vLLM's
+    engine core resolved, and the attention backend asked for. The layout the worker
+    detects goes into every slot header (``ObjectFormat.fingerprint``)."""
+    from vllm.platforms import current_platform
+
+    layout = getattr(kv_cache_config, "kv_cache_layout", None) or "default"
+    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    backend_name = getattr(backend, "name", None) or "auto"
+    return f"{current_platform.device_type}/{layout}/{backend_name}"
+
+
+def kv_spec_id(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> str:
+    """vLLM's per-layer KV spec: what one token's KV of one layer is."""
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    quant = getattr(spec, "kv_quant_mode", None)
+    skip = ",".join(vllm_config.cache_config.kv_cache_dtype_skip_layers or ())
+    return (
+        f"{type(spec).__name__}:heads={spec.num_kv_heads},head={spec.head_size},"
+        f"head_v={getattr(spec, 'head_size_v', spec.head_size)},"
+        f"dtype={str(spec.dtype).removeprefix('torch.')},"
+        f"quant={getattr(quant, 'name', quant)},skip={skip}"
+    )
+
+
+def parallel_id(vllm_config: "VllmConfig") -> str:
+    par = vllm_config.parallel_config
+    return (
+        f"dcp={getattr(par, 'decode_context_parallel_size', 1)},"
+        f"pcp={getattr(par, 'prefill_context_parallel_size', 1)},"
+        f"interleave={getattr(par, 'cp_kv_cache_interleave_size', 1)}"
+    )
+
+
 def base_namespaces(
     vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", cfg: MaruConfig
 ) -> tuple[KeyNamespace, ...]:
     """One namespace per TP rank (index = rank), without per-request salt or LoRA."""
     model = vllm_config.model_config
     tp_size = vllm_config.parallel_config.tensor_parallel_size
-    return tuple(
-        KeyNamespace(
-            model=cfg.maru_model_id or str(model.model),
-            revision=str(model.revision or ""),
-            dtype=str(model.dtype).removeprefix("torch."),
-            kv_dtype=str(vllm_config.cache_config.cache_dtype),
-            layout=layout_id(kv_cache_config),
-            block_size=block_size_of(kv_cache_config),
-            chunk_tokens=cfg.maru_kv_chunk_tokens,
-            fmt=cfg.fmt_name,
-            tp_rank=rank,
-            tp_size=tp_size,
-            cache_salt=cfg.maru_cache_salt,
-            lora="",
-        )
-        for rank in range(tp_size)
+    common = dict(
+        **model_identity(model, cfg),
+        dtype=str(model.dtype).removeprefix("torch."),
+        kv_dtype=str(vllm_config.cache_config.cache_dtype),
+        kv_spec=kv_spec_id(vllm_config, kv_cache_config),
+        layout=layout_id(vllm_config, kv_cache_config),
+        block_size=block_size_of(kv_cache_config),
+        chunk_tokens=cfg.maru_kv_chunk_tokens,
+        fmt=cfg.fmt_name,
+        tp_size=tp_size,
+        parallel=parallel_id(vllm_config),
+        cache_salt=cfg.maru_cache_salt,
+        lora="",
     )
+    return tuple(KeyNamespace(tp_rank=rank, **common) for rank in range(tp_size))
+
+
+# ---------------------------------------------------------------- per request
 
 
 @dataclass(frozen=True)
@@ -80,15 +269,56 @@ class RequestKeys:
         return tuple(keys[start:stop] for keys in self.by_rank)
 
 
+def request_is_cacheable(request: "Request") -> tuple[bool, str]:
+    """Whether the request's KV may be looked up and stored, and if not, why.
+
+    Multimodal inputs and prompt embeddings are covered by the keys (see
+    :func:`chunk_extras`); a request is refused only when something its KV depends
+    on cannot be hashed: no prompt token ids, or a multimodal input vLLM gave no
+    identifier. The scheduler half neither looks up nor stores such a request.
+    """
+    if request.prompt_token_ids is None:
+        return False, "the prompt has no token ids"
+    for feature in getattr(request, "mm_features", None) or ():
+        if getattr(feature, "identifier", None) is None:
+            return False, "a multimodal input has no hash"
+    return True, ""
+
+
+def chunk_extras(request: "Request", num_chunks: int, chunk_tokens: int) -> list[bytes | None] | None:
+    """Per chunk, what its KV depends on beyond token ids, as vLLM's own prefix cache
+    hashes it (``generate_block_hash_extra_keys``): the hash and offset of every
+    multimodal input with placeholder tokens in the chunk, and the hash of its prompt
+    embeddings. ``None`` for a request with neither (no per-chunk work)."""
+    if not getattr(request, "mm_features", None) and getattr(request, "prompt_embeds", None) is None:
+        return None
+    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+
+    extras: list[bytes | None] = []
+    mm_index = 0
+    for i in range(num_chunks):
+        keys, mm_index = generate_block_hash_extra_keys(
+            request, i * chunk_tokens, (i + 1) * chunk_tokens, mm_index
+        )
+        extras.append(msgpack.packb(list(keys), use_bin_type=True) if keys else None)
+    return extras
+
+
+def _request_namespace(ns: KeyNamespace, request: "Request") -> KeyNamespace:
+    salt = request.cache_salt or ""
+    lora = request.lora_request
+    # The adapter's path too: a name re-pointed at another adapter must not reuse KV.
+    lora_id = f"{lora.lora_name}|{getattr(lora, 'lora_path', '')}" if lora is not None else ""
+    if not salt and not lora_id:
+        return ns
+    joined = f"{ns.cache_salt}|{salt}" if salt else ns.cache_salt
+    return dataclasses.replace(ns, cache_salt=joined, lora=lora_id)
+
+
 def request_keys(namespaces: tuple[KeyNamespace, ...], request: "Request") -> RequestKeys:
     """Chunk keys of every full chunk of the request's prompt, for every rank."""
-    salt = request.cache_salt or ""
-    lora = request.lora_request.lora_name if request.lora_request is not None else ""
     tokens = list(request.prompt_token_ids or ())
-    by_rank = []
-    for ns in namespaces:
-        if salt or lora:
-            joined = f"{ns.cache_salt}|{salt}" if salt else ns.cache_salt
-            ns = dataclasses.replace(ns, cache_salt=joined, lora=lora)
-        by_rank.append(tuple(chunk_keys(ns, tokens)))
+    chunk = namespaces[0].chunk_tokens
+    extras = chunk_extras(request, len(tokens) // chunk, chunk)
+    by_rank = [tuple(chunk_keys(_request_namespace(ns, request), tokens, extras)) for ns in namespaces]
     return RequestKeys(tuple(by_rank))

@@ -81,6 +81,7 @@ class AsyncLoader:
         release_after_layers: layers that must land before release (the
             number of layers when overlap is off).
         stats: where loads, load failures and their durations are counted.
+        verify_payload: check each object's payload checksum before copying.
     """
 
     def __init__(
@@ -91,6 +92,7 @@ class AsyncLoader:
         tp_rank: int,
         release_after_layers: int,
         stats: ConnectorStats,
+        verify_payload: bool = False,
     ) -> None:
         self._client_factory = client_factory
         self._client: Any = None
@@ -101,6 +103,7 @@ class AsyncLoader:
         self._num_layers = engine.fmt.layout.num_layers
         self._release_after = min(release_after_layers, self._num_layers)
         self._stats = stats
+        self._verify_payload = verify_payload
         self._inbox: queue.Queue[_Load | None] = queue.Queue()
         self._lock = threading.Lock()
         self._loads: dict[str, _Load] = {}  # in flight: queued, copying or released
@@ -129,8 +132,7 @@ class AsyncLoader:
             RuntimeError: the loader thread died; parked requests could never
                 be released, so the engine must stop rather than hang.
         """
-        if self._dead is not None:
-            raise RuntimeError("the MaruCache loader thread died; see the log") from self._dead
+        self._check_alive()
         with self._lock:
             results, self._results = self._results, LoadResults()
             reportable = set(scheduled_req_ids) | results.released
@@ -174,7 +176,12 @@ class AsyncLoader:
                 if load.released:
                     waits.append(load.done)
         for event in waits:
-            event.wait()
+            while not event.wait(0.1):
+                self._check_alive()
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise RuntimeError("the MaruCache loader thread died; see the log") from self._dead
 
     @property
     def num_in_flight(self) -> int:
@@ -240,7 +247,8 @@ class AsyncLoader:
             if self._client is None:
                 self._client = self._client_factory()
             load.pinned = resolve_load(
-                self._client, self._pool, self._fmt, spec.keys(self._tp_rank), spec.block_ids
+                self._client, self._pool, self._fmt, spec.keys(self._tp_rank), spec.block_ids,
+                verify_payload=self._verify_payload,
             )
         except LoadFailure as exc:
             self._fail(load, exc.reason, str(exc))

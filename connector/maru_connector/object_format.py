@@ -18,7 +18,9 @@ namespace binds those.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
+from functools import cached_property
 
 from .kv_layout import KVCacheLayout
 
@@ -45,6 +47,24 @@ class ObjectFormat:
     def name(self) -> str:
         """``"layerwise"`` or ``"chunkwise"``, as the key namespace spells it."""
         return "layerwise" if self.layerwise else "chunkwise"
+
+    @cached_property
+    def fingerprint(self) -> int:
+        """A u64 naming how this worker's objects arrange their bytes: the KV layout
+        it detected (kind, geometry, dtype, the true indices of its layers) and the
+        object format. Written into every slot header; a reader refuses an object
+        whose fingerprint is not its own, whatever the key says. Never 0."""
+        lay = self.layout
+        text = "|".join(
+            str(part)
+            for part in (
+                lay.kind, lay.block_size, lay.num_kv_heads, lay.head_size, lay.dtype,
+                lay.block_segments, lay.segment_bytes, ",".join(map(str, lay.layer_indices)),
+                self.chunk_tokens, self.name,
+            )
+        )
+        digest = hashlib.blake2b(text.encode(), digest_size=8, person=b"maru.layout").digest()
+        return int.from_bytes(digest, "little") or 1
 
     @property
     def num_layers(self) -> int:

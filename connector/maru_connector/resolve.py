@@ -3,7 +3,8 @@
 Used by the synchronous load path and by the async loader alike. Nothing here
 touches a vLLM block: a load only starts copying once :func:`resolve_load`
 has returned, that is once every (chunk, layer) key resolved to a pinned slot
-whose header names that key and generation. Any failure unpins what was
+whose header names that key and generation (and, when asked, whose payload
+matches the checksum in that header). Any failure unpins what was
 pinned (never a pin another load of the same lease holds) and raises
 :class:`LoadFailure` with a bounded ``reason``.
 """
@@ -111,7 +112,10 @@ def _check_reply(keys: list[bytes], locations: list[Any], object_bytes: int) -> 
             )
 
 
-def _check_headers(pool: Any, keys: list[bytes], locations: list[Any]) -> None:
+def _check_headers(
+    pool: Any, keys: list[bytes], locations: list[Any], fmt: Any, verify_payload: bool
+) -> None:
+    layout = fmt.fingerprint
     for key, loc in zip(keys, locations):
         header = pool.read_slot_header(loc.offset)
         if header is None or not header.names(key, loc.generation):
@@ -119,6 +123,19 @@ def _check_headers(pool: Any, keys: list[bytes], locations: list[Any]) -> None:
                 "header_mismatch",
                 f"slot at offset {loc.offset} no longer holds key {key.hex()} "
                 f"generation {loc.generation}",
+            )
+        if header.layout != layout:
+            # Same key, other byte arrangement: a writer whose worker detected another
+            # KV layout (or an object written before layouts were recorded).
+            raise LoadFailure(
+                "header_mismatch",
+                f"object of key {key.hex()} was written in layout {header.layout:#x}, "
+                f"this worker's is {layout:#x}",
+            )
+        if verify_payload and not pool.payload_matches(loc.offset, header):
+            what = "does not match its checksum" if header.checksum else "carries no checksum"
+            raise LoadFailure(  # the metric label of every slot-header check
+                "header_mismatch", f"payload of key {key.hex()} at offset {loc.offset} {what}"
             )
 
 
@@ -128,13 +145,20 @@ def resolve_load(
     fmt: Any,
     chunk_keys: Sequence[bytes],
     block_ids: Sequence[tuple[int, ...]],
+    verify_payload: bool = False,
 ) -> PinnedLoad:
     """Pin the objects of ``chunk_keys`` and plan their copies into ``block_ids``.
 
+    With ``verify_payload`` (``MaruConfig.verify_payload``), every object's
+    payload is checked against the checksum in its slot header, once pinned
+    and before any copy: the request is released only over bytes the writer
+    vouched for.
+
     Raises:
         LoadFailure: the index failed or timed out, the reply was short, long
-            or had a miss, or a slot header does not name its key and
-            generation. Nothing stays pinned in that case.
+            or had a miss, a slot header does not name its key and
+            generation, or (``verify_payload``) a payload does not match its
+            checksum. Nothing stays pinned in that case.
     """
     keys = object_keys(fmt, chunk_keys)
     try:
@@ -146,7 +170,7 @@ def resolve_load(
         raise _index_failure(exc) from exc
     try:
         _check_reply(keys, locations, fmt.object_bytes)
-        _check_headers(pool, keys, locations)
+        _check_headers(pool, keys, locations, fmt, verify_payload)
     except LoadFailure:
         if None not in locations:  # every key hit, so this retrieve pinned every key
             _unpin_quietly(client, keys)

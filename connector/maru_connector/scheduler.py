@@ -18,7 +18,7 @@ from maru_core.keys import layer_key
 from maru_core.stats import ConnectorStats
 
 from maru_connector.config import MaruConfig
-from maru_connector.identity import RequestKeys, request_keys
+from maru_connector.identity import RequestKeys, request_is_cacheable, request_keys
 from maru_connector.lookup import LookupService
 from maru_connector.metadata import (
     LoadSpec,
@@ -44,6 +44,7 @@ _MAX_STEPS_AWAITING_VERDICT = 256
 @dataclass
 class _RequestState:
     request: "Request"
+    cacheable: bool = True  # False: something its KV depends on cannot be keyed
     keys: RequestKeys | None = None
     local_tokens: int = 0  # vLLM's own (block-aligned) hit at the last lookup
     hit_tokens: int = 0  # what the last lookup answered beyond local_tokens
@@ -112,7 +113,7 @@ class MaruSchedulerHalf:
         At least one prompt token is always left to compute.
         """
         state = self._state(request)
-        if state.load_failed or num_computed_tokens % self._chunk:
+        if state.load_failed or not state.cacheable or num_computed_tokens % self._chunk:
             return 0, False
         keys = self._keys(state)
         first = num_computed_tokens // self._chunk
@@ -197,7 +198,7 @@ class MaruSchedulerHalf:
 
     def _plan_store(self, req_id: str, num_tokens: int, block_state: Any) -> StoreSpec | None:
         state = self._reqs.get(req_id)
-        if state is None or state.parked or block_state is None:
+        if state is None or state.parked or not state.cacheable or block_state is None:
             return None
         request = state.request
         prompt_len = len(request.prompt_token_ids or ())
@@ -294,7 +295,10 @@ class MaruSchedulerHalf:
     def _state(self, request: "Request") -> _RequestState:
         state = self._reqs.get(request.request_id)
         if state is None:
-            state = self._reqs[request.request_id] = _RequestState(request)
+            cacheable, why = request_is_cacheable(request)
+            if not cacheable:
+                logger.info("request %s is neither looked up nor stored: %s", request.request_id, why)
+            state = self._reqs[request.request_id] = _RequestState(request, cacheable=cacheable)
         return state
 
     def _keys(self, state: _RequestState) -> RequestKeys:

@@ -2,14 +2,16 @@
 
 A store job is one :class:`StoreSpec` (one request, one step): one batched
 ``reserve`` for all its objects, one ``submit_store`` of the copies into the
-reserved slots, then — once the copy completed — the slot headers. The job
-then waits for the scheduler's verdict on its step (:meth:`Storer.apply_verdicts`):
-a step whose forward used a failed load on any rank is never committed; the
-others are committed with one batched ``commit`` per step. Any failure aborts
-the reservation and only costs a future miss (counted by reason). With
-``maru_async_store`` the jobs run on the store thread and never block the
-forward; vLLM keeps a finished request's blocks until
-:meth:`Storer.finished_requests` reports that no job reads them any more, and a
+reserved slots, then — once the copy completed — the slot headers (each with
+the checksum of its object's payload and the worker's layout fingerprint).
+The job then waits for the scheduler's verdict on its step
+(:meth:`Storer.apply_verdicts`): a step whose forward used a failed load on
+any rank is never committed; the others are committed with one batched
+``commit`` per step. Any failure aborts the reservation and only costs a
+future miss (counted by reason). With ``maru_async_store`` the jobs run on the
+store thread and never block the forward; vLLM keeps a finished request's
+blocks until :meth:`Storer.finished_requests` reports that no job reads them
+any more, and a
 preempted request's jobs are cancelled or finished before its blocks are
 reused (:meth:`Storer.drain`).
 """
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from maru_core.pool.slots import SlotFormat, SlotHeader
+from maru_core.protocol import ErrorType
 from maru_core.stats import ConnectorStats
 
 from maru_connector.metadata import StoreSpec
@@ -56,6 +59,11 @@ class StoreFailure(Exception):
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
+
+
+def _is_no_space(exc: BaseException) -> bool:
+    """Whether a reserve failed for lack of room (``IndexRejected`` of type ``no_space``)."""
+    return getattr(exc, "error_type", None) == ErrorType.NO_SPACE.value
 
 
 class Storer:
@@ -204,7 +212,10 @@ class Storer:
         if not handle.wait():
             raise StoreFailure("copy_error", repr(handle.error))
         for key, slot in chunk_keys:
-            header = SlotHeader(key, slot.generation, self._fmt.object_bytes, self._slot_fmt)
+            # The checksum of the bytes as they lie in the pool, which is what readers check.
+            checksum = self._pool.payload_checksum(slot.offset, self._fmt.object_bytes)
+            header = SlotHeader(key, slot.generation, self._fmt.object_bytes, self._slot_fmt, checksum,
+                                self._fmt.fingerprint)  # fmt: skip
             self._pool.write_slot_header(slot.offset, header)
         job.nbytes = handle.nbytes
         job.to_commit = list(reserved)
@@ -256,7 +267,7 @@ class Storer:
                 self._client = self._client_factory()
             slots = list(self._client.reserve([(k, self._fmt.object_bytes) for k in keys]))
         except Exception as exc:
-            reason = "no_space" if getattr(exc, "error_type", None) == "no_space" else "index_error"
+            reason = "no_space" if _is_no_space(exc) else "index_error"
             raise StoreFailure(reason, f"{type(exc).__name__}: {exc}") from exc
         if len(slots) != len(keys):
             raise StoreFailure("index_error", f"{len(slots)} slots for {len(keys)} keys")

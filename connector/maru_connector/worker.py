@@ -134,6 +134,7 @@ class MaruWorkerHalf:
         res = self._res = self._resources_factory(self.cfg, kv_caches, self._block_size)
         self.stats = res.stats
         self._layout = res.engine.fmt.layout
+        self._verify_payload = self.cfg.verify_payload(res.engine.backend)
         if self.cfg.maru_async_load:
             release_after = (
                 self.cfg.maru_overlap_release_after_layers
@@ -147,6 +148,7 @@ class MaruWorkerHalf:
                 self._tp_rank,
                 release_after,
                 res.stats,
+                verify_payload=self._verify_payload,
             )
         self._storer = Storer(
             lambda: res.client_factory("store"),
@@ -248,7 +250,8 @@ class MaruWorkerHalf:
             if self._sync_client is None:
                 self._sync_client = res.client_factory("sync")
             pinned = resolve_load(
-                self._sync_client, res.pool, res.engine.fmt, spec.keys(self._tp_rank), spec.block_ids
+                self._sync_client, res.pool, res.engine.fmt, spec.keys(self._tp_rank), spec.block_ids,
+                verify_payload=self._verify_payload,
             )
         except LoadFailure as exc:
             self._fail_sync(spec, exc.reason, str(exc))

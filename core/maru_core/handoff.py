@@ -202,19 +202,21 @@ def send_frame(sock: socket.socket, message: dict[str, Any], fds: tuple[int, ...
         sock.sendall(data[sent:])
 
 
-def recv_frame(sock: socket.socket, max_fds: int = 0) -> tuple[Any, list[int]]:
+def recv_frame(sock: socket.socket, max_fds: int = 0, deadline: float | None = None) -> tuple[Any, list[int]]:
     """Receive one framed message and any descriptors that came with it.
 
     Raises `EOFError` if the peer closes before a whole frame, and
     `HandoffProtocolError` for an oversized or undecodable frame or too many
-    descriptors. Descriptors are closed on every error.
+    descriptors; with a `deadline` (a `time.monotonic()` value), `TimeoutError`
+    once it passes, however the peer spaces out its bytes. Descriptors are
+    closed on every error.
     """
     fds: list[int] = []
     try:
-        (length,) = _LENGTH.unpack(_recv_exactly(sock, _LENGTH.size, fds, max_fds))
+        (length,) = _LENGTH.unpack(_recv_exactly(sock, _LENGTH.size, fds, max_fds, deadline))
         if length > MAX_FRAME_BYTES:
             raise HandoffProtocolError(f"frame of {length} bytes exceeds {MAX_FRAME_BYTES}")
-        payload = _recv_exactly(sock, length, fds, max_fds)
+        payload = _recv_exactly(sock, length, fds, max_fds, deadline)
         if len(fds) > max_fds:
             raise HandoffProtocolError(f"peer sent {len(fds)} descriptors, at most {max_fds} expected")
         try:
@@ -226,9 +228,14 @@ def recv_frame(sock: socket.socket, max_fds: int = 0) -> tuple[Any, list[int]]:
         raise
 
 
-def _recv_exactly(sock: socket.socket, size: int, fds: list[int], max_fds: int) -> bytes:
+def _recv_exactly(sock: socket.socket, size: int, fds: list[int], max_fds: int, deadline: float | None) -> bytes:
     buffer = bytearray()
     while len(buffer) < size:
+        if deadline is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"request incomplete at its deadline ({len(buffer)} of {size} bytes)")
+            sock.settimeout(remaining)
         chunk, got_fds, _, _ = socket.recv_fds(sock, size - len(buffer), max(max_fds - len(fds), 1))
         fds.extend(got_fds)
         if not chunk:

@@ -2,9 +2,11 @@
 
 A key is 16 bytes, a blake2b digest. Chunk keys are a rolling hash over the
 token ids, seeded with the digest of a ``KeyNamespace`` that binds everything
-that makes KV bytes meaningful (model, dtypes, layout, block and chunk size,
-format, tensor-parallel rank, cache salt, LoRA adapter). Two engines that
-differ in any of these never share a key.
+that makes KV bytes meaningful (model and weights, model config, quantization,
+dtypes, layout, block and chunk size, format, tensor- and context-parallel
+layout, cache salt, LoRA adapter). Two engines that differ in any of these
+never share a key. What a chunk holds beyond token ids (multimodal inputs,
+prompt embeddings) goes into that chunk's key as ``extras``.
 
 This module is the one owner of the key format: any change to it changes
 ``KEY_FORMAT_VERSION``, which is hashed into every namespace digest, so keys
@@ -28,7 +30,7 @@ Key = NewType("Key", bytes)
 #: Bytes in a key.
 KEY_BYTES = 16
 #: Version of the key derivation below; hashed into every namespace digest.
-KEY_FORMAT_VERSION = 1
+KEY_FORMAT_VERSION = 2
 #: Object formats: one object per chunk (all layers) or per (chunk, layer).
 FORMATS = ("chunkwise", "layerwise")
 
@@ -41,26 +43,38 @@ _U32_MAX = 2**32 - 1
 class KeyNamespace:
     """Everything that must match for two engines to share KV bytes.
 
-    ``model`` and ``revision`` name the weights; ``dtype`` and ``kv_dtype``
-    the model and KV-cache dtypes (e.g. ``"bfloat16"``, ``"fp8_e4m3"``);
+    ``model`` and ``revision`` name the model; ``weights`` fingerprints its
+    files (config and weights, so fp8 KV scales loaded from the checkpoint
+    too); ``model_config`` digests the effective model configuration
+    (overrides, rope scaling); ``quantization`` the weight quantization;
+    ``dtype`` and ``kv_dtype`` the model and KV-cache dtypes (e.g.
+    ``"bfloat16"``, ``"fp8_e4m3"``); ``kv_spec`` vLLM's per-layer KV spec
+    (heads, head size, KV quantization mode);
     ``layout`` the KV layout of the stored bytes (the connector's name for
     it); ``block_size`` vLLM's block size in tokens; ``chunk_tokens`` the
     tokens per chunk key, a multiple of ``block_size``; ``fmt`` the object
     format (``"chunkwise"`` or ``"layerwise"``); ``tp_rank``/``tp_size`` the
-    tensor-parallel position; ``cache_salt`` and ``lora`` isolate requests
-    that must not share a cache (per-user salt, adapter name).
+    tensor-parallel position; ``parallel`` the other parallel sizes that
+    split the KV (decode and prefill context parallelism); ``cache_salt`` and
+    ``lora`` isolate requests that must not share a cache (per-user salt,
+    adapter name and path).
     """
 
     model: str
     revision: str = ""
+    weights: str = ""
+    model_config: str = ""
+    quantization: str = ""
     dtype: str
     kv_dtype: str
+    kv_spec: str = ""
     layout: str
     block_size: int
     chunk_tokens: int
     fmt: str = "chunkwise"
     tp_rank: int = 0
     tp_size: int = 1
+    parallel: str = ""
     cache_salt: str = ""
     lora: str = ""
 
@@ -118,21 +132,32 @@ def _tokens_as_le_int32(token_ids: Sequence[int]) -> bytes:
     return tokens.tobytes()
 
 
-def chunk_keys(ns: KeyNamespace, token_ids: Sequence[int]) -> list[Key]:
+def chunk_keys(
+    ns: KeyNamespace, token_ids: Sequence[int], extras: Sequence[bytes | None] | None = None
+) -> list[Key]:
     """One key per *full* chunk of ``ns.chunk_tokens`` tokens, in order.
 
     Key *i* is ``blake2b(key[i-1] || tokens of chunk i as little-endian
-    int32, digest_size=16)`` with ``key[-1] = ns.digest()``: a key names the
-    whole prefix up to the end of its chunk, so the keys of a prompt's first
-    *n* chunks equal the keys of any longer prompt with the same first *n*
-    chunks. A trailing partial chunk gets no key.
+    int32 [|| extras[i]], digest_size=16)`` with ``key[-1] = ns.digest()``:
+    a key names the whole prefix up to the end of its chunk, so the keys of a
+    prompt's first *n* chunks equal the keys of any longer prompt with the
+    same first *n* chunks. A trailing partial chunk gets no key.
+
+    ``extras[i]`` (optional, non-empty bytes) is what chunk *i* holds beyond
+    its token ids, e.g. the hashes of the images whose placeholder tokens lie
+    in it; the token part has a fixed length, so appending it is unambiguous.
+    ``None`` (or a list shorter than the chunks) means none.
     """
     data = _tokens_as_le_int32(token_ids)
     step = ns.chunk_tokens * 4
     keys: list[Key] = []
     prev = ns.digest()
-    for start in range(0, len(data) - step + 1, step):
-        prev = Key(hashlib.blake2b(prev + data[start : start + step], digest_size=KEY_BYTES).digest())
+    for i, start in enumerate(range(0, len(data) - step + 1, step)):
+        extra = extras[i] if extras is not None and i < len(extras) else None
+        if extra is not None and (type(extra) is not bytes or not extra):
+            raise ValueError(f"extras[{i}] must be non-empty bytes or None, got {extra!r}")
+        piece = data[start : start + step] + extra if extra else data[start : start + step]
+        prev = Key(hashlib.blake2b(prev + piece, digest_size=KEY_BYTES).digest())
         keys.append(prev)
     return keys
 

@@ -36,6 +36,7 @@ import hashlib
 import mmap
 import os
 import secrets
+import stat
 import struct
 import threading
 import time
@@ -111,6 +112,16 @@ _HISTOGRAM_SLOTS = {
 
 class StatsRegionError(ValueError):
     """A stats region file that this version cannot read (wrong magic, version or layout)."""
+
+
+class StatsRegionInvalid(StatsRegionError):
+    """A file in the stats directory that is no usable region: not a regular file,
+    or a region holding a value no connector writes (negative, not finite, too large)."""
+
+
+#: No counter of a real connector reaches this (2**53: still exact as a float); a value
+#: above it would only overflow a sum.
+MAX_SLOT_VALUE = 2**53
 
 
 def zero_values() -> list[int | float]:
@@ -318,11 +329,15 @@ def read_region(path: str | os.PathLike[str]) -> RegionReading:
     """Read one region file (read-only) and tell whether its writer is still alive.
 
     Raises `StatsRegionError` for a file of another format or layout (a
-    connector of another MaruCache version), `OSError` if it vanished.
+    connector of another MaruCache version), `StatsRegionInvalid` for a file
+    that is not a regular file or holds a value out of range, `OSError` if it
+    vanished. Opening never blocks (a FIFO named like a region is refused).
     """
     path = Path(path)
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise StatsRegionInvalid(f"{path}: not a regular file")
         if os.fstat(fd).st_size != REGION_BYTES:
             raise StatsRegionError(f"{path}: size {os.fstat(fd).st_size}, expected {REGION_BYTES}")
         with mmap.mmap(fd, REGION_BYTES, mmap.MAP_SHARED, mmap.PROT_READ) as buffer:
@@ -339,6 +354,8 @@ def read_region(path: str | os.PathLike[str]) -> RegionReading:
                 ints.release()
                 floats.release()
                 slots.release()
+        if not all(0 <= v <= MAX_SLOT_VALUE for v in values):  # also refuses nan
+            raise StatsRegionInvalid(f"{path}: holds a value no connector writes (negative, not finite or too large)")
         return RegionReading(path, pid, role.rstrip(b"\0").decode("ascii", "replace"),
                              created, _writer_alive(fd), values)  # fmt: skip
     finally:

@@ -28,6 +28,7 @@ from maru_core.stats import (
     LAYOUT_DIGEST,
     SLOT_NAMES,
     StatsRegionError,
+    StatsRegionInvalid,
     read_region,
     region_files,
     zero_values,
@@ -47,6 +48,7 @@ class Aggregate:
     live: int  # files of running processes
     foreign: int  # files of another counter layout (another MaruCache version), skipped
     folded: int  # files folded into the retained total during this scrape
+    invalid: int = 0  # files that are no usable region (not a regular file, a value out of range), skipped
 
 
 class RegionAggregator:
@@ -66,13 +68,17 @@ class RegionAggregator:
             retained, folded_names = self._load_retained()
             live_sum = zero_values()
             dead: list[tuple[Path, list[int | float]]] = []
-            live = foreign = 0
+            live = foreign = invalid = 0
             for path in region_files(self.directory):
                 if path.name in folded_names:  # folded before a crash, not removed yet
                     path.unlink(missing_ok=True)
                     continue
                 try:
                     reading = read_region(path)
+                except StatsRegionInvalid as exc:
+                    invalid += 1
+                    self._warn_foreign(path, exc)
+                    continue
                 except StatsRegionError as exc:
                     foreign += 1
                     self._warn_foreign(path, exc)
@@ -87,7 +93,7 @@ class RegionAggregator:
             if dead:
                 retained = self._fold(retained, dead)
             _add_into(live_sum, retained)
-            return Aggregate(values=live_sum, live=live, foreign=foreign, folded=len(dead))
+            return Aggregate(values=live_sum, live=live, foreign=foreign, folded=len(dead), invalid=invalid)
 
     def _fold(self, retained: list[int | float], dead: list[tuple[Path, list[int | float]]]) -> list[int | float]:
         total = list(retained)
@@ -118,7 +124,13 @@ class RegionAggregator:
         if not isinstance(record, dict) or record.get("layout") != LAYOUT_DIGEST:
             log.warning("ignoring retained stats %s of another counter layout; counters restart from zero", path)
             return zero_values(), set()
-        return list(record["values"]), set(record.get("folded", ()))
+        values, folded = record.get("values"), record.get("folded", ())
+        if (not isinstance(values, list) or len(values) != len(SLOT_NAMES)
+                or not all(isinstance(v, (int, float)) and 0 <= v < 2**63 for v in values)
+                or not isinstance(folded, list)):  # fmt: skip
+            log.warning("ignoring retained stats %s holding values out of range; counters restart from zero", path)
+            return zero_values(), set()
+        return list(values), {name for name in folded if isinstance(name, str)}
 
     def _warn_foreign(self, path: Path, exc: Exception) -> None:
         if path.name not in self._warned_foreign:

@@ -21,5 +21,6 @@ ANNOTATION_SHM_SIZE = "maru.io/shm-size"  # on nodes: tmpfs capacity offered, a 
 ANNOTATION_INJECTED = "maru.io/injected"  # on pods: the cache a pod was injected for
 ANNOTATION_SKIPPED = "maru.io/injection-skipped"  # on pods: why injection was skipped
 ANNOTATION_CONTAINER = "maru.io/container"  # on pods: which container runs vLLM
+ANNOTATION_PLACEMENT = "maru.io/placement"  # on pods: digest of the pool placement injected
 FINALIZER = "maru.io/release-region"
 MANAGED_BY = "marucache-operator"

@@ -20,9 +20,10 @@ from typing import Any
 import kopf
 
 from . import FINALIZER
-from .handlers import OperatorContext, build_registry
+from .handlers import OperatorContext, build_registry, report_refusal
 from .k8s import KubeApi, LedgerStore, load_configuration
 from .metrics import OperatorMetrics
+from .usage import DEFAULT_URL_TEMPLATE, http_reader, url_template
 from .webhook import SelfSigningWebhookServer, register_webhook
 
 
@@ -43,6 +44,9 @@ class OperatorOptions:
     webhook_insecure: bool = False
     webhook_manage: bool = False
     liveness: str | None = None
+    native_sidecars: str = "auto"
+    usage_seconds: float = 30.0
+    index_metrics_url: str = DEFAULT_URL_TEMPLATE
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,6 +72,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--webhook-manage", action="store_true",
                         help="let the operator create and update the MutatingWebhookConfiguration")
     parser.add_argument("--liveness", help="kopf liveness endpoint, e.g. http://0.0.0.0:8081/healthz")
+    parser.add_argument("--native-sidecars", choices=("auto", "always", "never"), default=d.native_sidecars,
+                        help="inject the sidecar as a native sidecar (init container with restartPolicy Always): "
+                             "auto = when the API server is Kubernetes 1.29 or newer (default)")
+    parser.add_argument("--usage-seconds", type=float, default=d.usage_seconds,
+                        help="how often status.used is read from each index's /metrics (0: never)")
+    parser.add_argument("--index-metrics-url", default=d.index_metrics_url,
+                        help="where an index's /metrics is, with {index} (its Service), {namespace} and {port} "
+                             "(spec.index.metricsPort); default: the Service's cluster DNS name")
 
 
 def options_from_args(args: argparse.Namespace) -> OperatorOptions:
@@ -94,7 +106,10 @@ def build_operator(options: OperatorOptions, metrics: OperatorMetrics | None = N
                    ) -> tuple[kopf.OperatorRegistry, kopf.OperatorSettings, OperatorContext]:
     api = KubeApi(load_configuration(options.kubeconfig, options.context))
     ctx = OperatorContext(api=api, ledger=LedgerStore(api, options.namespace, options.ledger_name),
-                          metrics=metrics or OperatorMetrics.create(), resync_seconds=options.resync_seconds)
+                          metrics=metrics or OperatorMetrics.create(), resync_seconds=options.resync_seconds,
+                          native_mode=options.native_sidecars, usage_seconds=options.usage_seconds,
+                          usage_reader=http_reader(url_template(options.index_metrics_url))
+                          if options.usage_seconds > 0 else None)
     registry = build_registry(ctx)
     settings = kopf.OperatorSettings()
     settings.persistence.finalizer = FINALIZER
@@ -106,7 +121,8 @@ def build_operator(options: OperatorOptions, metrics: OperatorMetrics | None = N
     settings.watching.server_timeout = 300
     settings.persistence.consistency_timeout = 0.5
     if options.webhook:
-        register_webhook(registry)
+        register_webhook(registry, native=lambda: ctx.native_sidecars,
+                         report=lambda pod, reason: report_refusal(ctx, pod, reason))
         settings.admission.server = webhook_server(options)
         if options.webhook_manage:
             settings.admission.managed = "marucache.maru.io"

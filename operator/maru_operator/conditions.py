@@ -1,6 +1,8 @@
 """Observed state -> status conditions and phase (pure).
 
-Condition types: ConfigValid, DevicesAllocated, IndexAvailable, Ready.
+Condition types: ConfigValid, DevicesAllocated, IndexAvailable, Ready, and
+PodsCurrent (written by the pod check, kept by every other write; it never
+makes the cache NotReady: a stale pod is the pod's problem, not the cache's).
 `lastTransitionTime` changes only when a condition's status changes, so
 writing the same observation twice yields the same status (idempotence).
 """
@@ -83,6 +85,20 @@ def with_transition_times(new: Sequence[Mapping[str, Any]], old: Sequence[Mappin
     return result
 
 
+def keep_others(new: Sequence[Mapping[str, Any]], old: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]]:
+    """`new` followed by the conditions of `old` whose types `new` does not own (PodsCurrent)."""
+    owned = {c["type"] for c in new}
+    return [dict(c) for c in new] + [dict(c) for c in old or () if c.get("type") not in owned]
+
+
+def replace_condition(conditions: Sequence[Mapping[str, Any]] | None, kind: str, state: tuple[bool, str, str],
+                      generation: int, stamp: str) -> list[dict[str, Any]]:
+    """`conditions` with the one of type `kind` set to `state` (appended when absent)."""
+    new = with_transition_times([_condition(kind, state, generation)], conditions, stamp)[0]
+    result = [dict(c) for c in conditions or () if c.get("type") != kind]
+    return result + [new]
+
+
 def refresh_index(status: Mapping[str, Any], available: bool, generation: int) -> list[dict[str, Any]] | None:
     """Conditions with IndexAvailable (and Ready) re-derived from `available`.
 
@@ -101,4 +117,5 @@ def refresh_index(status: Mapping[str, Any], available: bool, generation: int) -
     index = ((True, "Available", "the index Deployment has an available replica") if available else
              (False, "Unavailable", "waiting for the index Deployment to become available"))
     observation = Observation(config=state(CONFIG_VALID), devices=state(DEVICES_ALLOCATED), index=index)
-    return with_transition_times(build(observation, generation), list(by_type.values()), now_rfc3339())
+    old = list(by_type.values())
+    return keep_others(with_transition_times(build(observation, generation), old, now_rfc3339()), old)

@@ -12,15 +12,17 @@ skip writes (idempotence). Names of children:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from . import API_VERSION, KIND, LABEL_CACHE, MANAGED_BY
 from .inventory import Device
 from .ledger import Claim
-from .models import CacheRef, CacheSpec
+from .models import DEFAULT_UID, CacheRef, CacheSpec
 
 SOCKET_DIR = "/var/run/maru"
 SOCKET_PATH = f"{SOCKET_DIR}/sidecar.sock"
@@ -30,6 +32,9 @@ SHM_MOUNT = "/var/lib/marucache/pool"
 CONFIG_KEY = "kv-transfer-config.json"
 SIDECAR_KEY = "sidecar.json"
 LABEL_INDEX_OF = "maru.io/index-of"  # on index pods; never maru.io/cache, which opts pods into injection
+# Python needs a writable /tmp under a read-only root file system.
+TMP_VOLUME = {"name": "maru-tmp", "emptyDir": {"sizeLimit": "64Mi"}}
+TMP_MOUNT = {"name": "maru-tmp", "mountPath": "/tmp"}
 
 
 def config_map_name(name: str) -> str:
@@ -68,6 +73,13 @@ class Placement:
     def to_status(self) -> dict[str, Any]:
         return {"deviceUUID": self.device_uuid, "deviceClass": self.device_class, "offset": self.offset,
                 "size": self.size, "nodes": list(self.nodes), "paths": {n: self.host_path for n in self.nodes}}
+
+
+def fingerprint(placement: Placement) -> str:
+    """A short digest of where a pod's pool is: injected pods record it (`maru.io/placement`); a pod
+    whose digest differs from its cache's current one runs with an old region and needs a restart."""
+    text = json.dumps(placement.to_status(), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def place(ref: CacheRef, claim: Claim, device: Device) -> Placement:
@@ -157,46 +169,93 @@ def token_secret(ref: CacheRef, token: str) -> dict[str, Any]:
 
 def node_affinity(nodes: tuple[str, ...]) -> dict[str, Any]:
     """Keep a pod on the nodes that reach the pool."""
-    term = {"matchFields": [{"key": "metadata.name", "operator": "In", "values": list(nodes)}]}
-    return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}}}
+    return with_node_affinity(None, nodes)
 
 
-def pool_volume(placement: Placement) -> dict[str, Any]:
+def with_node_affinity(affinity: Mapping[str, Any] | None, nodes: Sequence[str]) -> dict[str, Any]:
+    """AND the pool's nodes into every required node-selector term of `affinity` (kept otherwise)."""
+    result = copy.deepcopy(dict(affinity or {}))
+    ours = {"key": "metadata.name", "operator": "In", "values": list(nodes)}
+    node_affinity = result.setdefault("nodeAffinity", {})
+    required = node_affinity.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
+    terms = required.get("nodeSelectorTerms") or [{}]
+    required["nodeSelectorTerms"] = [{**t, "matchFields": list(t.get("matchFields") or []) + [ours]} for t in terms]
+    return result
+
+
+def pool_volume(placement: Placement) -> dict[str, Any] | None:
+    """The tmpfs directory of an `shm` pool; None for DAX (the device plugin brings the device)."""
     if placement.device_class == "shm":
-        return {"name": "maru-pool", "hostPath": {"path": placement.host_path, "type": "DirectoryOrCreate"}}
-    return {"name": "maru-pool", "hostPath": {"path": placement.host_path, "type": "CharDevice"}}
+        return {"name": "maru-pool", "hostPath": {"path": placement.host_path, "type": "Directory"}}
+    return None
 
 
-def pool_mount(placement: Placement) -> dict[str, Any]:
-    target = SHM_MOUNT if placement.device_class == "shm" else placement.host_path
-    return {"name": "maru-pool", "mountPath": target}
+def pool_mount(placement: Placement) -> dict[str, Any] | None:
+    if placement.device_class == "shm":
+        return {"name": "maru-pool", "mountPath": SHM_MOUNT}
+    return None
 
 
-def token_volume(ref: CacheRef) -> dict[str, Any]:
-    return {"name": "maru-token", "secret": {"secretName": secret_name(ref.name), "defaultMode": 0o440}}
+def with_device(resources: Mapping[str, Any], spec: CacheSpec, placement: Placement) -> dict[str, Any]:
+    """`resources` plus one unit of the DAX device plugin's resource (requests and limits alike)."""
+    result = copy.deepcopy(dict(resources))
+    if placement.device_class != "dax":
+        return result
+    for kind in ("requests", "limits"):
+        if kind == "limits" or kind in result:
+            result[kind] = {**(result.get(kind) or {}), spec.pool.device_resource: "1"}
+    return result
+
+
+def token_volume(ref: CacheRef, mode: int = 0o440) -> dict[str, Any]:
+    """The index token. 0440 in the index pod, whose fsGroup owns it; 0444 in a vLLM pod, whose
+    fsGroup the webhook leaves alone (it would re-own the user's volumes), so that the sidecar and a
+    vLLM container of any user can read it — only containers that mount it can."""
+    return {"name": "maru-token", "secret": {"secretName": secret_name(ref.name), "defaultMode": mode}}
 
 
 TOKEN_MOUNT = {"name": "maru-token", "mountPath": TOKEN_DIR, "readOnly": True}
-_SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+# Pod Security "restricted" for the index and the sidecar; the image's user (Dockerfile) is 65532.
+POD_SECURITY = {"runAsNonRoot": True, "runAsUser": DEFAULT_UID, "runAsGroup": DEFAULT_UID,
+                "fsGroup": DEFAULT_UID, "seccompProfile": {"type": "RuntimeDefault"}}
+CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
+                      "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
 
 
 def index_deployment(ref: CacheRef, spec: CacheSpec, placement: Placement) -> dict[str, Any]:
-    """One index per pool: `Recreate`, so two never serve the same pool at once."""
+    """One index per pool: `Recreate`, so two never serve the same pool at once.
+
+    No PodDisruptionBudget: a budget for a single replica either blocks every
+    drain of its node or allows everything. A drain moves the index; meanwhile
+    sidecars stay Ready and connectors miss (vLLM recomputes).
+    """
     pod_labels = {**labels(ref, "index"), LABEL_INDEX_OF: ref.name}
+    sched = spec.index.scheduling
     container = {
         "name": "index",
         "image": spec.index.image,
         "command": ["marucache", "index", *pool_args(placement),
                     "--listen", f"tcp://0.0.0.0:{spec.index.port}", "--token-file", TOKEN_FILE,
-                    "--metrics-port", str(spec.index.metrics_port)],
+                    "--metrics-port", str(spec.index.metrics_port),
+                    "--high-watermark", str(spec.eviction.high_watermark),
+                    "--low-watermark", str(spec.eviction.low_watermark)],
         "ports": [{"name": "index", "containerPort": spec.index.port, "protocol": "TCP"},
                   {"name": "metrics", "containerPort": spec.index.metrics_port, "protocol": "TCP"}],
         "readinessProbe": {"tcpSocket": {"port": "index"}, "periodSeconds": 5},
         "livenessProbe": {"tcpSocket": {"port": "index"}, "periodSeconds": 10, "failureThreshold": 6},
-        "resources": dict(spec.index.resources),
-        "securityContext": _SECURITY,
-        "volumeMounts": [pool_mount(placement), TOKEN_MOUNT],
+        "resources": with_device(spec.index.resources, spec, placement),
+        "securityContext": {**CONTAINER_SECURITY, **sched.security_context},
+        "volumeMounts": [m for m in (pool_mount(placement), TOKEN_MOUNT, TMP_MOUNT) if m],
     }
+    pod: dict[str, Any] = {
+        "containers": [container],
+        "affinity": with_node_affinity(sched.affinity, placement.nodes),
+        "securityContext": {**POD_SECURITY, **sched.pod_security_context},
+        "volumes": [v for v in (pool_volume(placement), token_volume(ref), TMP_VOLUME) if v],
+    }
+    optional = {"tolerations": list(sched.tolerations), "nodeSelector": dict(sched.node_selector),
+                "imagePullSecrets": list(sched.image_pull_secrets), "priorityClassName": sched.priority_class_name}
+    pod.update({k: v for k, v in optional.items() if v})
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": _metadata(ref, index_name(ref.name), "index"),
@@ -204,11 +263,7 @@ def index_deployment(ref: CacheRef, spec: CacheSpec, placement: Placement) -> di
             "replicas": 1,
             "strategy": {"type": "Recreate"},
             "selector": {"matchLabels": {LABEL_INDEX_OF: ref.name}},
-            "template": {
-                "metadata": {"labels": pod_labels},
-                "spec": {"containers": [container], "affinity": node_affinity(placement.nodes),
-                         "volumes": [pool_volume(placement), token_volume(ref)]},
-            },
+            "template": {"metadata": {"labels": pod_labels}, "spec": pod},
         },
     }
 

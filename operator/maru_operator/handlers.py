@@ -20,14 +20,17 @@ from typing import Any
 
 import kopf
 
-from . import API_VERSION, GROUP, KIND, MANAGED_BY, PLURAL, VERSION, reconciler
-from .conditions import phase, refresh_index
+from . import API_VERSION, GROUP, KIND, LABEL_CACHE, MANAGED_BY, PLURAL, VERSION, reconciler, upkeep
+from .conditions import now_rfc3339, phase, refresh_index
 from .injection import cache_info
 from .inventory import NodeInfo, parse_node
-from .k8s import Conflict, KubeApi, LedgerStore, object_path
+from .k8s import ApiError, Conflict, KubeApi, LedgerStore, object_path
 from .ledger import rebuild
 from .metrics import OperatorMetrics
 from .models import CacheRef
+from .pods import PodView, pod_view
+from .usage import UsageReader
+from .webhook import refusal_event
 
 logger = logging.getLogger(__name__)
 
@@ -55,13 +58,19 @@ class OperatorContext:
     written: dict[str, Written] = dataclasses.field(default_factory=dict)
     generations: dict[str, int] = dataclasses.field(default_factory=dict)  # newest generation reconciled
     locks: dict[str, asyncio.Lock] = dataclasses.field(default_factory=dict)
+    native_mode: str = "auto"  # native sidecars: auto (from the API server's version), always, never
+    native_sidecars: bool = False  # what `native_mode` resolved to at start
+    usage_reader: UsageReader | None = None  # None: status.used is not written
+    usage_seconds: float = 30.0
+    last_usage: dict[str, float] = dataclasses.field(default_factory=dict)
+    stale_reported: set[str] = dataclasses.field(default_factory=set)  # "pod uid:reason:placement" with an Event
 
     def lock(self, uid: str) -> asyncio.Lock:
         return self.locks.setdefault(uid, asyncio.Lock())
 
     def forget(self, uid: str) -> None:
         """Drop what is kept about a deleted cache."""
-        for table in (self.locks, self.last_full, self.written, self.generations):
+        for table in (self.locks, self.last_full, self.written, self.generations, self.last_usage):
             table.pop(uid, None)
 
 
@@ -150,7 +159,8 @@ def _with_current_index(outcome: reconciler.Outcome, maru_deployments: Any, meta
                                result="ready")
 
 
-async def run_resync(ctx: OperatorContext, live_body: kopf.Body, maru_nodes: Any, maru_deployments: Any) -> None:
+async def run_resync(ctx: OperatorContext, live_body: kopf.Body, maru_nodes: Any, maru_deployments: Any,
+                     maru_pods: Any = None) -> None:
     """The timer's look at a cache: nothing, a status refresh, or a full reconcile.
 
     A cache whose current generation no change handler (create, update,
@@ -166,6 +176,9 @@ async def run_resync(ctx: OperatorContext, live_body: kopf.Body, maru_nodes: Any
     uid, generation = str(meta.get("uid")), int(meta.get("generation") or 1)
     if meta.get("deletionTimestamp") or ctx.generations.get(uid, 0) < generation or ctx.lock(uid).locked():
         return  # deleted, not yet reconciled by a change handler, or a reconcile is running now
+    store = maru_pods.get((meta.get("namespace"), meta.get("name"))) if maru_pods is not None else None
+    await upkeep.check_pods(ctx, body, list(store or ()), write_status)
+    await upkeep.refresh_usage(ctx, body, write_status)
     available = _available(maru_deployments, meta.get("namespace"), meta.get("name"))
     if _is_settled(body, available):
         return
@@ -260,6 +273,13 @@ def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
     @kopf.on.startup(registry=registry)
     async def rebuild_ledger(**_: Any) -> None:
         await rebuild_ledger_at_start(ctx)
+        ctx.native_sidecars = await native_sidecars(ctx.api, ctx.native_mode)
+        logger.info("sidecars are injected as %s", "native sidecars (init containers, restartPolicy Always)"
+                    if ctx.native_sidecars else "plain containers")
+
+    @kopf.index("", "v1", "pods", id="maru_pods", labels={LABEL_CACHE: kopf.PRESENT}, registry=registry)
+    def maru_pods(body: kopf.Body, namespace: str, **_: Any) -> dict[tuple[str, str], PodView]:
+        return {(namespace, str(body.get("metadata", {}).get("labels", {}).get(LABEL_CACHE))): pod_view(body)}
 
     @kopf.index("", "v1", "nodes", id="maru_nodes", registry=registry)
     def maru_nodes(body: kopf.Body, **_: Any) -> dict[str, NodeInfo]:
@@ -298,8 +318,8 @@ def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
         await run_reconcile(ctx, body, maru_nodes, maru_deployments)
 
     @kopf.timer(*resource, interval=ctx.resync_seconds, registry=registry)
-    async def resync(body: kopf.Body, maru_nodes: Any, maru_deployments: Any, **_: Any) -> None:
-        await run_resync(ctx, body, maru_nodes, maru_deployments)
+    async def resync(body: kopf.Body, maru_nodes: Any, maru_deployments: Any, maru_pods: Any, **_: Any) -> None:
+        await run_resync(ctx, body, maru_nodes, maru_deployments, maru_pods)
 
     @kopf.on.delete(*resource, registry=registry)
     async def release(body: kopf.Body, **_: Any) -> None:
@@ -307,6 +327,12 @@ def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
         async with ctx.lock(uid):
             claim = await reconciler.release(ctx.ledger, uid)
         ctx.forget(uid)
+        meta = body.get("metadata", {})
+        for reason in ("old_placement", "not_injected"):
+            try:
+                ctx.metrics.stale_pods.remove(meta.get("namespace"), meta.get("name"), reason)
+            except KeyError:
+                pass
         ctx.metrics.reconciles.labels(result="released").inc()
         if claim is not None:
             kopf.event(body, type="Normal", reason="Released",
@@ -314,6 +340,32 @@ def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
                                f"{claim.region.offset} of device {claim.region.device_uuid} returned")
 
     return registry
+
+
+async def native_sidecars(api: KubeApi, mode: str) -> bool:
+    """Whether to inject native sidecars: `always`, `never`, or `auto` (Kubernetes 1.29+, where they
+    are on by default)."""
+    if mode != "auto":
+        return mode == "always"
+    try:
+        version = await api.get("/version") or {}
+        major = int(str(version.get("major", "0")).rstrip("+"))
+        minor = int(str(version.get("minor", "0")).rstrip("+"))
+    except (ApiError, ValueError) as exc:
+        logger.warning("cannot read the API server's version (%s); injecting plain sidecar containers", exc)
+        return False
+    return (major, minor) >= (1, 29)
+
+
+async def report_refusal(ctx: OperatorContext, pod: Any, reason: str) -> None:
+    """Post the Warning Event of a pod the webhook did not inject (never fails the admission)."""
+    event = refusal_event(pod, reason, now_rfc3339())
+    if event is None:
+        return
+    try:
+        await ctx.api.create(object_path("v1", "Event", event["metadata"]["namespace"]), event)
+    except ApiError as exc:
+        logger.warning("cannot post the injection Event: %s", exc)
 
 
 def connection_info(api: KubeApi) -> kopf.ConnectionInfo:

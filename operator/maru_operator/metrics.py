@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 RESULTS = ("ready", "progressing", "invalid", "waiting", "error", "released")
 
@@ -19,6 +19,7 @@ class OperatorMetrics:
     registry: CollectorRegistry
     reconciles: Counter
     duration: Histogram
+    stale_pods: Gauge
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None = None) -> OperatorMetrics:
@@ -30,7 +31,12 @@ class OperatorMetrics:
                              buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
         for result in RESULTS:
             reconciles.labels(result=result)
-        return cls(registry, reconciles, duration)
+        stale_pods = Gauge("maru_operator_stale_pods",
+                           "Opted-in pods that do not run with their cache's current pool, by reason "
+                           "(old_placement: injected before a resize or move; not_injected: created while the "
+                           "webhook was not answering); re-create them (kubectl rollout restart)",
+                           ["namespace", "cache", "reason"], registry=registry)
+        return cls(registry, reconciles, duration, stale_pods)
 
     @contextmanager
     def timed(self) -> Iterator[None]:

@@ -20,6 +20,14 @@ KNOWN_DEVICE_CLASSES = ("dax", "shm")
 LAYOUTS = ("chunkwise", "layerwise")
 EVICTION_POLICIES = ("lru",)
 DEFAULT_IMAGE = "ghcr.io/marucache/marucache:0.1.0"
+# The extended resource a DAX device plugin advertises (the chart's optional generic-device-plugin
+# names it so); index and sidecar request one unit and the plugin puts the device into the container.
+DEFAULT_DEVICE_RESOURCE = "squat.ai/dax"
+# The image's user and group (Dockerfile); the hand-off socket's group, shared with the vLLM container.
+DEFAULT_UID = 65532
+# Requests equal to limits: a Guaranteed GPU pod stays Guaranteed once the sidecar is injected.
+DEFAULT_SIDECAR_RESOURCES = {"requests": {"cpu": "100m", "memory": "128Mi"},
+                             "limits": {"cpu": "100m", "memory": "128Mi"}}
 MAX_NAME_LENGTH = 52  # "<name>-maru-index" must fit a 63-character DNS label
 MIN_POOL_BYTES = 64 * 1024 * 1024
 _SELECTOR_OPERATORS = ("In", "NotIn", "Exists", "DoesNotExist")
@@ -40,13 +48,13 @@ class PoolSpec:
     size: int  # bytes
     size_text: str  # as the user wrote it, for status and events
     node_selector: Mapping[str, str]
+    device_resource: str = DEFAULT_DEVICE_RESOURCE
 
 
 @dataclasses.dataclass(frozen=True)
 class StorageSpec:
     layout: str = "chunkwise"
     chunk_tokens: int = 256
-    block_size: int = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,18 +72,33 @@ class EvictionSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class Scheduling:
+    """Where and how the index pod may run; raw Kubernetes objects, passed through."""
+
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+    affinity: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    node_selector: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    image_pull_secrets: tuple[Mapping[str, Any], ...] = ()
+    priority_class_name: str = ""
+    pod_security_context: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    security_context: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
 class IndexSpec:
     image: str = DEFAULT_IMAGE
     port: int = 7070
     metrics_port: int = 9090
     resources: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    scheduling: Scheduling = dataclasses.field(default_factory=Scheduling)
 
 
 @dataclasses.dataclass(frozen=True)
 class SidecarSpec:
     image: str = DEFAULT_IMAGE
     metrics_port: int = 9091
-    resources: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    resources: Mapping[str, Any] = dataclasses.field(default_factory=lambda: dict(DEFAULT_SIDECAR_RESOURCES))
+    socket_group: int = DEFAULT_UID
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,22 +230,23 @@ def _parse_pool(section: Mapping[str, Any]) -> PoolSpec:
     selector = section.get("nodeSelector") or {}
     if not isinstance(selector, Mapping) or not all(isinstance(v, str) for v in selector.values()):
         raise SpecError("pool.nodeSelector", "must map label names to string values")
+    resource = section.get("deviceResource", DEFAULT_DEVICE_RESOURCE)
+    if not isinstance(resource, str) or not _RESOURCE_NAME.match(resource):
+        raise SpecError("pool.deviceResource", f"{resource!r} is not an extended resource name; write it as "
+                                               "the device plugin advertises it, e.g. squat.ai/dax")
     return PoolSpec(device_class=device_class, size=size, size_text=str(section["size"]),
-                    node_selector=dict(selector))
+                    node_selector=dict(selector), device_resource=resource)
 
 
 def _parse_storage(section: Mapping[str, Any]) -> StorageSpec:
     layout = section.get("layout", "chunkwise")
     if layout not in LAYOUTS:
         raise SpecError("storage.layout", f"{layout!r} is not a layout; use chunkwise or layerwise")
+    if "blockSize" in section:
+        raise SpecError("storage.blockSize", "was removed: the connector reads vLLM's block size at start and "
+                                             "aligns chunkTokens to it; delete the field")
     chunk = _typed(section, "storage", "chunkTokens", int, 256, 1, 1 << 20)
-    block = _typed(section, "storage", "blockSize", int, 16, 1, 1 << 16)
-    if chunk % block:
-        lower = chunk - chunk % block
-        choices = " or ".join(str(c) for c in (lower, lower + block) if c > 0)
-        raise SpecError("storage.chunkTokens",
-                        f"{chunk} is not a multiple of storage.blockSize {block}; use {choices}")
-    return StorageSpec(layout=layout, chunk_tokens=chunk, block_size=block)
+    return StorageSpec(layout=layout, chunk_tokens=chunk)
 
 
 def _parse_load(section: Mapping[str, Any]) -> LoadSpec:
@@ -250,6 +274,7 @@ def _parse_index(section: Mapping[str, Any]) -> IndexSpec:
         port=_typed(section, "index", "port", int, 7070, 1, 65535),
         metrics_port=_typed(section, "index", "metricsPort", int, 9090, 1, 65535),
         resources=_resources(section, "index"),
+        scheduling=_parse_scheduling(section, "index"),
     )
     if spec.port == spec.metrics_port:
         raise SpecError("index.metricsPort", f"must differ from index.port {spec.port}")
@@ -260,8 +285,34 @@ def _parse_sidecar(section: Mapping[str, Any]) -> SidecarSpec:
     return SidecarSpec(
         image=_image(section, "sidecar"),
         metrics_port=_typed(section, "sidecar", "metricsPort", int, 9091, 1, 65535),
-        resources=_resources(section, "sidecar"),
+        resources=_resources(section, "sidecar") if "resources" in section else dict(DEFAULT_SIDECAR_RESOURCES),
+        socket_group=_typed(section, "sidecar", "socketGroup", int, DEFAULT_UID, 0, 2**31 - 1),
     )
+
+
+def _parse_scheduling(section: Mapping[str, Any], prefix: str) -> Scheduling:
+    def listed(key: str) -> tuple[Mapping[str, Any], ...]:
+        value = section.get(key) or []
+        if not isinstance(value, list) or not all(isinstance(v, Mapping) for v in value):
+            raise SpecError(f"{prefix}.{key}", "must be a list of objects")
+        return tuple(dict(v) for v in value)
+
+    def mapped(key: str) -> dict[str, Any]:
+        value = section.get(key) or {}
+        if not isinstance(value, Mapping):
+            raise SpecError(f"{prefix}.{key}", "must be an object")
+        return dict(value)
+
+    selector = mapped("nodeSelector")
+    if not all(isinstance(v, str) for v in selector.values()):
+        raise SpecError(f"{prefix}.nodeSelector", "must map label names to string values")
+    priority = section.get("priorityClassName") or ""
+    if not isinstance(priority, str):
+        raise SpecError(f"{prefix}.priorityClassName", "must be the name of a PriorityClass")
+    return Scheduling(tolerations=listed("tolerations"), affinity=mapped("affinity"), node_selector=selector,
+                      image_pull_secrets=listed("imagePullSecrets"), priority_class_name=priority,
+                      pod_security_context=mapped("podSecurityContext"),
+                      security_context=mapped("securityContext"))
 
 
 def _image(section: Mapping[str, Any], prefix: str) -> str:
@@ -278,6 +329,7 @@ def _resources(section: Mapping[str, Any], prefix: str) -> Mapping[str, Any]:
     return dict(resources)
 
 
+_RESOURCE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 _LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 
 

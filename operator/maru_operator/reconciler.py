@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from . import desired
-from .conditions import Observation, build, now_rfc3339, phase, with_transition_times
+from .conditions import Observation, build, keep_others, now_rfc3339, phase, with_transition_times
 from .inventory import Device, NodeInfo, candidate_devices
 from .k8s import KubeApi, LedgerStore
 from .ledger import AllocationError, Claim, Impossible, Ledger, Region
@@ -41,7 +41,8 @@ def _finish(body: Mapping[str, Any], observation: Observation, extra: Mapping[st
             events: list[Event], result: str) -> Outcome:
     old = body.get("status") or {}
     generation = int((body.get("metadata") or {}).get("generation") or 1)
-    conds = with_transition_times(build(observation, generation), old.get("conditions"), now_rfc3339())
+    conds = keep_others(with_transition_times(build(observation, generation), old.get("conditions"), now_rfc3339()),
+                        old.get("conditions"))
     status = {**{k: v for k, v in old.items() if k in ("used",)}, **extra,
               "phase": phase(conds), "observedGeneration": generation, "conditions": conds}
     return Outcome(status, events, result)

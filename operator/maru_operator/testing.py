@@ -10,6 +10,7 @@ delete, but, unlike a real API server, it does not version objects. The
   patch that carries a stale `resourceVersion` gets 409 Conflict;
 - `uid`, `creationTimestamp`, and `generation` bumped on spec changes;
 - fault injection (`fail`), to crash a reconcile half-way;
+- `GET /version` (`server_version`), which kmock does not serve;
 - lists that carry a real `resourceVersion`, and watches that start there:
   kmock answers a list with the version "..." and starts a watch by
   replaying every current object, then streams changes from the moment it
@@ -49,6 +50,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import aiohttp.web
 import kmock
 from kmock._internal import dicts as kmock_dicts
 
@@ -71,6 +73,8 @@ class VersionedEmulator(kmock.KubernetesEmulator):
         self.writes = 0
         self.conflicts = 0  # writes refused for a stale resourceVersion (409 and 422 below)
         self.stale_json_patches = 0  # of which JSON patches whose `test` of the resourceVersion failed (422)
+        # What `GET /version` answers (None: 404, as an API server that hides it).
+        self.server_version: dict[str, str] | None = {"major": "1", "minor": "30", "gitVersion": "v1.30.0"}
 
     def __iter__(self) -> Iterator[kmock.Request]:
         # kmock matches a request to a reaction with `request in view`, which walks this iterator:
@@ -130,6 +134,10 @@ class VersionedEmulator(kmock.KubernetesEmulator):
 
     async def _handle(self, request: kmock.Request) -> Any:
         _routing.set(request)  # this request's own task (aiohttp runs one per request)
+        if request.url.path == "/version":
+            if self.server_version is None:
+                raise kmock.KubernetesError(status=404, reason="NotFound", message="no version here")
+            return aiohttp.web.json_response(dict(self.server_version))
         for fault in list(self.faults):
             if request.method.value == fault[0] and fault[1] in request.url.path:
                 if not fault[3]:

@@ -10,38 +10,70 @@ MutatingWebhookConfiguration it manages.
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import datetime
 import ipaddress
 import logging
-from collections.abc import Collection
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any
 
 import kopf
 
 from . import LABEL_CACHE
 from .injection import decide
+from .pods import core_event
 
 logger = logging.getLogger(__name__)
 WEBHOOK_ID = "inject"
 
 
-def register_webhook(registry: kopf.OperatorRegistry) -> None:
-    """Add the pod-injection handler (endpoint path `/inject`)."""
+Report = Callable[[Mapping[str, Any], str], Awaitable[None]]
+
+
+def register_webhook(registry: kopf.OperatorRegistry, native: Callable[[], bool] = lambda: False,
+                     report: Report | None = None) -> None:
+    """Add the pod-injection handler (endpoint path `/inject`).
+
+    `native()` says whether the cluster runs native sidecars; `report(pod, reason)`
+    posts the Event of a pod that could not be injected.
+    """
+    reporting: set[asyncio.Task[None]] = set()  # Events being posted (kept referenced until done)
 
     @kopf.on.mutate("", "v1", "pods", id=WEBHOOK_ID, operations=["CREATE"], labels={LABEL_CACHE: kopf.PRESENT},
                     side_effects=False, ignore_failures=True, registry=registry)
-    def inject(body: kopf.Body, patch: kopf.Patch, maru_caches: Any, **_: Any) -> None:
+    async def inject(body: kopf.Body, patch: kopf.Patch, maru_caches: Any, **_: Any) -> None:
         meta = body.get("metadata") or {}
         name = str((meta.get("labels") or {}).get(LABEL_CACHE))
         namespace = meta.get("namespace") or "default"
         store = maru_caches.get((namespace, name)) if maru_caches is not None else None
         info = next(iter(store), None) if store else None
-        decision = decide(body, name, info)
+        decision = decide(body, name, info, native=native())
         for key, value in decision.patch.items():
             patch[key] = value
-        if decision.patch and not decision.injected:
-            logger.info("pod %s/%s not injected: %s", namespace, meta.get("name") or meta.get("generateName"),
-                        decision.reason)
+        if decision.refused:
+            logger.warning("pod %s/%s not injected: %s", namespace, meta.get("name") or meta.get("generateName"),
+                           decision.reason)
+            if report is not None:  # in the background: the API server waits for this answer
+                task = asyncio.create_task(report(copy.deepcopy(dict(body)), decision.reason))
+                reporting.add(task)
+                task.add_done_callback(reporting.discard)
+
+
+def refusal_event(pod: Mapping[str, Any], reason: str, now: str) -> dict[str, Any] | None:
+    """A Warning Event about a pod the webhook could not inject, on the pod (or, while a controller's
+    pod has no name yet, on its owner); None when there is nothing to attach it to."""
+    meta = pod.get("metadata") or {}
+    namespace = meta.get("namespace") or "default"
+    if meta.get("name"):
+        involved = {"apiVersion": "v1", "kind": "Pod", "name": meta["name"], "namespace": namespace}
+    else:
+        owner = next(iter(meta.get("ownerReferences") or ()), None)
+        if owner is None:
+            return None
+        involved = {"apiVersion": owner.get("apiVersion"), "kind": owner.get("kind"), "name": owner.get("name"),
+                    "uid": owner.get("uid"), "namespace": namespace}
+    return core_event(involved, "Warning", "InjectionSkipped", f"MaruCache sidecar not injected: {reason}", now)
 
 
 class SelfSigningWebhookServer(kopf.WebhookServer):

@@ -13,11 +13,13 @@ from maru_sidecar.collector import ConnectorCollector, SidecarCollector
 from maru_sidecar.config import SidecarConfig
 from maru_sidecar.endpoints import EndpointServer
 from maru_sidecar.handoff_server import HandoffServer, PoolNotReady, PoolOffer
-from maru_sidecar.health import IndexProbe
+from maru_sidecar.health import (IndexProbe, IndexReachabilityCollector, IndexWatch, handoff_readiness)
 
 log = logging.getLogger(__name__)
 
 ATTACH_RETRY_S = 1.0
+# How often the index is probed for `maru_sidecar_index_reachable` (never for readiness).
+INDEX_PROBE_INTERVAL_S = 5.0
 
 
 class PoolAttacher:
@@ -88,29 +90,46 @@ class Sidecar:
             stats_dir=config.stats_dir,
             offer=self.attacher.offer,
             read_token=config.read_token,
+            socket_gid=config.socket_gid,
         )
-        self.probe = IndexProbe(config.index_url, config.read_token, config.index_timeout_s, f"sidecar@{config.pod}")
+        probe = IndexProbe(config.index_url, config.read_token, config.index_timeout_s, f"sidecar@{config.pod}")
+        self.index_watch = IndexWatch(probe, INDEX_PROBE_INTERVAL_S, self._stop)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(ConnectorCollector(RegionAggregator(config.stats_dir).scan, config.labels))
         self.registry.register(
             SidecarCollector(lambda: self.attacher.attached, self._handoff_results, config.labels)
         )
+        self.registry.register(IndexReachabilityCollector(self.index_watch, config.labels))
         self.endpoints = EndpointServer(config.metrics_host, config.metrics_port, self.registry, self.readiness)
         self._stopped = False
 
     def start(self) -> None:
         self.attacher.start()
         self.handoff.start()
+        self.index_watch.start()
         self.endpoints.start()
 
     def readiness(self) -> tuple[bool, str]:
-        """Ready when the pool is attached and the index answers a hello within the timeout."""
+        """Ready when the hand-off works: pool attached and the hand-off socket served.
+
+        Never the index: with the index away connectors miss and vLLM
+        recomputes, so the pod keeps serving; the index's state is only
+        reported (after a `;`, and as `maru_sidecar_index_reachable`).
+        """
+        ready, message = handoff_readiness(self._pool_problem, self._handoff_serving, self.config.socket_path)
+        state = self.index_watch.state
+        return ready, message + (f"; {state[1]}" if state is not None else "; index not probed yet")
+
+    def _pool_problem(self) -> str | None:
         try:
             self.attacher.offer()
         except PoolNotReady as exc:
-            return False, f"not ready: pool not attached: {exc}"
-        ok, message = self.probe.check()
-        return ok, ("ready: pool attached, " if ok else "not ready: ") + message
+            return str(exc)
+        return None
+
+    def _handoff_serving(self) -> bool:
+        thread = self.handoff._thread  # noqa: SLF001 - the accept loop; None before start()
+        return thread is not None and thread.is_alive()
 
     def wait(self, timeout_s: float | None = None) -> bool:
         return self._stop.wait(timeout_s)
@@ -128,7 +147,7 @@ class Sidecar:
         self.handoff.stop()
         self.endpoints.stop()
         self.attacher.close()
-        self.probe.close()
+        self.index_watch.close()
 
     def _handoff_results(self) -> dict[str, int]:
         return dict(self.handoff.results)

@@ -14,17 +14,20 @@ log = logging.getLogger("maru_sidecar")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from maru_core.index.cli import one_line_errors
+
+    one_line_errors(parser)
     _add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run until SIGTERM or SIGINT; exit 0 after a clean shutdown, 2 on a bad setting."""
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = SidecarConfig.from_args(args)
     except ConfigError as exc:
         print(f"marucache sidecar: {exc}", file=sys.stderr)
         return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from maru_sidecar.app import Sidecar
 
     try:

@@ -10,6 +10,7 @@ on counters; every series carries the `cache`, `namespace` and `pod` labels.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -44,6 +45,7 @@ if set(_COUNTER_HELP) != set(COUNTERS) or set(_HISTOGRAM_HELP) != set(HISTOGRAMS
     raise ImportError("maru_sidecar.collector does not describe every counter of maru_core.stats")
 
 LABELS = ("cache", "namespace", "pod")
+log = logging.getLogger(__name__)
 
 
 class ConnectorCollector:
@@ -52,9 +54,24 @@ class ConnectorCollector:
     def __init__(self, scan: Callable[[], Aggregate], labels: Mapping[str, str]):
         self._scan = scan
         self._label_values = [labels[name] for name in LABELS]
+        self._scan_errors = 0
 
     def collect(self) -> Iterator[Metric]:
-        aggregate = self._scan()
+        try:
+            aggregate = self._scan()
+        except Exception:  # the scrape goes on: the sidecar's own metrics still matter
+            self._scan_errors += 1
+            log.warning("cannot read the stats regions for this scrape", exc_info=True)
+            aggregate = None
+        errors = CounterMetricFamily(
+            "maru_sidecar_stats_scan_errors", "Scrapes whose stats regions could not be read.", labels=LABELS
+        )
+        errors.add_metric(self._label_values, self._scan_errors)
+        yield errors
+        if aggregate is not None:
+            yield from self._families(aggregate)
+
+    def _families(self, aggregate: Aggregate) -> Iterator[Metric]:
         snapshot = decode(aggregate.values)
         base = self._label_values
         for slot, (name, help_text) in _COUNTER_HELP.items():
@@ -74,11 +91,13 @@ class ConnectorCollector:
             yield _histogram(f"maru_{slot}", help_text, base, snapshot["histograms"][slot])
         regions = GaugeMetricFamily(
             "maru_sidecar_stats_regions",
-            "Stats region files of running connector processes (live) and of another counter layout (foreign).",
+            "Stats region files of running connector processes (live), of another counter layout (foreign), "
+            "and files skipped as no usable region (invalid: not a regular file, or a value out of range).",
             labels=(*LABELS, "state"),
         )
         regions.add_metric([*base, "live"], aggregate.live)
         regions.add_metric([*base, "foreign"], aggregate.foreign)
+        regions.add_metric([*base, "invalid"], aggregate.invalid)
         yield regions
 
 

@@ -1,4 +1,4 @@
-"""The sidecar's HTTP endpoints: `/metrics`, `/healthz` (process alive), `/readyz` (pool attached, index reachable)."""
+"""The sidecar's HTTP endpoints: `/metrics`, `/healthz` (process alive), `/readyz` (the hand-off works: pool attached, socket served)."""
 
 from __future__ import annotations
 

@@ -15,16 +15,23 @@ import socket
 import stat
 import struct
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from maru_core.index.listen import RateLimitedLog
 from maru_core.handoff import ERROR_TYPES, HANDOFF_PROTOCOL, HandoffError, recv_frame, send_frame
 
 log = logging.getLogger(__name__)
 
+#: The whole of one hand-off (request in, reply out) must fit in this, however the peer spaces its bytes.
 CONNECTION_TIMEOUT_S = 2.0
+#: Hand-offs served at once; more connections wait in the listen backlog.
+MAX_CONCURRENT_HANDOFFS = 16
+#: Mode of the hand-off socket: the sidecar's user and group (``--socket-group``) only.
+SOCKET_MODE = 0o660
 #: Every result a hand-off is counted under: a closed set, exported at zero from the start.
 RESULTS = ("ok", *ERROR_TYPES, "send_failed")
 _PEERCRED = struct.Struct("3i")
@@ -68,8 +75,12 @@ class HandoffServer:
         stats_dir: Path,
         offer: Callable[[], PoolOffer],
         read_token: Callable[[], str | None],
+        socket_gid: int | None = None,
     ):
         self.socket_path = socket_path
+        self._socket_gid = socket_gid
+        self._slots = threading.BoundedSemaphore(MAX_CONCURRENT_HANDOFFS)
+        self._refusals = RateLimitedLog(log)  # a flood of bad clients costs a log line a second
         self._cache, self._index_url, self._stats_dir = cache, index_url, str(stats_dir)
         self._offer, self._read_token = offer, read_token
         self.results: collections.Counter[str] = collections.Counter()
@@ -83,8 +94,11 @@ class HandoffServer:
         _remove_stale_socket(self.socket_path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.bind(str(self.socket_path))
-        # Who may connect is decided by who mounts the volume, and by the token.
-        os.chmod(self.socket_path, 0o666)
+        # Who may connect: the sidecar's user and the socket's group (the vLLM
+        # container's group, --socket-group), then the token.
+        if self._socket_gid is not None:
+            os.chown(self.socket_path, -1, self._socket_gid)
+        os.chmod(self.socket_path, SOCKET_MODE)
         sock.listen(64)
         sock.settimeout(0.2)
         self._sock = sock
@@ -103,24 +117,34 @@ class HandoffServer:
 
     def _accept_loop(self, sock: socket.socket) -> None:
         while not self._stop.is_set():
+            if not self._slots.acquire(timeout=0.2):  # every slot busy: later connections wait in the backlog
+                continue
             try:
                 conn, _ = sock.accept()
             except TimeoutError:
+                self._slots.release()
                 continue
             except OSError as exc:
+                self._slots.release()
                 if not self._stop.is_set():
                     log.error("hand-off socket failed: %s", exc)
                 return
-            threading.Thread(target=self._serve, args=(conn,), name="maru-handoff-conn", daemon=True).start()
+            threading.Thread(target=self._serve_in_slot, args=(conn,), name="maru-handoff-conn", daemon=True).start()
+
+    def _serve_in_slot(self, conn: socket.socket) -> None:
+        try:
+            self._serve(conn)
+        finally:
+            self._slots.release()
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:
-            conn.settimeout(CONNECTION_TIMEOUT_S)
+            deadline = time.monotonic() + CONNECTION_TIMEOUT_S
             peer = _peer_description(conn)
             try:
-                request, _ = recv_frame(conn, max_fds=0)
+                request, _ = recv_frame(conn, max_fds=0, deadline=deadline)
             except (OSError, EOFError, HandoffError) as exc:
-                log.warning("hand-off from %s: unreadable request (%s)", peer, exc)
+                self._refusals.warning("hand-off from %s: unreadable request (%s)", peer, exc)
                 self._count("bad_request")
                 return
             try:
@@ -128,6 +152,7 @@ class HandoffServer:
             except Refusal as refusal:
                 log.warning("refused the pool to %s: %s", peer, refusal)
                 self._count(refusal.type)
+                conn.settimeout(max(deadline - time.monotonic(), 0.05))
                 reply = {"ok": False, "protocol": HANDOFF_PROTOCOL,
                          "error": {"type": refusal.type, "message": str(refusal)}}  # fmt: skip
                 self._send(conn, reply, (), peer)
@@ -142,6 +167,7 @@ class HandoffServer:
                 "pool_path": offer.pool_path,
                 "pool_offset": offer.pool_offset,
             }
+            conn.settimeout(max(deadline - time.monotonic(), 0.05))  # the reply is small: a short grace at most
             if self._send(conn, reply, (offer.fd,), peer):
                 log.info("handed the pool to %s (%s)", peer, request.get("client", "?"))
                 self._count("ok")

@@ -32,10 +32,24 @@ def test_helm_lint_passes_with_defaults_and_with_every_feature(tmp_path):
         assert "0 chart(s) failed" in helm("lint", str(CHART), "--strict", "--values", str(path))
 
 
+# Every values combination the docs show (docs/helm.md, docs/install.md), besides the defaults.
+DOCUMENTED = {
+    "install-md": {"operator": {"image": {"repository": "registry.example.com/ml/marucache"}},
+                   "devicePlugin": {"enabled": True}},
+    "tls-secret-with-ca": {"webhook": {"tls": {"mode": "secret", "secretName": "mine",
+                                               "caBundle": base64.b64encode(b"-----BEGIN CERTIFICATE-----\n")
+                                               .decode()}}},
+    "tls-secret-cert-manager": {"webhook": {"tls": {"mode": "secret", "secretName": "mine"},
+                                            "annotations": {"cert-manager.io/inject-ca-from": "maru-system/c"}}},
+    "plain-sidecars-no-usage": {"operator": {"nativeSidecars": "never", "usageSeconds": 0}},
+}
+
+
 @pytest.mark.parametrize("values", [{}, ALL_FEATURES, ALL_FEATURES_SM,
                                     {"webhook": {"enabled": False}, "crds": {"enabled": False},
-                                     "dashboards": {"enabled": False}}],
-                         ids=["defaults", "every-feature-podmonitor", "every-feature-servicemonitor", "minimal"])
+                                     "dashboards": {"enabled": False}}, *DOCUMENTED.values()],
+                         ids=["defaults", "every-feature-podmonitor", "every-feature-servicemonitor", "minimal",
+                              *DOCUMENTED])
 def test_every_built_in_manifest_passes_kubernetes_validate_strict(tmp_path, values):
     docs = render(tmp_path, values)
     built_in = [d for d in docs if d["apiVersion"].startswith(BUILT_IN_GROUPS)]
@@ -221,3 +235,35 @@ def test_promtool_accepts_the_alert_rules(tmp_path):
     run = subprocess.run([PROMTOOL, "check", "rules", str(path)], capture_output=True, text=True)
     assert run.returncode == 0 and f"SUCCESS: {len(names)} rules found" in run.stdout, run.stdout + run.stderr
     assert all(r["labels"]["team"] == "ml" for g in rules["groups"] for r in g["rules"])
+
+
+def test_the_device_plugin_advertises_the_resource_caches_request_by_default(tmp_path):
+    from maru_operator.models import DEFAULT_DEVICE_RESOURCE
+
+    assert not find(render(tmp_path), "DaemonSet"), "off by default"
+    docs = render(tmp_path, ALL_FEATURES)
+    (plugin,) = find(docs, "DaemonSet")
+    pod = plugin["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["image"] == "ghcr.io/squat/generic-device-plugin@sha256:" + "cd" * 32
+    domain = next(a for a in container["args"] if a.startswith("--domain=")).split("=", 1)[1]
+    device = json.loads(next(a for a in container["args"] if a.startswith("--device=")).split("=", 1)[1])
+    assert f"{domain}/{device['name']}" == DEFAULT_DEVICE_RESOURCE
+    assert device["groups"] == [{"count": 16, "paths": [{"path": "/dev/dax0.0"}, {"path": "/dev/dax1.0"}]}]
+    assert pod["nodeSelector"] == {"maru.io/cxl": "true"} and pod["imagePullSecrets"] == [{"name": "regcred"}]
+    res = container["resources"]
+    assert res["requests"] == res["limits"]
+    with pytest.raises(HelmFailed, match="paths"):
+        render(tmp_path, {"devicePlugin": {"paths": ["dax0.0"]}})  # not a /dev path
+
+
+def test_the_operator_gets_the_native_sidecar_and_usage_flags(tmp_path):
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_arguments(parser)
+    defaults = options_from_args(parser.parse_args(operator_args(render(tmp_path))))
+    assert (defaults.native_sidecars, defaults.usage_seconds) == ("auto", 30)
+    docs = render(tmp_path, {"operator": {"nativeSidecars": "never", "usageSeconds": 0}})
+    options = options_from_args(parser.parse_args(operator_args(docs)))
+    assert (options.native_sidecars, options.usage_seconds) == ("never", 0)
+    with pytest.raises(HelmFailed, match="nativeSidecars"):
+        render(tmp_path, {"operator": {"nativeSidecars": "sometimes"}})

@@ -4,7 +4,12 @@ It keeps the index's rules that the connector relies on — write-once commit,
 all-or-nothing pinned retrieve, one location per key in order, reserve that
 skips committed or reserved keys — over a bump allocator on a real pool's
 geometry, and lets a test inject the faults the connector must survive:
-short or long replies, an unreachable index, a slow index.
+short or long replies, an unreachable index, a slow index, a full pool.
+
+It raises what the real client raises (``IndexUnavailable``, and
+``IndexRejected`` with the protocol's ``error_type``) and answers with the
+real protocol types (``LocationList``, ``SlotList``), so code that reads a
+field the real types lack fails here too.
 """
 
 from __future__ import annotations
@@ -12,22 +17,12 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from typing import Any, NamedTuple
+from typing import Any
 
+from maru_core.index.client_ops import IndexRejected, IndexUnavailable
+from maru_core.protocol import ErrorType, Location, LocationList, Slot, SlotList
 
-class Location(NamedTuple):
-    offset: int
-    length: int
-    generation: int
-
-
-class Slot(NamedTuple):
-    offset: int
-    generation: int
-
-
-class FakeUnavailable(ConnectionError):
-    """Stands in for ``IndexUnavailable``."""
+__all__ = ["FakeClient", "FakeIndex", "Location", "Slot"]
 
 
 class FakeIndex:
@@ -53,13 +48,13 @@ class FakeIndex:
         if self.delay_s:
             time.sleep(self.delay_s)
         if self.down:
-            raise FakeUnavailable(f"index unreachable ({op})")
+            raise IndexUnavailable(f"index unreachable ({op})")
 
-    def _allocate(self, length: int) -> Location:
+    def _allocate(self, length: int) -> Location | None:
         g = self._geometry
         pages = -(-length // g.page_size)
         if self._next_page + pages > g.num_pages:
-            raise RuntimeError("fake index pool full")
+            return None
         offset = g.data_offset + self._next_page * g.page_size
         self._next_page += pages
         return Location(offset, length, self._next_page)
@@ -80,7 +75,7 @@ class FakeClient:
                 n += 1
             return n
 
-    def retrieve(self, keys: list[bytes], **_: Any) -> list[Location | None]:
+    def retrieve(self, keys: list[bytes], **_: Any) -> LocationList:
         self._ix._enter("retrieve")
         with self._ix.lock:
             locations = [self._ix.committed.get(k) for k in keys]
@@ -88,7 +83,7 @@ class FakeClient:
                 self._ix.pins.update(keys)
         if self._ix.retrieve_hook is not None:
             locations = self._ix.retrieve_hook(locations)
-        return locations
+        return LocationList.from_items(locations)
 
     def unpin(self, keys: list[bytes]) -> int:
         self._ix._enter("unpin")
@@ -101,18 +96,25 @@ class FakeClient:
             self._ix.pins = +self._ix.pins
             return n
 
-    def reserve(self, items: list[tuple[bytes, int]]) -> list[Slot | None]:
+    def reserve(self, items: list[tuple[bytes, int]]) -> SlotList:
+        """Like the index: ``None`` for a key already known or that does not fit,
+        and ``IndexRejected`` of type ``no_space`` when no new key fits."""
         self._ix._enter("reserve")
         slots: list[Slot | None] = []
         with self._ix.lock:
             for key, length in items:
-                if key in self._ix.committed or key in self._ix.reserved:
+                known = key in self._ix.committed or key in self._ix.reserved
+                loc = None if known else self._ix._allocate(length)
+                if loc is not None:
+                    self._ix.reserved[key] = loc
+                    slots.append(Slot(loc.offset, loc.generation))
+                elif known:
                     slots.append(None)
-                    continue
-                loc = self._ix._allocate(length)
-                self._ix.reserved[key] = loc
-                slots.append(Slot(loc.offset, loc.generation))
-        return slots
+                else:
+                    slots.append(False)
+        if False in slots and not any(slots):
+            raise IndexRejected(ErrorType.NO_SPACE.value, "no room in the fake pool", "reserve")
+        return SlotList.from_items([slot or None for slot in slots])
 
     def commit(self, keys: list[bytes]) -> list[bool]:
         self._ix._enter("commit")

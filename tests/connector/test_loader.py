@@ -46,7 +46,7 @@ class GatedHandle:
 class GatedEngine:
     def __init__(self, real):
         self.real = real
-        self.fmt = real.fmt
+        self.fmt, self.backend = real.fmt, real.backend
         self.handles: list[GatedHandle] = []
 
     def submit_load(self, chunks):
@@ -221,3 +221,20 @@ def test_loader_keeps_no_state_after_many_requests(env):
     _wait_until(lambda: reader._loader.num_in_flight == 0)
     assert reader._loader.take_results().released == set()
     assert +env.index.pins == {}
+
+
+def test_a_loader_thread_that_dies_stops_the_engine_loudly(env):
+    keys, _ = _stored(env)
+    reader, _ = env.worker(seed=2, maru_async_load=True)
+
+    class Crash(BaseException):  # not an Exception: no per-load guard catches it
+        pass
+
+    def crash(load, active):
+        raise Crash("bug in the loader loop")
+
+    reader._loader._start = crash
+    reader.start_load_kv(load_meta("r", keys, first_block=10, is_async=True))
+    _wait_until(lambda: reader._loader._dead is not None)
+    with pytest.raises(RuntimeError, match="loader thread died"):
+        finished(reader)  # parked requests would never be released: no silent hang

@@ -220,7 +220,7 @@ def store(index: ThreadedIndex, pool: Pool, fmt, chunks: list[bytes]) -> None:
         slots = writer.reserve([(k, fmt.object_bytes) for k in keys])
         for k, slot in zip(keys, slots):
             pool.write_slot_header(slot.offset, SlotHeader(key=k, generation=slot.generation,
-                                                           length=fmt.object_bytes))
+                                                           length=fmt.object_bytes, layout=fmt.fingerprint))
         assert all(writer.commit(keys))
 
 

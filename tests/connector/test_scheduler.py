@@ -133,6 +133,18 @@ def test_slow_index_answers_ask_again_then_the_result(index):
     assert half.get_num_new_matched_tokens(req, 0) == (32, False)
 
 
+def test_lookup_in_flight_answers_for_its_own_chunks_when_the_local_hit_grows(index):
+    # The lookup asked from chunk 0 finds chunks 0-1 stored; meanwhile vLLM's
+    # own prefix cache grew to chunk 1. The hit ends after chunk 1, not chunk 3.
+    half = make_half(index)
+    req = request("a", 130)
+    commit_prefix(index, half, req, 2)
+    index.delay_s = 0.5
+    assert half.get_num_new_matched_tokens(req, 0) == (None, False)
+    time.sleep(0.6)
+    assert half.get_num_new_matched_tokens(req, CHUNK) == (CHUNK, False)
+
+
 def test_unreachable_index_is_a_miss_and_hits_resume_when_it_is_back(index):
     half = make_half(index)
     half._lookup._retry_after_s = 0.2

@@ -90,3 +90,12 @@ def test_store_state_does_not_grow_with_requests(env):
         time.sleep(0.01)
     assert writer._storer.num_tracked == 0
     assert len(env.index.committed) == 300
+
+
+def test_a_store_refused_for_lack_of_room_is_counted_as_no_space(env):
+    writer, _ = env.worker(seed=1, maru_async_store=False)
+    env.index._next_page = env.pool.geometry.num_pages  # the pool is full
+    writer.wait_for_save(store_meta("w", env.keys(tokens(64)), first_block=0))
+    failures = writer.stats.snapshot()["store_failures"]
+    assert failures["no_space"] == 1 and failures["index_error"] == 0
+    assert env.index.reserved == {} and env.index.committed == {}

@@ -46,13 +46,13 @@ class WorkerEnv:
             block_size=BLOCK, chunk_tokens=CHUNK,
         )
 
-    def worker(self, seed: int = 0, wrap_engine=None, **knobs: object
+    def worker(self, seed: int = 0, wrap_engine=None, dtype: torch.dtype = torch.bfloat16, **knobs: object
                ) -> tuple[MaruWorkerHalf, dict[str, torch.Tensor]]:
         raw = {"maru_index_url": "tcp://127.0.0.1:1", "maru_pool_path": self.pool_path,
                "maru_kv_chunk_tokens": CHUNK, **knobs}
         cfg = parse_config(raw, BLOCK)
         kv = make_kv_caches("cpu", layers=LAYERS, blocks=BLOCKS, heads=2, block_size=BLOCK,
-                            head_size=8, seed=seed, shuffle=False)
+                            head_size=8, dtype=dtype, seed=seed, shuffle=False)
 
         def resources(cfg, kv_caches, block_size):
             fmt = TransferEngine.detect(kv_caches, cfg.maru_kv_chunk_tokens,

@@ -14,7 +14,7 @@ from maru_core.index.launcher import IndexProcess, unique_shm_path
 from maru_core.index.metrics import RPC_ERROR_TYPES, RPC_OPS, IndexMetrics
 from maru_core.protocol import OPS, PROTOCOL_VERSION, ErrorType, FrameDecoder, encode_frame, parse_url
 
-TOKEN = "metrics-token"
+TOKEN = "metrics-token-0123456789"
 
 
 def _error_series(text: str) -> dict[tuple[str, str], float]:
@@ -37,6 +37,7 @@ def test_every_op_and_error_type_of_the_protocol_has_a_series_at_zero_before_any
 def index(tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
+    token_file.chmod(0o600)
     pool = unique_shm_path("test-metrics")
     proc = IndexProcess(pool, pool_size="16Mi", token_file=str(token_file),
                         extra_args=["--metrics-port", "0", "--metrics-addr", "127.0.0.1"])  # fmt: skip

@@ -21,7 +21,7 @@ from maru_core.index.launcher import IndexProcess, unique_shm_path
 from maru_core.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION, FrameDecoder, encode_frame, parse_url
 from maru_core.quickstart import prompt_keys
 
-TOKEN = "process-token"
+TOKEN = "process-token-0123456789"
 ROLE_ARGS = ["--tokens", "1024", "--chunk-tokens", "128", "--layers", "4", "--object-size", "65536"]
 
 
@@ -29,6 +29,7 @@ ROLE_ARGS = ["--tokens", "1024", "--chunk-tokens", "128", "--layers", "4", "--ob
 def token_file(tmp_path):
     path = tmp_path / "token"
     path.write_text(TOKEN + "\n")
+    path.chmod(0o600)
     return str(path)
 
 
@@ -167,6 +168,7 @@ def fuzz_index(tmp_path_factory):
     path = unique_shm_path("test-fuzz")
     token_file = tmp_path_factory.mktemp("fuzz") / "token"
     token_file.write_text(TOKEN)
+    token_file.chmod(0o600)
     proc = IndexProcess(path, pool_size="16Mi", token_file=str(token_file)).start()
     client = IndexClient(proc.url, token=TOKEN, timeout_s=5)
     client.connect()
@@ -256,12 +258,83 @@ def marucache(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
         (["--listen", "tcp://127.0.0.1:0", "--lease-ttl", "0"], "positive number of seconds"),
         (["--listen", "tcp://127.0.0.1:0"], "pass --pool-size to create one"),
         (["--listen", "tcp://127.0.0.1:0", "--pool-size", "64Mi", "--token-file", "/nonexistent/t"], "cannot read"),
+        (["--listen", "tcp://127.0.0.1:0", "--pool-size", "64Mi", "--metrics-port", "70000"], "0 to 65535"),
+        (["--listen", "tcp://127.0.0.1:0", "--pool-size", "64Mi", "--lease-ttl", "inf"], "positive number"),
+        (["--listen", "tcp://127.0.0.1:0", "--pool-size", "64Mi", "--reservation-ttl", "nan"], "positive number"),
+        (["--listen", "tcp://127.0.0.1:0", "--pool-size", "64Mi", "--max-connections", "0"], "at least 1"),
+        (["--listen", "tcp://127.0.0.1:0", "--pool-size", "64Mi", "--max-evict-fraction", "1.5"], "fraction"),
+        (["--listen", "tcp://127.0.0.1:0", "--pool-size", "64Mi", "--log-level", "bogus"], "--log-level"),
+        (["--listen", "tcp://127.0.0.1:0", "--pool-size", "64Mi", "--metrics-addr", "a b"], "not an address"),
     ],
 )
 def test_bad_flags_say_what_to_change(pool_path, args, words):
     done = marucache("index", "--pool", pool_path, *args)
     assert done.returncode == 2 and words in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr  # one line, no usage block or traceback
     assert not os.path.exists(pool_path)
+
+
+@pytest.mark.parametrize(
+    "content, mode, words",
+    [("a-token-long-enough-0123", 0o644, "open to other users"), ("x", 0o600, "at least 16")],
+)
+def test_unsafe_token_files_are_refused(pool_path, tmp_path, content, mode, words):
+    token = tmp_path / "token"
+    token.write_text(content)
+    token.chmod(mode)
+    done = marucache("index", "--pool", pool_path, "--pool-size", "16Mi", "--listen", "tcp://127.0.0.1:0",
+                     "--token-file", str(token))  # fmt: skip
+    assert done.returncode == 2 and words in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_metrics_follow_the_listen_host_and_an_open_index_without_token_is_warned_about(pool_path, tmp_path):
+    local = IndexProcess(pool_path, pool_size="16Mi", listen=f"unix://{tmp_path}/i.sock",
+                         extra_args=["--metrics-port", "0"]).start()  # fmt: skip
+    try:
+        assert local.metrics_url.startswith("http://127.0.0.1:")  # not every interface by default
+    finally:
+        local.stop()
+    proc = subprocess.Popen([sys.executable, "-m", "maru_core.cli", "index", "--pool", pool_path,
+                             "--listen", "tcp://0.0.0.0:0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    try:
+        assert "listening on" in proc.stdout.readline()
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=10)
+    assert "no --token-file: anyone who can reach tcp://0.0.0.0" in err
+
+
+def test_a_taken_metrics_port_is_named_as_the_metrics_port(pool_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = marucache("index", "--pool", pool_path, "--pool-size", "16Mi", "--listen", "tcp://127.0.0.1:0",
+                         "--metrics-port", str(port), "--metrics-addr", "127.0.0.1")  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert f"cannot serve metrics on 127.0.0.1:{port}" in done.stderr and "Traceback" not in done.stderr
+    os.unlink(pool_path)
+
+
+def test_a_unix_listener_refuses_a_path_that_is_not_its_stale_socket(pool_path, tmp_path):
+    regular = tmp_path / "not-a-socket"
+    regular.write_text("precious")
+    done = marucache("index", "--pool", pool_path, "--pool-size", "16Mi", "--listen", f"unix://{regular}")
+    assert done.returncode == 1 and "not a socket" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert regular.read_text() == "precious"
+    os.unlink(pool_path)
+    sock = tmp_path / "index.sock"
+    with IndexProcess(pool_path, pool_size="16Mi", listen=f"unix://{sock}"):
+        second = marucache("index", "--pool", pool_path, "--listen", f"unix://{sock}")
+        assert second.returncode == 1 and "another process is listening" in second.stderr
+        with IndexClient(f"unix://{sock}", timeout_s=5) as client:  # the first index still has its socket
+            assert client.match_prefix([bytes(16)]) == 0
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(sock))
+    stale.close()  # a socket file nobody listens on: taken over
+    with IndexProcess(pool_path, listen=f"unix://{sock}"), IndexClient(f"unix://{sock}", timeout_s=5) as client:
+        assert client.match_prefix([bytes(16)]) == 0
 
 
 def test_sigterm_stops_cleanly_and_removes_the_socket(pool_path, tmp_path):

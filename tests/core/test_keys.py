@@ -35,14 +35,19 @@ TOKENS = list(range(1000, 1000 + 32 * 5 + 7))  # five full chunks and a partial 
 CHANGED = {
     "model": "other-model",
     "revision": "def456",
+    "weights": "0f" * 16,
+    "model_config": "1e" * 16,
+    "quantization": "fp8",
     "dtype": "float16",
     "kv_dtype": "fp8_e4m3",
+    "kv_spec": "FullAttentionSpec:heads=8,head=128",
     "layout": "cuda:(2,blocks,block,heads,head)",
     "block_size": 32,
     "chunk_tokens": 64,
     "fmt": "layerwise",
     "tp_rank": 1,
     "tp_size": 4,
+    "parallel": "dcp=2",
     "cache_salt": "user-42",
     "lora": "adapter-a",
 }
@@ -75,6 +80,21 @@ def test_the_documented_derivation() -> None:
         prev = hashlib.blake2b(prev + chunk, digest_size=16).digest()
         expected.append(prev)
     assert chunk_keys(NS, TOKENS) == expected
+
+
+def test_extras_change_their_chunk_and_every_later_key() -> None:
+    """Two prompts with the same placeholder tokens but other images get other keys."""
+    plain = chunk_keys(NS, TOKENS)
+    image_a = chunk_keys(NS, TOKENS, [None, b"mm:a", None])
+    image_b = chunk_keys(NS, TOKENS, [None, b"mm:b", None])
+    assert image_a[0] == plain[0] and image_a[0] == image_b[0]
+    assert all(len({x, y, z}) == 3 for x, y, z in zip(plain[1:], image_a[1:], image_b[1:]))
+    assert chunk_keys(NS, TOKENS, [None] * 5) == plain  # no extras, the plain keys
+    # The documented derivation: the extras follow the chunk's fixed-length token bytes.
+    chunk1 = b"".join(t.to_bytes(4, "little") for t in TOKENS[32:64])
+    assert image_a[1] == hashlib.blake2b(plain[0] + chunk1 + b"mm:a", digest_size=16).digest()
+    with pytest.raises(ValueError, match="extras"):
+        chunk_keys(NS, TOKENS, [b""])
 
 
 @pytest.mark.parametrize("field", sorted(CHANGED))

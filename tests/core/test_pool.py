@@ -433,3 +433,47 @@ def test_a_key_that_contains_the_head_pattern_does_not_confuse_the_scan(pool: Po
     tricky = b"xMSLT\x01" + b"y" * 10
     pool.write_slot_header(g.page_offset(5), _header(tricky, 9, PAGE * 3))
     assert list(pool.iter_slot_headers()) == [(g.page_offset(5), _header(tricky, 9, PAGE * 3))]
+
+
+# -- payload checksums and layout fingerprints in slot headers ------------------------------------
+
+
+def test_a_slot_header_carries_the_payload_checksum_and_the_layout(pool: Pool) -> None:
+    g = pool.geometry
+    offset = g.page_offset(3)
+    pool.view(offset, 3 * PAGE)[:] = os.urandom(3 * PAGE)
+    checksum = pool.payload_checksum(offset, 3 * PAGE)
+    header = SlotHeader(key=b"P" * 16, generation=9, length=3 * PAGE, checksum=checksum, layout=2**64 - 1)
+    pool.write_slot_header(offset, header)
+    assert pool.read_slot_header(offset) == header
+    assert list(pool.iter_slot_headers()) == [(offset, header)]
+    assert pool.payload_matches(offset, header)
+    pool.buffer[offset + 2 * PAGE + 5] ^= 0x01  # one bit of the third page
+    assert not pool.payload_matches(offset, header)
+    # No checksum recorded: nothing vouches for the payload.
+    assert not pool.payload_matches(offset, SlotHeader(key=b"P" * 16, generation=9, length=3 * PAGE))
+
+
+def test_an_entry_from_before_checksums_reads_without_one(pool: Pool) -> None:
+    # The checksum kind, checksum and layout were reserved zero bytes before.
+    offset = pool.geometry.page_offset(1)
+    pool.write_slot_header(offset, _header(b"Z" * 16, 4, 100))
+    header = pool.read_slot_header(offset)
+    assert header is not None and header.checksum is None and header.layout == 0
+
+
+def test_a_checksum_kind_without_a_checksum_is_not_a_valid_head(pool: Pool) -> None:
+    g = pool.geometry
+    offset = g.page_offset(1)
+    pool.write_slot_header(offset, _header(b"K" * 16, 4, 100))
+    entry = g.slot_header_offset(1)
+    body = bytearray(pool.buffer[entry : entry + 60])
+    body[6] = 1  # says XXH3-64, but the checksum field is 0
+    pool.buffer[entry : entry + 64] = bytes(body) + struct.pack("<I", zlib.crc32(bytes(body)))
+    assert pool.read_slot_header(offset) is None
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2**64, "1"])
+def test_slot_header_checks_its_checksum(bad) -> None:
+    with pytest.raises(ValueError, match="checksum"):
+        SlotHeader(key=b"K" * 16, generation=1, length=1, checksum=bad)

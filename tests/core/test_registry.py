@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import uuid
 from collections import Counter
@@ -306,7 +307,7 @@ def fill(reg: Registry, lease: str, first: int, count: int) -> list[bytes]:
 
 
 def test_eviction_starts_above_high_and_goes_down_to_low(clock: Clock) -> None:
-    reg = Registry(geometry(100), high_watermark=0.9, low_watermark=0.6, clock=clock)
+    reg = Registry(geometry(100), high_watermark=0.9, low_watermark=0.6, clock=clock, max_evict_fraction=1.0)
     lease = reg.open_lease("a")
     keys = fill(reg, lease, 0, 90)
     assert reg.stats().evictions == 0
@@ -344,7 +345,7 @@ def test_pinned_objects_are_never_evicted(clock: Clock) -> None:
 
 
 def test_fragmented_space_is_defragmented_by_eviction(clock: Clock) -> None:
-    reg = Registry(geometry(10), high_watermark=1.0, low_watermark=1.0, clock=clock)
+    reg = Registry(geometry(10), high_watermark=1.0, low_watermark=1.0, clock=clock, max_evict_fraction=1.0)
     lease = reg.open_lease("a")
     keys = fill(reg, lease, 0, 10)  # page i holds key i; LRU: 0 oldest
     even = keys[0::2]
@@ -509,6 +510,8 @@ class RegistryMachine(RuleBasedStateMachine):
         self.reserved: dict[bytes, tuple[str, Slot, int, float]] = {}  # key -> lease, slot, length, deadline
         self.pins: dict[str, Counter] = {}
         self.max_generation = 0
+        # Lapsed reservations whose pages are fenced: [key, lease, offset, length, until].
+        self.fenced: list[list] = []
 
     # -- model helpers
 
@@ -516,7 +519,18 @@ class RegistryMachine(RuleBasedStateMachine):
         del self.leases[lease]
         self.pins.pop(lease, None)
         for k in [k for k, r in self.reserved.items() if r[0] == lease]:
-            del self.reserved[k]
+            self._fence(k)
+        for entry in self.fenced:
+            if entry[1] == lease and entry[4] == math.inf:
+                entry[4] = self.clock.now + RESERVATION_TTL
+
+    def _fence(self, k: bytes) -> None:
+        lease, slot, length, _ = self.reserved.pop(k)
+        until = math.inf if lease in self.leases else self.clock.now + RESERVATION_TTL
+        self.fenced.append([k, lease, slot.offset, length, until])
+
+    def _writer_done(self, lease: str, keys: set[bytes]) -> None:
+        self.fenced = [e for e in self.fenced if not (e[1] == lease and e[0] in keys)]
 
     def _call(self, lease: str, op, *args):
         """Call ``op`` under ``lease``, expecting NoLease exactly when the model says it lapsed."""
@@ -564,7 +578,8 @@ class RegistryMachine(RuleBasedStateMachine):
             self._drop(lease)
         stale = [k for k, r in self.reserved.items() if r[3] <= self.clock.now]
         for k in stale:
-            del self.reserved[k]
+            self._fence(k)
+        self.fenced = [e for e in self.fenced if e[4] > self.clock.now]
 
     @precondition(lambda self: self.leases)
     @rule(data=st.data(), picks=st.lists(st.tuples(st.sampled_from(KEYS), st.integers(1, 5 * PAGE)), min_size=1, max_size=6))
@@ -604,6 +619,7 @@ class RegistryMachine(RuleBasedStateMachine):
         result = self._call(lease, self.reg.commit, keys, verify)
         if result is None:
             return
+        self._writer_done(lease, {k for k, ok in zip(keys, result) if not ok})
         done = set()
         for k, ok in zip(keys, result):
             mine = k in self.reserved and self.reserved[k][0] == lease and k not in done
@@ -626,6 +642,7 @@ class RegistryMachine(RuleBasedStateMachine):
             assert count == len(expected)
             for k in expected:
                 del self.reserved[k]
+            self._writer_done(lease, set(keys) - expected)
 
     @precondition(lambda self: self.leases)
     @rule(data=st.data(), keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=6))
@@ -659,7 +676,9 @@ class RegistryMachine(RuleBasedStateMachine):
         s = self.reg.stats()
         ps = self.geometry.page_size
         assert s.free_bytes + s.reserved_bytes + s.committed_bytes == s.capacity_bytes
-        assert s.reserved_bytes == sum(-(-r[2] // ps) for r in self.reserved.values()) * ps
+        fenced = sum(-(-e[3] // ps) for e in self.fenced)
+        assert s.reserved_bytes == (sum(-(-r[2] // ps) for r in self.reserved.values()) + fenced) * ps
+        assert self.reg.fenced_pages == fenced
         assert s.committed_bytes == sum(-(-loc.length // ps) for loc in self.committed.values()) * ps
         assert (s.keys, s.reserved_keys, s.leases) == (len(self.committed), len(self.reserved), len(self.leases))
 
@@ -668,6 +687,8 @@ class RegistryMachine(RuleBasedStateMachine):
         ps = self.geometry.page_size
         runs = [(loc.offset, -(-loc.length // ps)) for loc in self.committed.values()]
         runs += [(r[1].offset, -(-r[2] // ps)) for r in self.reserved.values()]
+        # A lapsed writer may still copy into its fenced pages: nobody else may hold them.
+        runs += [(e[2], -(-e[3] // ps)) for e in self.fenced]
         used = np.zeros(self.geometry.num_pages, dtype=int)
         for offset, pages in runs:
             first = self.geometry.page_index(offset)
@@ -688,3 +709,68 @@ class RegistryMachine(RuleBasedStateMachine):
 
 TestRegistryMachine = RegistryMachine.TestCase
 TestRegistryMachine.settings = settings(max_examples=80, stateful_step_count=50, deadline=None)
+
+
+# -- fencing of lapsed writers ---------------------------------------------------------------------
+
+
+def test_a_lapsed_reservation_s_pages_are_not_reused_while_its_lease_lives(clock: Clock) -> None:
+    reg = Registry(geometry(2), lease_ttl_s=10, reservation_ttl_s=1, fence_grace_s=5, clock=clock)
+    slow, other = reg.open_lease("slow writer"), reg.open_lease("other writer")
+    (mine,) = reg.reserve(slow, [(key(1), 2 * PAGE)])
+    clock.now += 2  # the reservation lapses; both leases live
+    reg.renew(slow), reg.renew(other)
+    assert reg.expire().reservations_released == 1
+    with pytest.raises(NoSpace):  # the slow writer may still be copying into both pages
+        reg.reserve(other, [(key(2), 2 * PAGE)])
+    assert reg.fenced_pages == 2 and reg.stats().reserved_keys == 0
+    accounting_adds_up(reg)
+    # Its lease ends; the pages come back only after the grace.
+    assert reg.close_lease(slow)
+    clock.now += 4
+    reg.renew(other)
+    reg.expire()
+    with pytest.raises(NoSpace):
+        reg.reserve(other, [(key(2), 2 * PAGE)])
+    clock.now += 2
+    reg.renew(other)
+    reg.expire()
+    assert reg.fenced_pages == 0
+    assert list(reg.reserve(other, [(key(2), 2 * PAGE)]))[0].offset == mine.offset
+    accounting_adds_up(reg)
+
+
+def test_a_lapsed_lease_fences_its_reservations_for_the_grace(clock: Clock) -> None:
+    reg = Registry(geometry(1), lease_ttl_s=10, reservation_ttl_s=30, fence_grace_s=30, clock=clock)
+    dead = reg.open_lease("dead")
+    reg.reserve(dead, [(key(1), PAGE)])
+    clock.now += 11
+    live = reg.open_lease("live")
+    assert reg.expire().lapsed_leases == (dead,)
+    with pytest.raises(NoSpace):
+        reg.reserve(live, [(key(1), PAGE)])  # the key is free again, its page is not
+    for _ in range(3):
+        clock.now += 9
+        reg.renew(live)
+    reg.expire()
+    with pytest.raises(NoSpace):  # 27 s of a 30 s grace
+        reg.reserve(live, [(key(1), PAGE)])
+    clock.now += 4
+    reg.renew(live)
+    reg.expire()
+    assert list(reg.reserve(live, [(key(1), PAGE)]))[0] is not None
+
+
+def test_a_lapsed_writer_that_commits_or_aborts_ends_its_fence(clock: Clock) -> None:
+    reg = Registry(geometry(2), lease_ttl_s=100, reservation_ttl_s=1, clock=clock)
+    writer = reg.open_lease("writer")
+    reg.reserve(writer, [(key(1), PAGE), (key(2), PAGE)])
+    clock.now += 2
+    reg.expire()
+    assert reg.fenced_pages == 2
+    assert reg.commit(writer, [key(1)]) == [False]  # too late: refused, and its copy is over
+    assert reg.fenced_pages == 1
+    assert reg.abort(writer, [key(2)]) == 0
+    assert reg.fenced_pages == 0
+    assert None not in reg.reserve(writer, [(key(3), PAGE), (key(4), PAGE)])
+    accounting_adds_up(reg)

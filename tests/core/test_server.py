@@ -118,10 +118,11 @@ def test_requests_before_hello_get_no_lease(raw):
 
 
 @pytest.mark.parametrize("token", [None, "wrong", TOKEN + "x"])
-def test_bad_token_is_refused(raw, token):
+def test_bad_token_is_refused_and_the_connection_closed(raw, index, token):
     reply = raw.hello(token)
     assert not reply["ok"] and reply["error"]["type"] == "auth"
-    assert raw.call(op="stats")["error"]["type"] == "no_lease"  # still no lease
+    assert raw.closed_by_peer()  # no second guess on this connection
+    assert index.service.server.closed_connections["auth"] == 1
 
 
 def test_protocol_mismatch_is_a_bad_request(raw):

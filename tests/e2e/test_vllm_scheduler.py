@@ -242,6 +242,23 @@ def test_abort_while_parked_after_preemption_keeps_blocks_until_the_load_ends(en
     wait_settled(index)
 
 
+@pytest.mark.parametrize("mode", ["sync", "async-overlap"])
+def test_preempted_request_resumes_from_its_own_chunks(engines, index, mode):
+    prompt = random_tokens(3 * CHUNK + 1, seed=next(_seeds))
+    engine = engines(_config(index, **MODES[mode]))
+    keys = index_keys(index)
+    engine.add("r", prompt, max_tokens=6)
+    engine.run(until=lambda: len(engine.requests["r"].output) >= 2)
+    wait_for_keys(index, keys + 3)
+    hits = engine.scheduler.connector.scheduler_half.stats.snapshot()["counters"]["lookup_hit_tokens"]
+    assert engine.scheduler.reset_prefix_cache(reset_running_requests=True)  # preempts "r"
+    engine.run(until=lambda: "r" in engine.finished)
+    assert engine.finished["r"].output == _expected_tokens(prompt, engine.num_layers, 6)
+    after = engine.scheduler.connector.scheduler_half.stats.snapshot()["counters"]["lookup_hit_tokens"]
+    assert after - hits == 3 * CHUNK  # it came back through the pool
+    wait_settled(index)
+
+
 def test_chunked_prefill_longer_than_a_step_stores_every_chunk(engines, index):
     prompt = random_tokens(8 * CHUNK + 3, seed=next(_seeds))
     writer = engines(_config(index), max_num_batched_tokens=2 * CHUNK)

@@ -29,7 +29,7 @@ def kube(cluster: KmockCluster) -> Kube:
 @pytest.fixture
 def options(cluster: KmockCluster, tmp_path: pathlib.Path) -> OperatorOptions:
     return OperatorOptions(kubeconfig=str(cluster.write_kubeconfig(tmp_path / "kubeconfig")),
-                           resync_seconds=0.2, metrics_port=None, webhook=False)
+                           resync_seconds=0.2, metrics_port=None, webhook=False, usage_seconds=0)
 
 
 @pytest.fixture

@@ -18,7 +18,11 @@ def test_minimal_gets_the_documented_defaults():
     ref, spec = parse_cache(yaml.safe_load((EXAMPLES / "minimal.yaml").read_text()))
     assert ref.key == "default/demo"
     assert spec.pool.size == 8 << 30 and spec.pool.device_class == "shm"
-    assert (spec.storage.layout, spec.storage.chunk_tokens, spec.storage.block_size) == ("chunkwise", 256, 16)
+    assert (spec.storage.layout, spec.storage.chunk_tokens) == ("chunkwise", 256)
+    assert spec.pool.device_resource == "squat.ai/dax"
+    sidecar = spec.sidecar.resources
+    assert sidecar["requests"] == sidecar["limits"] == {"cpu": "100m", "memory": "128Mi"}  # Guaranteed stays so
+    assert spec.sidecar.socket_group == 65532 and spec.index.scheduling.tolerations == ()
     assert spec.load.async_load and spec.load.overlap_with_compute and spec.load.release_after_layers == 1
     assert (spec.index.port, spec.index.metrics_port, spec.sidecar.metrics_port) == (7070, 9090, 9091)
 
@@ -28,14 +32,23 @@ def test_complete_example_is_read_field_by_field():
     assert spec.storage.layout == "layerwise" and spec.load.release_after_layers == 2
     assert spec.eviction.high_watermark == 0.9 and spec.pool.node_selector == {"topology.kubernetes.io/zone": "rack-a"}
     assert spec.pod_selector.matches({"app": "vllm"}) and not spec.pod_selector.matches({"app": "vllm", "tier": "batch"})
+    sched = spec.index.scheduling
+    assert sched.tolerations[0]["key"] == "nvidia.com/gpu" and sched.priority_class_name == "system-cluster-critical"
+    assert sched.image_pull_secrets == ({"name": "regcred"},) and sched.node_selector == {"kubernetes.io/os": "linux"}
+    assert "podAntiAffinity" in sched.affinity and sched.pod_security_context == {"runAsUser": 65532}
 
 
 @pytest.mark.parametrize("spec, field, hint", [
     ({"pool": {"deviceClass": "nvme", "size": "1Gi"}}, "pool.deviceClass", "dax, shm"),
     ({"pool": {"deviceClass": "dax", "size": "lots"}}, "pool.size", "64Gi"),
     ({"pool": {"deviceClass": "dax", "size": "1Mi"}}, "pool.size", "minimum"),
-    ({"pool": {"deviceClass": "dax", "size": "1Gi"}, "storage": {"chunkTokens": 100, "blockSize": 16}},
-     "storage.chunkTokens", "use 96 or 112"),
+    ({"pool": {"deviceClass": "dax", "size": "1Gi"}, "storage": {"chunkTokens": 96, "blockSize": 16}},
+     "storage.blockSize", "delete the field"),
+    ({"pool": {"deviceClass": "dax", "size": "1Gi", "deviceResource": "dax"}}, "pool.deviceResource", "squat.ai/dax"),
+    ({"pool": {"deviceClass": "dax", "size": "1Gi"}, "index": {"tolerations": {"key": "x"}}}, "index.tolerations",
+     "list"),
+    ({"pool": {"deviceClass": "dax", "size": "1Gi"}, "sidecar": {"socketGroup": -1}}, "sidecar.socketGroup",
+     "between"),
     ({"pool": {"deviceClass": "dax", "size": "1Gi"}, "eviction": {"highWatermark": 0.5, "lowWatermark": 0.6}},
      "eviction.lowWatermark", "below"),
     ({"pool": {"deviceClass": "dax", "size": "1Gi"}, "index": {"port": True}}, "index.port", "int"),

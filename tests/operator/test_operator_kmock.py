@@ -114,12 +114,12 @@ def test_operator_restarted_mid_reconcile_converges_without_a_second_allocation(
 
 
 @pytest.mark.parametrize("spec, fix", [
-    ({"pool": {"deviceClass": "dax", "size": "4Gi"}, "storage": {"chunkTokens": 100, "blockSize": 16}},
-     "use 96 or 112"),
+    ({"pool": {"deviceClass": "dax", "size": "4Gi"}, "storage": {"chunkTokens": 96, "blockSize": 16}},
+     "delete the field"),
     ({"pool": {"deviceClass": "dax", "size": "64Gi"}}, "lower spec.pool.size to at most 16Gi"),
     ({"pool": {"deviceClass": "dax", "size": "1Gi", "nodeSelector": {"rack": "b"}}}, "change spec.pool.nodeSelector"),
     ({"pool": {"deviceClass": "pmem", "size": "1Gi"}}, "use one of dax, shm"),
-], ids=["chunk-not-multiple", "too-large", "no-node-matches", "unknown-class"])
+], ids=["removed-block-size", "too-large", "no-node-matches", "unknown-class"])
 def test_bad_spec_is_refused_with_a_fix_and_allocates_nothing(kube: Kube, operator: OperatorThread, spec, fix):
     kube.apply_cache("bad", spec)
     body = wait_for(lambda: (c := kube.cache("bad")) and condition(c, "ConfigValid"), what="ConfigValid")

@@ -15,8 +15,9 @@ import pytest
 import requests
 
 from kube_helpers import Kube, wait_for
+from pod_security import restricted_violations
 from test_crd import VALIDATE
-from maru_operator import ANNOTATION_INJECTED, ANNOTATION_SKIPPED
+from maru_operator import ANNOTATION_INJECTED, ANNOTATION_PLACEMENT, ANNOTATION_SKIPPED
 from maru_operator.injection import CONFIG_ENV, SIDECAR_NAME
 from maru_operator.testing import OperatorThread
 
@@ -34,6 +35,9 @@ def pod(cache: str, name: str = "vllm-0", **extra) -> dict:
                                      "args": ["--model", "/models/llama"]}]}}
     body["spec"]["containers"][0].update(extra)
     return body
+
+
+MESH_PROXY = {"name": "istio-proxy", "image": "docker.io/istio/proxyv2:1.22.0", "args": ["proxy", "sidecar"]}
 
 
 def review(url: str, obj: dict, verify=None) -> tuple[dict, dict]:
@@ -58,7 +62,7 @@ def review(url: str, obj: dict, verify=None) -> tuple[dict, dict]:
 def webhook(kube: Kube, options):
     port = free_port()
     opts = dataclasses.replace(options, webhook=True, webhook_insecure=True, webhook_addr="127.0.0.1",
-                               webhook_port=port)
+                               webhook_port=port, native_sidecars="never")
     with OperatorThread(opts):
         kube.apply_cache("shared", {"pool": {"deviceClass": "dax", "size": "4Gi"},
                                     "podSelector": {"matchLabels": {"app": "vllm"}}})
@@ -73,26 +77,133 @@ def test_inject_then_second_pass_is_a_no_op(webhook, tmp_path):
     answer, injected = review(webhook, pod("shared"))
     meta, spec = injected["metadata"], injected["spec"]
     assert meta["annotations"][ANNOTATION_INJECTED] == "shared"
+    assert len(meta["annotations"][ANNOTATION_PLACEMENT]) == 16
     names = [c["name"] for c in spec["containers"]]
-    assert names == ["vllm", SIDECAR_NAME]
+    assert names == ["vllm", SIDECAR_NAME] and "initContainers" not in spec
     vllm, sidecar = spec["containers"]
     assert vllm["args"][-2:] == ["--kv-transfer-config", f"$({CONFIG_ENV})"]
     assert vllm["env"][0]["valueFrom"]["configMapKeyRef"]["name"] == "shared-maru-config"
-    assert "maru-pool" not in [m["name"] for m in vllm["volumeMounts"]]  # the device only in the sidecar
-    assert "maru-pool" in [m["name"] for m in sidecar["volumeMounts"]]
+    assert "resources" not in vllm and "securityContext" not in vllm  # the vLLM container needs nothing
+    # DAX comes from the device plugin as a resource: no hostPath anywhere in the pod.
+    assert not [v for v in spec["volumes"] if "hostPath" in v]
+    limits, requests = sidecar["resources"]["limits"], sidecar["resources"]["requests"]
+    assert limits == {"cpu": "100m", "memory": "128Mi", "squat.ai/dax": "1"} == requests  # Guaranteed stays so
+    security = sidecar["securityContext"]
+    assert security["runAsNonRoot"] and security["readOnlyRootFilesystem"] and not security["allowPrivilegeEscalation"]
+    assert security["capabilities"] == {"drop": ["ALL"]} and security["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert 65532 in spec["securityContext"]["supplementalGroups"]  # vLLM may connect to the 0660 socket
+    # What the webhook adds never lowers the namespace's Pod Security level below restricted.
+    assert restricted_violations(spec, containers=[SIDECAR_NAME]) == []
     cmd = sidecar["command"]
     assert cmd[:4] == ["marucache", "sidecar", "--pool", "/dev/dax0.0"]
     assert cmd[cmd.index("--cache") + 1] == "shared" and cmd[cmd.index("--socket") + 1] == "/var/run/maru/sidecar.sock"
-    assert {v["name"] for v in spec["volumes"]} == {"maru-socket", "maru-pool", "maru-token"}
+    assert cmd[cmd.index("--socket-group") + 1] == "65532"
+    assert {v["name"] for v in spec["volumes"]} == {"maru-socket", "maru-token", "maru-tmp"}
     assert {"emptyDir": {}, "name": "maru-socket"} in spec["volumes"]
+    token = next(v for v in spec["volumes"] if v["name"] == "maru-token")
+    assert token["secret"]["defaultMode"] == 0o444  # no fsGroup here: the sidecar (65532) reads it as "other"
+    assert "fsGroup" not in spec["securityContext"]
     term = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]
     assert term["matchFields"][0]["values"] == ["rack-a-1", "rack-a-2"]
     again, same = review(webhook, injected)
     assert "patch" not in again and same == injected
+    _validate(tmp_path, injected)
+
+
+def _validate(tmp_path, obj):
     manifest = tmp_path / "pod.json"
-    manifest.write_text(json.dumps(injected))
+    manifest.write_text(json.dumps(obj))
     run = subprocess.run(VALIDATE + [str(manifest)], capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_the_vllm_container_is_picked_not_the_first(webhook):
+    meshed = pod("shared")
+    meshed["spec"]["containers"].insert(0, dict(MESH_PROXY))
+    _, patched = review(webhook, meshed)
+    proxy, vllm = patched["spec"]["containers"][:2]
+    assert proxy == MESH_PROXY, "the mesh proxy listed first must not get vLLM's flags"
+    assert vllm["args"][-2:] == ["--kv-transfer-config", f"$({CONFIG_ENV})"]
+    named = pod("shared", name="named", image="registry.example.com/inference:7")
+    named["spec"]["containers"][0]["name"] = "server"
+    named["spec"]["containers"].append({"name": "exporter", "image": "prom/node-exporter"})
+    named["metadata"]["annotations"] = {"maru.io/container": "server"}
+    _, patched = review(webhook, named)
+    assert patched["spec"]["containers"][0]["args"][-1] == f"$({CONFIG_ENV})"
+    assert "args" not in patched["spec"]["containers"][1]
+
+
+@pytest.mark.parametrize("change, why", [
+    (lambda p: p["spec"]["containers"].append({"name": "vllm-2", "image": "vllm/vllm-openai"}),
+     "several containers look like vLLM"),
+    (lambda p: p["spec"]["containers"].__setitem__(0, {"name": "server", "image": "example.com/llm:1"}) or
+     p["spec"]["containers"].append({"name": "exporter", "image": "prom/node-exporter"}),
+     "no container looks like vLLM"),
+    (lambda p: p["metadata"].__setitem__("annotations", {"maru.io/container": "missing"}),
+     "container 'missing' named by maru.io/container is not in the pod"),
+    (lambda p: p["spec"]["containers"][0].update(command=["sh", "-c"], args=["exec vllm serve /models/llama"]),
+     'add --kv-transfer-config "$MARU_KV_TRANSFER_CONFIG" to the vLLM command in the script'),
+], ids=["two-vllm", "no-vllm", "named-missing", "shell-script"])
+def test_what_cannot_be_injected_is_refused_with_an_annotation_and_an_event(webhook, kube, change, why):
+    refused = pod("shared", name=f"refused-{abs(hash(why)) % 10000}")
+    change(refused)
+    _, patched = review(webhook, refused)
+    assert why in patched["metadata"]["annotations"][ANNOTATION_SKIPPED]
+    assert patched["spec"] == refused["spec"], "a refused pod is admitted unchanged"
+    event = wait_for(lambda: [e for e in kube.events("InjectionSkipped")
+                              if e["involvedObject"]["name"] == refused["metadata"]["name"]], what="the Event")[0]
+    assert event["type"] == "Warning" and why in event["message"]
+    assert event["involvedObject"]["kind"] == "Pod"
+
+
+def test_a_shell_script_that_passes_the_variable_gets_it_and_no_appended_args(webhook):
+    script = 'exec python -m vllm.entrypoints.openai.api_server --model m --kv-transfer-config "$MARU_KV_TRANSFER_CONFIG"'
+    body = pod("shared", command=["/bin/sh", "-c", script])
+    del body["spec"]["containers"][0]["args"]
+    _, patched = review(webhook, body)
+    vllm = patched["spec"]["containers"][0]
+    assert vllm["command"] == ["/bin/sh", "-c", script] and "args" not in vllm
+    assert vllm["env"][0]["name"] == CONFIG_ENV
+    assert [c["name"] for c in patched["spec"]["containers"]] == ["vllm", SIDECAR_NAME]
+
+
+def test_an_unnamed_controller_pod_gets_its_event_on_the_owner(webhook, kube):
+    body = pod("shared")
+    del body["metadata"]["name"]
+    body["metadata"]["generateName"] = "llama-7d9f8c6b5-"
+    body["metadata"]["ownerReferences"] = [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "llama-7d9f8c6b5",
+                                            "uid": "rs-uid", "controller": True}]
+    body["spec"]["containers"].append({"name": "vllm-b", "image": "vllm/vllm-openai"})
+    review(webhook, body)
+    event = wait_for(lambda: [e for e in kube.events("InjectionSkipped")
+                              if e["involvedObject"]["name"] == "llama-7d9f8c6b5"], what="the Event")[0]
+    assert event["involvedObject"]["kind"] == "ReplicaSet"
+
+
+@pytest.mark.parametrize("minor, native", [("30", True), ("28", False)])
+def test_native_sidecar_where_the_cluster_supports_it(kube, cluster, options, tmp_path, minor, native):
+    cluster.call(lambda: setattr(cluster.emulator, "server_version",
+                                 {"major": "1", "minor": minor, "gitVersion": f"v1.{minor}.2"}))
+    port = free_port()
+    opts = dataclasses.replace(options, webhook=True, webhook_insecure=True, webhook_addr="127.0.0.1",
+                               webhook_port=port, native_sidecars="auto")
+    with OperatorThread(opts):
+        kube.apply_cache("native", {"pool": {"deviceClass": "dax", "size": "2Gi"}})
+        wait_for(lambda: (kube.cache("native").get("status") or {}).get("allocations"), what="allocation")
+        url = f"http://127.0.0.1:{port}/inject"
+        body = pod("native")
+        body["spec"]["initContainers"] = [{"name": "fetch-model", "image": "busybox", "command": ["true"]}]
+        patched = wait_for(lambda: (r := review(url, body)[1]) and ANNOTATION_INJECTED in r["metadata"].get(
+            "annotations", {}) and r, what="injected")
+    spec = patched["spec"]
+    if native:
+        assert [c["name"] for c in spec["initContainers"]] == [SIDECAR_NAME, "fetch-model"]
+        assert spec["initContainers"][0]["restartPolicy"] == "Always"
+        assert [c["name"] for c in spec["containers"]] == ["vllm"]
+    else:
+        assert [c["name"] for c in spec["initContainers"]] == ["fetch-model"]
+        assert [c["name"] for c in spec["containers"]] == ["vllm", SIDECAR_NAME]
+    _validate(tmp_path, patched)
 
 
 def test_skips_with_a_reason_and_admits(webhook):
@@ -142,3 +253,27 @@ def _server_cert(port: int) -> str | None:
         return ssl.get_server_certificate(("127.0.0.1", port), timeout=2)
     except OSError:
         return None
+
+
+def test_out_of_cluster_install_creates_the_webhook_configuration(kube, cluster, options, tmp_path):
+    """docs/operator.md's out-of-cluster command: with --webhook-manage the operator registers its own
+    MutatingWebhookConfiguration, pointing at --webhook-host, trusting its self-signed certificate."""
+    port = free_port()
+    opts = dataclasses.replace(options, webhook=True, webhook_addr="127.0.0.1", webhook_port=port,
+                               webhook_host="127.0.0.1", webhook_manage=True)
+    with OperatorThread(opts):
+        config = wait_for(lambda: (c := kube.objects("admissionregistration.k8s.io/v1/mutatingwebhookconfigurations")
+                                   .get((None, "marucache.maru.io"))) and c.get("webhooks") and c,
+                          what="the webhook configuration")  # kopf creates it, then patches the webhooks in
+        (hook,) = [h for h in config["webhooks"] if "inject" in h["name"]]
+        assert hook["clientConfig"]["url"].startswith(f"https://127.0.0.1:{port}/inject")
+        ca = tmp_path / "ca.pem"
+        ca.write_bytes(base64.b64decode(hook["clientConfig"]["caBundle"]))
+        answer, patched = review(hook["clientConfig"]["url"], pod("missing"), verify=str(ca))
+        assert ANNOTATION_SKIPPED in patched["metadata"]["annotations"]  # the API server's call works
+        assert hook["objectSelector"]["matchExpressions"][0]["key"] == "maru.io/cache"
+    calls = cluster.call(lambda: {(r.method.value, r.url.path.rsplit("/", 1)[-1] if "marucache.maru.io" in r.url.path
+                                   else "collection") for r in cluster.emulator
+                                  if "mutatingwebhookconfigurations" in r.url.path})
+    # What docs/operator.md tells an out-of-cluster user to grant besides the chart's ClusterRole.
+    assert calls <= {("POST", "collection"), ("PATCH", "marucache.maru.io")}, calls  # create and patch

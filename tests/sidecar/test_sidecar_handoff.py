@@ -17,7 +17,7 @@ from maru_core.handoff import HANDOFF_PROTOCOL, HandoffUnavailable, fetch_pool, 
 from maru_core.pool import Pool
 from maru_core.stats import ConnectorStats
 
-TOKEN = "s3cret-token"
+TOKEN = "s3cret-token-0123456789"
 NO_INDEX = "tcp://127.0.0.1:9"  # nothing listens: hand-offs work without the index
 
 
@@ -39,6 +39,7 @@ def pool(pool_path):
 def token_file(sock_dir):
     path = sock_dir.parent / f"{sock_dir.name}.token"
     path.write_text(TOKEN + "\n")
+    path.chmod(0o600)
     yield str(path)
     path.unlink()
 

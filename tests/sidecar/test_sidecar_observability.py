@@ -7,6 +7,7 @@ import threading
 import pytest
 from sidecar_helpers import PROMETHEUS, PrometheusServer, SidecarProcess, connector_traffic, run_client
 
+from maru_connector.testing.cluster import wait_until
 from maru_connector.testing.index_process import IndexProcess, free_port
 
 
@@ -34,29 +35,49 @@ def sidecars():
         process.close()
 
 
-def test_readyz_follows_the_pool_and_the_index(index, sock_dir, sidecars):
+def _index_reachable(sidecar) -> float | None:
+    """The sidecar's `maru_sidecar_index_reachable` (None before its first probe)."""
+    return next((v for (name, _), v in sidecar.metrics().items() if name == "maru_sidecar_index_reachable"), None)
+
+
+def test_readyz_means_the_handoff_works_and_never_depends_on_the_index(index, sock_dir, sidecars):
+    """An index restart or node drain must not take vLLM pods out of their Service (vLLM recomputes)."""
     sock = sock_dir / "maru.sock"
     sidecar = sidecars(index.pool_path, sock, index.url, token_file=index.token_file)
-    assert "ready: pool attached, index" in sidecar.wait_ready()
+    assert f"ready: pool attached, hand-off served on {sock}" in sidecar.wait_ready()
     assert sidecar.get("/healthz") == (200, "ok\n")
+    wait_until(lambda: _index_reachable(sidecar) == 1, 15, what="the index probed")
 
     index.kill()
+    wait_until(lambda: _index_reachable(sidecar) == 0, 15, what="the index seen unreachable")
     code, body = sidecar.get("/readyz")
-    assert code == 503 and f"index {index.url} unreachable" in body
-    assert sidecar.get("/healthz")[0] == 200  # alive, only not ready
+    assert code == 200 and f"index {index.url} unreachable" in body
     assert run_client(sock, "c1", index.token)["ok"]  # the hand-off does not need the index
+    assert "unreachable" in sidecar.log_text()  # logged once when it changed
 
     index.start()
-    sidecar.wait_ready(timeout_s=10)
+    wait_until(lambda: _index_reachable(sidecar) == 1, 15, what="the index seen back")
+    assert sidecar.get("/readyz")[0] == 200
 
 
-def test_readyz_reports_a_token_the_index_refuses(index, sock_dir, sidecars):
+def test_readyz_fails_when_the_handoff_socket_is_gone(index, sock_dir, sidecars):
+    sock = sock_dir / "maru.sock"
+    sidecar = sidecars(index.pool_path, sock, index.url, token_file=index.token_file)
+    sidecar.wait_ready()
+    sock.unlink()  # e.g. removed from the shared volume: connectors can no longer reach it
+    code, body = sidecar.get("/readyz")
+    assert code == 503 and f"hand-off socket {sock} is gone" in body
+
+
+def test_a_token_the_index_refuses_is_reported_but_keeps_the_pod_ready(index, sock_dir, sidecars):
     wrong = sock_dir.parent / f"{sock_dir.name}.wrong-token"
     wrong.write_text("not-the-index-token")
+    wrong.chmod(0o600)
     try:
         sidecar = sidecars(index.pool_path, sock_dir / "maru.sock", index.url, token_file=str(wrong))
+        wait_until(lambda: _index_reachable(sidecar) == 0, 15, what="the index probed")
         code, body = sidecar.get("/readyz")
-        assert code == 503 and "refused the sidecar" in body and "auth" in body
+        assert code == 200 and "refused the sidecar" in body and "auth" in body
     finally:
         wrong.unlink()
 
@@ -76,6 +97,7 @@ SIDECAR_SERIES = {
     "maru_store_duration_seconds_count": {},
     "maru_store_failures_total": {"reason": "no_space"},
     "maru_sidecar_pool_attached": {},
+    "maru_sidecar_index_reachable": {},
     "maru_sidecar_handoffs_total": {"result": "ok"},
     "maru_sidecar_stats_regions": {"state": "live"},
 }

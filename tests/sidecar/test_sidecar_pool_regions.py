@@ -58,8 +58,9 @@ def start_cache(device, workdir):
     started: list[Cache] = []
 
     def start(name: str, offset: int) -> Cache:
-        token, token_file = f"token-of-{name}", workdir / f"{name}.token"
+        token, token_file = f"token-of-{name}-0123456789", workdir / f"{name}.token"
         token_file.write_text(token)
+        token_file.chmod(0o600)
         (workdir / name).mkdir()
         offset_flag = ["--pool-offset", str(offset)] if offset else []
         index = IndexProcess(device, pool_size=str(REGION), token_file=str(token_file),

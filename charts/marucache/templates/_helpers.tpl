@@ -112,3 +112,4 @@ wins over a tag; an empty tag means the chart's appVersion.
 {{- fail "webhook.tls.mode is \"secret\": set webhook.tls.caBundle (base64 PEM of the CA) or webhook.annotations for a CA injector (e.g. cert-manager.io/inject-ca-from)" -}}
 {{- end -}}
 {{- end -}}
+

@@ -12,6 +12,7 @@ microseconds.
 from __future__ import annotations
 
 import itertools
+import math
 import select
 import socket
 import threading
@@ -67,7 +68,11 @@ class Channel:
         self._pending: dict[int, _Waiter] = {}
         self._reading = False
         self._ids = itertools.count(1)
-        self._frames = FrameBuffer()
+        # poll, not select: select() fails for descriptors >= 1024, which large
+        # processes such as vLLM hand out routinely.
+        self._poller = select.poll()
+        self._poller.register(sock, select.POLLIN)
+        self._frames = FrameBuffer(keep_bytes=4 * 1024 * 1024)  # retrieve replies reach 3.2 MB: keep room for one
         self._writer = FrameWriter()  # used under the send lock; sendall finishes with its view
         self.failure: IndexUnavailable | None = None
         self.lease_state_unknown = False
@@ -75,6 +80,29 @@ class Channel:
     @property
     def failed(self) -> bool:
         return self.failure is not None
+
+    def closed_by_peer(self) -> bool:
+        """Whether the index closed this idle channel (its idle timeout, a restart):
+        checked without blocking before a call, so that the call reconnects
+        instead of failing. A channel with requests in flight is left to its readers."""
+        with self._cv:
+            if self.failure is not None or self._pending or self._reading:
+                return self.failure is not None
+            if not self._poller.poll(0):
+                return False
+            try:
+                peeked = self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return False
+            except OSError as exc:
+                peeked = b""
+                reason = f"the connection to the index failed while idle: {exc}"
+            else:
+                reason = "the index closed the idle connection"
+            if peeked:
+                return False  # bytes of a reply-less frame: the next reader decodes and reports it
+            self._fail_locked(IndexUnavailable(reason))
+            return True
 
     def call(self, message: dict[str, Any], deadline: float) -> Any:
         """Send ``message`` (its ``id`` is assigned here) and return the decoded reply."""
@@ -124,7 +152,7 @@ class Channel:
         while waiter.reply is None and self.failure is None:
             remaining = deadline - time.monotonic()
             try:
-                if remaining <= 0 or not select.select([self._sock], [], [], remaining)[0]:
+                if remaining <= 0 or not self._poller.poll(math.ceil(remaining * 1000)):
                     self.fail(IndexUnavailable(f"no reply to {waiter.op} within the timeout"))
                     return
                 count = self._sock.recv_into(self._frames.writable())

@@ -77,14 +77,58 @@ def _offset_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+#: The longest TTL, timeout or deadline a flag accepts (a day): longer is always a typo.
+_MAX_SECONDS = 86400.0
+#: The shortest token accepted: a token is a secret, not a password to remember.
+MIN_TOKEN_CHARS = 16
+
+
 def _positive_seconds(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         value = -1.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    if not 0 < value <= _MAX_SECONDS:  # also refuses nan and inf
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds (at most {_MAX_SECONDS:g})")
     return value
+
+
+def _count_arg(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return value
+
+
+def _fraction_arg(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction of the pool above 0 and at most 1 (e.g. 0.25)")
+    return value
+
+
+def port_arg(text: str) -> int:
+    """A TCP port, 0 (pick a free one) to 65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port: use 0 to 65535 (0 picks a free port)")
+    return value
+
+
+def host_arg(text: str) -> str:
+    """An address to bind: an IP address or a host name."""
+    if not re.fullmatch(r"[A-Za-z0-9.:_-]{1,253}", text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an address to listen on: use an IP address or host name")
+    return text
 
 
 def _address_arg(text: str) -> Any:
@@ -96,7 +140,21 @@ def _address_arg(text: str) -> Any:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def one_line_errors(parser: argparse.ArgumentParser) -> None:
+    """Make ``parser`` report a bad flag in one line (no usage block), exit code 2."""
+
+    def error(message: str) -> Any:
+        parser.exit(2, f"{parser.prog}: error: {message} (see --help)\n")
+
+    parser.error = error  # type: ignore[method-assign]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from maru_core.index.limits import PRE_AUTH_FRAME_BYTES, ServerLimits, default_max_connections
+    from maru_core.index.registry import MAX_EVICT_FRACTION
+
+    limits = ServerLimits()
+    one_line_errors(parser)
     parser.add_argument("--pool", required=True, metavar="PATH",
                         help="pool file (tmpfs, e.g. /dev/shm/maru.pool) or DAX device (/dev/daxX.Y)")
     parser.add_argument("--pool-size", type=_size_arg, metavar="SIZE",
@@ -109,25 +167,58 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen", required=True, type=_address_arg, metavar="ADDR",
                         help="tcp://HOST:PORT or unix:///PATH (port 0 picks a free port)")
     parser.add_argument("--token-file", metavar="FILE",
-                        help="file holding the token clients must present; without it, no token is needed")
-    parser.add_argument("--metrics-port", type=int, metavar="N", help="serve Prometheus /metrics on this port")
-    parser.add_argument("--metrics-addr", default="0.0.0.0", metavar="HOST", help="address for /metrics")
+                        help=f"file holding the token clients must present (at least {MIN_TOKEN_CHARS} "
+                             "characters, not readable by others); without it, no token is needed")
+    parser.add_argument("--metrics-port", type=port_arg, metavar="N", help="serve Prometheus /metrics on this port")
+    parser.add_argument("--metrics-addr", type=host_arg, metavar="HOST",
+                        help="address for /metrics (default: the host of a tcp:// --listen, else 127.0.0.1)")
     parser.add_argument("--lease-ttl", type=_positive_seconds, default=10.0, metavar="S",
                         help="seconds a client's lease lives without a heartbeat (default 10)")
     parser.add_argument("--reservation-ttl", type=_positive_seconds, default=30.0, metavar="S",
                         help="seconds a reservation may stay uncommitted (default 30)")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--high-watermark", type=_fraction_arg, default=0.95, metavar="F",
+                        help="used fraction of the pool at which a reserve evicts least recently used "
+                             "objects (default 0.95)")
+    parser.add_argument("--low-watermark", type=_fraction_arg, default=0.85, metavar="F",
+                        help="used fraction eviction brings the pool down to; below --high-watermark "
+                             "(default 0.85)")
+    parser.add_argument("--max-connections", type=_count_arg, default=default_max_connections(), metavar="N",
+                        help="connections served at once (default 1024, fewer under a lower open-files limit)")
+    parser.add_argument("--max-leases-per-connection", type=_count_arg, default=limits.max_leases_per_connection,
+                        metavar="N", help=f"live leases one connection may open (default {limits.max_leases_per_connection})")
+    parser.add_argument("--hello-timeout", type=_positive_seconds, default=limits.hello_timeout_s, metavar="S",
+                        help=f"seconds a new connection has to say hello (default {limits.hello_timeout_s:g}; "
+                             f"frames before it: at most {PRE_AUTH_FRAME_BYTES} bytes)")
+    parser.add_argument("--frame-timeout", type=_positive_seconds, default=limits.frame_timeout_s, metavar="S",
+                        help=f"seconds a frame under way, or unread replies, may stall (default {limits.frame_timeout_s:g})")
+    parser.add_argument("--idle-timeout", type=_positive_seconds, default=limits.idle_timeout_s, metavar="S",
+                        help=f"seconds a connection may send nothing (default {limits.idle_timeout_s:g})")
+    parser.add_argument("--max-evict-fraction", type=_fraction_arg, default=MAX_EVICT_FRACTION, metavar="F",
+                        help=f"largest share of the pool one reserve may evict (default {MAX_EVICT_FRACTION:g})")
+    parser.add_argument("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
 def read_token(path: str) -> str:
-    """The token in ``path`` (surrounding whitespace removed); ``ValueError`` if unusable."""
+    """The token in ``path`` (surrounding whitespace removed); ``ValueError`` if unusable:
+    unreadable, empty, shorter than ``MIN_TOKEN_CHARS``, or a file others may read or write."""
     try:
         with open(path, encoding="utf-8") as fh:
+            mode = os.fstat(fh.fileno()).st_mode
             token = fh.read().strip()
-    except OSError as exc:
-        raise ValueError(f"cannot read --token-file {path}: {exc.strerror}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read --token-file {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    if mode & 0o007:
+        raise ValueError(
+            f"--token-file {path} is open to other users (mode {stat.S_IMODE(mode):04o}); "
+            f"run chmod 600 (or 640/440) on it"
+        )
     if not token:
         raise ValueError(f"--token-file {path} is empty: write the cache's token into it")
+    if len(token) < MIN_TOKEN_CHARS:
+        raise ValueError(
+            f"--token-file {path} holds a token of {len(token)} characters; use at least {MIN_TOKEN_CHARS} "
+            "(e.g. openssl rand -hex 16)"
+        )
     return token
 
 
@@ -193,16 +284,35 @@ def _make_region_pool(path: str, size: int | None, page_size: int, offset: int, 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from maru_core.index.limits import ServerLimits
     from maru_core.pool import PoolError
+    from maru_core.protocol import TcpAddress
 
+    if args.low_watermark >= args.high_watermark:
+        print(f"marucache index: error: --low-watermark {args.low_watermark} must be below "
+              f"--high-watermark {args.high_watermark}", file=sys.stderr)
+        return 2
     try:
         token = read_token(args.token_file) if args.token_file else None
+        limits = ServerLimits(
+            max_connections=args.max_connections, hello_timeout_s=args.hello_timeout,
+            frame_timeout_s=args.frame_timeout, idle_timeout_s=args.idle_timeout,
+            max_leases_per_connection=args.max_leases_per_connection,
+        )  # fmt: skip
         pool, fresh = open_pool(args.pool, args.pool_size, args.page_size, args.pool_offset)
     except (ValueError, PoolError) as exc:
         print(f"marucache index: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ValueError) else 1
+    if args.metrics_addr is None:
+        args.metrics_addr = args.listen.host if isinstance(args.listen, TcpAddress) else "127.0.0.1"
+    if token is None and isinstance(args.listen, TcpAddress) and not _is_loopback(args.listen.host):
+        log.warning("no --token-file: anyone who can reach %s may use (and fill) this cache", args.listen)
     try:
-        return asyncio.run(_serve(args, pool, token, fresh))
+        return asyncio.run(_serve(args, pool, token, fresh, limits))
+    except _MetricsError as exc:
+        print(f"marucache index: error: cannot serve metrics on {args.metrics_addr}:{args.metrics_port}: "
+              f"{exc.__cause__.strerror or exc.__cause__}", file=sys.stderr)  # fmt: skip
+        return 2
     except OSError as exc:
         print(f"marucache index: error: cannot listen on {args.listen}: {exc.strerror or exc}", file=sys.stderr)
         return 1
@@ -210,7 +320,22 @@ def run(args: argparse.Namespace) -> int:
         pool.close()
 
 
-async def _serve(args: argparse.Namespace, pool: Any, token: str | None, fresh: bool) -> int:
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class _MetricsError(Exception):
+    """The metrics endpoint could not be served (its cause is the ``OSError``)."""
+
+
+async def _serve(args: argparse.Namespace, pool: Any, token: str | None, fresh: bool, limits: Any) -> int:
     from maru_core.index.service import build_service
 
     loop = asyncio.get_running_loop()
@@ -224,12 +349,18 @@ async def _serve(args: argparse.Namespace, pool: Any, token: str | None, fresh: 
         reservation_ttl_s=args.reservation_ttl,
         with_metrics=args.metrics_port is not None,
         fresh_pool=fresh,
+        watermarks=(args.high_watermark, args.low_watermark),
+        limits=limits,
+        max_evict_fraction=args.max_evict_fraction,
     )
-    bound = await service.server.start(args.listen)
     try:
-        if args.metrics_port is not None:
-            port = service.metrics.serve(args.metrics_port, args.metrics_addr)
+        if args.metrics_port is not None:  # before listening: a taken port is reported before any client arrives
+            try:
+                port = service.metrics.serve(args.metrics_port, args.metrics_addr)
+            except OSError as exc:
+                raise _MetricsError() from exc
             print(f"marucache index: metrics on http://{args.metrics_addr}:{port}/metrics", flush=True)
+        bound = await service.server.start(args.listen)
         g = pool.geometry
         print(
             f"marucache index: pool {args.pool} at offset {pool.offset} ({g.capacity_bytes} bytes in "

@@ -257,7 +257,7 @@ class IndexClient:
         with self._lock:
             if self._closed:
                 raise IndexUnavailable("the index client was closed")
-            if self._channel is not None and not self._channel.failed:
+            if self._channel is not None and not self._channel.closed_by_peer():
                 return self._channel
             if self._channel is not None:
                 self._forget(self._channel)

@@ -33,6 +33,8 @@ POOL_STATES = ("free", "reserved", "committed", "pinned")
 #: The ``op`` label: every op of the protocol, and ``invalid`` for a request
 #: that names none the server can parse (the server's label for it).
 RPC_OPS = (*OPS, "invalid")
+#: The ``reason`` label of closed connections (``maru_core.index.server.CLOSE_REASONS``).
+CLOSE_REASONS = ("auth", "bad_frame", "connection_limit", "hello_timeout", "stalled", "idle")
 #: The ``type`` label of errors: every error type of the protocol.
 RPC_ERROR_TYPES = tuple(error_type.value for error_type in ErrorType)
 
@@ -102,6 +104,18 @@ class IndexMetrics:
         for op in RPC_OPS:  # at zero from the start (see the module docstring)
             for error_type in RPC_ERROR_TYPES:
                 self._errors.labels(op, error_type)
+        self._closed = Counter(
+            "maru_index_connections_closed",
+            "Connections the index closed, by reason (auth, bad_frame, connection_limit, hello_timeout, "
+            "stalled, idle).",
+            ["reason"],
+            registry=self.registry,
+        )
+        for reason in CLOSE_REASONS:
+            self._closed.labels(reason)
+        self._auth_failures = Counter(
+            "maru_index_auth_failures", "hello requests with a wrong or missing token.", registry=self.registry
+        )
         self.registry.register(PoolCollector(read_stats, capacity_bytes))
         if process_metrics:
             ProcessCollector(registry=self.registry)
@@ -112,6 +126,12 @@ class IndexMetrics:
         self._duration.labels(op).observe(seconds)
         if error_type is not None:
             self._errors.labels(op, error_type).inc()
+
+    def count_closed(self, reason: str) -> None:
+        self._closed.labels(reason).inc()
+
+    def count_auth_failure(self) -> None:
+        self._auth_failures.inc()
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> int:
         """Serve ``/metrics`` on ``addr:port`` from a daemon thread; return the bound port."""

@@ -12,12 +12,18 @@ Rules it keeps:
 - A pinned object is never evicted and its pages never reused; pins belong to
   a lease and go when it is closed or lapses.
 - Reservations go when aborted, when their lease lapses, or
-  ``reservation_ttl_s`` after ``reserve`` if still uncommitted.
+  ``reservation_ttl_s`` after ``reserve`` if still uncommitted. The pages of
+  a reservation that lapsed are fenced (``maru_core.index.fencing``): not
+  reused while its writer's lease lives, nor for ``fence_grace_s`` after it
+  ends, unless the writer commits or aborts the key first; a late copy of a
+  lapsed writer can never land in another writer's object.
 - Eviction: when a reserve would push used pages (reserved + committed) above
   ``high_watermark`` of the capacity, committed unpinned objects are evicted,
   least recently used first, until used pages plus the reserve fit under
   ``low_watermark``. When free space is fragmented, more are evicted until
-  each object fits.
+  each object fits. One reserve never evicts more than
+  ``max_evict_fraction`` of the pool's pages: the items that do not fit
+  then get no slot, so one batch cannot wipe the cache.
 - After ``restore`` (an index restarted over a pool that was in use) no slot
   is handed out for ``quarantine_s``: copies that were in flight across the
   restart, whose pins and reservations died with the old index, finish first.
@@ -27,11 +33,12 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 
 import numpy as np
 
 from maru_core.index.allocator import ExtentAllocator
+from maru_core.index.fencing import LapsedFence
 from maru_core.index.leases import Lease, new_lease_id
 from maru_core.index.restore import select_restorable
 from maru_core.index.records import RecordTable, State
@@ -42,6 +49,7 @@ from maru_core.index.registry_types import (
     Keys,
     checked_lengths,
     first_occurrences,
+    run_to_end,
     joined_keys,
     select_keys,
     split_items,
@@ -53,6 +61,9 @@ from maru_core.index.registry_types import (
 )
 from maru_core.pool.geometry import PoolGeometry
 from maru_core.protocol.locations import Location, LocationList, SlotList
+
+#: The largest share of the pool's pages one ``reserve`` may evict.
+MAX_EVICT_FRACTION = 0.25
 
 #: ``verify(keys, offsets, generations) -> one bool per key`` (see ``Registry.commit``).
 Verify = Callable[[bytes, np.ndarray, np.ndarray], Sequence[bool] | np.ndarray]
@@ -77,8 +88,11 @@ class Registry:
     may stay uncommitted; ``high_watermark``/``low_watermark`` (fractions of
     capacity, ``0 < low <= high <= 1``) drive eviction; ``quarantine_s``
     (default ``lease_ttl_s``) is how long no slot is handed out after
-    ``restore``; ``clock`` returns seconds; ``first_generation`` seeds the
-    generation counter.
+    ``restore``; ``fence_grace_s`` (default ``reservation_ttl_s``) how long
+    the pages of a lapsed reservation stay fenced after its lease ends;
+    ``clock`` returns seconds; ``first_generation`` seeds the generation
+    counter; ``max_evict_fraction`` bounds what one reserve may evict (a
+    share of the pool's pages).
     """
 
     def __init__(
@@ -92,6 +106,8 @@ class Registry:
         quarantine_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         first_generation: int = 1,
+        fence_grace_s: float | None = None,
+        max_evict_fraction: float = MAX_EVICT_FRACTION,
     ) -> None:
         if not 0 < low_watermark <= high_watermark <= 1:
             raise ValueError(
@@ -99,6 +115,8 @@ class Registry:
             )
         if lease_ttl_s <= 0 or reservation_ttl_s <= 0:
             raise ValueError("lease_ttl_s and reservation_ttl_s must be positive")
+        if not 0 < max_evict_fraction <= 1:
+            raise ValueError(f"max_evict_fraction must be in (0, 1], got {max_evict_fraction}")
         if first_generation < 1:
             raise ValueError(f"first_generation must be at least 1, got {first_generation}")
         self.geometry = geometry
@@ -107,6 +125,7 @@ class Registry:
         self.quarantine_s = self.lease_ttl_s if quarantine_s is None else float(quarantine_s)
         self._high_pages = math.floor(high_watermark * geometry.num_pages)
         self._low_pages = math.floor(low_watermark * geometry.num_pages)
+        self._max_evict_pages = max(1, math.floor(max_evict_fraction * geometry.num_pages))
         self._clock = clock
         self._records = RecordTable()
         self._alloc = ExtentAllocator(geometry.num_pages)
@@ -121,6 +140,8 @@ class Registry:
         self._committed_keys = 0
         self._evictions = 0
         self._quarantine_until = -math.inf
+        self._fence = LapsedFence(self.reservation_ttl_s if fence_grace_s is None else fence_grace_s)
+        self._additions = 0
 
     # -- leases ---------------------------------------------------------------------------------
 
@@ -145,11 +166,12 @@ class Registry:
 
     def close_lease(self, lease_id: str) -> bool:
         """Release the lease's pins and reservations now; ``False`` if it was not live."""
+        return run_to_end(self.close_lease_sliced(lease_id))
+
+    def lease_is_live(self, lease_id: str) -> bool:
+        """Whether ``lease_id`` is a lease that has not lapsed (nothing is renewed)."""
         lease = self._leases.get(lease_id)
-        if lease is None:
-            return False
-        self._drop_lease(lease)
-        return True
+        return lease is not None and lease.expires_at > self._clock()
 
     def _lease(self, lease_id: str) -> Lease:
         """The live lease, renewed: every call made under a lease counts as a heartbeat."""
@@ -164,31 +186,61 @@ class Registry:
         return lease
 
     def _drop_lease(self, lease: Lease) -> tuple[int, int]:
-        del self._leases[lease.lease_id]
-        del self._lease_by_number[lease.number]
-        pinned = lease.clear_pins()
-        np.subtract.at(self._records.pins, pinned, 1)
-        rec = self._records
-        hw = rec.high_water
-        owned = np.flatnonzero((rec.owner[:hw] == lease.number) & (rec.state[:hw] == State.RESERVED))
-        self._release(owned, State.RESERVED)
-        return len(pinned), len(owned)
+        return run_to_end(self._drop_leases_sliced([lease]))
+
+    def close_lease_sliced(self, lease_id: str) -> Generator[None, None, bool]:
+        """``close_lease`` in slices (see ``_drop_leases_sliced``); returns whether the lease was live."""
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            return False
+        yield from self._drop_leases_sliced([lease])
+        return True
+
+    def _drop_leases_sliced(self, leases: list[Lease]) -> Generator[None, None, tuple[int, int]]:
+        """End ``leases`` at once (no call can use them any more), then release
+        their pins a chunk per step, then their reservations in one step.
+        Returns (pins released, reservations released)."""
+        for lease in leases:
+            del self._leases[lease.lease_id]
+            del self._lease_by_number[lease.number]
+        pins = 0
+        for lease in leases:
+            for chunk in lease.pop_pin_chunks():
+                # A row's count stays above zero until this lease's last pin on it is gone.
+                np.subtract.at(self._records.pins, chunk, 1)
+                pins += len(chunk)
+                yield
+        rec, hw = self._records, self._records.high_water
+        numbers = np.fromiter((lease.number for lease in leases), dtype=rec.owner.dtype, count=len(leases))
+        owners = rec.owner[:hw]
+        mine = owners == numbers[0] if len(numbers) == 1 else np.isin(owners, numbers)
+        owned = np.flatnonzero(mine & (rec.state[:hw] == State.RESERVED))
+        # Their writers may still be copying: the pages wait in the fence.
+        self._fence_lapsed(owned)
+        now = self._clock()
+        for lease in leases:
+            self._fence.lease_ended(lease.number, now)
+        return pins, len(owned)
 
     def expire(self) -> ExpiryReport:
         """Release lapsed leases (their pins and reservations) and reservations past their deadline."""
+        return run_to_end(self.expire_sliced())
+
+    def expire_sliced(self) -> Generator[None, None, ExpiryReport]:
+        """``expire`` in slices: lapsed leases end at once, their pins are released
+        a chunk per step (see ``_drop_leases_sliced``)."""
         now = self._clock()
-        lapsed, pins, reservations = [], 0, 0
-        for lease in [lease for lease in self._leases.values() if lease.expires_at <= now]:
-            dropped_pins, dropped_reservations = self._drop_lease(lease)
-            lapsed.append(lease.lease_id)
-            pins += dropped_pins
-            reservations += dropped_reservations
+        lapsed = [lease for lease in self._leases.values() if lease.expires_at <= now]
+        pins = reservations = 0
+        if lapsed:
+            pins, reservations = yield from self._drop_leases_sliced(lapsed)
         if self._reserved_keys:
             rec, hw = self._records, self._records.high_water
             stale = np.flatnonzero((rec.state[:hw] == State.RESERVED) & (rec.deadline[:hw] <= now))
-            self._release(stale, State.RESERVED)
+            self._fence_lapsed(stale)
             reservations += len(stale)
-        return ExpiryReport(tuple(lapsed), pins, reservations)
+        self._free_fenced(self._fence.due(now))
+        return ExpiryReport(tuple(lease.lease_id for lease in lapsed), pins, reservations)
 
     def _lookup_in_state(self, keys: Keys, state: State) -> tuple[np.ndarray, np.ndarray]:
         return self._records.lookup_in_state(joined_keys(keys), state)
@@ -225,6 +277,16 @@ class Registry:
 
     def unpin(self, lease_id: str, keys: Keys) -> int:
         """Drop one of ``lease_id``'s pins per key occurrence; return how many were dropped."""
+        return run_to_end(self.unpin_sliced(lease_id, keys))
+
+    def unpin_sliced(self, lease_id: str, keys: Keys) -> Generator[None, None, int]:
+        """``unpin`` in slices: yields between chunks of the lease's pins
+        (``leases.PIN_CHUNK_ROWS`` rows each), returns how many were dropped.
+
+        Unpinning exactly the keys of one earlier retrieve (the usual case)
+        costs one step; any other set of keys is searched for chunk by chunk,
+        so a lease holding millions of pins never holds the caller for long.
+        """
         lease = self._lease(lease_id)
         joined = joined_keys(keys)
         batch = lease.take_batch(joined)
@@ -232,9 +294,12 @@ class Registry:
             self._records.pins[batch] -= 1
             return len(batch)
         rows, _ = self._lookup_in_state(joined, State.COMMITTED)
-        unpinned_rows, counts = lease.take_pins(rows[rows >= 0])
-        self._records.pins[unpinned_rows] -= counts
-        return len(unpinned_rows) if isinstance(counts, int) else int(counts.sum())
+        dropped = 0
+        for taken in lease.take_pins_sliced(rows[rows >= 0]):
+            np.subtract.at(self._records.pins, taken, 1)
+            dropped += len(taken)
+            yield
+        return dropped
 
     def _locations(self, rows: np.ndarray, present: np.ndarray | None) -> LocationList:
         """The packed locations of ``rows``; a miss where ``present`` (``None``: everywhere) is false."""
@@ -264,7 +329,8 @@ class Registry:
         keys, lengths = split_items(items)
         return self.reserve_packed(lease_id, keys, lengths)
 
-    def reserve_packed(self, lease_id: str, keys: Keys, lengths: Sequence[int] | np.ndarray) -> SlotList:
+    def reserve_packed(self, lease_id: str, keys: Keys, lengths: Sequence[int] | np.ndarray,
+                       candidates: np.ndarray | None = None) -> SlotList:  # fmt: skip
         """A slot per key, of ``lengths[i]`` bytes for ``keys[i]``, in order, or
         ``None`` for a key already committed or reserved (or repeated in the
         batch) or that does not fit even after eviction.
@@ -273,12 +339,16 @@ class Registry:
         extent holds them all, so a reader can copy adjacent objects at once.
         Raises ``NoSpace`` when no new item could be placed, ``BadRequest``
         for a key that is not 16 bytes or a length that is not positive.
+        ``candidates`` may carry ``absent_keys(keys) & first_occurrences(keys)``
+        computed earlier (in slices) while ``additions`` stayed the same: it is
+        then exact but for keys removed since, which are answered as present (a
+        miss, never a duplicate).
         """
         lease = self._lease(lease_id)
         joined = joined_keys(keys)
         lengths = checked_lengths(lengths, len(joined) // KEY_BYTES)
-        candidates = self._records.lookup(joined) < 0
-        candidates &= first_occurrences(joined)
+        if candidates is None or len(candidates) != len(lengths):
+            candidates = (self._records.lookup(joined) < 0) & first_occurrences(joined)
         if not candidates.any():
             return SlotList(bytes(len(joined)))
         if self._clock() < self._quarantine_until:
@@ -310,9 +380,19 @@ class Registry:
         words[idx, 1] = self._records.generation.take(rows)
         return SlotList(words.tobytes())
 
+    def absent_keys(self, keys: Keys) -> np.ndarray:
+        """Which of ``keys`` no record holds (a read, for a reserve looked up in slices)."""
+        return self._records.lookup(joined_keys(keys)) < 0
+
+    @property
+    def additions(self) -> int:
+        """Counts batches of records added: unchanged, an ``absent_keys`` answer still holds."""
+        return self._additions
+
     def _add_reserved(self, lease: Lease, keys: bytes, starts: np.ndarray, pages: np.ndarray,
                       lengths: np.ndarray) -> np.ndarray:  # fmt: skip
         rec = self._records
+        self._additions += 1
         rows = rec.add(keys)
         n = len(rows)
         rec.page[rows] = starts
@@ -364,6 +444,7 @@ class Registry:
         self._committed_pages += pages
         self._committed_keys += len(done)
         self._touch(done)
+        self._end_fence_of_writer(lease, joined, ok)
         return ok.tolist()
 
     def abort(self, lease_id: str, keys: Keys) -> int:
@@ -371,8 +452,10 @@ class Registry:
         lease = self._lease(lease_id)
         rec = self._records
         rows, reserved = self._lookup_in_state(keys, State.RESERVED)
-        mine = np.unique(rows[reserved & (rec.owner[rows] == lease.number)])
+        held = reserved & (rec.owner[rows] == lease.number)
+        mine = np.unique(rows[held])
         self._release(mine, State.RESERVED)
+        self._end_fence_of_writer(lease, joined_keys(keys), held)
         return len(mine)
 
     # -- space ----------------------------------------------------------------------------------
@@ -391,6 +474,41 @@ class Registry:
         else:
             self._committed_pages -= pages
             self._committed_keys -= len(rows)
+
+    # -- fencing of lapsed writers ------------------------------------------------------------
+
+    def _fence_lapsed(self, rows: np.ndarray) -> None:
+        """Drop the lapsed reservations at ``rows`` (distinct, reserved) but keep their pages
+        allocated, in the fence: their writer may still be copying into them."""
+        if not len(rows):
+            return
+        rec = self._records
+        keys = [rec.key_of(int(row)) for row in rows]
+        self._fence.hold(keys, rec.page[rows].copy(), rec.pages[rows].copy(), rec.owner[rows].copy(),
+                         lambda number: number in self._lease_by_number, self._clock())  # fmt: skip
+        rec.remove(rows)
+        self._reserved_keys -= len(rows)  # the pages stay counted as reserved until freed
+
+    def _free_fenced(self, runs: list[tuple[int, int]]) -> None:
+        if not runs:
+            return
+        starts, counts = (np.array(column, dtype=np.int64) for column in zip(*runs))
+        self._alloc.free_runs(starts, counts)
+        self._reserved_pages -= int(counts.sum())
+
+    def _end_fence_of_writer(self, lease: Lease, joined: bytes, handled: np.ndarray) -> None:
+        """The writer committed or aborted ``joined``'s keys: fenced runs of those it no
+        longer holds (``handled`` false) can go, since it sends those calls after its copy."""
+        if not len(self._fence):
+            return
+        n = len(joined) // KEY_BYTES
+        keys = {joined[i * KEY_BYTES : (i + 1) * KEY_BYTES] for i in range(n) if not handled[i]}
+        self._free_fenced(self._fence.writer_done(lease.number, keys))
+
+    @property
+    def fenced_pages(self) -> int:
+        """Pages of lapsed reservations held back from reuse (part of ``reserved_bytes``)."""
+        return self._fence.pages
 
     def _evict(self, min_pages: int) -> int:
         """Evict least recently used unpinned committed objects totalling at least
@@ -418,21 +536,51 @@ class Registry:
         return freed
 
     def _place(self, pages: np.ndarray) -> np.ndarray:
-        """First page for each object (-1 where none fits), evicting as the watermarks say."""
+        """First page for each object (-1 where none fits), evicting as the watermarks
+        say but never more than ``max_evict_pages`` in one call."""
+        budget = self._max_evict_pages
         need = int(pages.sum())
         used = self._alloc.used_pages
         if used + need > self._high_pages:
-            self._evict(used + need - self._low_pages)
+            budget -= self._evict(min(used + need - self._low_pages, budget))
         start = self._alloc.allocate(need) if need <= self._alloc.largest_free else None
         if start is not None:
             return start + np.concatenate(([0], np.cumsum(pages)[:-1]))
+        return self._place_each(pages, budget)
+
+    def _place_each(self, pages: np.ndarray, budget: int) -> np.ndarray:
+        """Place the objects of a batch that fits nowhere whole, in order: as many
+        consecutive objects as the largest free extent holds go there with one
+        allocation; an object that fits in no extent is given room by eviction,
+        within ``budget`` pages. Once an object of ``n`` pages fits nowhere (and
+        nothing more may be evicted for it), only smaller ones are tried. The
+        work is thus bounded by what fits, not by the batch's length."""
         starts = np.full(len(pages), -1, dtype=np.int64)
-        for i, count in enumerate(pages.tolist()):
+        todo = np.arange(len(pages))
+        while len(todo):
+            largest = self._alloc.largest_free
+            window = pages[todo[: largest + 1]]  # every object has a page at least: no more fit
+            fit = int(np.searchsorted(np.cumsum(window), largest, side="right"))
+            if fit > 1:
+                run = todo[:fit]
+                first = self._alloc.allocate(int(window[:fit].sum()))
+                starts[run] = first + np.concatenate(([0], np.cumsum(window[: fit - 1])))
+                todo = todo[fit:]
+                continue
+            i, count = int(todo[0]), int(pages[todo[0]])
             first = self._alloc.allocate(count)
-            while first is None and self._evict(count):
+            while first is None and budget >= count:
+                freed = self._evict(count)
+                if not freed:
+                    break
+                budget -= freed
                 first = self._alloc.allocate(count)
-            if first is not None:
+            if first is None:
+                rest = todo[1:]
+                todo = rest[pages[rest] < count]
+            else:
                 starts[i] = first
+                todo = todo[1:]
         return starts
 
     # -- restart --------------------------------------------------------------------------------
@@ -454,6 +602,7 @@ class Registry:
             return 0
         self._alloc = ExtentAllocator.from_occupied(self.geometry.num_pages, pages, counts)
         rec = self._records
+        self._additions += 1
         rows = rec.add(keys)
         rec.page[rows], rec.pages[rows], rec.length[rows], rec.generation[rows] = pages, counts, lengths, gens
         rec.offset[rows] = pages * self.geometry.page_size + self.geometry.data_offset

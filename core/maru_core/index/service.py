@@ -8,7 +8,8 @@ import logging
 from typing import Any
 
 from maru_core.index.metrics import IndexMetrics
-from maru_core.index.registry import Registry
+from maru_core.index.limits import ServerLimits
+from maru_core.index.registry import MAX_EVICT_FRACTION, Registry
 from maru_core.index.server import IndexServer
 from maru_core.protocol import Location
 
@@ -50,13 +51,22 @@ def build_service(
     with_metrics: bool,
     fresh_pool: bool = False,
     expiry_interval_s: float | None = None,
+    watermarks: tuple[float, float] = (0.95, 0.85),
+    limits: ServerLimits | None = None,
+    max_evict_fraction: float = MAX_EVICT_FRACTION,
 ) -> IndexService:
     """Build the index of ``pool``; call inside the running loop that will serve it.
 
     ``fresh_pool`` says the pool was just created: nothing to restore and no
-    writer of an earlier index to wait for.
+    writer of an earlier index to wait for. ``watermarks`` is (high, low):
+    the used fractions at which eviction starts and down to which it evicts.
+    ``limits`` bound what one connection may cost; ``max_evict_fraction`` what
+    one reserve may evict.
     """
-    registry = Registry(pool.geometry, lease_ttl_s=lease_ttl_s, reservation_ttl_s=reservation_ttl_s)
+    high, low = watermarks
+    registry = Registry(pool.geometry, lease_ttl_s=lease_ttl_s, reservation_ttl_s=reservation_ttl_s,
+                        high_watermark=high, low_watermark=low,
+                        max_evict_fraction=max_evict_fraction)  # fmt: skip
     restored = 0
     if not fresh_pool:
         restored = restore_registry(registry, pool)
@@ -74,5 +84,5 @@ def build_service(
 
         metrics = IndexMetrics(read_stats, pool.geometry.capacity_bytes)
     interval = expiry_interval_s or min(1.0, lease_ttl_s / 4)
-    server = IndexServer(registry, pool, token=token, expiry_interval_s=interval, metrics=metrics)
+    server = IndexServer(registry, pool, token=token, expiry_interval_s=interval, metrics=metrics, limits=limits)
     return IndexService(server=server, metrics=metrics, restored=restored)

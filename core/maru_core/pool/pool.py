@@ -23,6 +23,7 @@ import uuid as uuid_module
 import weakref
 from collections.abc import Iterator
 
+from maru_core.pool.checksum import payload_checksum
 from maru_core.pool.device import SYSFS_ROOT, Backing, backing_size, open_rw
 from maru_core.pool.errors import (
     PoolError,
@@ -408,6 +409,22 @@ class Pool:
         if parsed is None or page + parsed[1] > self.geometry.num_pages:
             return None
         return parsed[0]
+
+    def payload_checksum(self, offset: int, length: int) -> int:
+        """The checksum (``maru_core.pool.checksum``) of ``length`` bytes at ``offset``, for
+        the slot header a writer writes once its copy into them has completed."""
+        view = self.view(offset, length)
+        try:
+            return payload_checksum(view)
+        finally:
+            view.release()
+
+    def payload_matches(self, offset: int, header: SlotHeader) -> bool:
+        """Whether the object at ``offset`` still holds the bytes its ``header``'s checksum
+        names; ``False`` when the header carries no checksum (nothing to vouch for them)."""
+        if header.checksum is None:
+            return False
+        return self.payload_checksum(offset, header.length) == header.checksum
 
     def iter_slot_headers(self) -> Iterator[tuple[int, SlotHeader]]:
         """``(offset, header)`` of every intact object in the table, in page order.

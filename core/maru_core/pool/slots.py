@@ -11,9 +11,16 @@ when the index rebuilds itself from the table.
 Entry layout (little-endian), CRC32 over the first 60 bytes:
 
 ```
-magic 4s "MSLT" | state u8 | format u8 | reserved u16 | key 16s
-generation u64 | length u64 | page count u32 | reserved 16 bytes | crc32 u32
+magic 4s "MSLT" | state u8 | format u8 | checksum kind u8 | reserved u8 | key 16s
+generation u64 | length u64 | page count u32 | payload checksum u64 | layout u64 | crc32 u32
 ```
+
+The payload checksum (``maru_core.pool.checksum``, kind 1: XXH3-64) covers
+the object's bytes; kind 0 means the writer recorded none (entries written
+before checksums existed read that way: the bytes were reserved zeros).
+``layout`` is the writer's fingerprint of how the bytes are arranged (the
+KV layout its worker detected, ``ObjectFormat.fingerprint``); 0: none. A
+reader uses an object only when it names the reader's own layout.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import zlib
 from maru_core.pool.geometry import SLOT_HEADER_BYTES
 
 SLOT_MAGIC = b"MSLT"
-_BODY = struct.Struct("<4sBBH16sQQI16x")
+_BODY = struct.Struct("<4sBBBx16sQQIQQ")
 _CRC = struct.Struct("<I")
 if _BODY.size + _CRC.size != SLOT_HEADER_BYTES:  # pragma: no cover - a layout edit gone wrong
     raise ImportError("slot header entry is not SLOT_HEADER_BYTES long")
@@ -41,6 +48,13 @@ class SlotState(enum.IntEnum):
     CONTINUATION = 2
 
 
+class ChecksumKind(enum.IntEnum):
+    """Which payload checksum a header carries."""
+
+    NONE = 0
+    XXH3_64 = 1
+
+
 class SlotFormat(enum.IntEnum):
     """How the object's bytes are grouped (see ``maru_core.keys.FORMATS``)."""
 
@@ -52,12 +66,16 @@ class SlotFormat(enum.IntEnum):
 @dataclasses.dataclass(frozen=True, slots=True)
 class SlotHeader:
     """What a slot holds: the object's ``key``, the ``generation`` the index
-    gave its slot, its ``length`` in bytes and its ``fmt``."""
+    gave its slot, its ``length`` in bytes, its ``fmt`` and the XXH3-64
+    ``checksum`` of its payload (``None``: not recorded) and the ``layout``
+    fingerprint of its bytes' arrangement (0: not recorded)."""
 
     key: bytes
     generation: int
     length: int
     fmt: SlotFormat = SlotFormat.UNSPECIFIED
+    checksum: int | None = None
+    layout: int = 0
 
     def __post_init__(self) -> None:
         if type(self.key) is not bytes or len(self.key) != KEY_BYTES:
@@ -67,6 +85,10 @@ class SlotHeader:
         if type(self.length) is not int or not 0 < self.length <= _U64_MAX:
             raise ValueError(f"SlotHeader.length must be a positive int, got {self.length!r}")
         object.__setattr__(self, "fmt", SlotFormat(self.fmt))
+        if self.checksum is not None and (type(self.checksum) is not int or not 0 < self.checksum <= _U64_MAX):
+            raise ValueError(f"SlotHeader.checksum must be None or an int in [1, 2**64), got {self.checksum!r}")
+        if type(self.layout) is not int or not 0 <= self.layout <= _U64_MAX:
+            raise ValueError(f"SlotHeader.layout must be an int in [0, 2**64), got {self.layout!r}")
 
     def names(self, key: bytes, generation: int) -> bool:
         """Whether this header names ``key`` at ``generation`` (a reader's check after pinning)."""
@@ -77,7 +99,9 @@ def pack_entry(header: SlotHeader, state: SlotState, page_count: int) -> bytes:
     """One table entry for ``header`` in ``state``."""
     if not 0 < page_count <= _U32_MAX:
         raise ValueError(f"an object spans 1 to 2**32-1 pages, not {page_count}")
-    body = _BODY.pack(SLOT_MAGIC, state, header.fmt, 0, header.key, header.generation, header.length, page_count)
+    kind = ChecksumKind.NONE if header.checksum is None else ChecksumKind.XXH3_64
+    body = _BODY.pack(SLOT_MAGIC, state, header.fmt, kind, header.key, header.generation, header.length,
+                      page_count, header.checksum or 0, header.layout)  # fmt: skip
     return body + _CRC.pack(zlib.crc32(body))
 
 
@@ -93,10 +117,14 @@ def unpack_head(entry: bytes | memoryview, page_size: int) -> tuple[SlotHeader, 
     body = entry[: _BODY.size]
     if zlib.crc32(body) != _CRC.unpack_from(entry, _BODY.size)[0]:
         return None
-    _, _, fmt, _, key, generation, length, page_count = _BODY.unpack(body)
+    _, _, fmt, kind, key, generation, length, page_count, checksum, layout = _BODY.unpack(body)
     if generation == 0 or length == 0 or page_count != -(-length // page_size) or fmt not in SlotFormat._value2member_map_:
         return None
-    return SlotHeader(key=key, generation=generation, length=length, fmt=SlotFormat(fmt)), page_count
+    if kind not in ChecksumKind._value2member_map_ or (kind == ChecksumKind.XXH3_64) != (checksum != 0):
+        return None
+    header = SlotHeader(key=key, generation=generation, length=length, fmt=SlotFormat(fmt),
+                        checksum=checksum or None, layout=layout)  # fmt: skip
+    return header, page_count
 
 
 def continuation_of(head_entry: bytes) -> bytes:

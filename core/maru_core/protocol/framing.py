@@ -14,6 +14,7 @@ from typing import Any
 import msgpack
 
 from maru_core.protocol.errors import FrameError, FrameTooLarge
+from maru_core.protocol.messages import MAX_BATCH_KEYS
 
 HEADER = struct.Struct(">I")
 HEADER_BYTES = HEADER.size
@@ -114,15 +115,24 @@ class FrameWriter:
         self._out = bytearray(0)
 
 
-def payload_length(header: bytes | bytearray | memoryview, offset: int = 0) -> int:
+def payload_length(header: bytes | bytearray | memoryview, offset: int = 0, limit: int = MAX_FRAME_BYTES) -> int:
     """The payload length announced by the 4-byte header at ``offset`` of ``header``;
-    checked against the limit."""
+    checked against ``limit`` (``MAX_FRAME_BYTES`` unless a reader sets a smaller one)."""
     (length,) = HEADER.unpack_from(header, offset)
-    if length > MAX_FRAME_BYTES:
-        raise FrameTooLarge(f"frame announces {length} bytes, above MAX_FRAME_BYTES={MAX_FRAME_BYTES}")
+    if length > limit:
+        name = "MAX_FRAME_BYTES" if limit == MAX_FRAME_BYTES else "the limit before hello"
+        raise FrameTooLarge(f"frame announces {length} bytes, above {name}={limit}")
     if length == 0:
         raise FrameError("frame announces an empty payload")
     return length
+
+
+_DECODE_LIMITS = {
+    "max_array_len": 2 * MAX_BATCH_KEYS,
+    "max_map_len": 1024,
+    "max_str_len": 1024 * 1024,
+    "max_ext_len": 0,  # the protocol has no extension types
+}
 
 
 def decode_payload(payload: bytes | bytearray | memoryview) -> Any:
@@ -132,9 +142,23 @@ def decode_payload(payload: bytes | bytearray | memoryview) -> Any:
     try:
         # Non-string map keys are decoded rather than refused, so that a map
         # with odd keys gets a typed ``bad_request`` reply, not a closed socket.
-        return msgpack.unpackb(payload, raw=False, strict_map_key=False)
+        # Container limits refuse, from its header alone, an array or map no
+        # message has (a frame of 16 million nils would take a third of a
+        # second to build); an array a little over the batch limit still
+        # decodes, to be answered ``too_large``.
+        return msgpack.unpackb(payload, raw=False, strict_map_key=False, **_DECODE_LIMITS)
     except (ValueError, TypeError, msgpack.UnpackException, RecursionError) as exc:
         raise FrameError(f"payload is not one msgpack object: {exc}") from exc
+
+
+#: A payload above this must start as a map to be received at all (smaller ones
+#: that are no map are decoded, to be answered ``bad_request``).
+_SMALL_PAYLOAD = 64 * 1024
+
+
+def _starts_a_map(first_byte: int) -> bool:
+    """Whether a msgpack object starting with this byte is a map (fixmap, map 16, map 32)."""
+    return 0x80 <= first_byte <= 0x8F or first_byte in (0xDE, 0xDF)
 
 
 class FrameBuffer:
@@ -145,17 +169,34 @@ class FrameBuffer:
     count to ``advance``; then, while ``complete()``, ``pop()`` decodes the
     next frame straight from the buffer. A frame's bytes are thus copied
     once, by the kernel, and a payload is decoded without being sliced out
-    first. Room for a whole announced frame is made before it arrives, so a
-    large frame is received in few system calls. The buffer shrinks back
-    once a large frame has been consumed.
+    first. The buffer grows with the bytes that actually arrived (at most
+    doubling what is held), never by what a header announces: a peer that
+    announces 16 MiB and sends 6 bytes costs nothing more than 6 bytes, and
+    a large frame still arrives in few system calls. The buffer shrinks
+    back once a large frame has been consumed.
+
+    ``max_frame`` is the largest payload accepted; a server lowers it for a
+    connection that has not said ``hello`` yet (see ``set_max_frame``).
     """
 
-    def __init__(self, initial_bytes: int = 256 * 1024, min_free: int = 64 * 1024) -> None:
+    def __init__(self, initial_bytes: int = 256 * 1024, min_free: int = 64 * 1024,
+                 max_frame: int = MAX_FRAME_BYTES, keep_bytes: int | None = None) -> None:  # fmt: skip
         self._initial = initial_bytes
+        self._keep = 4 * initial_bytes if keep_bytes is None else keep_bytes
         self._min_free = min_free
         self._buf = bytearray(initial_bytes)
         self._start = 0  # first byte not consumed yet
         self._end = 0  # end of the bytes received
+        self.max_frame = max_frame
+
+    def set_max_frame(self, limit: int) -> None:
+        """Accept payloads up to ``limit`` bytes from now on (checked again for a frame under way)."""
+        self.max_frame = min(limit, MAX_FRAME_BYTES)
+
+    @property
+    def capacity(self) -> int:
+        """Bytes the buffer holds room for (what this connection costs in memory)."""
+        return len(self._buf)
 
     @property
     def pending_bytes(self) -> int:
@@ -167,7 +208,8 @@ class FrameBuffer:
         held = self._end - self._start
         need = self._min_free
         if held >= HEADER_BYTES:
-            need = max(need, HEADER_BYTES + payload_length(self._buf, self._start) - held)
+            missing = HEADER_BYTES + payload_length(self._buf, self._start, self.max_frame) - held
+            need = max(need, min(missing, held))  # grow with what arrived, not with what was announced
         if len(self._buf) - self._end < need:
             if held + need <= len(self._buf):
                 self._buf[:held] = self._buf[self._start : self._end]  # same size: never a resize
@@ -184,16 +226,20 @@ class FrameBuffer:
         self._end += count
 
     def complete(self) -> bool:
-        """Whether a whole frame is buffered; ``FrameError`` for a header no frame may have."""
+        """Whether a whole frame is buffered; ``FrameError`` for a header no frame may have,
+        or for a large frame whose payload does not start as a map (refused before the rest arrives)."""
         held = self._end - self._start
         if held < HEADER_BYTES:
             return False
-        return held >= HEADER_BYTES + payload_length(self._buf, self._start)
+        length = payload_length(self._buf, self._start, self.max_frame)
+        if length > _SMALL_PAYLOAD and held > HEADER_BYTES and not _starts_a_map(self._buf[self._start + HEADER_BYTES]):
+            raise FrameError(f"a frame of {length} bytes whose payload is not a msgpack map: every message is one")
+        return held >= HEADER_BYTES + length
 
     def pop(self) -> Any:
         """Decode and consume the next frame (``complete()`` must be true); ``FrameError`` if undecodable."""
         start = self._start + HEADER_BYTES
-        end = start + payload_length(self._buf, self._start)
+        end = start + payload_length(self._buf, self._start, self.max_frame)
         with memoryview(self._buf) as view:
             try:
                 message = decode_payload(view[start:end])
@@ -201,7 +247,7 @@ class FrameBuffer:
                 self._start = end
         if self._start == self._end:
             self._start = self._end = 0
-            if len(self._buf) > 4 * self._initial:
+            if len(self._buf) > self._keep:
                 self._buf = bytearray(self._initial)
         return message
 

@@ -1,0 +1,427 @@
+"""A normal client's latency while another process attacks the index.
+
+For each scenario, starts a fresh ``marucache index`` (token auth, a 256 MiB
+pool of 4 KiB pages), stores 8,000 keys (held pinned by another client, so
+every retrieve hits), then measures a normal ``IndexClient``'s
+heartbeat and 8,000-key retrieve (+ unpin) round trips, p50 and p99: first
+alone, then while each attack runs in its own process. Also records the
+index's resident memory at the end of each scenario, and whether it lived. Usage (repository root)::
+
+    python bench/index_attacks.py [--seconds 5] [--only NAME ...] [--out bench/results/index_attacks.json]
+    python bench/index_attacks.py --loop [--seconds 5] [--out ...]   # longest event-loop callbacks instead
+
+Each attack is what an unauthenticated peer, a broken client or a client
+holding the token could do (see ``ATTACKS``); the index's limits are its
+defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import socket
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from maru_core.index.client import IndexClient
+from maru_core.index.launcher import IndexProcess, unique_shm_path
+from maru_core.pool import Pool, SlotHeader
+from maru_core.protocol import MAX_BATCH_KEYS, PROTOCOL_VERSION, FrameDecoder, encode_frame, pack_lengths, parse_url
+from maru_core.protocol.framing import HEADER
+
+TOKEN = "bench-attack-token-0123456789abcdef"
+NORMAL_KEYS = 8000
+
+
+# -- attacks (each runs in its own process until `stop` is set) ----------------------------------
+
+
+def _connect(url: str) -> socket.socket:
+    address = parse_url(url)
+    sock = socket.create_connection((address.host, address.port), timeout=10)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def _hello(sock: socket.socket, token: str = TOKEN, rid: int = 0) -> bytes:
+    return encode_frame({"id": rid, "op": "hello", "protocol": PROTOCOL_VERSION, "client": "attacker", "token": token})
+
+
+def _drain(sock: socket.socket) -> None:
+    sock.setblocking(False)
+    try:
+        while sock.recv(1 << 20):
+            pass
+    except (BlockingIOError, OSError):
+        pass
+    sock.setblocking(True)
+
+
+def preauth_memory(url: str, stop) -> None:
+    """100 connections each announce a 16 MiB frame and send 6 bytes, before any hello; reconnect when closed."""
+    socks = []
+    while not stop.is_set():
+        while len(socks) < 100:
+            try:
+                s = _connect(url)
+                s.sendall(HEADER.pack(16 * 1024 * 1024) + b"abcdef")
+                socks.append(s)
+            except OSError:
+                break
+        time.sleep(0.2)
+        alive = []
+        for s in socks:
+            try:
+                s.setblocking(False)
+                if s.recv(1 << 16) == b"":
+                    s.close()
+                    continue
+            except BlockingIOError:
+                pass
+            except OSError:
+                s.close()
+                continue
+            alive.append(s)
+        socks = alive
+
+
+def idle_flood(url: str, stop) -> None:
+    """Keep 2,000 idle connections open (reopened as the index closes them)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+    socks: list[socket.socket] = []
+    while not stop.is_set():
+        socks = [s for s in socks if s.fileno() >= 0]
+        while len(socks) < 2000 and not stop.is_set():
+            try:
+                socks.append(_connect(url))
+            except OSError:
+                time.sleep(0.05)
+                break
+        for s in list(socks):
+            try:
+                s.setblocking(False)
+                if s.recv(1) == b"":
+                    s.close()
+            except BlockingIOError:
+                pass
+            except OSError:
+                s.close()
+        time.sleep(0.2)
+
+
+def slowloris(url: str, stop) -> None:
+    """200 connections sending one byte of a hello every second."""
+    frame = _hello(None)  # type: ignore[arg-type]
+    socks = {}
+    while not stop.is_set():
+        while len(socks) < 200:
+            try:
+                socks[_connect(url)] = 0
+            except OSError:
+                break
+        for s, sent in list(socks.items()):
+            try:
+                s.sendall(frame[sent : sent + 1])
+                socks[s] = sent + 1
+            except OSError:
+                s.close()
+                del socks[s]
+        stop.wait(1.0)
+
+
+def stats_pipeline(url: str, stop) -> None:
+    """One connection (with the token) pipelines stats requests as fast as it can, reading the replies."""
+    sock = _connect(url)
+    sock.sendall(_hello(sock))
+    batch = b"".join(encode_frame({"id": i, "op": "stats"}) for i in range(1, 2001))
+    while not stop.is_set():
+        try:
+            sock.sendall(batch)
+            _drain(sock)
+        except OSError:
+            sock = _connect(url)
+            sock.sendall(_hello(sock))
+
+
+def hello_flood(url: str, stop) -> None:
+    """One connection pipelines hello after hello (each would open a lease)."""
+    sock = _connect(url)
+    batch = b"".join(_hello(sock, rid=i) for i in range(500))
+    while not stop.is_set():
+        try:
+            sock.sendall(batch)
+            _drain(sock)
+        except OSError:
+            sock = _connect(url)
+
+
+def reserve_flood(url: str, stop) -> None:
+    """Reserves of 131,072 one-byte objects, one after the other (the first fills the pool with reservations,
+    the next find it full of what cannot be evicted)."""
+    lengths = pack_lengths(np.ones(MAX_BATCH_KEYS, dtype=np.int64))
+    sock = _connect(url)
+    sock.sendall(_hello(sock))
+    decoder = FrameDecoder()
+    rid = 1
+    while not stop.is_set():
+        try:
+            sock.sendall(encode_frame({"id": rid, "op": "reserve", "keys": os.urandom(16 * MAX_BATCH_KEYS),
+                                       "lengths": lengths}))  # fmt: skip
+            replies: list = []
+            while len(replies) < (2 if rid == 1 else 1):  # the hello's reply comes first
+                chunk = sock.recv(1 << 20)
+                if not chunk:
+                    raise ConnectionError("closed")
+                replies += decoder.feed(chunk)
+            rid += 1
+        except OSError:
+            time.sleep(0.01)
+            sock, decoder, rid = _connect(url), FrameDecoder(), 1
+            sock.sendall(_hello(sock))
+
+
+def unpin_bye(url: str, stop, pool_path: str) -> None:
+    """Pin 100 x 8,000 keys (800,000 pins in one lease), unpin 64 of them (not a retrieve's batch), then bye."""
+    keys = _store(url, pool_path, 8000, first=10**7)
+    packed = b"".join(keys)
+    while not stop.is_set():
+        client = IndexClient(url, token=TOKEN, timeout_s=30, heartbeat=False)
+        for _ in range(100):
+            client.retrieve(packed)
+        client.unpin(b"".join(keys[::125]))
+        client.close()  # bye
+
+
+def nil_frames(url: str, stop) -> None:
+    """16 MiB frames of nils (a msgpack array), with the token, back to back."""
+    payload = b"\xdd" + (16 * 1024 * 1024 - 5).to_bytes(4, "big") + b"\xc0" * (16 * 1024 * 1024 - 5)
+    frame = HEADER.pack(len(payload)) + payload
+    while not stop.is_set():
+        try:
+            sock = _connect(url)
+            sock.sendall(_hello(sock))
+            sock.sendall(frame)
+            _drain(sock)
+            sock.close()
+        except OSError:
+            time.sleep(0.01)
+
+
+def brute_force(url: str, stop) -> None:
+    """Wrong-token hellos as fast as possible (the index closes the connection after each)."""
+    i = 0
+    while not stop.is_set():
+        try:
+            sock = _connect(url)
+            for _ in range(50):
+                sock.sendall(_hello(sock, token=f"guess-{i}"))
+                i += 1
+            _drain(sock)
+            sock.close()
+        except OSError:
+            pass
+
+
+ATTACKS = {
+    "preauth_memory": preauth_memory,
+    "idle_flood": idle_flood,
+    "slowloris": slowloris,
+    "stats_pipeline": stats_pipeline,
+    "hello_flood": hello_flood,
+    "reserve_flood": reserve_flood,
+    "unpin_bye": unpin_bye,
+    "nil_frames": nil_frames,
+    "brute_force": brute_force,
+}
+
+
+# -- the normal client ---------------------------------------------------------------------------
+
+
+def _store(url: str, pool_path: str, count: int, first: int = 0) -> list[bytes]:
+    keys = [(first + i).to_bytes(16, "little") for i in range(count)]
+    with IndexClient(url, token=TOKEN, timeout_s=30) as client, Pool.attach(pool_path) as pool:
+        slots = client.reserve([(k, 16) for k in keys])
+        for k, slot in zip(keys, slots):
+            pool.write_slot_header(slot.offset, SlotHeader(key=k, generation=slot.generation, length=16))
+        assert all(client.commit(keys))
+    return keys
+
+
+def measure(url: str, keys: list[bytes], seconds: float) -> dict:
+    """Heartbeats every 10 ms and an 8,000-key retrieve + unpin every 50 ms, for ``seconds``."""
+    packed = b"".join(keys)
+    heartbeats, retrieves, misses, failures = [], [], 0, 0
+    with IndexClient(url, token=TOKEN, timeout_s=5) as client:
+        client.connect()
+        end = time.monotonic() + seconds
+        tick = 0
+        while time.monotonic() < end:
+            tick += 1
+            try:
+                t = time.perf_counter()
+                client.heartbeat()
+                heartbeats.append(time.perf_counter() - t)
+                if tick % 5 == 0:
+                    t = time.perf_counter()
+                    locations = client.retrieve(packed)
+                    if locations.misses():
+                        misses += 1
+                    else:
+                        client.unpin(packed)
+                    retrieves.append(time.perf_counter() - t)
+            except Exception:
+                failures += 1
+            time.sleep(0.01)
+    return {
+        "heartbeat_p50_ms": _pct(heartbeats, 50), "heartbeat_p99_ms": _pct(heartbeats, 99),
+        "retrieve_p50_ms": _pct(retrieves, 50), "retrieve_p99_ms": _pct(retrieves, 99),
+        "heartbeats": len(heartbeats), "retrieves": len(retrieves), "misses": misses, "failures": failures,
+    }  # fmt: skip
+
+
+def _pct(samples: list[float], q: int) -> float | None:
+    if not samples:
+        return None
+    return round(1000 * float(np.percentile(samples, q)), 3)
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    return float("nan")
+
+
+def _run_attack(name: str, url: str, stop, pool_path: str) -> None:
+    if name == "unpin_bye":
+        ATTACKS[name](url, stop, pool_path)
+    else:
+        ATTACKS[name](url, stop)
+
+
+def scenario(name: str, seconds: float, token_file: str) -> dict:
+    """A fresh index, the normal keys stored and held pinned, the attack (if any) running, the figures."""
+    pool_path = unique_shm_path("bench-attacks")
+    index = IndexProcess(pool_path, pool_size="256Mi", token_file=token_file,
+                         extra_args=["--page-size", "4Ki", "--log-level", "ERROR"]).start()  # fmt: skip
+    ctx = multiprocessing.get_context("spawn")
+    stop, attacker = ctx.Event(), None
+    try:
+        keys = _store(index.url, pool_path, NORMAL_KEYS)
+        holder = IndexClient(index.url, token=TOKEN, timeout_s=30)  # keeps the normal keys pinned: always a hit
+        holder.retrieve(b"".join(keys))
+        if name != "alone":
+            attacker = ctx.Process(target=_run_attack, args=(name, index.url, stop, pool_path), daemon=True)
+            attacker.start()
+            time.sleep(1.0)  # let the attack build up
+        try:
+            figures = measure(index.url, keys, seconds)
+        except Exception as exc:  # the index stopped answering altogether
+            figures = {"error": f"{type(exc).__name__}: {exc}"}
+        figures["index_rss_mb"] = _rss_mb(index.proc.pid) if index.proc.poll() is None else None
+        figures["index_alive"] = index.proc.poll() is None
+        holder.close()
+    finally:
+        stop.set()
+        if attacker is not None:
+            attacker.join(10)
+            if attacker.is_alive():
+                attacker.kill()
+        index.stop()
+        os.unlink(pool_path)
+    return figures
+
+
+def longest_callbacks(name: str, seconds: float) -> list[float]:
+    """The five longest event-loop callbacks of an index (in this process) while the attack runs
+    (in another), in CPU milliseconds of the loop's thread: what one request or turn costs the
+    others, whatever else the machine is running."""
+    from asyncio import events
+
+    from maru_core.index.launcher import ThreadedIndex
+
+    durations: list[float] = []
+    run = events.Handle._run
+
+    def timed(handle) -> None:
+        started = time.thread_time()
+        run(handle)
+        durations.append(time.thread_time() - started)
+
+    pool_path = unique_shm_path("bench-attacks-loop")
+    pool = Pool.create(pool_path, 256 * 1024 * 1024, page_size=4096)
+    ctx = multiprocessing.get_context("spawn")
+    stop = ctx.Event()
+    try:
+        with ThreadedIndex(pool, token=TOKEN) as index:
+            _store(index.url, pool_path, NORMAL_KEYS)
+            events.Handle._run = timed
+            attacker = ctx.Process(target=_run_attack, args=(name, index.url, stop, pool_path), daemon=True)
+            attacker.start()
+            time.sleep(seconds)
+            stop.set()
+            attacker.join(10)
+            if attacker.is_alive():
+                attacker.kill()
+            events.Handle._run = run
+    finally:
+        events.Handle._run = run
+        pool.close()
+        os.unlink(pool_path)
+    return [round(1000 * d, 2) for d in sorted(durations, reverse=True)[:5]]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=5.0, help="seconds measured per scenario (default 5)")
+    parser.add_argument("--only", nargs="*", choices=sorted(ATTACKS), help="run only these attacks")
+    parser.add_argument("--out", help="write the figures as JSON here")
+    parser.add_argument("--loop", action="store_true",
+                        help="measure instead the longest event-loop callbacks (CPU ms) of an index in this process")
+    args = parser.parse_args(argv)
+    if args.loop:
+        loop_results = {}
+        for name in args.only or ATTACKS:
+            loop_results[name] = longest_callbacks(name, args.seconds)
+            print(f"{name:16} longest callbacks, CPU ms: {loop_results[name]}", flush=True)
+        if args.out:
+            with open(args.out, "w") as fh:
+                json.dump({"cpus": os.cpu_count(), "seconds": args.seconds, "longest_callbacks_ms": loop_results},
+                          fh, indent=2)  # fmt: skip
+        return 0
+    workdir = tempfile.mkdtemp(prefix="bench-attacks-")
+    token_file = os.path.join(workdir, "token")
+    with open(os.open(token_file, os.O_WRONLY | os.O_CREAT, 0o600), "w") as fh:
+        fh.write(TOKEN)
+    results = {}
+    try:
+        print(f"{'scenario':16} {'hb p50':>7} {'hb p99':>7} {'ret p50':>7} {'ret p99':>7} {'fail':>4} {'RSS MB':>7}")
+        for name in ["alone", *(args.only or ATTACKS)]:
+            results[name] = f = scenario(name, args.seconds, token_file)
+            if "error" in f:
+                print(f"{name:16} {f['error'][:80]} (index alive: {f['index_alive']})", flush=True)
+                continue
+            print(f"{name:16} {f['heartbeat_p50_ms']!s:>7} {f['heartbeat_p99_ms']!s:>7} {f['retrieve_p50_ms']!s:>7} "
+                  f"{f['retrieve_p99_ms']!s:>7} {f['failures']:>4} {f['index_rss_mb']!s:>7}", flush=True)  # fmt: skip
+    finally:
+        os.unlink(token_file)
+        os.rmdir(workdir)
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump({"machine": os.uname().machine, "cpus": os.cpu_count(), "seconds": args.seconds,
+                       "results": results}, fh, indent=2)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""What the payload checksum costs per GB, against the copy it guards (CPU backend).
+
+A pool file in /dev/shm holds chunkwise objects of a Llama-shaped model in
+vLLM's CPU KV layout. In one run and on the same bytes, it times:
+
+- ``checksum``: ``Pool.payload_checksum`` over every object (what a verified
+  load adds before its copy, and what a store adds after its copy);
+- ``load``: the CPU transfer engine copying the same objects into a paged
+  KV cache (what a hit costs the connector without the check);
+- ``verified load``: each group of objects checked, then copied, as a
+  verified ``resolve_load`` and its copy do.
+
+and prints both per GB and their ratio, plus what the check adds to the
+4096-token hit of the TTFT table (``--hit-ms``, ``--hit-bytes``).
+
+    .venv/bin/python bench/payload_checksum.py        # --mib 256 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+import uuid
+
+import torch
+from maru_core.pool import Pool
+
+from maru_connector.transfer import ChunkLoad, TransferEngine
+
+LAYERS, HEADS, HEAD, BLOCK, CHUNK = 4, 8, 64, 32, 256  # BENCH_SPEC of the TTFT table
+
+
+def make_kv(blocks: int) -> dict[str, torch.Tensor]:
+    shape = (blocks, HEADS, BLOCK, 2 * HEAD)
+    backing = torch.randn((LAYERS, *shape), dtype=torch.bfloat16)
+    return {f"model.layers.{i}.self_attn.attn": backing[i] for i in range(LAYERS)}
+
+
+def median_s(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=256, help="bytes of objects to check and load")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--hit-ms", type=float, default=63.4, help="a measured hit's TTFT")
+    parser.add_argument("--hit-bytes", type=int, default=4096 * 8192, help="bytes that hit loaded")
+    args = parser.parse_args()
+
+    bpc = CHUNK // BLOCK
+    kv = make_kv(blocks=4 * bpc)
+    fmt = TransferEngine.detect(kv, CHUNK, False, BLOCK)
+    n_objects = max(1, (args.mib << 20) // fmt.object_bytes)
+    path = f"/dev/shm/maru-bench-checksum-{uuid.uuid4().hex}"
+    pool = Pool.create(path, n_objects * fmt.object_bytes + (64 << 20), page_size=64 << 10)
+    try:
+        g = pool.geometry
+        offsets = [g.data_offset + i * fmt.object_bytes for i in range(n_objects)]
+        for off in offsets:
+            pool.view(off, fmt.object_bytes)[:] = os.urandom(fmt.object_bytes)
+        nbytes = n_objects * fmt.object_bytes
+        engine = TransferEngine.create(pool.buffer, kv, fmt)
+
+        def checksum_all() -> None:
+            for off in offsets:
+                pool.payload_checksum(off, fmt.object_bytes)
+
+        def load_all(verify: bool = False) -> None:
+            for start in range(0, n_objects, 4):
+                group = offsets[start : start + 4]
+                if verify:  # as resolve_load does: every object checked, then copied
+                    for off in group:
+                        pool.payload_checksum(off, fmt.object_bytes)
+                chunks = [ChunkLoad(tuple(range(i * bpc, (i + 1) * bpc)), (off,))
+                          for i, off in enumerate(group)]
+                handle = engine.submit_load(chunks)
+                handle.wait_all()
+                if handle.error is not None:
+                    raise RuntimeError(repr(handle.error))
+
+        checksum_all(), load_all()  # warm up
+        check_s = median_s(checksum_all, args.repeats)
+        load_s = median_s(load_all, args.repeats)
+        verified_s = median_s(lambda: load_all(verify=True), args.repeats)
+        engine.close()
+    finally:
+        pool.close()
+        os.unlink(path)
+    gb = nbytes / 1e9
+    hit_check_ms = args.hit_bytes / 1e9 * check_s / gb * 1000
+    result = {
+        "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} cores".strip(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "bytes": nbytes,
+        "object_bytes": fmt.object_bytes,
+        "checksum_gb_per_s": round(gb / check_s, 2),
+        "checksum_s_per_gb": round(check_s / gb, 4),
+        "load_gb_per_s": round(gb / load_s, 2),
+        "load_s_per_gb": round(load_s / gb, 4),
+        "checksum_over_load": round(check_s / load_s, 3),
+        "verified_load_s_per_gb": round(verified_s / gb, 4),
+        "verified_over_plain_load": round(verified_s / load_s, 3),
+        "hit_ms": args.hit_ms,
+        "checksum_ms_for_that_hit": round(hit_check_ms, 2),
+        "checksum_share_of_hit": round(hit_check_ms / args.hit_ms, 3),
+    }
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""One client connection of the index server: frames in, replies out, in order,
+within the limits of ``maru_core.index.limits``.
+
+The connection is an ``asyncio.BufferedProtocol``: the kernel writes its
+bytes straight into the connection's ``FrameBuffer``, and each complete
+frame is decoded from there and answered in the same callback, with one
+``write`` per reply. Requests of one connection are answered in arrival
+order, so a pipelined client gets its replies in the order it sent them.
+
+Fairness: a connection answers buffered frames for at most ``turn_s`` of
+event-loop time, then stops reading and lets every other connection have a
+turn before it goes on; a sliced request (see ``IndexServer``) likewise
+runs one slice per turn. So a peer that pipelines thousands of requests
+delays the others by one turn, not by its whole backlog.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any, Generator
+
+from maru_core.protocol import ErrorType, FrameError, FrameTooLarge, ProtocolError, error_reply
+from maru_core.protocol.framing import MAX_FRAME_BYTES, FrameBuffer, FrameWriter
+
+if TYPE_CHECKING:
+    from maru_core.index.server import IndexServer
+
+#: Pending reply bytes above which a connection stops reading until its peer has read them.
+WRITE_HIGH_WATER = 4 * 1024 * 1024
+#: A connection's receive buffer starts this small (an idle connection costs a few KiB)
+#: and is kept up to ``_KEEP_BYTES`` between frames.
+_INITIAL_BYTES = 4096
+_KEEP_BYTES = 1024 * 1024
+
+Reply = dict[str, Any]
+#: A sliced request: yields between slices, returns its reply.
+Job = Generator[None, None, Reply]
+
+
+class Connection(asyncio.BufferedProtocol):
+    """One client connection (see the module docstring)."""
+
+    def __init__(self, server: "IndexServer") -> None:
+        self._server = server
+        limits = server.limits
+        self._frames = FrameBuffer(_INITIAL_BYTES, _INITIAL_BYTES, limits.pre_auth_frame_bytes, _KEEP_BYTES)
+        self._writer = FrameWriter()
+        self._transport: asyncio.Transport | None = None
+        self._job: Job | None = None  # a sliced request under way: read nothing more meanwhile
+        self._yielded = False  # its turn is over: read nothing more until the loop comes back
+        self._write_paused = False
+        self.peer = "unix"
+        self.lease_id: str | None = None
+        self.client: str | None = None
+        self.opened_leases: list[str] = []  # every lease this connection opened or resumed
+        self.close_after_reply: str | None = None  # the reason, once a reply must be the last one
+        self.connected_at = self.last_active = time.monotonic()
+
+    # -- asyncio callbacks ---------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+        self._transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+        self.peer = str(transport.get_extra_info("peername") or "unix")
+        self._server.admit(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        # The peer went away; its lease lives on until it lapses.
+        self._server.forget(self)
+        self._job = None
+        self._transport = None
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        try:
+            return self._frames.writable()
+        except FrameError as exc:  # a header above the limit, seen before the frame completes
+            self._frame_error(exc)
+            return memoryview(bytearray(_INITIAL_BYTES))  # asyncio needs somewhere to put these bytes
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._transport is None or self._transport.is_closing():
+            return  # closed on a bad header: these bytes went to a throwaway buffer
+        self._frames.advance(nbytes)
+        self.last_active = time.monotonic()
+        self._answer_buffered()
+
+    def eof_received(self) -> bool:
+        return False  # close our side too
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+        self._update_reading()
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        self.last_active = time.monotonic()
+        self._update_reading()
+
+    # -- state for the server's deadline sweep -------------------------------
+
+    @property
+    def authenticated(self) -> bool:
+        return self.lease_id is not None or bool(self.opened_leases)
+
+    def stalled(self) -> bool:
+        """Whether the peer owes us something: the rest of a frame, or reading its replies."""
+        if self._job is not None or self._yielded:
+            return False  # the wait is ours, not the peer's
+        return self._write_paused or self._frames.pending_bytes > 0
+
+    def opened(self, lease_id: str) -> None:
+        """``hello`` succeeded: the connection may now send frames of full size."""
+        self.lease_id = lease_id
+        if lease_id not in self.opened_leases:
+            self.opened_leases.append(lease_id)
+        self._frames.set_max_frame(MAX_FRAME_BYTES)
+
+    # -- requests ------------------------------------------------------------
+
+    def _answer_buffered(self) -> None:
+        """Answer complete frames in order until one starts a sliced job or the turn is over."""
+        turn_ends = time.perf_counter() + self._server.limits.turn_s
+        answered = 0  # at least one frame per turn, however short the turn
+        try:
+            while self._transport is not None and self._job is None and self._frames.complete():
+                if answered and time.perf_counter() > turn_ends:
+                    self._yield_turn()
+                    return
+                answered += 1
+                outcome = self._server.handle(self, self._frames.pop())
+                if isinstance(outcome, dict):
+                    self._send(outcome)
+                    if self.close_after_reply is not None:
+                        self._server.closing(self, self.close_after_reply)
+                        self.close()
+                        return
+                else:
+                    self._job = outcome
+                    self._update_reading()
+                    self._server.loop.call_soon(self._step_job)
+                    return
+        except FrameError as exc:
+            self._frame_error(exc)
+
+    def _frame_error(self, exc: FrameError) -> None:
+        self._server.refusals.warning("closing connection from %s: %s", self.peer, exc)
+        if isinstance(exc, FrameTooLarge):
+            self._send(error_reply(None, ProtocolError(ErrorType.TOO_LARGE, str(exc))))
+        self._server.closing(self, "bad_frame")
+        self.close()
+
+    def _yield_turn(self) -> None:
+        self._yielded = True
+        self._update_reading()
+        self._server.loop.call_soon(self._resume_turn)
+
+    def _resume_turn(self) -> None:
+        self._yielded = False
+        self._update_reading()
+        self._answer_buffered()
+
+    def _step_job(self) -> None:
+        """Run the next slice of the job; when it is done, send its reply and go on reading."""
+        job = self._job
+        if job is None:
+            return  # the connection closed meanwhile
+        try:
+            next(job)
+        except StopIteration as done:
+            self._job = None
+            self._send(done.value)
+            self._update_reading()
+            self._answer_buffered()
+        else:
+            self._server.loop.call_soon(self._step_job)
+
+    def _update_reading(self) -> None:
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return
+        if self._write_paused or self._job is not None or self._yielded:
+            if transport.is_reading():
+                transport.pause_reading()
+        elif not transport.is_reading():
+            transport.resume_reading()
+
+    def _send(self, reply: Reply) -> None:
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return
+        frame = self._writer.frame(reply)
+        transport.write(frame)
+        if isinstance(frame, memoryview) and transport.get_write_buffer_size():
+            self._writer.release()  # the transport may still hold the view: the next frame gets a new buffer
+
+    def close(self) -> None:
+        self._job = None
+        if self._transport is not None:
+            self._transport.close()
+
+    def abort(self) -> None:
+        """Close now, dropping unsent replies (a peer that does not read them)."""
+        self._job = None
+        if self._transport is not None:
+            self._transport.abort()

@@ -1,0 +1,72 @@
+"""What one client may cost the index: the limits that keep one hostile,
+broken or slow client from taking the index away from the others.
+
+Every limit has a flag of ``marucache index`` (``docs/security.md`` lists
+them with their defaults and says why each exists).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import resource
+
+#: Largest frame accepted from a connection that has not said ``hello`` yet.
+#: A hello is a few hundred bytes; an unauthenticated peer gets no more.
+PRE_AUTH_FRAME_BYTES = 16 * 1024
+#: File descriptors kept free for the pool, the metrics server and logs.
+_SPARE_FDS = 32
+
+
+def default_max_connections() -> int:
+    """1024, or fewer when the process may open fewer files than that (so the
+    cap is hit before ``accept()`` runs out of descriptors)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 1024
+    return max(1, min(1024, soft - _SPARE_FDS))
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerLimits:
+    """Per-connection limits of the index server.
+
+    - ``max_connections``: connections served at once. At the cap a new
+      connection displaces the oldest one that has not said ``hello``; when
+      every connection holds a lease, the new one is closed at once.
+    - ``hello_timeout_s``: a connection must open its lease (``hello``) this
+      soon after connecting, or it is closed.
+    - ``frame_timeout_s``: a frame that has started to arrive must be
+      complete this soon, and replies held back because the peer does not
+      read them must drain this soon, or the connection is closed.
+    - ``idle_timeout_s``: a connection that sends nothing for this long is
+      closed (clients heartbeat every few seconds; the lease itself lives on
+      until it lapses).
+    - ``max_leases_per_connection``: live leases one connection may have
+      opened; another ``hello`` beyond it is refused (``bad_request``).
+    - ``pre_auth_frame_bytes``: the largest frame before ``hello`` succeeds.
+    - ``turn_s``: how long one connection's pipelined requests may hold the
+      event loop before the others get a turn.
+    """
+
+    max_connections: int = dataclasses.field(default_factory=default_max_connections)
+    hello_timeout_s: float = 5.0
+    frame_timeout_s: float = 10.0
+    idle_timeout_s: float = 60.0
+    max_leases_per_connection: int = 4
+    pre_auth_frame_bytes: int = PRE_AUTH_FRAME_BYTES
+    turn_s: float = 0.002
+
+    def __post_init__(self) -> None:
+        for name in ("max_connections", "max_leases_per_connection", "pre_auth_frame_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("hello_timeout_s", "frame_timeout_s", "idle_timeout_s", "turn_s"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a positive, finite number of seconds, got {value}")
+
+    @property
+    def sweep_interval_s(self) -> float:
+        """How often deadlines are checked: often enough to close within about a quarter of the shortest."""
+        return min(1.0, self.hello_timeout_s / 4, self.frame_timeout_s / 4, self.idle_timeout_s / 4)

@@ -1,0 +1,66 @@
+"""A writer whose reservation lapsed, against a real index on loopback: its
+late copy never lands in another writer's object, and a reader can tell."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from maru_core.index.client import IndexClient
+from maru_core.index.launcher import ThreadedIndex, unique_shm_path
+from maru_core.pool import Pool, SlotHeader
+
+TOKEN = "fence-token"
+LENGTH = 256 * 1024
+
+
+@pytest.fixture
+def pool():
+    path = unique_shm_path("test-fence")
+    pool = Pool.create(path, 16 * 1024 * 1024, page_size=64 * 1024)
+    yield pool
+    pool.close()
+    os.unlink(path)
+
+
+@pytest.fixture
+def index(pool):
+    # Leases live (heartbeats); reservations lapse after 0.3 s; expiry runs every 0.5 s.
+    with ThreadedIndex(pool, token=TOKEN, lease_ttl_s=2.0, reservation_ttl_s=0.3) as index:
+        yield index
+
+
+def fenced_pages(index: ThreadedIndex) -> int:
+    return index.on_loop(lambda: index.service.server.registry.fenced_pages)
+
+
+def reservation_of(index: ThreadedIndex, key: bytes):
+    return index.on_loop(lambda: index.service.server.registry.describe(key))
+
+
+def test_a_late_copy_of_a_lapsed_writer_never_lands_in_another_object(index, pool):
+    with IndexClient(index.url, token=TOKEN, client_name="slow") as slow, \
+            IndexClient(index.url, token=TOKEN, client_name="fast") as fast:
+        (lapsed,) = slow.reserve([(b"A" * 16, LENGTH)])
+        deadline = time.monotonic() + 5
+        while reservation_of(index, b"A" * 16) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the reservation lapses; both leases live
+        assert reservation_of(index, b"A" * 16) is None
+
+        (slot,) = fast.reserve([(b"B" * 16, LENGTH)])
+        assert slot.offset != lapsed.offset  # the lapsed writer's pages are not handed out
+        assert fenced_pages(index) == LENGTH // pool.geometry.page_size
+        pool.view(slot.offset, LENGTH)[:] = b"\x42" * LENGTH
+        header = SlotHeader(b"B" * 16, slot.generation, LENGTH, checksum=pool.payload_checksum(slot.offset, LENGTH))
+        pool.write_slot_header(slot.offset, header)
+        assert fast.commit([b"B" * 16]) == [True]
+
+        pool.view(lapsed.offset, LENGTH)[:] = b"\xee" * LENGTH  # the slow writer copies late
+        (location,) = fast.retrieve([b"B" * 16])
+        assert pool.payload_matches(location.offset, pool.read_slot_header(location.offset))
+        fast.unpin([b"B" * 16])
+
+        assert slow.commit([b"A" * 16]) == [False]  # too late; and it is done with those pages
+        assert fenced_pages(index) == 0

@@ -1,0 +1,145 @@
+"""What one call may cost the registry: a reserve evicts a bounded share of
+the pool and does work bounded by what fits; pins are released in chunks.
+Plus a bounded property-based run over random sequences of operations."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+import maru_core.index.leases as leases
+from maru_core.index.registry import NoSpace, Registry
+from test_registry import PAGE, Clock, accounting_adds_up, fill, geometry, key
+
+
+def test_one_batch_cannot_wipe_the_cache(clock: Clock = Clock()) -> None:
+    reg = Registry(geometry(100), clock=clock)  # max_evict_fraction 0.25 by default
+    lease = reg.open_lease("a")
+    fill(reg, lease, 0, 90)
+    flood = [(key(10_000 + i), 1) for i in range(5_000)]
+    slots = reg.reserve(lease, flood)
+    granted = sum(slot is not None for slot in slots)
+    stats = reg.stats()
+    assert stats.evictions <= 25, stats  # a quarter of 100 pages, whatever the batch asks for
+    assert stats.keys >= 65 and granted <= 10 + 25
+    accounting_adds_up(reg)
+
+
+def test_a_huge_batch_into_a_pinned_pool_tries_eviction_a_bounded_number_of_times(clock: Clock = Clock()) -> None:
+    reg = Registry(geometry(100), high_watermark=1.0, low_watermark=1.0, clock=clock)
+    lease = reg.open_lease("a")
+    keys = fill(reg, lease, 0, 100)
+    reg.retrieve(lease, keys)  # everything pinned: nothing can be evicted
+    calls = []
+    evict = reg._evict
+    reg._evict = lambda pages: calls.append(pages) or evict(pages)
+    with pytest.raises(NoSpace):
+        reg.reserve(lease, [(key(10_000 + i), PAGE) for i in range(50_000)])
+    assert len(calls) <= 2, len(calls)  # not once per item
+    accounting_adds_up(reg)
+
+
+def test_items_smaller_than_one_that_failed_are_still_placed(clock: Clock = Clock()) -> None:
+    reg = Registry(geometry(10), high_watermark=1.0, low_watermark=1.0, clock=clock)
+    lease = reg.open_lease("a")
+    fill(reg, lease, 0, 8)
+    reg.retrieve(lease, [key(i) for i in range(8)])
+    # 2 pages free, not contiguous with anything evictable: 3 pages fail, then 1 and 1 fit.
+    slots = reg.reserve(lease, [(key(100), 3 * PAGE), (key(101), PAGE), (key(102), 3 * PAGE), (key(103), PAGE)])
+    assert [slot is not None for slot in slots] == [False, True, False, True]
+
+
+def test_bye_and_lapse_release_pins_chunk_by_chunk(monkeypatch, clock: Clock = Clock()) -> None:
+    monkeypatch.setattr(leases, "PIN_CHUNK_ROWS", 7)
+    reg = Registry(geometry(100), lease_ttl_s=10, clock=clock)
+    lease = reg.open_lease("a")
+    keys = fill(reg, lease, 0, 50)
+    reg.retrieve(lease, keys)
+    reg.retrieve(lease, keys)
+    steps = reg.close_lease_sliced(lease)
+    assert sum(1 for _ in steps) == 2 * 8  # ceil(50 / 7) chunks per retrieve, a step each
+    assert reg.stats().pinned_keys == 0 and reg.stats().leases == 0
+    other = reg.open_lease("b")
+    reg.retrieve(other, keys)
+    clock.now += 11
+    expiry = reg.expire_sliced()
+    assert sum(1 for _ in expiry) == 8
+    assert reg.stats().pinned_keys == 0
+
+
+def test_a_general_unpin_takes_pins_from_any_retrieve_in_order(monkeypatch, clock: Clock = Clock()) -> None:
+    monkeypatch.setattr(leases, "PIN_CHUNK_ROWS", 4)
+    reg = Registry(geometry(100), clock=clock)
+    lease = reg.open_lease("a")
+    keys = fill(reg, lease, 0, 10)
+    reg.retrieve(lease, keys)
+    reg.retrieve(lease, keys[:5] + keys[:5])  # a repeated key is pinned twice
+    assert reg.unpin(lease, keys[3:7] + [keys[4]] * 3) == 6  # keys[4]: 4 asked, 3 held
+    pins = [reg.describe(k).pins for k in keys]
+    assert pins == [3, 3, 3, 2, 0, 0, 0, 1, 1, 1]
+    assert reg.unpin(lease, keys) == 7
+    assert reg.unpin(lease, keys[:4] * 3) == 2 + 2 + 2 + 1
+    assert all(reg.describe(k).pins == 0 for k in keys)
+
+
+class RegistryOps(RuleBasedStateMachine):
+    """Random sequences of every registry operation keep the books balanced:
+    pages by state add up, no pin count goes negative, and a lease's pins are
+    all released when it ends."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        leases.PIN_CHUNK_ROWS = 3  # many chunks, so that sliced paths are exercised
+        self.clock = Clock()
+        self.reg = Registry(geometry(40), lease_ttl_s=10, reservation_ttl_s=30, clock=self.clock)
+        self.leases = [self.reg.open_lease(name) for name in "ab"]
+
+    def teardown(self) -> None:
+        leases.PIN_CHUNK_ROWS = 65536
+
+    keys = st.lists(st.integers(0, 30).map(key), max_size=12)
+    who = st.integers(0, 1)
+
+    @rule(who=who, keys=keys, pages=st.integers(1, 4))
+    def store(self, who, keys, pages):
+        lease = self.leases[who]
+        try:
+            slots = self.reg.reserve(lease, [(k, pages * PAGE) for k in keys])
+        except NoSpace:
+            return
+        self.reg.commit(lease, [k for k, slot in zip(keys, slots) if slot is not None])
+
+    @rule(who=who, keys=keys)
+    def retrieve(self, who, keys):
+        self.reg.retrieve(self.leases[who], keys)
+
+    @rule(who=who, keys=keys)
+    def unpin(self, who, keys):
+        assert self.reg.unpin(self.leases[who], keys) <= len(keys)
+
+    @rule(who=who)
+    def bye(self, who):
+        self.reg.close_lease(self.leases[who])
+        self.leases[who] = self.reg.open_lease("again")
+
+    @rule(seconds=st.floats(0, 15))
+    def time_passes(self, seconds):
+        self.clock.now += seconds
+        self.reg.expire()
+        self.leases = [lease if self.reg.lease_is_live(lease) else self.reg.open_lease("new") for lease in self.leases]
+
+    @invariant()
+    def books_balance(self):
+        accounting_adds_up(self.reg)
+        rec = self.reg._records
+        assert (rec.pins[: rec.high_water] >= 0).all()
+        held = sum(lease.pin_count for lease in self.reg._leases.values())
+        assert int(np.sum(rec.pins[: rec.high_water])) == held
+
+
+TestRegistryOps = RegistryOps.TestCase
+TestRegistryOps.settings = settings(max_examples=60, stateful_step_count=25, deadline=None,
+                                    suppress_health_check=list(HealthCheck))  # fmt: skip

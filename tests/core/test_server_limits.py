@@ -1,0 +1,314 @@
+"""The index keeps serving everyone when one client is hostile, broken or
+slow: memory per connection, the connection cap, deadlines, the lease cap,
+auth failures, and fairness between connections. A real server on a thread
+of the test process (so its internals can be read), real sockets."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from maru_core.index.client import IndexClient
+from maru_core.index.launcher import ThreadedIndex, unique_shm_path
+from maru_core.index.limits import PRE_AUTH_FRAME_BYTES, ServerLimits
+from maru_core.pool import Pool, SlotHeader
+from maru_core.protocol import PROTOCOL_VERSION, SlotList, encode_frame, pack_lengths
+from test_server import TOKEN, Raw, key
+
+
+@pytest.fixture
+def pool():
+    path = unique_shm_path("test-limits")
+    pool = Pool.create(path, 64 * 1024 * 1024, page_size=4096)
+    yield pool
+    pool.close()
+    os.unlink(path)
+
+
+def serve(pool, **limits) -> ThreadedIndex:
+    return ThreadedIndex(pool, token=TOKEN, limits=ServerLimits(**limits))
+
+
+def server_of(index):
+    return index.service.server
+
+
+def wait_for(predicate, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def buffer_sizes(index) -> list[int]:
+    return index.on_loop(lambda: [c._frames.capacity for c in server_of(index)._connections])
+
+
+# -- memory ------------------------------------------------------------------------------------
+
+
+def test_a_large_frame_before_hello_is_refused_and_closed(pool):
+    with serve(pool) as index:
+        raw = Raw(index.url)
+        raw.sock.sendall((PRE_AUTH_FRAME_BYTES + 1).to_bytes(4, "big") + b"abcdef")
+        reply = raw.recv()
+        assert reply["error"]["type"] == "too_large" and "before hello" in reply["error"]["message"]
+        assert raw.closed_by_peer()
+        assert server_of(index).closed_connections["bad_frame"] == 1
+
+
+def test_memory_follows_the_bytes_sent_not_the_length_announced(pool):
+    with serve(pool) as index:
+        raws = [Raw(index.url) for _ in range(4)]
+        for raw in raws:
+            raw.hello()
+            raw.sock.sendall((16 * 1024 * 1024).to_bytes(4, "big") + b"\x81abcde")  # announces 16 MiB, sends 6 B
+        assert wait_for(lambda: len(buffer_sizes(index)) == 4)
+        time.sleep(0.1)
+        assert max(buffer_sizes(index)) <= 64 * 1024, buffer_sizes(index)
+        for raw in raws:
+            raw.close()
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_a_frame_of_many_nils_is_refused_from_its_headers(pool, wrapped):
+    with serve(pool) as index:
+        raw = Raw(index.url)
+        raw.hello()
+        count = 300_000 if wrapped else 16 * 1024 * 1024 - 5
+        payload = b"\xdd" + count.to_bytes(4, "big") + b"\xc0" * count  # an array of nils
+        if wrapped:  # inside a request map: the array's own header is refused
+            payload = b"\x83" + b"\xa2id\x01" + b"\xa2op\xa5stats" + b"\xa1x" + payload
+        try:
+            raw.sock.sendall(len(payload).to_bytes(4, "big") + payload)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # closed before all of it was sent: refused from the first bytes
+        assert raw.closed_by_peer()
+        assert server_of(index).closed_connections["bad_frame"] == 1
+
+
+# -- connection cap and deadlines --------------------------------------------------------------
+
+
+def test_at_the_cap_a_new_client_displaces_an_unauthenticated_connection(pool):
+    with serve(pool, max_connections=4) as index:
+        idle = [Raw(index.url) for _ in range(4)]  # never say hello
+        assert wait_for(lambda: server_of(index).connection_count == 4)
+        with IndexClient(index.url, token=TOKEN, timeout_s=5) as client:
+            assert client.match_prefix([key(1)]) == 0
+        assert server_of(index).closed_connections["connection_limit"] >= 1
+        assert sum(raw.closed_by_peer() for raw in idle[:1]) == 1  # the oldest went
+        for raw in idle:
+            raw.close()
+
+
+def test_at_the_cap_with_every_connection_authenticated_the_new_one_is_closed(pool):
+    with serve(pool, max_connections=2) as index:
+        held = [Raw(index.url) for _ in range(2)]
+        for raw in held:
+            raw.hello()
+        extra = Raw(index.url)
+        assert extra.closed_by_peer()
+        assert all(raw.call(op="heartbeat")["ok"] for raw in held)
+        for raw in [*held, extra]:
+            raw.close()
+
+
+@pytest.mark.parametrize(
+    "limits, behaviour, reason",
+    [
+        ({"hello_timeout_s": 0.3}, "silent", "hello_timeout"),
+        ({"frame_timeout_s": 0.3}, "half_a_frame", "stalled"),
+        ({"idle_timeout_s": 0.3}, "idle_after_hello", "idle"),
+    ],
+)
+def test_a_connection_past_its_deadline_is_closed(pool, limits, behaviour, reason):
+    with serve(pool, **limits) as index:
+        raw = Raw(index.url)
+        if behaviour != "silent":
+            raw.hello()
+        if behaviour == "half_a_frame":
+            raw.sock.sendall(encode_frame({"id": 9, "op": "heartbeat"})[:3])  # one byte a while would do the same
+        assert raw.closed_by_peer()
+        assert server_of(index).closed_connections[reason] == 1
+        with IndexClient(index.url, token=TOKEN, timeout_s=5) as client:
+            assert client.heartbeat() > 0
+
+
+def test_a_client_whose_idle_connection_was_closed_reconnects_on_its_next_call(pool):
+    with serve(pool, idle_timeout_s=0.3) as index:
+        client = IndexClient(index.url, token=TOKEN, timeout_s=5, heartbeat=False)
+        lease = client.connect().lease_id
+        assert wait_for(lambda: server_of(index).closed_connections["idle"] == 1)
+        assert client.match_prefix([key(1)]) == 0  # not IndexUnavailable: a fresh connection
+        assert client.lease_id == lease  # nothing was in flight: the same lease resumed
+        client.close()
+
+
+def test_a_connection_opens_a_bounded_number_of_leases(pool):
+    with serve(pool, max_leases_per_connection=2) as index:
+        raw = Raw(index.url)
+        first = raw.hello()["lease_id"]
+        assert raw.hello()["ok"]
+        refused = raw.hello()
+        assert refused["error"]["type"] == "bad_request" and "--max-leases-per-connection" in refused["error"]["message"]
+        resumed = raw.call(op="hello", protocol=PROTOCOL_VERSION, client="raw", token=TOKEN, lease_id=first)
+        assert resumed["lease_id"] == first
+        assert index.on_loop(lambda: server_of(index).registry.stats().leases) == 2
+        raw.close()
+
+
+def test_auth_failures_are_counted_in_the_metrics(pool):
+    with ThreadedIndex(pool, token=TOKEN, with_metrics=True) as index:
+        for _ in range(3):
+            raw = Raw(index.url)
+            assert raw.hello("wrong")["error"]["type"] == "auth"
+            assert raw.closed_by_peer()
+            raw.close()
+        metrics = index.service.metrics.registry
+        assert metrics.get_sample_value("maru_index_auth_failures_total") == 3
+        assert metrics.get_sample_value("maru_index_connections_closed_total", {"reason": "auth"}) == 3
+
+
+# -- fairness ----------------------------------------------------------------------------------
+
+
+def _completion_order(index) -> list[str]:
+    """Record the op of every request as it completes (``_observe`` runs at the end of each)."""
+    server = server_of(index)
+    order: list[str] = []
+    observe = server._observe
+
+    def recording(op, started, reply):
+        order.append(op)
+        observe(op, started, reply)
+
+    server._observe = recording
+    return order
+
+
+def _while_the_loop_is_blocked(index, send) -> None:
+    """Hold the index's loop while ``send`` runs, so that every byte sent is
+    in the kernel when the loop reads again (the order of reads is then fixed)."""
+    import asyncio
+    import threading
+
+    blocked = threading.Event()
+
+    async def block():
+        blocked.set()
+        time.sleep(0.3)
+
+    future = asyncio.run_coroutine_threadsafe(block(), index._loop)
+    blocked.wait(5)
+    send()
+    future.result(5)
+
+
+def test_a_pipelining_connection_does_not_hold_the_others_back(pool):
+    with ThreadedIndex(pool, token=TOKEN, limits=ServerLimits(turn_s=1e-6)) as index:
+        flood, normal = Raw(index.url), Raw(index.url)
+        flood.hello(), normal.hello()
+        order = _completion_order(index)
+        frames = b"".join(encode_frame({"id": i, "op": "stats"}) for i in range(200))
+        _while_the_loop_is_blocked(index, lambda: (flood.sock.sendall(frames), normal.send({"op": "heartbeat"})))
+        assert normal.recv()["ok"]
+        assert wait_for(lambda: order.count("stats") == 200)
+        assert order.index("heartbeat") < 10, order[:20]  # one turn of the flood, not all 200 requests
+        flood.close(), normal.close()
+
+
+def _pin_many(raw: Raw, pool, count: int) -> list[bytes]:
+    keys = [key(i) for i in range(count)]
+    packed = b"".join(keys)
+    slots = SlotList.from_wire(raw.call(op="reserve", keys=packed, lengths=pack_lengths([16] * count))["slots"])
+    for k, slot in zip(keys, slots):
+        pool.write_slot_header(slot.offset, SlotHeader(key=k, generation=slot.generation, length=16))
+    assert all(raw.call(op="commit", keys=packed)["committed"])
+    for _ in range(3):
+        assert raw.call(op="retrieve", keys=packed)["ok"]
+    return keys
+
+
+@pytest.mark.parametrize("op", ["bye", "unpin"])
+def test_releasing_many_pins_lets_other_connections_in(pool, op):
+    with ThreadedIndex(pool, token=TOKEN) as index:
+        holder, normal = Raw(index.url), Raw(index.url)
+        holder.hello(), normal.hello()
+        keys = _pin_many(holder, pool, 12_000)  # 36,000 pins in one lease
+        order = _completion_order(index)
+        release = {"op": "bye"} if op == "bye" else {"op": "unpin", "keys": b"".join(keys[::-1])}  # not a batch
+        import maru_core.index.leases as leases
+
+        chunk = leases.PIN_CHUNK_ROWS
+        leases.PIN_CHUNK_ROWS = 1000  # chunks of the pins already taken stay as they are: re-pin with small ones
+        try:
+            if op == "unpin":
+                holder.call(op="unpin", keys=b"".join(keys))
+            for _ in range(3):
+                holder.call(op="retrieve", keys=b"".join(keys))
+        finally:
+            leases.PIN_CHUNK_ROWS = chunk
+        order.clear()
+        _while_the_loop_is_blocked(index, lambda: (holder.send(release), normal.send({"op": "heartbeat"})))
+        assert holder.recv()["ok"] and normal.recv()["ok"]
+        assert order.index("heartbeat") < order.index(op), order
+        stats = index.on_loop(server_of(index).registry.stats)
+        assert stats.pinned_keys == (0 if op == "bye" else len(keys))
+        holder.close(), normal.close()
+
+
+def test_a_client_whose_socket_is_above_fd_1024_still_works(pool):
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.fail(f"the open-files hard limit {hard} is below what this test needs (1200)")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200) if soft != resource.RLIM_INFINITY else soft, hard))
+    filler = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        with serve(pool) as index, IndexClient(index.url, token=TOKEN, timeout_s=5) as client:
+            client.connect()
+            assert client._channel._sock.fileno() >= 1024
+            assert client.match_prefix([key(1)]) == 0 and client.heartbeat() > 0
+    finally:
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_the_cap_follows_a_low_open_files_limit():
+    import resource
+
+    from maru_core.index.limits import default_max_connections
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (128, hard))
+    try:
+        assert default_max_connections() == 96
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_large_reserve_is_looked_up_in_slices_and_never_reserves_a_key_twice(pool):
+    with ThreadedIndex(pool, token=TOKEN) as index:
+        big, small = Raw(index.url), Raw(index.url)
+        big.hello(), small.hello()
+        order = _completion_order(index)
+        keys = [key(i) for i in range(10_000)]
+        shared = keys[8_000]  # looked up late by the large reserve, reserved meanwhile by the other client
+        large = {"op": "reserve", "keys": b"".join(keys), "lengths": pack_lengths([100] * len(keys))}
+        one = {"op": "reserve", "keys": shared, "lengths": pack_lengths([100])}
+        _while_the_loop_is_blocked(index, lambda: (big.send(large), small.send(one)))
+        small_slots = SlotList.from_wire(small.recv()["slots"])
+        big_slots = SlotList.from_wire(big.recv()["slots"])
+        assert order == ["reserve", "reserve"]  # the small one completed first: between two slices
+        assert small_slots[0] is not None and big_slots[8_000] is None
+        assert sum(slot is not None for slot in big_slots) == len(keys) - 1
+        offsets = [slot.offset for slot in big_slots if slot is not None] + [small_slots[0].offset]
+        assert len(set(offsets)) == len(keys)
+        big.close(), small.close()
