@@ -30,6 +30,9 @@ MODES = {
                             {}, True),
     "async_overlap_graphs": ({"maru_async_load": True, "maru_overlap_load_with_compute": True},
                              {}, True),
+    # loads that check every object's payload checksum on the CPU first
+    "sync_overlap_verify": ({"maru_async_load": False, "maru_overlap_load_with_compute": True,
+                             "maru_verify_payload": True}, {}, False),
     # the load and scatter streams at the default priority, as before
     "sync_overlap_prio0": ({"maru_async_load": False, "maru_overlap_load_with_compute": True},
                            {"load_priority": 0}, False),
