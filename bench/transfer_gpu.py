@@ -169,6 +169,7 @@ def bench_format(engine_for, fmt, src_ids, dst_ids, chunks, repeat):
         per_layer.extend(layer_ms(handles[0]))
     ok = verify(engine, src_ids, dst_ids)
     nbytes = handles[0].nbytes
+    issue = getattr(engine, "last_issue_s", None)  # copy thread's host time, last load
     return engine, load, {
         "bytes": nbytes,
         "store_gbps": nbytes / store_s / GB,
@@ -178,6 +179,7 @@ def bench_format(engine_for, fmt, src_ids, dst_ids, chunks, repeat):
         "per_layer_ms_median": statistics.median(per_layer),
         "bytes_verified": ok,
         "copy_2d": engine.copy_2d_backend,
+        "copy_thread_issue_ms": None if issue is None else issue * 1000,
     }
 
 

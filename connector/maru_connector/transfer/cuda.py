@@ -5,26 +5,82 @@ blocks with ``index_copy_`` on a scatter stream, so the scatter of one piece
 overlaps the copy of the next (two staging buffers, used in turn). Stores
 gather blocks with ``index_select`` into staging and copy them out on the
 store stream. Copying straight into paged blocks piece by piece is about 18x
-slower than this on an H200."""
+slower than this on an H200.
+
+Load and scatter streams run at high priority: a scatter queued while the
+forward's kernels fill the GPU must not wait behind them, or the load stream
+stalls on a staging buffer that is not yet free. Stores stay at the default
+(lowest) priority so they take nothing from the forward. The copy thread's
+work per layer is kept to a few raw runtime calls, and layers under 8 MiB
+go in groups (1, 2, 4, ... layers: one copy where their extents sit side by
+side in the pool, one scatter into all of them through their common stride,
+one event): for a small hit (a few MiB per layer) the copy thread, not PCIe,
+would otherwise set the pace."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 
-from .cudart import D2H, H2D, find_memcpy2d, register_host, unregister_host
+from .cudart import D2H, H2D, find_memcpy, find_memcpy2d, register_host, unregister_host
 from .engine import TransferEngine, _Job
-from .plan import Run, split_runs
+from .handles import TransferError
+from .plan import Run, layer_pieces
 
 __all__ = ["CudaTransferEngine"]
 
 DEFAULT_STAGING_BYTES = 64 << 20  # per buffer; >= 64 MiB copies reach peak
+HIGH_PRIORITY = -1  # above the default 0 (lower numbers are served first)
+# Layers smaller than this load in groups: below it a copy's fixed cost and
+# the copy thread's calls per layer show (on an H200 a 4 MiB strided copy
+# ran at 0.94 of the pinned peak, a 64 MiB one at 1.0).
+GROUP_BELOW_BYTES = 8 << 20
+
+
+class _IdsRing:
+    """Two pinned host buffers used in turn and one device buffer of block ids."""
+
+    def __init__(self, capacity: int, device) -> None:
+        self.capacity = capacity
+        self.host = [torch.empty(capacity, dtype=torch.int64).pin_memory() for _ in range(2)]
+        self.copied: list[torch.cuda.Event | None] = [None, None]
+        self.next = 0
+        self.device = torch.empty(capacity, dtype=torch.int64, device=device)
+
+
+def _widest_element(views: list[torch.Tensor], layer_stride: int | None) -> torch.dtype:
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        size = dtype.itemsize
+        if layer_stride and layer_stride % size:
+            continue
+        try:
+            for v in views:
+                v.view(dtype)
+        except RuntimeError:
+            continue
+        return dtype
+    return torch.uint8
+
+
+def _evenly_spaced(views: list[torch.Tensor], stride: int | None) -> bool:
+    if not stride or stride <= 0 or len(views) < 2:
+        return False
+    first = views[0]
+    return all(
+        v.data_ptr() - first.data_ptr() == i * stride and v.stride() == first.stride()
+        and v.shape == first.shape and v.untyped_storage().data_ptr()
+        == first.untyped_storage().data_ptr()
+        for i, v in enumerate(views)
+    )
 
 
 class CudaTransferEngine(TransferEngine):
     backend = "cuda"
 
     def __init__(self, pool_buffer, kv_caches, fmt, staging_bytes: int = DEFAULT_STAGING_BYTES,
-                 copy_2d: bool = True, timing: bool = False) -> None:
+                 copy_2d: bool = True, timing: bool = False,
+                 load_priority: int = HIGH_PRIORITY) -> None:
         super().__init__(pool_buffer, kv_caches, fmt)
         self.device = self.kv_caches[0].device
         self._pool_ptr = self.pool.data_ptr()
@@ -34,19 +90,21 @@ class CudaTransferEngine(TransferEngine):
             self._registered = (not self.pool.is_pinned()
                                 and register_host(self._pool_ptr, self.pool_size))
             try:
-                self._setup(fmt, staging_bytes, copy_2d)
+                self._setup(fmt, staging_bytes, copy_2d, load_priority)
             except BaseException:
                 self._release()
                 raise
         self._staging_free: list[torch.cuda.Event | None] = [None, None]
         self._next_staging = 0
         self._timing = timing
+        self.last_issue_s = 0.0  # host time the copy thread spent queueing the last load
 
-    def _setup(self, fmt, staging_bytes: int, copy_2d: bool) -> None:
-        self.load_stream = torch.cuda.Stream(self.device)
-        self.scatter_stream = torch.cuda.Stream(self.device)
+    def _setup(self, fmt, staging_bytes: int, copy_2d: bool, load_priority: int) -> None:
+        self.load_stream = torch.cuda.Stream(self.device, priority=load_priority)
+        self.scatter_stream = torch.cuda.Stream(self.device, priority=load_priority)
         self.store_stream = torch.cuda.Stream(self.device)
         self.copy_2d_backend, self._memcpy2d = find_memcpy2d() if copy_2d else ("rows", None)
+        self._memcpy = find_memcpy()
         row = fmt.layer_bytes
         self._rows_cap = max(1, staging_bytes // row)
         self._staging = [
@@ -54,6 +112,18 @@ class CudaTransferEngine(TransferEngine):
             for _ in range(2)
         ]
         self._store_staging: torch.Tensor | None = None
+        self._views: dict[tuple[int, int, int], torch.Tensor] = {}
+        self._ids = {s.cuda_stream: _IdsRing(self.layout.num_blocks, self.device)
+                     for s in (self.scatter_stream, self.store_stream)}
+        # Scatters and gathers move 8-byte elements where the layout allows:
+        # torch's index kernels are several times slower on single bytes,
+        # and a slow scatter takes the GPU from the forward it overlaps.
+        self._elem = _widest_element(self.block_views, self.layout.layer_stride_bytes)
+        self._wide_views = [v.view(self._elem) for v in self.block_views]
+        # Layers evenly spaced in one buffer (vLLM allocates them so) can be
+        # scattered together; None: one layer at a time.
+        self._stacked: dict[tuple[int, int], torch.Tensor] | None = (
+            {} if _evenly_spaced(self.block_views, self.layout.layer_stride_bytes) else None)
 
     # ---------------------------------------------------------------- helpers
     def _event(self) -> torch.cuda.Event:
@@ -66,42 +136,76 @@ class CudaTransferEngine(TransferEngine):
             job.handle._device_start = job.ready
 
     def _device_ids(self, job: _Job, stream: torch.cuda.Stream) -> torch.Tensor:
-        host = torch.tensor(job.block_ids, dtype=torch.int64).pin_memory()
-        job.host_ids = host  # alive until the copy below has run
+        """The job's block ids on the device, copied on ``stream`` (the one
+        that reads them), through pinned buffers kept for the engine: a
+        fresh pinned allocation costs a small load a good part of its time."""
+        ring = self._ids[stream.cuda_stream]
+        n = len(job.block_ids)
+        if n > ring.capacity:
+            host = torch.tensor(job.block_ids, dtype=torch.int64).pin_memory()
+            job.host_ids = host  # alive until the copy below has run
+            with torch.cuda.stream(stream):
+                return host.to(self.device, non_blocking=True)
+        slot = ring.next
+        ring.next ^= 1
+        if ring.copied[slot] is not None:
+            ring.copied[slot].synchronize()  # the copy from this buffer two jobs ago
+        host = ring.host[slot][:n]
+        host.numpy()[:] = job.block_ids
+        # One device buffer per stream: the next job's ids are written after
+        # this job's scatters, which are queued on the same stream before.
+        dev = ring.device[:n]
         with torch.cuda.stream(stream):
-            return host.to(self.device, non_blocking=True)
+            dev.copy_(host, non_blocking=True)
+        ring.copied[slot] = self._event()
+        ring.copied[slot].record(stream)
+        return dev
+
+    def _check(self, pieces: list[list[Run]], layer: int) -> None:
+        row = self.fmt.layer_bytes
+        for piece in pieces:
+            for run in piece:
+                if run.offset < 0 or run.end(row) > self.pool_size:
+                    raise TransferError(
+                        f"layer {layer}: pool extent [{run.offset}, {run.end(row)}) is "
+                        f"outside the {self.pool_size}-byte pool"
+                    )
 
     def _copy(self, run: Run, device_ptr: int, device_pitch: int, kind: int,
-              stream: torch.cuda.Stream) -> None:
-        """Copy one run between the pool and device memory at ``device_ptr``
-        (rows ``device_pitch`` apart) on ``stream``."""
-        row = self.fmt.layer_bytes
-        contiguous = run.rows == 1 or (run.stride == row and device_pitch == row)
-        rows = [(run.offset, device_ptr, run.rows * row)] if contiguous else None
-        if rows is None and self._memcpy2d is not None:
-            host = self._pool_ptr + run.offset
+              stream: torch.cuda.Stream, width: int | None = None) -> None:
+        """Copy one run (rows of ``width`` bytes, a layer extent by default)
+        between the pool and device memory at ``device_ptr`` (rows
+        ``device_pitch`` apart) on ``stream``."""
+        row = width or self.fmt.layer_bytes
+        host = self._pool_ptr + run.offset
+        if run.rows == 1 or (run.stride == row and device_pitch == row):
+            self._copy_1d(host, device_ptr, run.rows * row, kind, stream)
+        elif self._memcpy2d is not None:
             if kind == H2D:
                 self._memcpy2d(device_ptr, device_pitch, host, run.stride, row, run.rows,
                                kind, stream.cuda_stream)
             else:
                 self._memcpy2d(host, run.stride, device_ptr, device_pitch, row, run.rows,
                                kind, stream.cuda_stream)
-            return
-        if rows is None:
-            rows = [(run.offset + r * run.stride, device_ptr + r * device_pitch, row)
-                    for r in range(run.rows)]
-        for offset, ptr, nbytes in rows:
-            self._copy_1d(offset, ptr, nbytes, kind, stream)
+        else:
+            for r in range(run.rows):
+                self._copy_1d(host + r * run.stride, device_ptr + r * device_pitch, row,
+                              kind, stream)
 
-    def _copy_1d(self, offset: int, ptr: int, nbytes: int, kind: int,
+    def _copy_1d(self, host: int, device: int, nbytes: int, kind: int,
                  stream: torch.cuda.Stream) -> None:
-        host = self.pool[offset:offset + nbytes]
-        dev = self._device_slice(ptr, nbytes)
+        if self._memcpy is not None:
+            dst, src = (device, host) if kind == H2D else (host, device)
+            self._memcpy(dst, src, nbytes, kind, stream.cuda_stream)
+            return
+        offset = host - self._pool_ptr
+        pool = self.pool[offset:offset + nbytes]
+        dev = self._device_slice(device, nbytes)
         with torch.cuda.stream(stream):
             if kind == H2D:
-                dev.copy_(host, non_blocking=True)
+                dev.copy_(pool, non_blocking=True)
             else:
-                host.copy_(dev, non_blocking=True)
+                pool.copy_(dev, non_blocking=True)
 
     def _device_slice(self, ptr: int, nbytes: int) -> torch.Tensor:
         for buf in (*self._staging, self._store_staging):
@@ -110,42 +214,202 @@ class CudaTransferEngine(TransferEngine):
                 return buf[start:start + nbytes]
         raise AssertionError("device pointer outside the staging buffers")
 
-    def _piece_view(self, staging: torch.Tensor, blocks: int) -> torch.Tensor:
-        layout = self.layout
-        used = blocks * layout.block_bytes_per_layer
-        return staging[:used].view(blocks, layout.block_segments, layout.segment_bytes)
+    def _piece_view(self, staging: torch.Tensor, slot: int, blocks: int,
+                    layers: int = 1) -> torch.Tensor:
+        """Staging as ``[layers,] blocks`` blocks of wide elements."""
+        view = self._views.get((slot, blocks, layers))
+        if view is None:
+            layout = self.layout
+            used = layers * blocks * layout.block_bytes_per_layer
+            shape = (blocks, layout.block_segments, layout.segment_bytes // self._elem.itemsize)
+            view = staging[:used].view(self._elem).view(*(((layers,) if layers > 1 else ())
+                                                           + shape))
+            self._views[(slot, blocks, layers)] = view
+        return view
 
     # ------------------------------------------------------------------- load
     def _run_load(self, job: _Job) -> None:
+        """Copies of one staging fill are queued before the scatter of the
+        previous fill, so the copy engine never waits for the copy thread's
+        scatter calls; the block ids go up just before the first scatter."""
+        started = time.perf_counter()
         torch.cuda.set_device(self.device)
-        ids = self._device_ids(job, self.scatter_stream)
-        self.scatter_stream.wait_event(job.ready)
-        bpc = self.fmt.blocks_per_chunk
+        torch.cuda.set_stream(self.scatter_stream)  # the scatters run on this thread's stream
+        ids = None
+        pending = None
+
+        def scatter(pending):
+            nonlocal ids
+            if ids is None:  # needed from the first scatter on, not before
+                ids = self._device_ids(job, self.scatter_stream)
+                self.scatter_stream.wait_event(job.ready)
+            self._scatter_unit(job, ids, *pending)
+
+        try:
+            for unit in self._units(layer_pieces(self.fmt, job.offsets, self._rows_cap)):
+                filled = self._copy_unit(unit)
+                if pending is not None:
+                    scatter(pending)
+                pending = (unit, filled)
+        except TransferError:  # a bad extent: the layers before it still land
+            if pending is not None:
+                scatter(pending)
+            raise
+        if pending is not None:
+            scatter(pending)
+        self.last_issue_s = time.perf_counter() - started
+
+    def _units(self, pieces_of):
+        """Staging fills in order: (layers, pieces, whether the fill
+        completes its layers). A group of small layers is one fill; a layer
+        larger than a staging buffer is several."""
+        for group in self._groups(pieces_of):
+            if len(group) > 1:
+                yield [layer for layer, _ in group], [p for _, ps in group for p in ps], True
+                continue
+            layer, pieces = group[0]
+            for i, piece in enumerate(pieces):
+                yield [layer], [piece], i == len(pieces) - 1
+
+    def _groups(self, pieces_of):
+        """Layers in groups whose bytes fit one staging buffer together: 1,
+        2, 4, ... consecutive layers, so the first layer lands early and a
+        small load costs the copy thread a few calls per group, not per
+        layer. A layer of several pieces is a group of its own."""
+        group: list = []
+        rows = 0
+        want = 1
+        for layer, pieces in enumerate(pieces_of):
+            try:
+                self._check(pieces, layer)
+            except TransferError:
+                if group:  # the layers before the bad one still land
+                    yield group
+                raise
+            n = sum(r.rows for r in pieces[0]) if len(pieces) == 1 else None
+            if n is not None and n * self.fmt.layer_bytes >= GROUP_BELOW_BYTES:
+                n = None  # copies this large already run at full speed alone
+            if group and (n is None or rows + n > self._rows_cap or len(group) >= want):
+                yield group
+                want *= 2
+                group, rows = [], 0
+            if n is None or self._stacked is None:
+                yield [(layer, pieces)]
+                continue
+            group.append((layer, pieces))
+            rows += n
+        if group:
+            yield group
+
+    def _take_staging(self) -> tuple[int, torch.Tensor]:
+        slot = self._next_staging
+        self._next_staging ^= 1
+        if self._staging_free[slot] is not None:
+            self.load_stream.wait_event(self._staging_free[slot])
+        return slot, self._staging[slot]
+
+    def _copy_unit(self, unit) -> tuple[int, int, torch.cuda.Event, int]:
+        """Queue one fill's copies on the load stream: (slot, bytes, filled,
+        rows interleaved). Layers whose extents sit side by side in each
+        object (chunkwise; layerwise objects stored chunk by chunk) go in one
+        strided copy of wide rows, staged chunk-major: ``rows`` chunks, each
+        the group's layers in turn; otherwise layer-major (``rows`` 0)."""
+        layers, pieces, _ = unit
+        slot, staging = self._take_staging()
         row = self.fmt.layer_bytes
-        for layer in range(self.layout.num_layers):
-            view = self.block_views[layer]
-            for piece in split_runs(self._runs(job, layer), self._rows_cap, bpc):
-                slot = self._next_staging
-                self._next_staging ^= 1
-                staging = self._staging[slot]
-                if self._staging_free[slot] is not None:
-                    self.load_stream.wait_event(self._staging_free[slot])
-                pos = 0
+        base, pos = staging.data_ptr(), 0
+        wide = self._wide_run(pieces) if len(layers) > 1 else None
+        span = self._span(pieces) if len(layers) > 1 and wide is None else None
+        if wide is not None:
+            self._copy(wide, base, len(layers) * row, H2D, self.load_stream,
+                       width=len(layers) * row)
+            pos = wide.rows * len(layers) * row
+        elif span is not None:  # the layers' extents back to back: one plain copy
+            pos = span[1]
+            self._copy_1d(self._pool_ptr + span[0], base, pos, H2D, self.load_stream)
+        else:
+            for piece in pieces:
                 for run in piece:
-                    self._copy(run, staging.data_ptr() + pos, row, H2D, self.load_stream)
+                    self._copy(run, base + pos, row, H2D, self.load_stream)
                     pos += run.rows * row
-                filled = self._event()
-                filled.record(self.load_stream)
-                self.scatter_stream.wait_event(filled)
-                first, blocks = piece[0].first_block, pos // self.layout.block_bytes_per_layer
-                with torch.cuda.stream(self.scatter_stream):
-                    view.index_copy_(0, ids[first:first + blocks], self._piece_view(staging, blocks))
-                freed = self._event()
-                freed.record(self.scatter_stream)
-                self._staging_free[slot] = freed
-            landed = self._event()
-            landed.record(self.scatter_stream)
-            job.handle._mark_layer(layer, landed)
+        filled = self._event()
+        filled.record(self.load_stream)
+        return slot, pos, filled, wide.rows if wide is not None else 0
+
+    def _span(self, pieces: list[list[Run]]) -> tuple[int, int] | None:
+        """(pool offset, bytes) when the pieces' runs are contiguous and
+        follow one another in the pool, as staged (layer-major)."""
+        row = self.fmt.layer_bytes
+        start = end = None
+        for piece in pieces:
+            for run in piece:
+                if run.rows > 1 and run.stride != row:
+                    return None
+                if end is not None and run.offset != end:
+                    return None
+                start = run.offset if start is None else start
+                end = run.offset + run.rows * row
+        return (start, end - start) if start is not None else None
+
+    def _wide_run(self, pieces: list[list[Run]]) -> Run | None:
+        """One run of rows ``len(pieces)`` layers wide, when every layer is
+        one run and the next layer's extents follow the previous one's."""
+        if self._memcpy2d is None or any(len(p) != 1 for p in pieces):
+            return None
+        first = pieces[0][0]
+        row, count = self.fmt.layer_bytes, len(pieces)
+        if first.rows < 2 or (first.stride < count * row):
+            return None
+        for i, piece in enumerate(pieces):
+            run = piece[0]
+            if (run.rows, run.stride, run.first_block) != (first.rows, first.stride,
+                                                           first.first_block) \
+                    or run.offset != first.offset + i * row:
+                return None
+        return first
+
+    def _scatter_unit(self, job: _Job, ids: torch.Tensor, unit, copied) -> None:
+        """Scatter one fill into the blocks of its layers (one index copy
+        through the layers' common stride for a group), then free the
+        staging buffer; the fill's last event lands its layers."""
+        layers, pieces, completes = unit
+        slot, used, filled, interleaved = copied
+        self.scatter_stream.wait_event(filled)
+        staging = self._staging[slot]
+        count = len(layers)
+        blocks = used // count // self.layout.block_bytes_per_layer
+        first = pieces[0][0].first_block  # the same for every layer of a group
+        index = ids[first:first + blocks]
+        if interleaved:  # staged [chunk][layer][block]: index by (chunk, block)
+            per = blocks // interleaved
+            source = self._piece_view(staging, slot, per, count * interleaved)
+            source = source.view(interleaved, count, *source.shape[1:]).transpose(0, 1)
+            self._stacked_view(layers[0], count)[:, index.view(interleaved, per)] = source
+        elif count > 1:
+            self._stacked_view(layers[0], count).index_copy_(
+                1, index, self._piece_view(staging, slot, blocks, count))
+        else:
+            self._wide_views[layers[0]].index_copy_(0, index,
+                                                    self._piece_view(staging, slot, blocks))
+        freed = self._event()
+        freed.record(self.scatter_stream)
+        self._staging_free[slot] = freed
+        if completes:
+            for layer in layers:
+                job.handle._mark_layer(layer, freed)
+
+    def _stacked_view(self, layer0: int, count: int) -> torch.Tensor:
+        """Layers ``layer0 .. layer0 + count - 1`` as one view
+        ``[count, blocks, segments, segment_bytes]`` (their common stride)."""
+        key = (layer0, count)
+        view = self._stacked.get(key)
+        if view is None:
+            first = self._wide_views[layer0]
+            stride = self.layout.layer_stride_bytes // self._elem.itemsize
+            view = torch.as_strided(first, (count, *first.shape), (stride, *first.stride()),
+                                    first.storage_offset())
+            self._stacked[key] = view
+        return view
 
     # ------------------------------------------------------------------ store
     def _run_store(self, job: _Job) -> None:
@@ -158,15 +422,16 @@ class CudaTransferEngine(TransferEngine):
         staging = self._store_staging
         ids = self._device_ids(job, stream)
         stream.wait_event(job.ready)
-        for layer in range(self.layout.num_layers):
-            view = self.block_views[layer]
-            for piece in split_runs(self._runs(job, layer), self._rows_cap,
-                                    self.fmt.blocks_per_chunk):
+        torch.cuda.set_stream(stream)
+        pieces_of = layer_pieces(self.fmt, job.offsets, self._rows_cap)
+        for layer, pieces in enumerate(pieces_of):
+            self._check(pieces, layer)
+            view = self._wide_views[layer]
+            for piece in pieces:
                 blocks = sum(r.rows for r in piece) * self.fmt.blocks_per_chunk
                 first = piece[0].first_block
-                with torch.cuda.stream(stream):
-                    torch.index_select(view, 0, ids[first:first + blocks],
-                                       out=self._piece_view(staging, blocks))
+                torch.index_select(view, 0, ids[first:first + blocks],
+                                   out=self._piece_view(staging, 2, blocks))
                 pos = 0
                 for run in piece:
                     self._copy(run, staging.data_ptr() + pos, row, D2H, stream)

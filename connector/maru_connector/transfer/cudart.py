@@ -1,6 +1,8 @@
 """The few CUDA runtime calls torch does not wrap: host registration (through
-``torch.cuda.cudart()``) and strided 2-D copies (``cudaMemcpy2DAsync``, from
-the CUDA runtime library already loaded in the process, else CuPy)."""
+``torch.cuda.cudart()``), strided 2-D copies (``cudaMemcpy2DAsync``) and plain
+copies (``cudaMemcpyAsync``), both from the CUDA runtime library already
+loaded in the process, else CuPy. A raw call costs a few microseconds of host
+time where ``Tensor.copy_`` costs tens: small loads are bound by that time."""
 
 from __future__ import annotations
 
@@ -10,13 +12,15 @@ from typing import Callable
 
 import torch
 
-__all__ = ["H2D", "D2H", "find_memcpy2d", "register_host", "unregister_host"]
+__all__ = ["H2D", "D2H", "find_memcpy", "find_memcpy2d", "register_host", "unregister_host"]
 
 H2D, D2H = 1, 2  # cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost
 _ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
 
 # (dst, dpitch, src, spitch, width, height, kind, stream) -> None
 Memcpy2D = Callable[[int, int, int, int, int, int, int, int], None]
+# (dst, src, nbytes, kind, stream) -> None
+Memcpy = Callable[[int, int, int, int, int], None]
 
 
 def register_host(ptr: int, size: int) -> bool:
@@ -70,6 +74,20 @@ def _from_cudart(path: str) -> Memcpy2D:
     return copy
 
 
+def _from_cudart_1d(path: str) -> Memcpy:
+    fn = ctypes.CDLL(path).cudaMemcpyAsync
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                   ctypes.c_void_p]
+
+    def copy(dst, src, nbytes, kind, stream):
+        err = fn(dst, src, nbytes, kind, stream)
+        if err:
+            raise RuntimeError(f"cudaMemcpyAsync failed with CUDA error {err}")
+
+    return copy
+
+
 def _from_cupy() -> Memcpy2D | None:
     try:
         from cupy.cuda import runtime
@@ -80,6 +98,19 @@ def _from_cupy() -> Memcpy2D | None:
         runtime.memcpy2DAsync(dst, dpitch, src, spitch, width, height, kind, stream)
 
     return copy
+
+
+def find_memcpy() -> Memcpy | None:
+    """``cudaMemcpyAsync`` of the CUDA runtime in the process; None when it
+    cannot be found (copy with ``Tensor.copy_`` then)."""
+    torch.cuda.init()
+    path = _loaded_cudart()
+    if path:
+        try:
+            return _from_cudart_1d(path)
+        except (OSError, AttributeError):
+            pass
+    return None
 
 
 def find_memcpy2d() -> tuple[str, Memcpy2D | None]:

@@ -144,9 +144,15 @@ class LoadHandle:
     def wait_all(self, timeout: float | None = None) -> bool:
         """Block until every layer landed; False on timeout or failure."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        waited = None  # layers loaded together share one event: wait for it once
         for layer in range(self.num_layers):
-            if not self.wait_layer(layer, _remaining(deadline)):
+            if not self._marked[layer].wait(_remaining(deadline)) or not self._ok[layer]:
                 return False
+            event = self._device_event(layer)
+            if event is not None and event is not waited:
+                if not _wait_device_event(event, deadline):
+                    return False
+                waited = event
         if self.finished_at is None:
             self.finished_at = time.monotonic()
         return True

@@ -21,6 +21,7 @@ __all__ = [
     "Run",
     "TransferRequestError",
     "check_chunks",
+    "layer_pieces",
     "layer_runs",
     "split_runs",
 ]
@@ -124,3 +125,26 @@ def split_runs(runs: list[Run], max_rows: int, blocks_per_row: int) -> list[list
             done += take
             room -= take
     return [p for p in pieces if p]
+
+
+def _shifted(pieces: list[list[Run]], delta: int) -> list[list[Run]]:
+    return [[Run(r.offset + delta, r.stride, r.rows, r.first_block) for r in piece]
+            for piece in pieces]
+
+
+def layer_pieces(fmt: ObjectFormat, offsets: Sequence[Sequence[int]], max_rows: int):
+    """Per layer, in layer order: its runs grouped into staging-sized pieces.
+
+    Chunkwise objects hold the layers back to back, so every layer's runs
+    are layer 0's shifted by ``layer * layer_bytes``: planned once, not once
+    per layer (a small load is bound by the copy thread's time per layer).
+    """
+    bpc = fmt.blocks_per_chunk
+    if fmt.layerwise:
+        for layer in range(fmt.num_layers):
+            yield split_runs(layer_runs(fmt, offsets, layer), max_rows, bpc)
+        return
+    first = split_runs(layer_runs(fmt, offsets, 0), max_rows, bpc)
+    yield first
+    for layer in range(1, fmt.num_layers):
+        yield _shifted(first, layer * fmt.layer_bytes)

@@ -1,0 +1,88 @@
+"""Where the time of one small load goes: a torch profiler timeline of the
+copies and scatters on the GPU and the copy thread's calls, for one hit.
+
+    PYTHONPATH=connector:core python3 bench/profile_load.py --tokens 1024 --layers 32
+
+Prints the GPU operations in time order (start, duration and gap after the
+previous one on the same stream, in microseconds), then the busy time per
+stream against the load's wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from transfer_gpu import Pool, chunks_of, make_kv, place
+from maru_connector.kv_layout import detect_kv_layout
+from maru_connector.object_format import ObjectFormat
+from maru_connector.transfer import ChunkLoad, ChunkStore, TransferEngine
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--layerwise", action="store_true")
+    ap.add_argument("--rows", type=int, default=60)
+    args = ap.parse_args()
+    bs, chunk = 16, 256
+    blocks = args.tokens // bs
+    kv = make_kv("packed_lbnhc", args.layers, 2 * blocks, 8, bs, 128)
+    fmt = ObjectFormat(detect_kv_layout(kv), chunk, args.layerwise)
+    chunks = args.tokens // chunk
+    pool = Pool(chunks * fmt.chunk_bytes + (2 << 20))
+    perm = list(range(2 * blocks))
+    random.Random(0).shuffle(perm)
+    offsets = place(fmt, chunks)
+    engine = TransferEngine.create(pool.buffer, kv, fmt)
+    try:
+        assert engine.submit_store(chunks_of(perm[:blocks], offsets, chunk // bs,
+                                             ChunkStore)).wait(60)
+        load = chunks_of(perm[blocks:], offsets, chunk // bs, ChunkLoad)
+        for _ in range(3):
+            assert engine.submit_load(load).wait_all(60)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t = time.perf_counter()
+            handle = engine.submit_load(load)
+            assert handle.wait_all(60)
+            wall = time.perf_counter() - t
+        report(prof, wall, args.rows)
+    finally:
+        engine.close()
+        pool.close()
+
+
+def report(prof, wall, rows):
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    events.sort(key=lambda e: e.time_range.start)
+    if not events:
+        print("no GPU events recorded")
+        return
+    t0 = events[0].time_range.start
+    last_end: dict = {}
+    busy: dict = {}
+    print(f"{'start':>8} {'dur':>7} {'gap':>6} stream name")
+    for i, e in enumerate(events):
+        s, d = e.time_range.start, e.time_range.elapsed_us()
+        stream = getattr(e, "device_resource_id", 0)
+        gap = s - last_end.get(stream, s)
+        last_end[stream] = s + d
+        busy[stream] = busy.get(stream, 0) + d
+        if i < rows:
+            print(f"{s - t0:8.1f} {d:7.1f} {gap:6.1f} {stream:>6} {e.name[:60]}")
+    span = max(e.time_range.end for e in events) - t0
+    print(f"wall {wall * 1e6:.0f} us; GPU span {span:.0f} us; busy per stream (us):",
+          {k: round(v) for k, v in busy.items()})
+    cpu = [e for e in prof.key_averages() if e.key.startswith(("aten::index_copy_", "cuda"))]
+    for e in cpu[:12]:
+        print(f"host {e.key[:50]:50} calls {e.count:4d} total {e.cpu_time_total:8.0f} us")
+
+
+if __name__ == "__main__":
+    main()
