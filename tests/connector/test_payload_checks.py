@@ -10,8 +10,7 @@ from maru_core.pool.checksum import payload_checksum
 from maru_connector.config import parse_config
 from maru_connector.resolve import LoadFailure, object_keys, release_pins, resolve_load
 
-from worker_env import (BLOCK, CHUNK, LAYERS, WorkerEnv, blocks_equal, finished, load_meta, report, save,
-                        spec_blocks, store_meta, tokens)
+from worker_env import BLOCK, CHUNK, WorkerEnv, blocks_equal, load_meta, spec_blocks, step, store_meta, tokens
 
 
 @pytest.fixture
@@ -21,20 +20,12 @@ def env():
     env.close()
 
 
-def _step(half, meta):
-    half.handle_preemptions(meta)
-    half.start_load_kv(meta)
-    for i in range(LAYERS):
-        half.wait_for_layer_load(f"model.layers.{i}.self_attn.attn")
-    save(half, meta)
-    finished(half)
-    return half.get_block_ids_with_load_errors(), report(half)
 
 
 def _store(env, n_tokens=64, **knobs):
     writer, kv_w = env.worker(seed=1, maru_async_store=False, **knobs)
     keys = env.keys(tokens(n_tokens))
-    _step(writer, store_meta("w", keys, first_block=0))
+    step(writer, store_meta("w", keys, first_block=0))
     return writer, kv_w, keys
 
 
@@ -54,7 +45,7 @@ def test_a_reader_refuses_an_object_written_in_another_kv_layout(env):
     _, _, keys = _store(env)
     reader, kv_r = env.worker(seed=2, dtype=torch.float16)
     before = {name: t.clone() for name, t in kv_r.items()}
-    errors, meta = _step(reader, load_meta("r", keys, first_block=10))
+    errors, meta = step(reader, load_meta("r", keys, first_block=10))
     assert errors == set(range(10, 14)) and meta.failed_load_req_ids == {"r"}
     assert reader.stats.snapshot()["load_failures"]["header_mismatch"] == 1
     assert all(torch.equal(kv_r[n].view(torch.uint8), before[n].view(torch.uint8)) for n in kv_r)  # untouched
@@ -64,7 +55,7 @@ def test_a_reader_refuses_an_object_written_in_another_kv_layout(env):
 def test_a_reader_in_the_writer_s_layout_loads_it(env):
     _, kv_w, keys = _store(env)
     reader, kv_r = env.worker(seed=2)
-    errors, _ = _step(reader, load_meta("r", keys, first_block=10))
+    errors, _ = step(reader, load_meta("r", keys, first_block=10))
     assert errors == set() and blocks_equal(kv_w, range(4), kv_r, range(10, 14))
 
 

@@ -7,7 +7,7 @@ from maru_core.pool.slots import SlotHeader
 
 from maru_connector.metadata import MaruConnectorMetadata
 
-from worker_env import LAYERS, finished, report, save, WorkerEnv, blocks_equal, load_meta, store_meta, tokens
+from worker_env import LAYERS, WorkerEnv, blocks_equal, load_meta, step, store_meta, tokens
 
 
 @pytest.fixture
@@ -17,15 +17,6 @@ def env():
     env.close()
 
 
-def _step(half, meta):
-    """One engine step as vLLM's model runner drives the worker connector."""
-    half.handle_preemptions(meta)
-    half.start_load_kv(meta)
-    for i in range(LAYERS):
-        half.wait_for_layer_load(f"model.layers.{i}.self_attn.attn")
-    save(half, meta)
-    sending, recving = finished(half)
-    return half.get_block_ids_with_load_errors(), report(half)
 
 
 @pytest.mark.parametrize("layerwise", [False, True])
@@ -35,11 +26,11 @@ def test_store_then_load_copies_exact_bytes(env, layerwise, overlap):
     reader, kv_r = env.worker(seed=2, maru_use_layerwise=layerwise,
                               maru_overlap_load_with_compute=overlap)
     keys = env.keys(tokens(96))  # three chunks
-    _step(writer, store_meta("w", keys, first_block=0))
+    step(writer, store_meta("w", keys, first_block=0))
     assert len(env.index.committed) == 3 * (LAYERS if layerwise else 1)
     assert not blocks_equal(kv_w, range(6), kv_r, range(10, 16))
 
-    errors, meta = _step(reader, load_meta("r", keys, first_block=10))
+    errors, meta = step(reader, load_meta("r", keys, first_block=10))
 
     assert errors == set() and not meta.failed_load_req_ids and not meta.tainted
     assert blocks_equal(kv_w, range(6), kv_r, range(10, 16))
@@ -51,7 +42,7 @@ def test_store_then_load_copies_exact_bytes(env, layerwise, overlap):
 def _stored(env, n_tokens=64):
     writer, kv_w = env.worker(seed=1, maru_async_store=False)
     keys = env.keys(tokens(n_tokens))
-    _step(writer, store_meta("w", keys, first_block=0))
+    step(writer, store_meta("w", keys, first_block=0))
     return keys
 
 
@@ -79,7 +70,7 @@ def test_bad_reply_length_fails_the_load_before_any_copy(env, hook, reason):
     reader, kv_r = env.worker(seed=2)
     before = _snapshot(kv_r)
     env.index.retrieve_hook = hook
-    errors, meta = _step(reader, load_meta("r", keys, first_block=10))
+    errors, meta = step(reader, load_meta("r", keys, first_block=10))
     _assert_failed_untouched(env, reader, kv_r, before, errors, meta, reason)
 
 
@@ -88,7 +79,7 @@ def test_miss_fails_the_load(env):
     reader, kv_r = env.worker(seed=2)
     before = _snapshot(kv_r)
     missing = keys[:1] + env.keys(tokens(64, start=500))[1:]
-    errors, meta = _step(reader, load_meta("r", missing, first_block=10))
+    errors, meta = step(reader, load_meta("r", missing, first_block=10))
     _assert_failed_untouched(env, reader, kv_r, before, errors, meta, "miss")
 
 
@@ -98,7 +89,7 @@ def test_slot_header_naming_another_generation_fails_the_load(env):
     env.pool.write_slot_header(loc.offset, SlotHeader(keys[1], loc.generation + 7, loc.length))
     reader, kv_r = env.worker(seed=2)
     before = _snapshot(kv_r)
-    errors, meta = _step(reader, load_meta("r", keys, first_block=10))
+    errors, meta = step(reader, load_meta("r", keys, first_block=10))
     _assert_failed_untouched(env, reader, kv_r, before, errors, meta, "header_mismatch")
 
 
@@ -107,18 +98,18 @@ def test_unreachable_index_is_a_failed_load_not_a_crash(env):
     reader, kv_r = env.worker(seed=2)
     before = _snapshot(kv_r)
     env.index.down = True
-    errors, meta = _step(reader, load_meta("r", keys, first_block=10))
+    errors, meta = step(reader, load_meta("r", keys, first_block=10))
     _assert_failed_untouched(env, reader, kv_r, before, errors, meta, "index_error")
     # The next step reports nothing again: errors are per step.
     env.index.down = False
-    errors, meta = _step(reader, MaruConnectorMetadata())
+    errors, meta = step(reader, MaruConnectorMetadata())
     assert errors == set() and not meta.failed_load_req_ids and not meta.tainted
 
 
 def test_store_with_index_down_is_a_skipped_store(env):
     writer, _ = env.worker(seed=1, maru_async_store=False)
     env.index.down = True
-    _step(writer, store_meta("w", env.keys(tokens(64)), first_block=0))
+    step(writer, store_meta("w", env.keys(tokens(64)), first_block=0))
     assert env.index.committed == {} and env.index.reserved == {}
     assert writer.stats.snapshot()["store_failures"]["index_error"] == 1
 
@@ -126,7 +117,7 @@ def test_store_with_index_down_is_a_skipped_store(env):
 def test_second_store_of_the_same_chunks_is_skipped(env):
     writer, _ = env.worker(seed=1, maru_async_store=False)
     keys = env.keys(tokens(64))
-    _step(writer, store_meta("a", keys, first_block=0))
+    step(writer, store_meta("a", keys, first_block=0))
     first = dict(env.index.committed)
-    _step(writer, store_meta("b", keys, first_block=8))
+    step(writer, store_meta("b", keys, first_block=8))
     assert env.index.committed == first and env.index.reserved == {}

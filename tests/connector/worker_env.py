@@ -125,3 +125,15 @@ def finished(half: MaruWorkerHalf, held=(), scheduled=()) -> tuple[set[str], set
 def report(half: MaruWorkerHalf, step: int = 0):
     """The worker's report on a step (``build_connector_worker_meta``)."""
     return half.build_worker_meta(MaruConnectorMetadata(step=step))
+
+
+def step(half: MaruWorkerHalf, meta: MaruConnectorMetadata):
+    """One engine step as vLLM's model runner drives the worker connector;
+    returns the step's load errors and the worker's report."""
+    half.handle_preemptions(meta)
+    half.start_load_kv(meta)
+    for i in range(LAYERS):
+        half.wait_for_layer_load(f"model.layers.{i}.self_attn.attn")
+    save(half, meta)
+    finished(half)
+    return half.get_block_ids_with_load_errors(), report(half)
