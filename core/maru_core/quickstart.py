@@ -151,14 +151,19 @@ def run(args: argparse.Namespace) -> int:
     with open(os.open(token_file, os.O_WRONLY | os.O_CREAT, 0o600), "w") as fh:
         fh.write(os.urandom(16).hex())
     index = IndexProcess(pool_path, pool_size=str(args.pool_size), token_file=token_file)
-    print("MaruCache quickstart")
+    print("MaruCache quickstart", flush=True)
     try:
         index.start()
         print(f"  pool     {pool_path} ({_mib(args.pool_size)}, tmpfs standing in for CXL memory)")
-        print(f"  index    {index.url} (pid {index.proc.pid})")
+        print(f"  index    {index.url} (pid {index.proc.pid})", flush=True)  # progress, also through a pipe
         w = _role("writer", index.url, pool_path, token_file, args)
         print(f"  writer   pid {w['pid']}: stored {w['committed']}/{w['objects']} objects, {_mib(w['bytes'])} "
-              f"(reserve {w['reserve_ms']:.2f} ms, write {w['write_ms']:.1f} ms, commit {w['commit_ms']:.2f} ms)")
+              f"(reserve {w['reserve_ms']:.2f} ms, write {w['write_ms']:.1f} ms, commit {w['commit_ms']:.2f} ms)",
+              flush=True)
+        if w["committed"] < w["objects"]:
+            print(f"  result   the pool held only {w['committed']} of {w['objects']} objects: "
+                  "use a larger --pool-size or fewer --tokens")
+            return 1
         r = _role("reader", index.url, pool_path, token_file, args)
         print(f"  reader   pid {r['pid']}: {r['hits']}/{r['objects']} hits, {r['verified']} verified byte for byte, "
               f"{_mib(r['bytes'])} read (match_prefix {r['match_ms']:.2f} ms, retrieve {r['retrieve_ms']:.2f} ms, "

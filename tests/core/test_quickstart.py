@@ -35,7 +35,7 @@ def test_quickstart_stores_reads_back_and_cleans_up():
 def test_ctrl_c_cleans_up():
     proc = subprocess.Popen(
         [sys.executable, "-m", "maru_core.cli", "quickstart", "--tokens", "65536", "--layers", "16",
-         "--object-size", "16Ki", "--pool-size", "128Mi"],
+         "--object-size", "16Ki", "--pool-size", "512Mi"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
     lines = []
@@ -68,3 +68,14 @@ def test_bench_index_json_lines():
     assert [r["keys"] for r in rows[:6]] == [8000, 250, 8000, 250, 8000, 8000]
     assert rows[0]["target_p50_ms"] == 1.0
     assert 0 < rows[6]["bytes_per_key"] and rows[6]["keys"] == 2000
+
+
+def test_a_pool_too_small_says_so_instead_of_a_mismatch():
+    done = subprocess.run(
+        [sys.executable, "-m", "maru_core.cli", "quickstart", "--tokens", "65536", "--layers", "16",
+         "--object-size", "16Ki", "--pool-size", "128Mi"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 1
+    assert "the pool held only" in done.stdout and "use a larger --pool-size" in done.stdout
+    assert not os.path.exists(re.search(r"pool\s+(\S+)", done.stdout).group(1))
