@@ -11,8 +11,7 @@ from maru_core.stats_aggregate import RegionAggregator
 from maru_connector.config import MaruConfigError, parse_config
 from maru_connector.stats import open_stats
 
-from worker_env import WorkerEnv, load_meta, store_meta, tokens
-from test_worker import _step
+from worker_env import WorkerEnv, load_meta, step, store_meta, tokens
 
 DIRECT = {"maru_index_url": "tcp://127.0.0.1:1", "maru_pool_path": "/dev/shm/p"}
 
@@ -28,8 +27,8 @@ def test_worker_halves_record_into_the_stats_directory(env, tmp_path):
     writer, _ = env.worker(seed=1, maru_async_store=False, maru_stats_dir=str(tmp_path))
     reader, _ = env.worker(seed=2, maru_stats_dir=str(tmp_path))
     keys = env.keys(tokens(96))
-    _step(writer, store_meta("w", keys, first_block=0))
-    _step(reader, load_meta("r", keys, first_block=10))
+    step(writer, store_meta("w", keys, first_block=0))
+    step(reader, load_meta("r", keys, first_block=10))
 
     files = region_files(tmp_path)
     assert len(files) == 2, "one region per worker half"
