@@ -16,9 +16,15 @@ from .conftest import CHUNK_TOKENS, connector_config
 
 pytestmark = pytest.mark.vllm
 
-ROUNDS = 12
+WARM_UP_ROUNDS = 5
+ROUNDS = 18
 PER_ROUND = 10
-RSS_MARGIN_BYTES = 48 * 1024 * 1024
+# The float32 engine's allocator arenas (a batch's activations and logits)
+# settle over the first rounds and then wander by tens of MiB. A leak of one
+# request's KV (158 tokens x 4 layers x 2 KV heads x 128 x 4 B = 0.65 MiB)
+# per request would add 117 MiB over the measured 180 requests; Python-level
+# leaks of the connector show in the object counts below.
+RSS_MARGIN_BYTES = 80 * 1024 * 1024
 OBJECT_SLACK = 16  # objects of a request in flight at the moment of counting
 
 
@@ -33,12 +39,12 @@ def _round(engine, round_no: int) -> None:
 
 def test_connector_memory_is_flat(farm, index):
     engine = farm.get("memory", connector_config(index, async_load=True, overlap_load_with_compute=True))
-    for r in range(3):
+    for r in range(WARM_UP_ROUNDS):
         _round(engine, r)
     objects_before = engine.process.call("object_counts", prefix="maru_")
     rss_before = engine.process.rss_bytes()
     hits_before = engine.counters()["maru_lookup_hit_tokens_total"]
-    for r in range(3, 3 + ROUNDS):
+    for r in range(WARM_UP_ROUNDS, WARM_UP_ROUNDS + ROUNDS):
         _round(engine, r)
     objects_after = engine.process.call("object_counts", prefix="maru_")
     rss_after = engine.process.rss_bytes()
