@@ -19,7 +19,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from maru_core.keys import layer_key
+from maru_core.pool.slot_check import SlotHeaderCheck
 
 from maru_connector.transfer import ChunkLoad
 
@@ -115,28 +117,44 @@ def _check_reply(keys: list[bytes], locations: list[Any], object_bytes: int) -> 
 def _check_headers(
     pool: Any, keys: list[bytes], locations: list[Any], fmt: Any, verify_payload: bool
 ) -> None:
-    layout = fmt.fingerprint
-    for key, loc in zip(keys, locations):
-        header = pool.read_slot_header(loc.offset)
-        if header is None or not header.names(key, loc.generation):
-            raise LoadFailure(
-                "header_mismatch",
-                f"slot at offset {loc.offset} no longer holds key {key.hex()} "
-                f"generation {loc.generation}",
-            )
-        if header.layout != layout:
-            # Same key, other byte arrangement: a writer whose worker detected another
-            # KV layout (or an object written before layouts were recorded).
-            raise LoadFailure(
-                "header_mismatch",
-                f"object of key {key.hex()} was written in layout {header.layout:#x}, "
-                f"this worker's is {layout:#x}",
-            )
-        if verify_payload and not pool.payload_matches(loc.offset, header):
-            what = "does not match its checksum" if header.checksum else "carries no checksum"
-            raise LoadFailure(  # the metric label of every slot-header check
-                "header_mismatch", f"payload of key {key.hex()} at offset {loc.offset} {what}"
-            )
+    # One vectorised pass over the whole batch (a layerwise 16k-token hit has
+    # 2,048 objects: checked one by one they cost 11-24 ms of its TTFT); the
+    # one-object check only words a failure.
+    offsets = np.fromiter((loc.offset for loc in locations), dtype=np.int64, count=len(locations))
+    generations = np.fromiter((loc.generation for loc in locations), dtype=np.uint64, count=len(locations))
+    ok = SlotHeaderCheck(pool)(b"".join(keys), offsets, generations, layout=fmt.fingerprint)
+    for i in np.flatnonzero(~ok)[:1]:
+        _header_of(pool, keys[i], locations[i], fmt.fingerprint)
+        raise LoadFailure(  # the slot changed between the two reads: not ours either way
+            "header_mismatch", f"slot at offset {locations[i].offset} changed while it was checked"
+        )
+    if verify_payload:
+        for key, loc in zip(keys, locations):
+            header = _header_of(pool, key, loc, fmt.fingerprint)
+            if not pool.payload_matches(loc.offset, header):
+                what = "does not match its checksum" if header.checksum else "carries no checksum"
+                raise LoadFailure(  # the metric label of every slot-header check
+                    "header_mismatch", f"payload of key {key.hex()} at offset {loc.offset} {what}"
+                )
+
+
+def _header_of(pool: Any, key: bytes, loc: Any, layout: int) -> Any:
+    """The slot header at ``loc`` if it names ``key``, its generation and ``layout``; else
+    the ``LoadFailure`` that says why not."""
+    header = pool.read_slot_header(loc.offset)
+    if header is None or not header.names(key, loc.generation):
+        raise LoadFailure(
+            "header_mismatch",
+            f"slot at offset {loc.offset} no longer holds key {key.hex()} generation {loc.generation}",
+        )
+    if header.layout != layout:
+        # Same key, other byte arrangement: a writer whose worker detected another
+        # KV layout (or an object written before layouts were recorded).
+        raise LoadFailure(
+            "header_mismatch",
+            f"object of key {key.hex()} was written in layout {header.layout:#x}, this worker's is {layout:#x}",
+        )
+    return header
 
 
 def resolve_load(

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from maru_core.index.memory_bench import bytes_per_key
-from maru_core.index.slot_check import SlotHeaderCheck
+from maru_core.pool.slot_check import SlotHeaderCheck
 from maru_core.index.registry import BadRequest, NoLease, NoSpace, Registry, RegistryError
 from maru_core.pool import Pool, SlotHeader
 from maru_core.pool.geometry import DATA_ALIGN, PoolGeometry

@@ -50,7 +50,7 @@ from maru_core.index.limits import ServerLimits
 from maru_core.index.listen import RateLimitedLog, UnixListenerPath
 from maru_core.index.registry import RegistryError
 from maru_core.index.registry_types import first_occurrences
-from maru_core.index.slot_check import SlotHeaderCheck
+from maru_core.pool.slot_check import SlotHeaderCheck
 from maru_core.protocol import (
     KEY_BYTES,
     PROTOCOL_VERSION,
