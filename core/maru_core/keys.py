@@ -187,3 +187,28 @@ def layer_key(chunk_key: Key, layer: int) -> Key:
 def layer_keys(chunk_key: Key, layers: Iterable[int]) -> list[Key]:
     """``layer_key(chunk_key, layer)`` for each layer, in the order given."""
     return [layer_key(chunk_key, layer) for layer in layers]
+
+
+def object_layer_keys(chunk_keys: Iterable[Key], layers: Sequence[int]) -> list[Key]:
+    """``layer_key(ck, layer)`` for every chunk key, then every layer (chunk-major).
+
+    The same digests as ``layer_key``, about 3x faster: a layerwise 16k-token
+    hit derives 2,048 keys inside its time to first token, so the arguments
+    are checked once and each chunk key's hash state is reused across layers.
+    """
+    layers = list(layers)
+    for layer in layers:
+        if type(layer) is not int or not 0 <= layer <= _U32_MAX:
+            raise ValueError(f"layer must be an int in [0, 2**32), got {layer!r}")
+    suffixes = [layer.to_bytes(4, "little") for layer in layers]
+    base = hashlib.blake2b(digest_size=KEY_BYTES, person=_LAYER_PERSON)
+    out: list[Key] = []
+    for chunk_key in chunk_keys:
+        _check_key(chunk_key, "chunk_key")
+        prefix = base.copy()
+        prefix.update(chunk_key)
+        for suffix in suffixes:
+            state = prefix.copy()
+            state.update(suffix)
+            out.append(Key(state.digest()))
+    return out

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from maru_core.keys import KEY_BYTES, KeyNamespace, chunk_keys, layer_key, layer_keys
+from maru_core.keys import KEY_BYTES, KeyNamespace, chunk_keys, layer_key, layer_keys, object_layer_keys
 
 NS = KeyNamespace(
     model="tiny-llama",
@@ -169,6 +169,17 @@ def test_layer_key_checks_its_arguments() -> None:
         layer_key(b"short", 0)
     with pytest.raises(ValueError, match="layer"):
         layer_key(b"k" * 16, -1)
+    with pytest.raises(ValueError, match="16 bytes"):
+        object_layer_keys([b"k" * 16, b"short"], [0])
+    with pytest.raises(ValueError, match="layer"):
+        object_layer_keys([b"k" * 16], [0, 2**32])
+
+
+@settings(max_examples=50, deadline=None)
+@given(chunks=st.lists(st.binary(min_size=16, max_size=16), max_size=5),
+       layers=st.lists(st.integers(0, 2**32 - 1), max_size=6))
+def test_object_layer_keys_are_layer_key_chunk_major(chunks: list[bytes], layers: list[int]) -> None:
+    assert object_layer_keys(chunks, layers) == [layer_key(c, layer) for c in chunks for layer in layers]
 
 
 _CHILD = """
