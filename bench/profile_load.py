@@ -2,6 +2,7 @@
 copies and scatters on the GPU and the copy thread's calls, for one hit.
 
     PYTHONPATH=connector:core python3 bench/profile_load.py --tokens 1024 --layers 32
+    ... bench/profile_load.py --tokens 1024 --concurrent 8     # 8 hits submitted at once
 
 Prints the GPU operations in time order (start, duration and gap after the
 previous one on the same stream, in microseconds), then the busy time per
@@ -29,29 +30,38 @@ def main():
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--layerwise", action="store_true")
     ap.add_argument("--rows", type=int, default=60)
+    ap.add_argument("--concurrent", type=int, default=1, help="loads submitted at once")
     args = ap.parse_args()
     bs, chunk = 16, 256
     blocks = args.tokens // bs
-    kv = make_kv("packed_lbnhc", args.layers, 2 * blocks, 8, bs, 128)
+    n = args.concurrent
+    kv = make_kv("packed_lbnhc", args.layers, (1 + n) * blocks, 8, bs, 128)
     fmt = ObjectFormat(detect_kv_layout(kv), chunk, args.layerwise)
     chunks = args.tokens // chunk
     pool = Pool(chunks * fmt.chunk_bytes + (2 << 20))
-    perm = list(range(2 * blocks))
+    perm = list(range((1 + n) * blocks))
     random.Random(0).shuffle(perm)
     offsets = place(fmt, chunks)
     engine = TransferEngine.create(pool.buffer, kv, fmt)
     try:
         assert engine.submit_store(chunks_of(perm[:blocks], offsets, chunk // bs,
                                              ChunkStore)).wait(60)
-        load = chunks_of(perm[blocks:], offsets, chunk // bs, ChunkLoad)
-        for _ in range(3):
-            assert engine.submit_load(load).wait_all(60)
+        loads = [chunks_of(perm[(1 + i) * blocks:(2 + i) * blocks], offsets, chunk // bs,
+                           ChunkLoad) for i in range(n)]
+
+        def run_all():
+            t = time.perf_counter()
+            handles = [engine.submit_load(load) for load in loads]
+            assert all(h.wait_all(60) for h in handles)
+            return time.perf_counter() - t
+
+        walls = [run_all() for _ in range(5)]
+        nbytes = n * blocks * fmt.layout.block_bytes_per_layer * args.layers
+        print(f"{n} load(s) of {args.tokens} tokens, {args.layers} layers: best wall "
+              f"{min(walls) * 1e3:.3f} ms, {nbytes / min(walls) / 1e9:.1f} GB/s (no profiler)")
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            t = time.perf_counter()
-            handle = engine.submit_load(load)
-            assert handle.wait_all(60)
-            wall = time.perf_counter() - t
+            wall = run_all()
         report(prof, wall, args.rows)
     finally:
         engine.close()

@@ -71,6 +71,9 @@ def parse(argv=None):
     p.add_argument("--chunk-tokens", type=int, default=256)
     p.add_argument("--max-batched-tokens", type=int, default=8192)
     p.add_argument("--out", default=".")
+    p.add_argument("--profile", nargs="*", default=[], metavar="CASE/MODE",
+                   help="torch-profiler timeline of the last timed hit of these cases and "
+                        "modes (e.g. 4096/sync_overlap_graphs): a Chrome trace and a summary")
     args = p.parse_args(argv)
     tiny = args.cpu
     args.sizes = args.sizes or ([256] if tiny else [4096, 16384, 32768])
@@ -205,7 +208,7 @@ class Bench:
         return bool(ok)
 
     def hit_runs(self, eng: Engine, toks: list[int], cached: int, count: int = 1,
-                 compute: bool = True) -> dict:
+                 compute: bool = True, profile: str | None = None) -> dict:
         """``repeats`` timed runs after one warm-up. The uncached tokens are
         fresh in every run: the reader stores the chunks it computes, and a
         repeated prompt would hit them the next time."""
@@ -219,7 +222,11 @@ class Bench:
                             toks[:cached] + prompt(new, stamp + j, self.geo.vocab))
                     for j in range(count)]
             eng.load_errors.clear()
-            eng.serve(reqs, compute=compute)
+            if profile and i == n_runs:
+                with profiled(os.path.join(self.args.out, profile)):
+                    eng.serve(reqs, compute=compute)
+            else:
+                eng.serve(reqs, compute=compute)
             verified &= self.verify(eng, reqs, cached)
             if i:
                 ttfts.extend(r.first_token_at - r.arrival for r in reqs)
@@ -303,8 +310,10 @@ class Bench:
                     cl.close_engine(eng)
                 for mode in args.modes:
                     eng = cl.engine(self.reader_kv, fmt, mode)
+                    trace = (f"trace_{fmt}_{case}_{mode}.json"
+                             if f"{case}/{mode}" in args.profile else None)
                     try:
-                        row[mode] = self.hit_runs(eng, toks, cached)
+                        row[mode] = self.hit_runs(eng, toks, cached, profile=trace)
                     finally:
                         cl.close_engine(eng)
                 rows[case] = row
@@ -332,6 +341,45 @@ class Bench:
             finally:
                 cl.close_engine(eng)
         return out
+
+
+class profiled:
+    """A torch-profiler timeline of the block: a Chrome trace at ``path`` and,
+    printed, each GPU stream's busy time and its longest idle gaps within the
+    block's wall time (where a hit waits on something other than its copies
+    and its compute)."""
+
+    def __init__(self, path: str):
+        from torch.profiler import ProfilerActivity, profile
+
+        self.path = path
+        self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+
+    def __enter__(self):
+        self.prof.__enter__()
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        wall = time.perf_counter() - self.start
+        self.prof.__exit__(*exc)
+        self.prof.export_chrome_trace(self.path)
+        gpu = sorted((e for e in self.prof.events()
+                      if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+        streams: dict = {}
+        for e in gpu:
+            streams.setdefault(getattr(e, "device_resource_id", 0), []).append(e)
+        print(f"profile {os.path.basename(self.path)}: wall {wall * 1e3:.2f} ms")
+        for sid, evs in streams.items():
+            busy = sum(e.time_range.elapsed_us() for e in evs)
+            gaps = sorted(((b.time_range.start - a.time_range.end, a.name[:40], b.name[:40])
+                           for a, b in zip(evs, evs[1:])), reverse=True)[:4]
+            span = evs[-1].time_range.end - evs[0].time_range.start
+            print(f"  stream {sid}: {len(evs)} ops, busy {busy / 1e3:.2f} ms over "
+                  f"{span / 1e3:.2f} ms; longest gaps (us): "
+                  + "; ".join(f"{g:.0f} after {a} before {b}" for g, a, b in gaps))
+        return False
 
 
 def table(result) -> str:
@@ -427,10 +475,10 @@ def main(argv=None):
         "args": vars(args), "geometry": geo.__dict__,
         "pinned_peak_gbps": pinned_peak_gbps(1 << 30) if device == "cuda" else None,
     }
+    os.makedirs(args.out, exist_ok=True)
     bench = Bench(args, geo, device)
     result["attention_check_rel_err"] = check_attention(bench.model)
     result["formats"] = [bench.run_format(f) for f in args.formats]
-    os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "ttft.json"), "w") as f:
         json.dump(result, f, indent=1)
     plot(result, os.path.join(args.out, "ttft.png"))
