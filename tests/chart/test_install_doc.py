@@ -26,6 +26,7 @@ from helm_tools import CHART, KUBERNETES_VALIDATE, ROOT, helm, one
 from maru_operator.testing import KmockCluster, OperatorThread
 
 sys.path.insert(0, str(ROOT / "tests" / "operator"))
+from kube_helpers import apply_defaults  # noqa: E402
 from pod_security import baseline_violations, restricted_violations  # noqa: E402
 
 DOC = ROOT / "docs" / "install.md"
@@ -86,19 +87,6 @@ def validate_strict(tmp: pathlib.Path, docs: list[dict[str, Any]], name: str) ->
     path.write_text(yaml.safe_dump_all(docs))
     run = subprocess.run([KUBERNETES_VALIDATE, "--strict", "--quiet", str(path)], capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
-
-
-def with_defaults(schema: dict[str, Any], obj: Any) -> Any:
-    """Structural defaulting as the API server does it (kmock does not)."""
-    if not isinstance(obj, dict) or schema.get("type") != "object":
-        return obj
-    out = dict(obj)
-    for key, sub in (schema.get("properties") or {}).items():
-        if key not in out and "default" in sub:
-            out[key] = copy.deepcopy(sub["default"])
-        if key in out:
-            out[key] = with_defaults(sub, out[key])
-    return out
 
 
 def is_guaranteed(pod_spec: dict[str, Any]) -> bool:
@@ -197,7 +185,7 @@ class Journey:
             body = yaml.safe_load(stdin)
             crd = one(self.docs, "CustomResourceDefinition")
             schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
-            jsonschema.Draft7Validator(schema).validate(with_defaults(schema, body))
+            jsonschema.Draft7Validator(schema).validate(apply_defaults(schema, body))
             assert body["spec"]["index"]["image"] == body["spec"]["sidecar"]["image"] == self.image_tag
             meta = body["metadata"]
             self.kube("POST", f"/apis/maru.io/v1alpha1/namespaces/{meta['namespace']}/marucaches", body)

@@ -71,6 +71,15 @@ def index(workdir: str) -> Iterator[IndexProcess]:
     proc.close()
 
 
+@pytest.fixture(scope="module")
+def private_index(workdir: str) -> Iterator[IndexProcess]:
+    """An index of the module's own, for tests that stop and restart it."""
+    proc = IndexProcess(pool_size="128Mi", log_dir=workdir)
+    proc.start()
+    yield proc
+    proc.close()
+
+
 @pytest.fixture(scope="session")
 def proxy(index: IndexProcess) -> Iterator[FaultProxy]:
     with FaultProxy(index.port, index.pool_path) as p:

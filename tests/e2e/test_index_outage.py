@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 
 from maru_connector.testing.cluster import wait_until
-from maru_connector.testing.index_process import IndexProcess
 from maru_connector.testing.stats_reader import failures
 from maru_connector.testing.workload import random_tokens
 
@@ -24,14 +23,6 @@ LOOKUP_TIMEOUT_S = 0.2
 # Far below any connect or load timeout: an engine that waited on the dead
 # index would exceed it; one that treats it as a miss stays far below.
 NO_STALL_BOUND_S = 5.0
-
-
-@pytest.fixture(scope="module")
-def private_index(workdir):
-    proc = IndexProcess(pool_size="128Mi", log_dir=workdir)
-    proc.start()
-    yield proc
-    proc.close()
 
 
 @pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])

@@ -13,7 +13,6 @@ from __future__ import annotations
 import pytest
 
 from maru_connector.testing.cluster import wait_until
-from maru_connector.testing.index_process import IndexProcess
 from maru_connector.testing.workload import random_tokens
 
 from .conftest import CHUNK_TOKENS, SIDECAR_CACHE, Sidecars
@@ -23,27 +22,19 @@ pytestmark = pytest.mark.vllm
 MAX_TOKENS = 6
 
 
-@pytest.fixture(scope="module")
-def outage_index(workdir):
-    proc = IndexProcess(pool_size="128Mi", log_dir=workdir)
-    proc.start()
-    yield proc
-    proc.close()
-
-
-def test_sidecar_stays_ready_and_engine_recomputes_while_the_index_is_down(farm, outage_index, reference):
-    sidecars = Sidecars(outage_index)
+def test_sidecar_stays_ready_and_engine_recomputes_while_the_index_is_down(farm, private_index, reference):
+    sidecars = Sidecars(private_index)
     try:
         engine = farm.get("ready-without-index", sidecars.config("pod-r", lookup_timeout_s=0.2))
         sidecar = sidecars.of(engine)
         stored = random_tokens(3 * CHUNK_TOKENS + 7, seed=4242)
         engine.outputs([stored], MAX_TOKENS)
-        wait_until(lambda: outage_index.stats()["keys"] >= 3, 30, what="first store")
+        wait_until(lambda: private_index.stats()["keys"] >= 3, 30, what="first store")
         reachable = ("maru_sidecar_index_reachable", tuple(sorted(
             {"cache": SIDECAR_CACHE, "namespace": "e2e-ns", "pod": "pod-r"}.items())))
         wait_until(lambda: sidecar.metrics().get(reachable) == 1, 15, what="index seen reachable")
 
-        outage_index.stop()
+        private_index.stop()
         try:
             wait_until(lambda: sidecar.metrics().get(reachable) == 0, 15, what="index seen unreachable")
             code, body = sidecar.get("/readyz")
@@ -56,7 +47,7 @@ def test_sidecar_stays_ready_and_engine_recomputes_while_the_index_is_down(farm,
             assert engine.counters()["maru_lookup_hit_tokens_total"] == before  # recomputed, not loaded
             assert sidecar.get("/readyz")[0] == 200
         finally:
-            outage_index.start()
+            private_index.start()
         wait_until(lambda: sidecar.metrics().get(reachable) == 1, 15, what="index seen reachable again")
     finally:
         farm.close_one("ready-without-index")

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from sidecar_helpers import StatsWriter
 
+from maru_connector.testing.sidecar_process import SidecarProcess
+
 
 @pytest.fixture
 def stats_writers(tmp_path):
@@ -33,3 +35,18 @@ def sock_dir():
     for child in directory.iterdir():
         child.unlink()
     os.rmdir(directory)
+
+
+@pytest.fixture
+def sidecars():
+    """Factory of sidecar processes (``SidecarProcess`` arguments), started; all closed at the end."""
+    started: list[SidecarProcess] = []
+
+    def start(*args, **kwargs) -> SidecarProcess:
+        process = SidecarProcess(*args, **kwargs)
+        started.append(process)
+        return process.start()
+
+    yield start
+    for process in started:
+        process.close()

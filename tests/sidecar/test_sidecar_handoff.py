@@ -11,7 +11,7 @@ import time
 import uuid
 
 import pytest
-from sidecar_helpers import HoldingClient, SidecarProcess, run_client
+from sidecar_helpers import HoldingClient, run_client
 
 from maru_core.handoff import HANDOFF_PROTOCOL, HandoffUnavailable, fetch_pool, recv_frame, send_frame
 from maru_core.pool import Pool
@@ -42,20 +42,6 @@ def token_file(sock_dir):
     path.chmod(0o600)
     yield str(path)
     path.unlink()
-
-
-@pytest.fixture
-def sidecars():
-    started: list[SidecarProcess] = []
-
-    def start(*args, **kwargs) -> SidecarProcess:
-        process = SidecarProcess(*args, **kwargs)
-        started.append(process)
-        return process.start()
-
-    yield start
-    for process in started:
-        process.close()
 
 
 def test_a_client_process_receives_the_descriptor_and_maps_the_pool(pool, sock_dir, token_file, sidecars):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from sidecar_helpers import PROMETHEUS, PrometheusServer, SidecarProcess, connector_traffic, run_client
+from sidecar_helpers import PROMETHEUS, PrometheusServer, connector_traffic, run_client
 
 from maru_connector.testing.cluster import wait_until
 from maru_connector.testing.index_process import IndexProcess, free_port
@@ -19,20 +19,6 @@ def index():
     process.metrics_port = metrics_port
     with process:
         yield process
-
-
-@pytest.fixture
-def sidecars():
-    started: list[SidecarProcess] = []
-
-    def start(*args, **kwargs) -> SidecarProcess:
-        process = SidecarProcess(*args, **kwargs)
-        started.append(process)
-        return process.start()
-
-    yield start
-    for process in started:
-        process.close()
 
 
 def _index_reachable(sidecar) -> float | None:
