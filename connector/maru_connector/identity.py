@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgpack
-from maru_core.keys import KeyNamespace, chunk_keys
+from maru_core.keys import KeyNamespace, chunk_keys_of_namespaces
 
 from maru_connector.config import MaruConfig, MaruConfigError
 
@@ -320,5 +320,5 @@ def request_keys(namespaces: tuple[KeyNamespace, ...], request: "Request") -> Re
     tokens = list(request.prompt_token_ids or ())
     chunk = namespaces[0].chunk_tokens
     extras = chunk_extras(request, len(tokens) // chunk, chunk)
-    by_rank = [tuple(chunk_keys(_request_namespace(ns, request), tokens, extras)) for ns in namespaces]
-    return RequestKeys(tuple(by_rank))
+    per_rank = chunk_keys_of_namespaces([_request_namespace(ns, request) for ns in namespaces], tokens, extras)
+    return RequestKeys(tuple(tuple(keys) for keys in per_rank))

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Sequence
 from typing import NewType
 
 import msgpack
+import numpy as np
 
 Key = NewType("Key", bytes)
 
@@ -125,8 +126,10 @@ def _tokens_as_le_int32(token_ids: Sequence[int]) -> bytes:
         raise TypeError(f"token ids must be a sequence of ints: {exc}") from None
     if tokens.itemsize != 4:  # pragma: no cover - every supported platform has a 32-bit C int
         raise RuntimeError("this platform's C int is not 32 bits; keys need int32 token ids")
-    if tokens and min(tokens) < 0:
-        raise ValueError(f"token ids must be non-negative, found {min(tokens)}")
+    if tokens:
+        lowest = int(np.frombuffer(tokens, dtype=np.intc).min())  # min() over the array: 30x slower
+        if lowest < 0:
+            raise ValueError(f"token ids must be non-negative, found {lowest}")
     if sys.byteorder != "little":
         tokens.byteswap()
     return tokens.tobytes()
@@ -148,7 +151,19 @@ def chunk_keys(
     in it; the token part has a fixed length, so appending it is unambiguous.
     ``None`` (or a list shorter than the chunks) means none.
     """
+    return chunk_keys_of_namespaces([ns], token_ids, extras)[0]
+
+
+def chunk_keys_of_namespaces(
+    namespaces: Sequence[KeyNamespace], token_ids: Sequence[int], extras: Sequence[bytes | None] | None = None
+) -> list[list[Key]]:
+    """``chunk_keys(ns, token_ids, extras)`` for each namespace (e.g. one per
+    tensor-parallel rank), with the token ids converted once."""
     data = _tokens_as_le_int32(token_ids)
+    return [_chain(ns, data, extras) for ns in namespaces]
+
+
+def _chain(ns: KeyNamespace, data: bytes, extras: Sequence[bytes | None] | None) -> list[Key]:
     step = ns.chunk_tokens * 4
     keys: list[Key] = []
     prev = ns.digest()

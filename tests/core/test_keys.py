@@ -13,7 +13,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from maru_core.keys import KEY_BYTES, KeyNamespace, chunk_keys, layer_key, layer_keys, object_layer_keys
+from maru_core.keys import (
+    KEY_BYTES,
+    KeyNamespace,
+    chunk_keys,
+    chunk_keys_of_namespaces,
+    layer_key,
+    layer_keys,
+    object_layer_keys,
+)
 
 NS = KeyNamespace(
     model="tiny-llama",
@@ -123,6 +131,14 @@ def test_prefix_property(tokens: list[int], cut: int) -> None:
     n = min(cut, len(full))
     assert chunk_keys(NS, tokens[: n * NS.chunk_tokens]) == full[:n]
     assert chunk_keys(NS, tokens[: n * NS.chunk_tokens + 3])[:n] == full[:n]
+
+
+def test_keys_of_several_namespaces_are_each_namespace_s_keys() -> None:
+    ranks = [dataclasses.replace(NS, tp_rank=r) for r in range(2)]
+    extras = [None, b"image-hash"]
+    got = chunk_keys_of_namespaces(ranks, TOKENS, extras)
+    assert got == [chunk_keys(ns, TOKENS, extras) for ns in ranks]
+    assert got[0] != got[1]
 
 
 def test_layer_keys_differ_per_layer_and_from_the_chunk_key() -> None:
