@@ -11,7 +11,9 @@ vLLM's CPU KV layout. In one run and on the same bytes, it times:
   verified ``resolve_load`` and its copy do.
 
 and prints both per GB and their ratio, plus what the check adds to the
-4096-token hit of the TTFT table (``--hit-ms``, ``--hit-bytes``).
+4096-token hit of the TTFT table (``--hit-ms``, ``--hit-bytes``), and what
+one batch of every object costs on 1, 2, ... ``--threads`` checksum threads
+(``payload_checksums``, as a store and a verified load compute them).
 
     .venv/bin/python bench/payload_checksum.py        # --mib 256 --repeats 5
 """
@@ -28,6 +30,7 @@ import uuid
 
 import torch
 from maru_core.pool import Pool
+from maru_core.pool.checksum import payload_checksums
 
 from maru_connector.transfer import ChunkLoad, TransferEngine
 
@@ -55,6 +58,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--hit-ms", type=float, default=63.4, help="a measured hit's TTFT")
     parser.add_argument("--hit-bytes", type=int, default=4096 * 8192, help="bytes that hit loaded")
+    parser.add_argument("--threads", type=int, default=2, help="most checksum threads to time a batch on")
     args = parser.parse_args()
 
     bpc = CHUNK // BLOCK
@@ -89,6 +93,11 @@ def main() -> None:
                     raise RuntimeError(repr(handle.error))
 
         checksum_all(), load_all()  # warm up
+        views = [pool.view(off, fmt.object_bytes) for off in offsets]
+        batch_s = {n: median_s(lambda: payload_checksums(views, threads=n), args.repeats)
+                   for n in range(1, args.threads + 1)}
+        for view in views:
+            view.release()
         check_s = median_s(checksum_all, args.repeats)
         load_s = median_s(load_all, args.repeats)
         verified_s = median_s(lambda: load_all(verify=True), args.repeats)
@@ -106,6 +115,7 @@ def main() -> None:
         "object_bytes": fmt.object_bytes,
         "checksum_gb_per_s": round(gb / check_s, 2),
         "checksum_s_per_gb": round(check_s / gb, 4),
+        "batch_gb_per_s_by_threads": {n: round(gb / t, 2) for n, t in batch_s.items()},
         "load_gb_per_s": round(gb / load_s, 2),
         "load_s_per_gb": round(load_s / gb, 4),
         "checksum_over_load": round(check_s / load_s, 3),

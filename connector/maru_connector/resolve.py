@@ -152,9 +152,10 @@ def _check_headers(pool: Any, keys: list[bytes], reply: _Reply, fmt: Any, verify
             "header_mismatch", f"slot at offset {offsets[i]} changed while it was checked"
         )
     if verify_payload:
-        for key, offset, generation in zip(keys, offsets.tolist(), reply.generations.tolist()):
+        found = pool.payload_checksums(offsets.tolist(), fmt.object_bytes)
+        for key, offset, generation, checksum in zip(keys, offsets.tolist(), reply.generations.tolist(), found):
             header = _header_of(pool, key, offset, generation, fmt.fingerprint)
-            if not pool.payload_matches(offset, header):
+            if header.checksum is None or header.checksum != checksum:
                 what = "does not match its checksum" if header.checksum else "carries no checksum"
                 raise LoadFailure(  # the metric label of every slot-header check
                     "header_mismatch", f"payload of key {key.hex()} at offset {offset} {what}"

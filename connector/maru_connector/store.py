@@ -211,9 +211,9 @@ class Storer:
         handle = self._engine.submit_store(chunks)
         if not handle.wait():
             raise StoreFailure("copy_error", repr(handle.error))
-        for key, slot in chunk_keys:
-            # The checksum of the bytes as they lie in the pool, which is what readers check.
-            checksum = self._pool.payload_checksum(slot.offset, self._fmt.object_bytes)
+        # The checksums of the bytes as they lie in the pool, which is what readers check.
+        checksums = self._pool.payload_checksums([slot.offset for _, slot in chunk_keys], self._fmt.object_bytes)
+        for (key, slot), checksum in zip(chunk_keys, checksums):
             header = SlotHeader(key, slot.generation, self._fmt.object_bytes, self._slot_fmt, checksum,
                                 self._fmt.fingerprint)  # fmt: skip
             self._pool.write_slot_header(slot.offset, header)

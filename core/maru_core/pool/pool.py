@@ -21,9 +21,9 @@ import os
 import re
 import uuid as uuid_module
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
-from maru_core.pool.checksum import payload_checksum
+from maru_core.pool.checksum import payload_checksum, payload_checksums
 from maru_core.pool.device import SYSFS_ROOT, Backing, backing_size, open_rw
 from maru_core.pool.errors import (
     PoolError,
@@ -418,6 +418,16 @@ class Pool:
             return payload_checksum(view)
         finally:
             view.release()
+
+    def payload_checksums(self, offsets: Sequence[int], length: int) -> list[int]:
+        """``payload_checksum(offset, length)`` of each offset, a batch on several
+        threads where the machine has cores to spare (``payload_checksums``)."""
+        views = [self.view(offset, length) for offset in offsets]
+        try:
+            return payload_checksums(views)
+        finally:
+            for view in views:
+                view.release()
 
     def payload_matches(self, offset: int, header: SlotHeader) -> bool:
         """Whether the object at ``offset`` still holds the bytes its ``header``'s checksum
