@@ -351,6 +351,86 @@ class Registry:
             candidates = (self._records.lookup(joined) < 0) & first_occurrences(joined)
         if not candidates.any():
             return SlotList(bytes(len(joined)))
+        idx, starts, pages = self._place_candidates(candidates, lengths)
+        chosen = joined if len(idx) == len(candidates) else select_keys(joined, idx)
+        rows = self._add_reserved(lease, chosen, starts, pages, lengths[idx])
+        words = np.zeros((len(candidates), 2), dtype="<u8")
+        self._fill_slots(words, idx, starts, rows)
+        return SlotList(words.tobytes())
+
+    def reserve_sliced(self, lease_id: str, keys: Keys, lengths: Sequence[int] | np.ndarray,
+                       slice_keys: int) -> Generator[None, None, SlotList]:  # fmt: skip
+        """``reserve_packed`` of a large batch, a step of about ``slice_keys`` keys at a time
+        (a generator that yields between steps; the last returns the slots).
+
+        Its repeated keys are found in one step, its keys looked up a slice
+        per step, then the whole batch is placed in one step (so it is
+        contiguous when one free extent holds it, and evicts within one
+        reserve's budget), then its records are added a slice per step. Each
+        slice is looked up again in the step that adds it: a key another
+        lease reserved meanwhile gets no slot (its pages go back), so a key is
+        never reserved twice; a key removed meanwhile is answered as present
+        (a miss). Pages placed for records not added yet are freed should the
+        generator be closed before its end.
+        """
+        joined = joined_keys(keys)
+        n = len(joined) // KEY_BYTES
+        lengths = checked_lengths(lengths, n)
+        self._lease(lease_id)
+        first = first_occurrences(joined)
+        yield
+        absent = np.empty(n, dtype=bool)
+        for start in range(0, n, slice_keys):
+            absent[start : start + slice_keys] = self.absent_keys(joined[start * KEY_BYTES : (start + slice_keys) * KEY_BYTES])
+            yield
+        candidates = absent & first
+        if not candidates.any():
+            return SlotList(bytes(len(joined)))
+        self._lease(lease_id)
+        idx, starts, pages = self._place_candidates(candidates, lengths)
+        self._reserved_pages += int(pages.sum())  # placed, not recorded yet: counted as reserved meanwhile
+        words = np.zeros((n, 2), dtype="<u8")
+        done = 0
+        try:
+            while done < len(idx):
+                yield
+                end = done + slice_keys
+                self._add_slice(self._lease(lease_id), joined, lengths, words, idx[done:end], starts[done:end],
+                                pages[done:end])  # fmt: skip
+                done = end
+        finally:
+            self._unplace(starts[done:], pages[done:])
+        return SlotList(words.tobytes())
+
+    def _add_slice(self, lease: Lease, joined: bytes, lengths: np.ndarray, words: np.ndarray,
+                   idx: np.ndarray, starts: np.ndarray, pages: np.ndarray) -> None:  # fmt: skip
+        """Add the records of one slice of a sliced reserve (placed at ``starts``), but for keys
+        reserved or committed since they were looked up, whose pages go back."""
+        keys = select_keys(joined, idx)
+        still = self.absent_keys(keys)
+        self._unplace(starts[~still], pages[~still])
+        self._reserved_pages -= int(pages[still].sum())  # counted again by _add_reserved
+        if still.all():
+            rows = self._add_reserved(lease, keys, starts, pages, lengths[idx])
+        else:
+            keys = select_keys(joined, idx[still])
+            rows = self._add_reserved(lease, keys, starts[still], pages[still], lengths[idx[still]])
+        self._fill_slots(words, idx[still], starts[still], rows)
+
+    def _unplace(self, starts: np.ndarray, pages: np.ndarray) -> None:
+        """Give back pages placed for a sliced reserve's records that will never be added."""
+        if len(starts):
+            self._alloc.free_runs(starts, pages)
+            self._reserved_pages -= int(pages.sum())
+
+    def _fill_slots(self, words: np.ndarray, idx: np.ndarray, starts: np.ndarray, rows: np.ndarray) -> None:
+        g = self.geometry
+        words[idx, 0] = starts * g.page_size + g.data_offset
+        words[idx, 1] = self._records.generation.take(rows)
+
+    def _place_candidates(self, candidates: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(idx, starts, pages)`` of the candidates that were given pages (allocated, not
+        recorded); ``NoSpace`` in quarantine, or when none could be placed."""
         if self._clock() < self._quarantine_until:
             raise NoSpace(
                 f"the index restarted over a pool in use; it hands out no slot for {self.quarantine_s:g} s "
@@ -372,13 +452,7 @@ class Registry:
                 f"no room for any of {len(cand_idx)} objects ({int(pages.sum())} pages) in a pool of "
                 f"{g.num_pages} pages: the rest is pinned or reserved"
             )
-        idx = cand_idx[placed]
-        chosen = joined if len(idx) == len(candidates) else select_keys(joined, idx)
-        rows = self._add_reserved(lease, chosen, starts[placed], pages[placed], lengths[idx])
-        words = np.zeros((len(candidates), 2), dtype="<u8")
-        words[idx, 0] = starts[placed] * g.page_size + g.data_offset
-        words[idx, 1] = self._records.generation.take(rows)
-        return SlotList(words.tobytes())
+        return cand_idx[placed], starts[placed], pages[placed]
 
     def absent_keys(self, keys: Keys) -> np.ndarray:
         """Which of ``keys`` no record holds (a read, for a reserve looked up in slices)."""
