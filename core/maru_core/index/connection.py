@@ -41,8 +41,9 @@ Job = Generator[None, None, Reply]
 class Connection(asyncio.BufferedProtocol):
     """One client connection (see the module docstring)."""
 
-    def __init__(self, server: "IndexServer") -> None:
+    def __init__(self, server: "IndexServer", peer_key: str = "unknown") -> None:
         self._server = server
+        self.peer_key = peer_key  # whose budget it spends (``maru_core.index.peers``)
         limits = server.limits
         self._frames = FrameBuffer(_INITIAL_BYTES, _INITIAL_BYTES, limits.pre_auth_frame_bytes, _KEEP_BYTES)
         self._writer = FrameWriter()
