@@ -616,7 +616,9 @@ class Registry:
         need = int(pages.sum())
         used = self._alloc.used_pages
         if used + need > self._high_pages:
-            budget -= self._evict(min(used + need - self._low_pages, budget))
+            wanted = min(used + need - self._low_pages, budget)
+            freed = self._evict(wanted)
+            budget = budget - freed if freed >= wanted else 0  # less than asked: nothing is left to evict
         start = self._alloc.allocate(need) if need <= self._alloc.largest_free else None
         if start is not None:
             return start + np.concatenate(([0], np.cumsum(pages)[:-1]))
@@ -630,6 +632,8 @@ class Registry:
         nothing more may be evicted for it), only smaller ones are tried. The
         work is thus bounded by what fits, not by the batch's length."""
         starts = np.full(len(pages), -1, dtype=np.int64)
+        if budget < 1 and not self._alloc.largest_free:
+            return starts  # a full pool with nothing to evict: a flood of reserves stops here, cheaply
         todo = np.arange(len(pages))
         while len(todo):
             largest = self._alloc.largest_free
