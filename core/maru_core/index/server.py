@@ -290,6 +290,7 @@ class IndexServer:
             elif now - conn.last_active > limits.idle_timeout_s:
                 reason = "idle"
             else:
+                conn.release_idle_buffer(now)
                 continue
             self.refusals.info("closing connection from %s: %s", conn.peer, reason.replace("_", " "))
             self.closing(conn, reason)
