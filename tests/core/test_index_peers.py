@@ -5,6 +5,7 @@ peers, and a large reserve's records added a slice per step."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
@@ -14,12 +15,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from maru_core.index.accept import ACCEPT_BATCH
+from maru_core.index.accept import ACCEPT_BATCH, REFUSED_PAUSE_S, Acceptor, bind_tcp
 from maru_core.index.launcher import ThreadedIndex, unique_shm_path
 from maru_core.index.limits import ServerLimits
 from maru_core.index.peers import Budget, PeerLimiter, peer_of
 from maru_core.pool import Pool
-from maru_core.protocol import FrameDecoder, SlotList, pack_lengths, parse_url
+from maru_core.protocol import PROTOCOL_VERSION, FrameDecoder, SlotList, pack_lengths, parse_url
 from test_server import TOKEN, Raw, key
 from test_server_limits import _while_the_loop_is_blocked, server_of, wait_for
 
@@ -50,6 +51,16 @@ def raw_from(url: str, source: str) -> Raw:
     return raw
 
 
+def refused_at_accept(url: str) -> bool:
+    """Whether a new connection is closed without an answer to a right hello."""
+    try:
+        raw = Raw(url)
+        raw.send({"op": "hello", "protocol": PROTOCOL_VERSION, "client": "probe", "token": TOKEN})
+        return raw.closed_by_peer()  # a reply would be bytes, not the end of the stream
+    except ConnectionResetError:
+        return True  # reset while connecting or sending
+
+
 # -- the buckets -------------------------------------------------------------------------------
 
 
@@ -70,6 +81,21 @@ def test_auth_failures_close_a_peer_until_its_budget_refills() -> None:
         peers.auth_failed("p")
     assert peers.admit("p") == "auth_failures"
     clock.now += 2.0  # one failure's worth back
+    assert peers.admit("p") is None
+
+
+def test_a_peer_that_failed_pays_for_each_hello_when_it_connects() -> None:
+    """After a failure, a guesser cannot open a batch of connections on the
+    tokens it has left and fail on all of them: each pays as it is admitted."""
+    peers = PeerLimiter(Budget(100.0, 100), Budget(0.001, 3), clock=Clock())
+    assert peers.admit("p") is None and not peers.prepay_hello("p")  # a clean peer pays nothing up front
+    peers.auth_failed("p")
+    admitted = []
+    for _ in range(5):
+        if peers.admit("p") is None:
+            admitted.append(peers.prepay_hello("p"))
+    assert admitted == [True, True]  # the two tokens left, then refused at accept
+    peers.hello_succeeded("p")  # one had the right token: refunded
     assert peers.admit("p") is None
 
 
@@ -149,6 +175,39 @@ def test_a_connection_storm_is_accepted_a_few_connections_per_loop_pass(pool) ->
             sock.close()
 
 
+def test_a_callback_that_refuses_everything_pauses_accepting() -> None:
+    """A flood of refused connections is taken a batch per pause, not a socket per loop pass."""
+    loop = asyncio.new_event_loop()
+    listener = bind_tcp("127.0.0.1", 0)[0]
+    refused: list[float] = []
+
+    def refuse(sock, address) -> bool:
+        sock.close()
+        refused.append(loop.time())
+        return False
+
+    acceptor = Acceptor(loop, listener, refuse)
+    callbacks: list[float] = []
+    accept_some = acceptor._accept_some
+    acceptor._accept_some = lambda: (callbacks.append(loop.time()), accept_some())
+    clients = []
+    try:
+        acceptor.start()
+        for _ in range(30):
+            clients.append(socket.create_connection(listener.getsockname(), timeout=5))
+            loop.run_until_complete(asyncio.sleep(0.001))  # one connection at a time, as a flood arrives
+        loop.run_until_complete(asyncio.sleep(0.05))
+        assert len(refused) == 30
+        gaps = [b - a for a, b in zip(callbacks, callbacks[1:])]
+        assert min(gaps) >= REFUSED_PAUSE_S * 0.9, gaps  # never two refusing callbacks back to back
+        assert len(callbacks) < 30  # so several sockets per callback
+    finally:
+        acceptor.close()
+        for sock in clients:
+            sock.close()
+        loop.close()
+
+
 # -- budgets at the server ---------------------------------------------------------------------
 
 
@@ -158,10 +217,8 @@ def test_a_peer_over_its_connection_budget_is_closed_at_accept_and_counted(pool,
         served = [Raw(index.url) for _ in range(3)]
         assert all(raw.hello()["ok"] for raw in served)
         with caplog.at_level(logging.WARNING, logger="maru_core.index.server"):
-            refused = [Raw(index.url) for _ in range(20)]
-            for raw in refused:
-                raw.sock.sendall(b"\x00\x00\x00\x05hello")  # never read
-            assert all(raw.closed_by_peer() for raw in refused)
+            for _ in range(20):
+                assert refused_at_accept(index.url)
         assert wait_for(lambda: server_of(index).rate_limited["connections"] == 20)
         lines = [r for r in caplog.records if "over its budget" in r.getMessage()]
         assert len(lines) == 1 and "--peer-connection-rate" in lines[0].getMessage()
@@ -171,7 +228,7 @@ def test_a_peer_over_its_connection_budget_is_closed_at_accept_and_counted(pool,
         other = raw_from(index.url, "127.0.0.2")  # another peer still gets in
         assert other.hello()["ok"]
         assert all(raw.call(op="heartbeat")["ok"] for raw in served)  # and those served stay served
-        for raw in [*served, *refused, other]:
+        for raw in [*served, other]:
             raw.close()
 
 
@@ -182,10 +239,7 @@ def test_a_peer_guessing_tokens_is_closed_at_accept_even_with_the_right_one(pool
             guess = Raw(index.url)
             assert guess.hello("wrong-guess")["error"]["type"] == "auth"
             guess.close()
-        late = Raw(index.url)
-        with pytest.raises((ConnectionError, OSError)):
-            late.hello()  # closed before anything was read: no reply at all
-        late.close()
+        assert refused_at_accept(index.url)  # even a right token would not be read
         server = server_of(index)
         assert wait_for(lambda: server.rate_limited["auth_failures"] == 1)
         assert index.service.metrics.registry.get_sample_value("maru_index_auth_failures_total") == 2
@@ -201,14 +255,12 @@ def test_the_default_budgets_let_a_fleet_reconnect_at_once(pool) -> None:
         clients = []
         deadline = time.monotonic() + 10
         while len(clients) < 300 and time.monotonic() < deadline:
-            raw = Raw(index.url)
             try:
-                if raw.hello()["ok"]:
-                    clients.append(raw)
-                    continue
-            except (ConnectionError, OSError):
+                raw = Raw(index.url)
+                assert raw.hello()["ok"]
+                clients.append(raw)
+            except OSError:
                 time.sleep(0.05)  # refused: a client backs off and retries
-            raw.close()
         assert len(clients) == 300
         assert server_of(index).rate_limited["connections"] <= 50
         for raw in clients:

@@ -3,11 +3,22 @@
 asyncio's own servers accept up to ``backlog`` (100) connections in one
 callback, each then made into a transport: a storm of connections holds
 the loop for tens of milliseconds at a time. An ``Acceptor`` watches a
-non-blocking listening socket with ``loop.add_reader`` and accepts at most
+non-blocking listening socket with ``loop.add_reader`` and takes at most
 ``batch`` connections per callback; the rest wait in the kernel's backlog
 for the loop's next pass, after every other ready connection has had its
-turn. What to do with each accepted socket is the caller's (the server
-checks the peer's budget, then makes it a connection).
+turn. What to do with each accepted socket is the caller's: the server
+checks the peer's budget and either makes it a connection (it is taken) or
+closes it at once (refused).
+
+A callback also stops after ``ACCEPT_TURN_S`` of work, refusals included:
+accepting and resetting a loopback connection costs about 100 µs of kernel
+time on a small VM. When a callback refused every socket it accepted (a
+flood from peers over their budgets), accepting pauses for
+``REFUSED_PAUSE_S``: such a flood costs the index at most about a tenth of a
+core, and once the kernel's backlog is full the flooding peer's connects
+wait for SYN retransmits. New connections from other peers wait meanwhile
+(in the backlog, or for their own SYN retransmit); those already served do
+not.
 """
 
 from __future__ import annotations
@@ -16,14 +27,19 @@ import asyncio
 import errno
 import logging
 import socket
+import time
 from typing import Callable
 
 from maru_core.index.listen import ListenError, RateLimitedLog
 
 log = logging.getLogger(__name__)
 
-#: Connections accepted per event-loop callback, at most.
+#: Connections taken per event-loop callback, at most.
 ACCEPT_BATCH = 8
+#: Time one callback may spend accepting, taken or refused.
+ACCEPT_TURN_S = 0.001
+#: Pause after a callback that refused everything it accepted.
+REFUSED_PAUSE_S = 0.01
 #: Connections the kernel may queue for us (capped by net.core.somaxconn): a fleet
 #: reconnecting at once waits there instead of having its SYNs dropped.
 LISTEN_BACKLOG = 1024
@@ -31,8 +47,9 @@ LISTEN_BACKLOG = 1024
 ACCEPT_RETRY_S = 1.0
 _OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
-#: ``on_accepted(sock, address)``: a new, non-blocking connected socket.
-OnAccepted = Callable[[socket.socket, object], None]
+#: ``on_accepted(sock, address) -> taken``: a new connected socket (blocking mode
+#: unset: the caller makes a socket it takes non-blocking); false if it closed it.
+OnAccepted = Callable[[socket.socket, object], bool]
 
 
 def bind_tcp(host: str, port: int, backlog: int = LISTEN_BACKLOG) -> list[socket.socket]:
@@ -95,22 +112,31 @@ class Acceptor:
             self._watching = False
 
     def _accept_some(self) -> None:
-        for _ in range(self._batch):
+        taken = refused = 0
+        turn_ends = time.perf_counter() + ACCEPT_TURN_S
+        while taken < self._batch and time.perf_counter() < turn_ends:
             try:
                 conn, address = self.sock.accept()
             except (BlockingIOError, InterruptedError):
-                return  # the backlog is empty
+                break  # the backlog is empty
             except ConnectionAbortedError:
                 continue  # the peer gave up before we took it
             except OSError as exc:
                 if exc.errno not in _OUT_OF_RESOURCES:
                     raise
                 self._errors.warning("accept failed (%s): pausing for %g s", exc, ACCEPT_RETRY_S)
-                self._stop_watching()
-                self._retry = self._loop.call_later(ACCEPT_RETRY_S, self.start)
+                self._pause(ACCEPT_RETRY_S)
                 return
-            conn.setblocking(False)
-            self._on_accepted(conn, address)
+            if self._on_accepted(conn, address):
+                taken += 1
+            else:
+                refused += 1
+        if refused and not taken:
+            self._pause(REFUSED_PAUSE_S)
+
+    def _pause(self, seconds: float) -> None:
+        self._stop_watching()
+        self._retry = self._loop.call_later(seconds, self.start)
 
     def close(self) -> None:
         """Stop accepting and close the listening socket."""

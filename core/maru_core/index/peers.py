@@ -7,9 +7,11 @@ buckets, for new connections and for auth failures. A connection is
 accepted while both hold a token (it spends a connection token); a peer
 whose auth failures have emptied its bucket, or that connects faster than
 its connection budget, has its new connections closed at accept, before a
-byte of them is read. So a brute-force guesser gets a guess per refill, and
-a connection storm from one address costs the index an ``accept`` and a
-``close`` per attempt, nothing more.
+byte of them is read. A peer that failed recently also pays for each new
+connection's ``hello`` when it is admitted (refunded if the token is right),
+so it cannot open a batch of connections on one token. So a brute-force
+guesser gets a guess per refill, and a connection storm from one address
+costs the index an ``accept`` and a ``close`` per attempt, nothing more.
 
 The table holds at most ``max_peers`` peers (least recently seen dropped
 first): its memory is bounded whatever the number of addresses. A peer
@@ -108,8 +110,24 @@ class PeerLimiter:
         buckets.connections -= 1
         return None
 
+    def prepay_hello(self, peer: str) -> bool:
+        """For a connection just admitted: a peer that failed auth recently (its
+        bucket not full) pays for the connection's ``hello`` up front, so that it
+        cannot open many connections on one token before their failures count.
+        Returns whether it paid (then ``hello_succeeded`` refunds it)."""
+        buckets = self._buckets(peer)
+        if buckets.auth_failures >= self.auth_failures.burst:
+            return False
+        buckets.auth_failures = max(0.0, buckets.auth_failures - 1)
+        return True
+
+    def hello_succeeded(self, peer: str) -> None:
+        """A prepaid ``hello`` presented the right token: its token comes back."""
+        buckets = self._buckets(peer)
+        buckets.auth_failures = min(self.auth_failures.burst, buckets.auth_failures + 1)
+
     def auth_failed(self, peer: str) -> None:
-        """``peer`` presented a wrong or missing token."""
+        """``peer`` presented a wrong or missing token (on a connection that did not prepay)."""
         buckets = self._buckets(peer)
         buckets.auth_failures = max(0.0, buckets.auth_failures - 1)
 

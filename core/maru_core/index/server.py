@@ -47,6 +47,7 @@ import dataclasses
 import hmac
 import logging
 import socket
+import struct
 import time
 from collections.abc import Generator
 from typing import Any, Callable
@@ -78,6 +79,8 @@ log = logging.getLogger(__name__)
 
 #: Keys per slice of a large ``commit`` or ``abort`` (a slice is about a millisecond of work).
 SLICE_KEYS = 2048
+#: SO_LINGER on, zero seconds: close() resets the connection.
+_RESET_ON_CLOSE = struct.pack("ii", 1, 0)
 
 
 class IndexServer:
@@ -193,18 +196,23 @@ class IndexServer:
         if self._unix_listener is not None:
             self._unix_listener.remove()
 
-    def _accepted(self, sock: socket.socket, address: object) -> None:
-        """A socket just accepted: closed at once when its peer is over budget
-        (nothing of it read), else made a ``Connection``."""
+    def _accepted(self, sock: socket.socket, address: object) -> bool:
+        """A socket just accepted: reset at once when its peer is over budget
+        (nothing of it read; no TIME_WAIT left here), else made a ``Connection``."""
         peer = peer_of(sock, address)
         refused = self._peers.admit(peer)
         if refused is not None:
             self._count_rate_limited(refused, peer)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_ON_CLOSE)
             sock.close()
-            return
-        task = self._loop.create_task(self._loop.connect_accepted_socket(lambda: Connection(self, peer), sock))
+            return False
+        sock.setblocking(False)
+        prepaid = self._peers.prepay_hello(peer)
+        protocol = lambda: Connection(self, peer, hello_prepaid=prepaid)  # noqa: E731
+        task = self._loop.create_task(self._loop.connect_accepted_socket(protocol, sock))
         self._handshakes.add(task)
         task.add_done_callback(self._handshake_done)
+        return True
 
     def _handshake_done(self, task: asyncio.Task) -> None:
         self._handshakes.discard(task)
@@ -363,13 +371,18 @@ class IndexServer:
                 conn.close_after_reply = "auth"
                 self.refusals.warning("wrong or missing token from %s (client %r): closing the connection",
                                        conn.peer, str(args["client"])[:64])  # fmt: skip
-                self._peers.auth_failed(conn.peer_key)
+                if not conn.hello_prepaid:
+                    self._peers.auth_failed(conn.peer_key)
+                conn.hello_prepaid = False
                 if self._metrics is not None:
                     self._metrics.count_auth_failure()
                 raise ProtocolError(
                     ErrorType.AUTH,
                     "wrong or missing token; use the token of this cache's index (its token file or Secret)",
                 )
+        if conn.hello_prepaid:
+            self._peers.hello_succeeded(conn.peer_key)
+            conn.hello_prepaid = False
         self._check_lease_cap(conn, args["lease_id"])
         conn.opened(self.registry.open_lease(args["client"], args["lease_id"]))
         conn.client = args["client"]
