@@ -9,8 +9,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import maru_core.index.registry_types as registry_types
 from maru_core.index.registry import NoSpace, Registry
-from maru_core.index.registry_types import run_to_end
+from maru_core.index.registry_types import first_occurrences, first_occurrences_sliced, run_to_end
 from test_registry import PAGE, Clock, accounting_adds_up, geometry, key, store
 
 
@@ -18,11 +19,24 @@ def _batch(keys: list[bytes], lengths: list[int]) -> tuple[bytes, list[int]]:
     return b"".join(keys), lengths
 
 
+def step_until(steps, done) -> None:
+    """Run a sliced reserve step by step until ``done()``."""
+    for _ in range(1000):
+        if done():
+            return
+        next(steps)
+    raise AssertionError("never reached")
+
+
 def _slots_as_tuples(slots) -> list:
     return [None if slot is None else (slot.offset, slot.generation) for slot in slots]
 
 
-def test_each_step_adds_at_most_a_slice_of_records_and_the_batch_stays_contiguous() -> None:
+def test_each_step_adds_at_most_a_slice_of_records_and_the_batch_stays_contiguous(monkeypatch) -> None:
+    sorted_at_once = []
+    first_among = registry_types._first_among
+    monkeypatch.setattr(registry_types, "_first_among", lambda words: sorted_at_once.append(len(words)) or
+                        first_among(words))  # fmt: skip
     reg = Registry(geometry(20_000), clock=Clock())
     lease = reg.open_lease("big")
     added = []
@@ -32,6 +46,7 @@ def test_each_step_adds_at_most_a_slice_of_records_and_the_batch_stays_contiguou
     steps = reg.reserve_sliced(lease, b"".join(keys), [PAGE] * len(keys), slice_keys=1000)
     slots = run_to_end(steps)
     assert added and max(added) <= 1000 and sum(added) == 10_000
+    assert len(sorted_at_once) == 4 and max(sorted_at_once) <= 2 * 4000  # the repeat check: parts of ~2,500
     offsets = [slot.offset for slot in slots]
     assert offsets == [offsets[0] + i * PAGE for i in range(len(keys))]  # one placement: contiguous, in order
     accounting_adds_up(reg)
@@ -42,9 +57,8 @@ def test_a_key_reserved_by_another_lease_between_steps_is_not_reserved_twice() -
     big, other = reg.open_lease("big"), reg.open_lease("other")
     keys = [key(i) for i in range(600)]
     steps = reg.reserve_sliced(big, b"".join(keys), [PAGE] * len(keys), slice_keys=100)
-    for _ in range(8):  # the repeat check, six lookups, the placement: no record added yet
-        next(steps)
-    assert reg.stats().reserved_keys == 0 and reg.stats().reserved_bytes == 600 * PAGE
+    step_until(steps, lambda: reg.stats().reserved_bytes == 600 * PAGE)  # placed, no record added yet
+    assert reg.stats().reserved_keys == 0
     theirs = reg.reserve(other, [(keys[450], PAGE)])[0]
     slots = run_to_end(steps)
     assert slots[450] is None and theirs is not None
@@ -59,8 +73,7 @@ def test_a_reserve_abandoned_midway_gives_back_the_pages_it_placed() -> None:
     lease = reg.open_lease("a")
     keys = [key(i) for i in range(600)]
     steps = reg.reserve_sliced(lease, b"".join(keys), [PAGE] * len(keys), slice_keys=100)
-    for _ in range(10):  # two slices of records added
-        next(steps)
+    step_until(steps, lambda: reg.stats().reserved_keys == 200)  # two slices of records added
     steps.close()  # the connection went away
     stats = reg.stats()
     assert stats.reserved_keys == 200 and stats.reserved_bytes == 200 * PAGE
@@ -78,6 +91,18 @@ def test_nothing_placeable_is_no_space_as_whole() -> None:
     with pytest.raises(NoSpace):
         run_to_end(reg.reserve_sliced(lease, keys, [PAGE] * 50, slice_keys=8))
     accounting_adds_up(reg)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    picks=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 40)), min_size=1, max_size=300),
+    slice_keys=st.integers(1, 64),
+)
+def test_repeats_found_part_by_part_are_those_of_the_whole_batch(picks, slice_keys) -> None:
+    """Keys sharing a first word (as a batch built to collide would) included."""
+    joined = b"".join(a.to_bytes(8, "little") + b.to_bytes(8, "little") for a, b in picks)
+    sliced = run_to_end(first_occurrences_sliced(joined, slice_keys))
+    assert sliced.tolist() == first_occurrences(joined).tolist()
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -49,6 +49,7 @@ from maru_core.index.registry_types import (
     Keys,
     checked_lengths,
     first_occurrences,
+    first_occurrences_sliced,
     run_to_end,
     joined_keys,
     select_keys,
@@ -363,8 +364,8 @@ class Registry:
         """``reserve_packed`` of a large batch, a step of about ``slice_keys`` keys at a time
         (a generator that yields between steps; the last returns the slots).
 
-        Its repeated keys are found in one step, its keys looked up a slice
-        per step, then the whole batch is placed in one step (so it is
+        Its repeated keys are found a part per step, its keys looked up a
+        slice per step, then the whole batch is placed in one step (so it is
         contiguous when one free extent holds it, and evicts within one
         reserve's budget), then its records are added a slice per step. Each
         slice is looked up again in the step that adds it: a key another
@@ -377,13 +378,12 @@ class Registry:
         n = len(joined) // KEY_BYTES
         lengths = checked_lengths(lengths, n)
         self._lease(lease_id)
-        first = first_occurrences(joined)
-        yield
-        absent = np.empty(n, dtype=bool)
+        first = yield from first_occurrences_sliced(joined, 4 * slice_keys)
+        candidates = np.empty(n, dtype=bool)
         for start in range(0, n, slice_keys):
-            absent[start : start + slice_keys] = self.absent_keys(joined[start * KEY_BYTES : (start + slice_keys) * KEY_BYTES])
+            candidates[start : start + slice_keys] = self.absent_keys(joined[start * KEY_BYTES : (start + slice_keys) * KEY_BYTES])
             yield
-        candidates = absent & first
+        candidates &= first
         if not candidates.any():
             return SlotList(bytes(len(joined)))
         self._lease(lease_id)
