@@ -159,3 +159,26 @@ class RegistryOps(RuleBasedStateMachine):
 TestRegistryOps = RegistryOps.TestCase
 TestRegistryOps.settings = settings(max_examples=60, stateful_step_count=25, deadline=None,
                                     suppress_health_check=list(HealthCheck))  # fmt: skip
+
+
+def test_the_reservations_of_an_ended_lease_are_released_a_chunk_per_step(monkeypatch, clock: Clock = Clock()) -> None:
+    import maru_core.index.registry as registry
+
+    monkeypatch.setattr(registry, "RESERVATION_CHUNK_ROWS", 100)
+    reg = Registry(geometry(1000), clock=clock)
+    lease = reg.open_lease("a")
+    assert None not in reg.reserve(lease, [(key(i), PAGE) for i in range(350)])
+    fenced = []
+    fence = reg._fence_lapsed
+    reg._fence_lapsed = lambda rows: fenced.append(len(rows)) or fence(rows)
+    steps = reg.close_lease_sliced(lease)
+    next(steps)
+    next(steps)
+    assert fenced == [100, 100]  # a chunk per step, not 350 at once
+    clock.now += 31  # past their deadline: expiry, running in between, takes what is left
+    reg.expire()
+    with pytest.raises(StopIteration):
+        next(steps)  # nothing released twice
+    stats = reg.stats()
+    assert stats.reserved_keys == 0 and sum(fenced) == 350
+    accounting_adds_up(reg)

@@ -63,6 +63,9 @@ from maru_core.index.registry_types import (
 from maru_core.pool.geometry import PoolGeometry
 from maru_core.protocol.locations import Location, LocationList, SlotList
 
+#: Reservations of an ended lease released per step.
+RESERVATION_CHUNK_ROWS = 8192
+
 #: The largest share of the pool's pages one ``reserve`` may evict.
 MAX_EVICT_FRACTION = 0.25
 
@@ -199,7 +202,7 @@ class Registry:
 
     def _drop_leases_sliced(self, leases: list[Lease]) -> Generator[None, None, tuple[int, int]]:
         """End ``leases`` at once (no call can use them any more), then release
-        their pins a chunk per step, then their reservations in one step.
+        their pins a chunk per step, then their reservations a chunk per step.
         Returns (pins released, reservations released)."""
         for lease in leases:
             del self._leases[lease.lease_id]
@@ -211,17 +214,24 @@ class Registry:
                 np.subtract.at(self._records.pins, chunk, 1)
                 pins += len(chunk)
                 yield
-        rec, hw = self._records, self._records.high_water
+        rec = self._records
         numbers = np.fromiter((lease.number for lease in leases), dtype=rec.owner.dtype, count=len(leases))
-        owners = rec.owner[:hw]
-        mine = owners == numbers[0] if len(numbers) == 1 else np.isin(owners, numbers)
-        owned = np.flatnonzero(mine & (rec.state[:hw] == State.RESERVED))
-        # Their writers may still be copying: the pages wait in the fence.
-        self._fence_lapsed(owned)
+        reservations = 0
+        while True:  # a chunk per step; looked for again each time (expiry may have taken some meanwhile)
+            hw = rec.high_water
+            owners = rec.owner[:hw]
+            mine = owners == numbers[0] if len(numbers) == 1 else np.isin(owners, numbers)
+            owned = np.flatnonzero(mine & (rec.state[:hw] == State.RESERVED))[:RESERVATION_CHUNK_ROWS]
+            # Their writers may still be copying: the pages wait in the fence.
+            self._fence_lapsed(owned)
+            reservations += len(owned)
+            if len(owned) < RESERVATION_CHUNK_ROWS:
+                break
+            yield
         now = self._clock()
         for lease in leases:
             self._fence.lease_ended(lease.number, now)
-        return pins, len(owned)
+        return pins, reservations
 
     def expire(self) -> ExpiryReport:
         """Release lapsed leases (their pins and reservations) and reservations past their deadline."""
@@ -557,16 +567,15 @@ class Registry:
         if not len(rows):
             return
         rec = self._records
-        keys = [rec.key_of(int(row)) for row in rows]
-        self._fence.hold(keys, rec.page[rows].copy(), rec.pages[rows].copy(), rec.owner[rows].copy(),
+        self._fence.hold(rec.keys.take(rows, axis=0), rec.page[rows], rec.pages[rows], rec.owner[rows],
                          lambda number: number in self._lease_by_number, self._clock())  # fmt: skip
         rec.remove(rows)
         self._reserved_keys -= len(rows)  # the pages stay counted as reserved until freed
 
-    def _free_fenced(self, runs: list[tuple[int, int]]) -> None:
-        if not runs:
+    def _free_fenced(self, runs: tuple[np.ndarray, np.ndarray]) -> None:
+        starts, counts = runs
+        if not len(starts):
             return
-        starts, counts = (np.array(column, dtype=np.int64) for column in zip(*runs))
         self._alloc.free_runs(starts, counts)
         self._reserved_pages -= int(counts.sum())
 
@@ -575,9 +584,8 @@ class Registry:
         longer holds (``handled`` false) can go, since it sends those calls after its copy."""
         if not len(self._fence):
             return
-        n = len(joined) // KEY_BYTES
-        keys = {joined[i * KEY_BYTES : (i + 1) * KEY_BYTES] for i in range(n) if not handled[i]}
-        self._free_fenced(self._fence.writer_done(lease.number, keys))
+        words = np.frombuffer(joined, dtype="<u8").reshape(-1, 2)
+        self._free_fenced(self._fence.writer_done(lease.number, words[~np.asarray(handled, dtype=bool)]))
 
     @property
     def fenced_pages(self) -> int:
