@@ -399,9 +399,10 @@ class Registry:
         self._lease(lease_id)
         idx, starts, pages = self._place_candidates(candidates, lengths)
         self._reserved_pages += int(pages.sum())  # placed, not recorded yet: counted as reserved meanwhile
-        words = np.zeros((n, 2), dtype="<u8")
         done = 0
         try:
+            yield
+            words = np.zeros((n, 2), dtype="<u8")  # megabytes of fresh memory: a step of its own
             while done < len(idx):
                 yield
                 end = done + slice_keys
@@ -645,6 +646,8 @@ class Registry:
         todo = np.arange(len(pages))
         while len(todo):
             largest = self._alloc.largest_free
+            if not largest and budget < 1:
+                break  # nothing fits any more and nothing may be evicted
             window = pages[todo[: largest + 1]]  # every object has a page at least: no more fit
             fit = int(np.searchsorted(np.cumsum(window), largest, side="right"))
             if fit > 1:
