@@ -52,7 +52,7 @@ class Connection(asyncio.BufferedProtocol):
     def __init__(self, server: "IndexServer", peer_key: str = "unknown", hello_prepaid: bool = False) -> None:
         self._server = server
         self.peer_key = peer_key  # whose budgets it spends (``maru_core.index.peers``)
-        self.hello_prepaid = hello_prepaid  # its peer paid for a failed hello at accept
+        self.hello_prepaid = hello_prepaid  # its peer paid for its hello at accept (refunded if right)
         limits = server.limits
         self._frames = FrameBuffer(_INITIAL_BYTES, _INITIAL_BYTES, limits.pre_auth_frame_bytes, 2 * MAX_FRAME_BYTES)
         self._writer = FrameWriter()

@@ -117,7 +117,7 @@ class IndexServer:
         self._slice_bytes = slice_keys * KEY_BYTES
         self._verify = SlotHeaderCheck(pool)
         self._acceptors: list[Acceptor] = []
-        self._handshakes: set[asyncio.Task] = set()  # accepted sockets becoming connections
+        self._handshakes: dict[asyncio.Task, socket.socket] = {}  # accepted sockets becoming connections
         self._peers = self.limits.peer_limiter()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task] = []
@@ -185,9 +185,13 @@ class IndexServer:
         for acceptor in self._acceptors:
             acceptor.close()
         self._acceptors = []
-        for task in list(self._handshakes):
+        handshakes = dict(self._handshakes)
+        for task in handshakes:
             task.cancel()
-        await asyncio.gather(*self._handshakes, return_exceptions=True)
+        await asyncio.gather(*handshakes, return_exceptions=True)
+        for task, sock in handshakes.items():
+            if task.cancelled():
+                sock.close()  # it may have had no transport yet to close it
         for conn in list(self._connections):
             conn.close()
         for task in self._tasks:
@@ -210,12 +214,12 @@ class IndexServer:
         prepaid = self._peers.prepay_hello(peer)
         protocol = lambda: Connection(self, peer, hello_prepaid=prepaid)  # noqa: E731
         task = self._loop.create_task(self._loop.connect_accepted_socket(protocol, sock))
-        self._handshakes.add(task)
+        self._handshakes[task] = sock
         task.add_done_callback(self._handshake_done)
         return True
 
     def _handshake_done(self, task: asyncio.Task) -> None:
-        self._handshakes.discard(task)
+        self._handshakes.pop(task, None)
         if not task.cancelled() and task.exception() is not None:
             log.debug("a connection failed before it started: %s", task.exception())
 
