@@ -5,14 +5,18 @@ pool of 4 KiB pages), stores 8,000 keys (held pinned by another client, so
 every retrieve hits), then measures a normal ``IndexClient``'s
 heartbeat and 8,000-key retrieve (+ unpin) round trips, p50 and p99: first
 alone, then while each attack runs in its own process. Also records the
-index's resident memory at the end of each scenario, and whether it lived. Usage (repository root)::
+index's resident memory at the end of each scenario, the share of a core it
+used while measured (CPU), and whether it lived. Usage (repository root)::
 
     python bench/index_attacks.py [--seconds 5] [--only NAME ...] [--out bench/results/index_attacks.json]
     python bench/index_attacks.py --loop [--seconds 5] [--out ...]   # longest event-loop callbacks instead
 
 Each attack is what an unauthenticated peer, a broken client or a client
 holding the token could do (see ``ATTACKS``); the index's limits are its
-defaults.
+defaults. The attacker's raw connections come from another loopback address
+than the normal client's (``--attacker-address``, default 127.0.0.2): another
+peer, as a hostile pod is; with 127.0.0.1 it shares the normal client's
+per-peer budgets.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from maru_core.protocol.framing import HEADER
 
 TOKEN = "bench-attack-token-0123456789abcdef"
 NORMAL_KEYS = 8000
+#: Source address of the attacker's raw connections (set in its process by ``_run_attack``).
+ATTACKER_ADDRESS = "127.0.0.2"
 
 
 # -- attacks (each runs in its own process until `stop` is set) ----------------------------------
@@ -43,7 +49,7 @@ NORMAL_KEYS = 8000
 
 def _connect(url: str) -> socket.socket:
     address = parse_url(url)
-    sock = socket.create_connection((address.host, address.port), timeout=10)
+    sock = socket.create_connection((address.host, address.port), timeout=10, source_address=(ATTACKER_ADDRESS, 0))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return sock
 
@@ -302,14 +308,23 @@ def _rss_mb(pid: int) -> float:
     return float("nan")
 
 
-def _run_attack(name: str, url: str, stop, pool_path: str) -> None:
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) the process has used."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _run_attack(name: str, url: str, stop, pool_path: str, source: str) -> None:
+    global ATTACKER_ADDRESS
+    ATTACKER_ADDRESS = source
     if name == "unpin_bye":
         ATTACKS[name](url, stop, pool_path)
     else:
         ATTACKS[name](url, stop)
 
 
-def scenario(name: str, seconds: float, token_file: str) -> dict:
+def scenario(name: str, seconds: float, token_file: str, source: str) -> dict:
     """A fresh index, the normal keys stored and held pinned, the attack (if any) running, the figures."""
     pool_path = unique_shm_path("bench-attacks")
     index = IndexProcess(pool_path, pool_size="256Mi", token_file=token_file,
@@ -321,13 +336,16 @@ def scenario(name: str, seconds: float, token_file: str) -> dict:
         holder = IndexClient(index.url, token=TOKEN, timeout_s=30)  # keeps the normal keys pinned: always a hit
         holder.retrieve(b"".join(keys))
         if name != "alone":
-            attacker = ctx.Process(target=_run_attack, args=(name, index.url, stop, pool_path), daemon=True)
+            attacker = ctx.Process(target=_run_attack, args=(name, index.url, stop, pool_path, source), daemon=True)
             attacker.start()
             time.sleep(1.0)  # let the attack build up
+        cpu_before = _cpu_s(index.proc.pid)
         try:
             figures = measure(index.url, keys, seconds)
         except Exception as exc:  # the index stopped answering altogether
             figures = {"error": f"{type(exc).__name__}: {exc}"}
+        if index.proc.poll() is None:
+            figures["index_cpu_share"] = round((_cpu_s(index.proc.pid) - cpu_before) / seconds, 3)
         figures["index_rss_mb"] = _rss_mb(index.proc.pid) if index.proc.poll() is None else None
         figures["index_alive"] = index.proc.poll() is None
         holder.close()
@@ -342,7 +360,7 @@ def scenario(name: str, seconds: float, token_file: str) -> dict:
     return figures
 
 
-def longest_callbacks(name: str, seconds: float) -> list[float]:
+def longest_callbacks(name: str, seconds: float, source: str) -> list[float]:
     """The five longest event-loop callbacks of an index (in this process) while the attack runs
     (in another), in CPU milliseconds of the loop's thread: what one request or turn costs the
     others, whatever else the machine is running."""
@@ -366,7 +384,7 @@ def longest_callbacks(name: str, seconds: float) -> list[float]:
         with ThreadedIndex(pool, token=TOKEN) as index:
             _store(index.url, pool_path, NORMAL_KEYS)
             events.Handle._run = timed
-            attacker = ctx.Process(target=_run_attack, args=(name, index.url, stop, pool_path), daemon=True)
+            attacker = ctx.Process(target=_run_attack, args=(name, index.url, stop, pool_path, source), daemon=True)
             attacker.start()
             time.sleep(seconds)
             stop.set()
@@ -388,16 +406,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="write the figures as JSON here")
     parser.add_argument("--loop", action="store_true",
                         help="measure instead the longest event-loop callbacks (CPU ms) of an index in this process")
+    parser.add_argument("--attacker-address", default=ATTACKER_ADDRESS,
+                        help=f"loopback source address of the attacker's raw connections (default {ATTACKER_ADDRESS})")
     args = parser.parse_args(argv)
+    load = {"load_average_before": os.getloadavg()}
     if args.loop:
         loop_results = {}
         for name in args.only or ATTACKS:
-            loop_results[name] = longest_callbacks(name, args.seconds)
+            loop_results[name] = longest_callbacks(name, args.seconds, args.attacker_address)
             print(f"{name:16} longest callbacks, CPU ms: {loop_results[name]}", flush=True)
         if args.out:
             with open(args.out, "w") as fh:
-                json.dump({"cpus": os.cpu_count(), "seconds": args.seconds, "longest_callbacks_ms": loop_results},
-                          fh, indent=2)  # fmt: skip
+                json.dump({"cpus": os.cpu_count(), "seconds": args.seconds, "attacker_address": args.attacker_address,
+                       **load, "load_average_after": os.getloadavg(), "longest_callbacks_ms": loop_results},
+                      fh, indent=2)  # fmt: skip
         return 0
     workdir = tempfile.mkdtemp(prefix="bench-attacks-")
     token_file = os.path.join(workdir, "token")
@@ -405,20 +427,23 @@ def main(argv: list[str] | None = None) -> int:
         fh.write(TOKEN)
     results = {}
     try:
-        print(f"{'scenario':16} {'hb p50':>7} {'hb p99':>7} {'ret p50':>7} {'ret p99':>7} {'fail':>4} {'RSS MB':>7}")
+        print(f"{'scenario':16} {'hb p50':>7} {'hb p99':>7} {'ret p50':>7} {'ret p99':>7} {'fail':>4} {'RSS MB':>7} "
+              f"{'CPU':>5}")  # fmt: skip
         for name in ["alone", *(args.only or ATTACKS)]:
-            results[name] = f = scenario(name, args.seconds, token_file)
+            results[name] = f = scenario(name, args.seconds, token_file, args.attacker_address)
             if "error" in f:
                 print(f"{name:16} {f['error'][:80]} (index alive: {f['index_alive']})", flush=True)
                 continue
             print(f"{name:16} {f['heartbeat_p50_ms']!s:>7} {f['heartbeat_p99_ms']!s:>7} {f['retrieve_p50_ms']!s:>7} "
-                  f"{f['retrieve_p99_ms']!s:>7} {f['failures']:>4} {f['index_rss_mb']!s:>7}", flush=True)  # fmt: skip
+                  f"{f['retrieve_p99_ms']!s:>7} {f['failures']:>4} {f['index_rss_mb']!s:>7} "
+                  f"{f.get('index_cpu_share')!s:>5}", flush=True)  # fmt: skip
     finally:
         os.unlink(token_file)
         os.rmdir(workdir)
     if args.out:
         with open(args.out, "w") as fh:
-            json.dump({"machine": os.uname().machine, "cpus": os.cpu_count(), "seconds": args.seconds,
+            json.dump({"machine": os.uname().machine, "python": sys.version.split()[0], "cpus": os.cpu_count(), "seconds": args.seconds,
+                       "attacker_address": args.attacker_address, **load, "load_average_after": os.getloadavg(),
                        "results": results}, fh, indent=2)  # fmt: skip
     return 0
 

@@ -42,6 +42,22 @@ def test_a_huge_batch_into_a_pinned_pool_tries_eviction_a_bounded_number_of_time
     accounting_adds_up(reg)
 
 
+def test_a_reserve_into_a_full_pool_with_nothing_to_evict_gives_up_without_walking_the_batch(
+    clock: Clock = Clock(),
+) -> None:
+    reg = Registry(geometry(100), clock=clock)
+    lease = reg.open_lease("a")
+    assert None not in reg.reserve(lease, [(key(i), PAGE) for i in range(100)])  # reserved: not evictable
+    calls = []
+    evict, place_runs = reg._evict, reg._alloc.allocate
+    reg._evict = lambda pages: calls.append(("evict", pages)) or evict(pages)
+    reg._alloc.allocate = lambda count: calls.append(("allocate", count)) or place_runs(count)
+    with pytest.raises(NoSpace):
+        reg.reserve(lease, [(key(10_000 + i), PAGE) for i in range(50_000)])
+    assert calls == [("evict", 25)], calls  # one try at eviction, then nothing more
+    accounting_adds_up(reg)
+
+
 def test_items_smaller_than_one_that_failed_are_still_placed(clock: Clock = Clock()) -> None:
     reg = Registry(geometry(10), high_watermark=1.0, low_watermark=1.0, clock=clock)
     lease = reg.open_lease("a")
@@ -143,3 +159,26 @@ class RegistryOps(RuleBasedStateMachine):
 TestRegistryOps = RegistryOps.TestCase
 TestRegistryOps.settings = settings(max_examples=60, stateful_step_count=25, deadline=None,
                                     suppress_health_check=list(HealthCheck))  # fmt: skip
+
+
+def test_the_reservations_of_an_ended_lease_are_released_a_chunk_per_step(monkeypatch, clock: Clock = Clock()) -> None:
+    import maru_core.index.registry as registry
+
+    monkeypatch.setattr(registry, "RESERVATION_CHUNK_ROWS", 100)
+    reg = Registry(geometry(1000), clock=clock)
+    lease = reg.open_lease("a")
+    assert None not in reg.reserve(lease, [(key(i), PAGE) for i in range(350)])
+    fenced = []
+    fence = reg._fence_lapsed
+    reg._fence_lapsed = lambda rows: fenced.append(len(rows)) or fence(rows)
+    steps = reg.close_lease_sliced(lease)
+    next(steps)
+    next(steps)
+    assert fenced == [100, 100]  # a chunk per step, not 350 at once
+    clock.now += 31  # past their deadline: expiry, running in between, takes what is left
+    reg.expire()
+    with pytest.raises(StopIteration):
+        next(steps)  # nothing released twice
+    stats = reg.stats()
+    assert stats.reserved_keys == 0 and sum(fenced) == 350
+    accounting_adds_up(reg)

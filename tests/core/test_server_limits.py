@@ -74,6 +74,20 @@ def test_memory_follows_the_bytes_sent_not_the_length_announced(pool):
             raw.close()
 
 
+def test_a_grown_buffer_is_kept_while_large_frames_come_and_given_back_when_they_stop(pool):
+    with serve(pool) as index:
+        raw = Raw(index.url)
+        raw.hello()
+        for first in (0, 100_000):  # two large reserves back to back (2.4 MB frames)
+            keys = b"".join(key(first + i) for i in range(100_000))
+            reply = raw.call(op="reserve", keys=keys, lengths=pack_lengths([16] * 100_000))
+            assert reply["ok"] or reply["error"]["type"] == "no_space"  # the second finds the pool full
+            assert max(buffer_sizes(index)) >= 2 * 1024 * 1024  # not grown again for the next one
+        assert wait_for(lambda: max(buffer_sizes(index)) <= 1024 * 1024, timeout_s=5.0)  # idle: given back
+        assert raw.call(op="heartbeat")["ok"]
+        raw.close()
+
+
 @pytest.mark.parametrize("wrapped", [False, True])
 def test_a_frame_of_many_nils_is_refused_from_its_headers(pool, wrapped):
     with serve(pool) as index:

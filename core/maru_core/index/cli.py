@@ -103,6 +103,20 @@ def _count_arg(text: str) -> int:
     return value
 
 
+#: The highest per-peer rate a flag accepts: higher is no limit at all.
+_MAX_RATE = 1e6
+
+
+def _rate_arg(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= _MAX_RATE:  # also refuses nan and inf
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number per second (at most {_MAX_RATE:g})")
+    return value
+
+
 def _fraction_arg(text: str) -> float:
     try:
         value = float(text)
@@ -193,6 +207,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"seconds a frame under way, or unread replies, may stall (default {limits.frame_timeout_s:g})")
     parser.add_argument("--idle-timeout", type=_positive_seconds, default=limits.idle_timeout_s, metavar="S",
                         help=f"seconds a connection may send nothing (default {limits.idle_timeout_s:g})")
+    parser.add_argument("--peer-connection-rate", type=_rate_arg, default=limits.peer_connection_rate, metavar="R",
+                        help="new connections per second one peer (an IP address, or a Unix socket's user) may "
+                             f"open; beyond, they are closed at accept (default {limits.peer_connection_rate:g})")
+    parser.add_argument("--peer-connection-burst", type=_count_arg, default=limits.peer_connection_burst,
+                        metavar="N", help="new connections one peer may open at once, e.g. its workers reconnecting "
+                                          f"after a restart (default {limits.peer_connection_burst})")
+    parser.add_argument("--peer-auth-failure-rate", type=_rate_arg, default=limits.peer_auth_failure_rate,
+                        metavar="R", help="wrong-token hellos per second one peer may send; beyond, its new "
+                                          f"connections are closed at accept (default {limits.peer_auth_failure_rate:g})")
+    parser.add_argument("--peer-auth-failure-burst", type=_count_arg, default=limits.peer_auth_failure_burst,
+                        metavar="N", help=f"wrong-token hellos one peer may send at once (default {limits.peer_auth_failure_burst})")
     parser.add_argument("--max-evict-fraction", type=_fraction_arg, default=MAX_EVICT_FRACTION, metavar="F",
                         help=f"largest share of the pool one reserve may evict (default {MAX_EVICT_FRACTION:g})")
     parser.add_argument("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -298,6 +323,8 @@ def run(args: argparse.Namespace) -> int:
             max_connections=args.max_connections, hello_timeout_s=args.hello_timeout,
             frame_timeout_s=args.frame_timeout, idle_timeout_s=args.idle_timeout,
             max_leases_per_connection=args.max_leases_per_connection,
+            peer_connection_rate=args.peer_connection_rate, peer_connection_burst=args.peer_connection_burst,
+            peer_auth_failure_rate=args.peer_auth_failure_rate, peer_auth_failure_burst=args.peer_auth_failure_burst,
         )  # fmt: skip
         pool, fresh = open_pool(args.pool, args.pool_size, args.page_size, args.pool_offset)
     except (ValueError, PoolError) as exc:

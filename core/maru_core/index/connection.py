@@ -28,10 +28,18 @@ if TYPE_CHECKING:
 
 #: Pending reply bytes above which a connection stops reading until its peer has read them.
 WRITE_HIGH_WATER = 4 * 1024 * 1024
-#: A connection's receive buffer starts this small (an idle connection costs a few KiB)
-#: and is kept up to ``_KEEP_BYTES`` between frames.
+#: A connection's receive buffer starts this small (an idle connection costs a few KiB).
+#: Grown for large frames, it is kept while they keep coming (growing it again for each
+#: one would cost an allocation and a copy of megabytes per frame), and given back to
+#: ``_KEEP_BYTES`` once the connection has sent nothing for ``_BUFFER_IDLE_S``.
 _INITIAL_BYTES = 4096
 _KEEP_BYTES = 1024 * 1024
+_BUFFER_IDLE_S = 1.0
+#: Bytes received per read callback at most (about a millisecond of copying), and
+#: received bytes in one callback above which the frames they complete are decoded
+#: in the loop's next pass, not in the same callback.
+_READ_BYTES = 1024 * 1024
+_DECODE_LATER_BYTES = 256 * 1024
 
 Reply = dict[str, Any]
 #: A sliced request: yields between slices, returns its reply.
@@ -41,10 +49,12 @@ Job = Generator[None, None, Reply]
 class Connection(asyncio.BufferedProtocol):
     """One client connection (see the module docstring)."""
 
-    def __init__(self, server: "IndexServer") -> None:
+    def __init__(self, server: "IndexServer", peer_key: str = "unknown", hello_prepaid: bool = False) -> None:
         self._server = server
+        self.peer_key = peer_key  # whose budgets it spends (``maru_core.index.peers``)
+        self.hello_prepaid = hello_prepaid  # its peer paid for its hello at accept (refunded if right)
         limits = server.limits
-        self._frames = FrameBuffer(_INITIAL_BYTES, _INITIAL_BYTES, limits.pre_auth_frame_bytes, _KEEP_BYTES)
+        self._frames = FrameBuffer(_INITIAL_BYTES, _INITIAL_BYTES, limits.pre_auth_frame_bytes, 2 * MAX_FRAME_BYTES)
         self._writer = FrameWriter()
         self._transport: asyncio.Transport | None = None
         self._job: Job | None = None  # a sliced request under way: read nothing more meanwhile
@@ -73,7 +83,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def get_buffer(self, sizehint: int) -> memoryview:
         try:
-            return self._frames.writable()
+            return self._frames.writable()[:_READ_BYTES]
         except FrameError as exc:  # a header above the limit, seen before the frame completes
             self._frame_error(exc)
             return memoryview(bytearray(_INITIAL_BYTES))  # asyncio needs somewhere to put these bytes
@@ -83,6 +93,9 @@ class Connection(asyncio.BufferedProtocol):
             return  # closed on a bad header: these bytes went to a throwaway buffer
         self._frames.advance(nbytes)
         self.last_active = time.monotonic()
+        if nbytes >= _DECODE_LATER_BYTES:
+            self._yield_turn()  # this callback copied a lot already: decode in the next pass
+            return
         self._answer_buffered()
 
     def eof_received(self) -> bool:
@@ -108,6 +121,10 @@ class Connection(asyncio.BufferedProtocol):
         if self._job is not None or self._yielded:
             return False  # the wait is ours, not the peer's
         return self._write_paused or self._frames.pending_bytes > 0
+
+    def release_idle_buffer(self, now: float) -> bool:
+        """Give back a grown receive buffer once the peer has sent nothing for a while."""
+        return now - self.last_active > _BUFFER_IDLE_S and self._frames.shrink(_KEEP_BYTES)
 
     def opened(self, lease_id: str) -> None:
         """``hello`` succeeded: the connection may now send frames of full size."""

@@ -1,5 +1,6 @@
 """What one client may cost the index: the limits that keep one hostile,
-broken or slow client from taking the index away from the others.
+broken or slow client from taking the index away from the others, per
+connection and per peer (``maru_core.index.peers``).
 
 Every limit has a flag of ``marucache index`` (``docs/security.md`` lists
 them with their defaults and says why each exists).
@@ -11,9 +12,17 @@ import dataclasses
 import math
 import resource
 
+from maru_core.index.peers import DEFAULT_MAX_PEERS, Budget, PeerLimiter
+
 #: Largest frame accepted from a connection that has not said ``hello`` yet.
 #: A hello is a few hundred bytes; an unauthenticated peer gets no more.
 PRE_AUTH_FRAME_BYTES = 16 * 1024
+#: Per-peer budgets: generous enough for a pod of workers (or several hundred behind
+#: one address) reconnecting at once after an index restart; far below a flood.
+PEER_CONNECTION_RATE = 64.0
+PEER_CONNECTION_BURST = 256
+PEER_AUTH_FAILURE_RATE = 1.0
+PEER_AUTH_FAILURE_BURST = 16
 #: File descriptors kept free for the pool, the metrics server and logs.
 _SPARE_FDS = 32
 
@@ -29,7 +38,7 @@ def default_max_connections() -> int:
 
 @dataclasses.dataclass(frozen=True)
 class ServerLimits:
-    """Per-connection limits of the index server.
+    """Per-connection and per-peer limits of the index server.
 
     - ``max_connections``: connections served at once. At the cap a new
       connection displaces the oldest one that has not said ``hello``; when
@@ -47,6 +56,14 @@ class ServerLimits:
     - ``pre_auth_frame_bytes``: the largest frame before ``hello`` succeeds.
     - ``turn_s``: how long one connection's pipelined requests may hold the
       event loop before the others get a turn.
+    - ``peer_connection_rate``/``peer_connection_burst``: new connections one
+      peer (an IP address, or a Unix socket's user id) may open per second,
+      and at once; beyond, its connections are closed at accept.
+    - ``peer_auth_failure_rate``/``peer_auth_failure_burst``: wrong-token
+      ``hello``s one peer may send per second, and at once; beyond, its new
+      connections are closed at accept until the budget refills.
+    - ``max_peers``: peers whose budgets are remembered (least recently seen
+      forgotten first).
     """
 
     max_connections: int = dataclasses.field(default_factory=default_max_connections)
@@ -56,15 +73,32 @@ class ServerLimits:
     max_leases_per_connection: int = 4
     pre_auth_frame_bytes: int = PRE_AUTH_FRAME_BYTES
     turn_s: float = 0.002
+    peer_connection_rate: float = PEER_CONNECTION_RATE
+    peer_connection_burst: int = PEER_CONNECTION_BURST
+    peer_auth_failure_rate: float = PEER_AUTH_FAILURE_RATE
+    peer_auth_failure_burst: int = PEER_AUTH_FAILURE_BURST
+    max_peers: int = DEFAULT_MAX_PEERS
 
     def __post_init__(self) -> None:
-        for name in ("max_connections", "max_leases_per_connection", "pre_auth_frame_bytes"):
+        integers = ("max_connections", "max_leases_per_connection", "pre_auth_frame_bytes",
+                    "peer_connection_burst", "peer_auth_failure_burst", "max_peers")  # fmt: skip
+        for name in integers:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("hello_timeout_s", "frame_timeout_s", "idle_timeout_s", "turn_s"):
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a positive, finite number of seconds, got {value}")
+        for name in ("peer_connection_rate", "peer_auth_failure_rate"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a positive, finite number per second, got {value}")
+
+    def peer_limiter(self) -> PeerLimiter:
+        """The per-peer budgets these limits describe."""
+        return PeerLimiter(Budget(self.peer_connection_rate, self.peer_connection_burst),
+                           Budget(self.peer_auth_failure_rate, self.peer_auth_failure_burst),
+                           self.max_peers)  # fmt: skip
 
     @property
     def sweep_interval_s(self) -> float:

@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from maru_core.index.peers import RATE_LIMIT_REASONS
 from maru_core.protocol import OPS, ErrorType
 
 log = logging.getLogger(__name__)
@@ -116,6 +117,15 @@ class IndexMetrics:
         self._auth_failures = Counter(
             "maru_index_auth_failures", "hello requests with a wrong or missing token.", registry=self.registry
         )
+        self._rate_limited = Counter(
+            "maru_index_rate_limited",
+            "New connections closed at accept because their peer was over its budget, by reason "
+            "(connections, auth_failures).",
+            ["reason"],
+            registry=self.registry,
+        )
+        for reason in RATE_LIMIT_REASONS:
+            self._rate_limited.labels(reason)
         self.registry.register(PoolCollector(read_stats, capacity_bytes))
         if process_metrics:
             ProcessCollector(registry=self.registry)
@@ -132,6 +142,9 @@ class IndexMetrics:
 
     def count_auth_failure(self) -> None:
         self._auth_failures.inc()
+
+    def count_rate_limited(self, reason: str) -> None:
+        self._rate_limited.labels(reason).inc()
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> int:
         """Serve ``/metrics`` on ``addr:port`` from a daemon thread; return the bound port."""

@@ -40,6 +40,7 @@ import numpy as np
 from maru_core.index.allocator import ExtentAllocator
 from maru_core.index.fencing import LapsedFence
 from maru_core.index.leases import Lease, new_lease_id
+from maru_core.index.placement import Placement
 from maru_core.index.restore import select_restorable
 from maru_core.index.records import RecordTable, State
 from maru_core.index.records import KEY_BYTES
@@ -62,6 +63,9 @@ from maru_core.index.registry_types import (
 from maru_core.pool.geometry import PoolGeometry
 from maru_core.protocol.locations import Location, LocationList, SlotList
 
+#: Reservations of an ended lease released per step.
+RESERVATION_CHUNK_ROWS = 8192
+
 #: The largest share of the pool's pages one ``reserve`` may evict.
 MAX_EVICT_FRACTION = 0.25
 
@@ -80,7 +84,7 @@ __all__ = [
 ]
 
 
-class Registry:
+class Registry(Placement):
     """Keys -> slots of one pool (see the module docstring for the rules).
 
     ``geometry`` is the pool's; ``lease_ttl_s`` how long a lease lives
@@ -198,7 +202,7 @@ class Registry:
 
     def _drop_leases_sliced(self, leases: list[Lease]) -> Generator[None, None, tuple[int, int]]:
         """End ``leases`` at once (no call can use them any more), then release
-        their pins a chunk per step, then their reservations in one step.
+        their pins a chunk per step, then their reservations a chunk per step.
         Returns (pins released, reservations released)."""
         for lease in leases:
             del self._leases[lease.lease_id]
@@ -210,17 +214,24 @@ class Registry:
                 np.subtract.at(self._records.pins, chunk, 1)
                 pins += len(chunk)
                 yield
-        rec, hw = self._records, self._records.high_water
+        rec = self._records
         numbers = np.fromiter((lease.number for lease in leases), dtype=rec.owner.dtype, count=len(leases))
-        owners = rec.owner[:hw]
-        mine = owners == numbers[0] if len(numbers) == 1 else np.isin(owners, numbers)
-        owned = np.flatnonzero(mine & (rec.state[:hw] == State.RESERVED))
-        # Their writers may still be copying: the pages wait in the fence.
-        self._fence_lapsed(owned)
+        reservations = 0
+        while True:  # a chunk per step; looked for again each time (expiry may have taken some meanwhile)
+            hw = rec.high_water
+            owners = rec.owner[:hw]
+            mine = owners == numbers[0] if len(numbers) == 1 else np.isin(owners, numbers)
+            owned = np.flatnonzero(mine & (rec.state[:hw] == State.RESERVED))[:RESERVATION_CHUNK_ROWS]
+            # Their writers may still be copying: the pages wait in the fence.
+            self._fence_lapsed(owned)
+            reservations += len(owned)
+            if len(owned) < RESERVATION_CHUNK_ROWS:
+                break
+            yield
         now = self._clock()
         for lease in leases:
             self._fence.lease_ended(lease.number, now)
-        return pins, len(owned)
+        return pins, reservations
 
     def expire(self) -> ExpiryReport:
         """Release lapsed leases (their pins and reservations) and reservations past their deadline."""
@@ -351,33 +362,11 @@ class Registry:
             candidates = (self._records.lookup(joined) < 0) & first_occurrences(joined)
         if not candidates.any():
             return SlotList(bytes(len(joined)))
-        if self._clock() < self._quarantine_until:
-            raise NoSpace(
-                f"the index restarted over a pool in use; it hands out no slot for {self.quarantine_s:g} s "
-                "so that copies in flight across the restart finish (stores are skipped meanwhile)"
-            )
-        g = self.geometry
-        too_large = lengths > g.capacity_bytes
-        cand_idx = np.flatnonzero(candidates & ~too_large)
-        if not len(cand_idx):
-            raise NoSpace(
-                f"an object of {int(lengths[too_large].max())} bytes is larger than the pool's "
-                f"{g.capacity_bytes} bytes of data: use a larger pool or smaller chunks"
-            )
-        pages = -(-lengths[cand_idx] // g.page_size)
-        starts = self._place(pages)
-        placed = starts >= 0
-        if not placed.any():
-            raise NoSpace(
-                f"no room for any of {len(cand_idx)} objects ({int(pages.sum())} pages) in a pool of "
-                f"{g.num_pages} pages: the rest is pinned or reserved"
-            )
-        idx = cand_idx[placed]
+        idx, starts, pages = self._place_candidates(candidates, lengths)
         chosen = joined if len(idx) == len(candidates) else select_keys(joined, idx)
-        rows = self._add_reserved(lease, chosen, starts[placed], pages[placed], lengths[idx])
+        rows = self._add_reserved(lease, chosen, starts, pages, lengths[idx])
         words = np.zeros((len(candidates), 2), dtype="<u8")
-        words[idx, 0] = starts[placed] * g.page_size + g.data_offset
-        words[idx, 1] = self._records.generation.take(rows)
+        self._fill_slots(words, idx, starts, rows)
         return SlotList(words.tobytes())
 
     def absent_keys(self, keys: Keys) -> np.ndarray:
@@ -483,16 +472,15 @@ class Registry:
         if not len(rows):
             return
         rec = self._records
-        keys = [rec.key_of(int(row)) for row in rows]
-        self._fence.hold(keys, rec.page[rows].copy(), rec.pages[rows].copy(), rec.owner[rows].copy(),
+        self._fence.hold(rec.keys.take(rows, axis=0), rec.page[rows], rec.pages[rows], rec.owner[rows],
                          lambda number: number in self._lease_by_number, self._clock())  # fmt: skip
         rec.remove(rows)
         self._reserved_keys -= len(rows)  # the pages stay counted as reserved until freed
 
-    def _free_fenced(self, runs: list[tuple[int, int]]) -> None:
-        if not runs:
+    def _free_fenced(self, runs: tuple[np.ndarray, np.ndarray]) -> None:
+        starts, counts = runs
+        if not len(starts):
             return
-        starts, counts = (np.array(column, dtype=np.int64) for column in zip(*runs))
         self._alloc.free_runs(starts, counts)
         self._reserved_pages -= int(counts.sum())
 
@@ -501,87 +489,13 @@ class Registry:
         longer holds (``handled`` false) can go, since it sends those calls after its copy."""
         if not len(self._fence):
             return
-        n = len(joined) // KEY_BYTES
-        keys = {joined[i * KEY_BYTES : (i + 1) * KEY_BYTES] for i in range(n) if not handled[i]}
-        self._free_fenced(self._fence.writer_done(lease.number, keys))
+        words = np.frombuffer(joined, dtype="<u8").reshape(-1, 2)
+        self._free_fenced(self._fence.writer_done(lease.number, words[~np.asarray(handled, dtype=bool)]))
 
     @property
     def fenced_pages(self) -> int:
         """Pages of lapsed reservations held back from reuse (part of ``reserved_bytes``)."""
         return self._fence.pages
-
-    def _evict(self, min_pages: int) -> int:
-        """Evict least recently used unpinned committed objects totalling at least
-        ``min_pages`` pages, or all there are; return the pages freed."""
-        rec, hw = self._records, self._records.high_water
-        victims = np.flatnonzero((rec.state[:hw] == State.COMMITTED) & (rec.pins[:hw] == 0))
-        if not len(victims) or min_pages <= 0:
-            return 0
-        pages = rec.pages[victims]
-        k = min(len(victims), max(16, int(1.25 * min_pages / pages.mean()) + 1))
-        while True:
-            if k < len(victims):
-                chosen = victims[np.argpartition(rec.last_used[victims], k - 1)[:k]]
-            else:
-                chosen = victims
-            chosen = chosen[np.argsort(rec.last_used[chosen], kind="stable")]
-            total = np.cumsum(rec.pages[chosen])
-            if total[-1] >= min_pages or k == len(victims):
-                break
-            k = min(len(victims), 2 * k)
-        chosen = chosen[: int(np.searchsorted(total, min_pages)) + 1]
-        freed = int(rec.pages[chosen].sum())
-        self._release(chosen, State.COMMITTED)
-        self._evictions += len(chosen)
-        return freed
-
-    def _place(self, pages: np.ndarray) -> np.ndarray:
-        """First page for each object (-1 where none fits), evicting as the watermarks
-        say but never more than ``max_evict_pages`` in one call."""
-        budget = self._max_evict_pages
-        need = int(pages.sum())
-        used = self._alloc.used_pages
-        if used + need > self._high_pages:
-            budget -= self._evict(min(used + need - self._low_pages, budget))
-        start = self._alloc.allocate(need) if need <= self._alloc.largest_free else None
-        if start is not None:
-            return start + np.concatenate(([0], np.cumsum(pages)[:-1]))
-        return self._place_each(pages, budget)
-
-    def _place_each(self, pages: np.ndarray, budget: int) -> np.ndarray:
-        """Place the objects of a batch that fits nowhere whole, in order: as many
-        consecutive objects as the largest free extent holds go there with one
-        allocation; an object that fits in no extent is given room by eviction,
-        within ``budget`` pages. Once an object of ``n`` pages fits nowhere (and
-        nothing more may be evicted for it), only smaller ones are tried. The
-        work is thus bounded by what fits, not by the batch's length."""
-        starts = np.full(len(pages), -1, dtype=np.int64)
-        todo = np.arange(len(pages))
-        while len(todo):
-            largest = self._alloc.largest_free
-            window = pages[todo[: largest + 1]]  # every object has a page at least: no more fit
-            fit = int(np.searchsorted(np.cumsum(window), largest, side="right"))
-            if fit > 1:
-                run = todo[:fit]
-                first = self._alloc.allocate(int(window[:fit].sum()))
-                starts[run] = first + np.concatenate(([0], np.cumsum(window[: fit - 1])))
-                todo = todo[fit:]
-                continue
-            i, count = int(todo[0]), int(pages[todo[0]])
-            first = self._alloc.allocate(count)
-            while first is None and budget >= count:
-                freed = self._evict(count)
-                if not freed:
-                    break
-                budget -= freed
-                first = self._alloc.allocate(count)
-            if first is None:
-                rest = todo[1:]
-                todo = rest[pages[rest] < count]
-            else:
-                starts[i] = first
-                todo = todo[1:]
-        return starts
 
     # -- restart --------------------------------------------------------------------------------
 

@@ -17,14 +17,21 @@ slices is committed once, by its first occurrence); only what others see
 in between differs: part of the batch already committed. ``unpin`` and
 ``bye`` release a lease's pins chunk by chunk (``Registry.unpin_sliced``,
 ``close_lease_sliced``), and lapsed leases are released the same way. A
-large ``reserve`` looks its keys up a slice per step, then places the whole
-batch (its eviction bounded) in one registry call. ``retrieve`` (its
-all-or-nothing pin) and ``match_prefix`` (vectorised) always run whole.
+large ``reserve`` looks its keys up a slice per step, places the whole
+batch (its eviction bounded) in one step, then adds its records a slice per
+step (``Registry.reserve_sliced``). ``retrieve`` (its all-or-nothing pin)
+and ``match_prefix`` (vectorised) always run whole.
+
+Connections are accepted a few per event-loop callback
+(``maru_core.index.accept``). A peer (an IP address, or a Unix socket's
+user) over its budget of new connections or of auth failures
+(``maru_core.index.peers``) has its new connections closed at accept,
+unread, counted and logged a line per ten seconds.
 
 Limits (``maru_core.index.limits``): a connection cap, a small frame limit
 until ``hello`` succeeds, deadlines for ``hello``, for a frame under way and
-for an idle connection, and a cap on the leases one connection opens. A
-periodic sweep enforces the deadlines.
+for an idle connection, a cap on the leases one connection opens, and the
+per-peer budgets. A periodic sweep enforces the deadlines.
 
 Leases: ``hello`` opens (or resumes) the connection's lease; every later
 request renews it. A connection that drops keeps its lease until it lapses,
@@ -39,17 +46,18 @@ import collections
 import dataclasses
 import hmac
 import logging
+import socket
+import struct
 import time
 from collections.abc import Generator
 from typing import Any, Callable
 
-import numpy as np
-
+from maru_core.index.accept import Acceptor, bind_tcp
 from maru_core.index.connection import Connection, Job, Reply
 from maru_core.index.limits import ServerLimits
 from maru_core.index.listen import RateLimitedLog, UnixListenerPath
+from maru_core.index.peers import peer_of
 from maru_core.index.registry import RegistryError
-from maru_core.index.registry_types import first_occurrences
 from maru_core.pool.slot_check import SlotHeaderCheck
 from maru_core.protocol import (
     KEY_BYTES,
@@ -71,6 +79,8 @@ log = logging.getLogger(__name__)
 
 #: Keys per slice of a large ``commit`` or ``abort`` (a slice is about a millisecond of work).
 SLICE_KEYS = 2048
+#: SO_LINGER on, zero seconds: close() resets the connection.
+_RESET_ON_CLOSE = struct.pack("ii", 1, 0)
 
 
 class IndexServer:
@@ -103,15 +113,20 @@ class IndexServer:
         self._token = token.encode() if token else None
         self._expiry_interval_s = expiry_interval_s
         self._metrics = metrics
+        self._slice_keys = slice_keys
         self._slice_bytes = slice_keys * KEY_BYTES
         self._verify = SlotHeaderCheck(pool)
-        self._server: asyncio.base_events.Server | None = None
+        self._acceptors: list[Acceptor] = []
+        self._handshakes: dict[asyncio.Task, socket.socket] = {}  # accepted sockets becoming connections
+        self._peers = self.limits.peer_limiter()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task] = []
         self._connections: dict[Connection, None] = {}  # insertion order: oldest first
         self._unix_listener: Any = None
         self.closed_connections: collections.Counter[str] = collections.Counter()
         self.refusals = RateLimitedLog(log)  # at most a line a second about bad peers
+        self.rate_limited: collections.Counter[str] = collections.Counter()
+        self._rate_limit_log = RateLimitedLog(log, interval_s=10.0)  # a flood of refusals: a line per 10 s
         self._handlers: dict[str, Callable[[Connection, dict], Reply]] = {
             "hello": self._hello,
             "heartbeat": self._heartbeat,
@@ -149,16 +164,16 @@ class IndexServer:
         listens on); anything else raises ``ListenError`` with a one-line message.
         """
         self._loop = asyncio.get_running_loop()
-        protocol = lambda: Connection(self)  # noqa: E731
         if isinstance(address, UnixAddress):
             self._unix_listener = UnixListenerPath(address.path)
-            sock = self._unix_listener.bind()
-            self._server = await self._loop.create_unix_server(protocol, sock=sock)
+            sockets = [self._unix_listener.bind()]
             bound: Address = address
         else:
-            self._server = await self._loop.create_server(protocol, host=address.host, port=address.port)
-            port = self._server.sockets[0].getsockname()[1]
-            bound = TcpAddress(address.host, port)
+            sockets = bind_tcp(address.host, address.port)
+            bound = TcpAddress(address.host, sockets[0].getsockname()[1])
+        self._acceptors = [Acceptor(self._loop, sock, self._accepted) for sock in sockets]
+        for acceptor in self._acceptors:
+            acceptor.start()
         self._tasks = [
             asyncio.create_task(self._expire_periodically()),
             asyncio.create_task(self._sweep_periodically()),
@@ -167,18 +182,55 @@ class IndexServer:
 
     async def close(self) -> None:
         """Stop listening, drop every connection, stop the periodic tasks."""
-        if self._server is not None:
-            self._server.close()
+        for acceptor in self._acceptors:
+            acceptor.close()
+        self._acceptors = []
+        handshakes = dict(self._handshakes)
+        for task in handshakes:
+            task.cancel()
+        await asyncio.gather(*handshakes, return_exceptions=True)
+        for task, sock in handshakes.items():
+            if task.cancelled():
+                sock.close()  # it may have had no transport yet to close it
         for conn in list(self._connections):
             conn.close()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._server is not None:
-            await self._server.wait_closed()
-            self._server = None
         if self._unix_listener is not None:
             self._unix_listener.remove()
+
+    def _accepted(self, sock: socket.socket, address: object) -> bool:
+        """A socket just accepted: reset at once when its peer is over budget
+        (nothing of it read; no TIME_WAIT left here), else made a ``Connection``."""
+        peer = peer_of(sock, address)
+        refused = self._peers.admit(peer)
+        if refused is not None:
+            self._count_rate_limited(refused, peer)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_ON_CLOSE)
+            sock.close()
+            return False
+        sock.setblocking(False)
+        prepaid = self._peers.prepay_hello(peer)
+        protocol = lambda: Connection(self, peer, hello_prepaid=prepaid)  # noqa: E731
+        task = self._loop.create_task(self._loop.connect_accepted_socket(protocol, sock))
+        self._handshakes[task] = sock
+        task.add_done_callback(self._handshake_done)
+        return True
+
+    def _handshake_done(self, task: asyncio.Task) -> None:
+        self._handshakes.pop(task, None)
+        if not task.cancelled() and task.exception() is not None:
+            log.debug("a connection failed before it started: %s", task.exception())
+
+    def _count_rate_limited(self, reason: str, peer: str) -> None:
+        self.rate_limited[reason] += 1
+        if self._metrics is not None:
+            self._metrics.count_rate_limited(reason)
+        flags = {"connections": "--peer-connection-rate/--peer-connection-burst",
+                 "auth_failures": "--peer-auth-failure-rate/--peer-auth-failure-burst"}  # fmt: skip
+        self._rate_limit_log.warning("closing new connections from %s at accept: over its budget of %s (%s)",
+                                     peer, reason.replace("_", " "), flags[reason])  # fmt: skip
 
     async def _expire_periodically(self) -> None:
         while True:
@@ -250,6 +302,7 @@ class IndexServer:
             elif now - conn.last_active > limits.idle_timeout_s:
                 reason = "idle"
             else:
+                conn.release_idle_buffer(now)
                 continue
             self.refusals.info("closing connection from %s: %s", conn.peer, reason.replace("_", " "))
             self.closing(conn, reason)
@@ -322,12 +375,18 @@ class IndexServer:
                 conn.close_after_reply = "auth"
                 self.refusals.warning("wrong or missing token from %s (client %r): closing the connection",
                                        conn.peer, str(args["client"])[:64])  # fmt: skip
+                if not conn.hello_prepaid:
+                    self._peers.auth_failed(conn.peer_key)
+                conn.hello_prepaid = False
                 if self._metrics is not None:
                     self._metrics.count_auth_failure()
                 raise ProtocolError(
                     ErrorType.AUTH,
                     "wrong or missing token; use the token of this cache's index (its token file or Secret)",
                 )
+        if conn.hello_prepaid:
+            self._peers.hello_succeeded(conn.peer_key)
+            conn.hello_prepaid = False
         self._check_lease_cap(conn, args["lease_id"])
         conn.opened(self.registry.open_lease(args["client"], args["lease_id"]))
         conn.client = args["client"]
@@ -398,22 +457,11 @@ class IndexServer:
         return {"aborted": aborted}
 
     def _reserve_sliced(self, conn: Connection, args: dict) -> Generator[None, None, dict]:
-        """A large reserve: its keys are looked up a slice per step (the costly part),
-        then placed in one registry call. Should another reserve add records in
-        between, the lookups are redone (twice at most; then all at once)."""
-        keys, candidates = args["keys"], None
+        """A large reserve: looked up, then its records added, a slice per step
+        (``Registry.reserve_sliced``), placed as one batch."""
         yield  # receiving and decoding the request was this turn's work
-        first = first_occurrences(keys)  # of the batch alone: holds whatever happens meanwhile
-        yield
-        for attempt in range(2):
-            additions, parts = self.registry.additions, []
-            for part in self._slices(keys):
-                parts.append(self.registry.absent_keys(part))
-                yield
-            if self.registry.additions == additions:
-                candidates = np.concatenate(parts) & first
-                break
-        slots = self.registry.reserve_packed(self._renewed(conn), keys, args["lengths"], candidates=candidates)
+        lease_id = self._renewed(conn)
+        slots = yield from self.registry.reserve_sliced(lease_id, args["keys"], args["lengths"], self._slice_keys)
         return {"slots": pack_slots(slots)}
 
     def _unpin_sliced(self, conn: Connection, args: dict) -> Generator[None, None, dict]:

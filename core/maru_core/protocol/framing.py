@@ -247,9 +247,16 @@ class FrameBuffer:
                 self._start = end
         if self._start == self._end:
             self._start = self._end = 0
-            if len(self._buf) > self._keep:
-                self._buf = bytearray(self._initial)
+            self.shrink(self._keep)
         return message
+
+    def shrink(self, keep_bytes: int) -> bool:
+        """Give back a buffer larger than ``keep_bytes`` while it holds nothing; whether it did."""
+        if self._start != self._end or len(self._buf) <= keep_bytes:
+            return False
+        self._buf = bytearray(self._initial)
+        self._start = self._end = 0
+        return True
 
 
 class FrameDecoder:

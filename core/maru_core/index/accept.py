@@ -1,0 +1,147 @@
+"""Accepting connections a few per event-loop callback.
+
+asyncio's own servers accept up to ``backlog`` (100) connections in one
+callback, each then made into a transport: a storm of connections holds
+the loop for tens of milliseconds at a time. An ``Acceptor`` watches a
+non-blocking listening socket with ``loop.add_reader`` and takes at most
+``batch`` connections per callback; the rest wait in the kernel's backlog
+for the loop's next pass, after every other ready connection has had its
+turn. What to do with each accepted socket is the caller's: the server
+checks the peer's budget and either makes it a connection (it is taken) or
+closes it at once (refused).
+
+A callback also stops after ``ACCEPT_TURN_S`` of work, refusals included:
+accepting and resetting a loopback connection costs about 100 µs of kernel
+time on a small VM. When a callback refused every socket it accepted (a
+flood from peers over their budgets), accepting pauses for
+``REFUSED_PAUSE_S``: such a flood costs the index at most about a tenth of a
+core, and once the kernel's backlog is full the flooding peer's connects
+wait for SYN retransmits. New connections from other peers wait meanwhile
+(in the backlog, or for their own SYN retransmit); those already served do
+not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import socket
+import time
+from typing import Callable
+
+from maru_core.index.listen import ListenError, RateLimitedLog
+
+log = logging.getLogger(__name__)
+
+#: Connections taken per event-loop callback, at most.
+ACCEPT_BATCH = 8
+#: Time one callback may spend accepting, taken or refused.
+ACCEPT_TURN_S = 0.001
+#: Pause after a callback that refused everything it accepted.
+REFUSED_PAUSE_S = 0.01
+#: Connections the kernel may queue for us (capped by net.core.somaxconn): a fleet
+#: reconnecting at once waits there instead of having its SYNs dropped.
+LISTEN_BACKLOG = 1024
+#: Pause after accept() ran out of descriptors or memory, as asyncio does.
+ACCEPT_RETRY_S = 1.0
+_OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+
+#: ``on_accepted(sock, address) -> taken``: a new connected socket (blocking mode
+#: unset: the caller makes a socket it takes non-blocking); false if it closed it.
+OnAccepted = Callable[[socket.socket, object], bool]
+
+
+def bind_tcp(host: str, port: int, backlog: int = LISTEN_BACKLOG) -> list[socket.socket]:
+    """Non-blocking listening sockets on every address ``host`` resolves to (as
+    asyncio's ``create_server`` binds them); a port 0 becomes one free port shared by all."""
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    sockets: list[socket.socket] = []
+    seen: set = set()
+    try:
+        for family, kind, proto, _, address in infos:
+            if (family, address) in seen:
+                continue
+            seen.add((family, address))
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            if sockets[0] is not sock and port == 0:  # the others take the port the first one got
+                address = (address[0], sockets[0].getsockname()[1], *address[2:])
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                raise OSError(exc.errno, f"error while attempting to bind on address {address!r}: "
+                                         f"{(exc.strerror or str(exc)).lower()}") from None  # fmt: skip
+            sock.listen(backlog)
+            sock.setblocking(False)
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    if not sockets:
+        raise ListenError(f"{host!r} resolves to no address to listen on")
+    return sockets
+
+
+class Acceptor:
+    """Accepts on one listening socket, ``batch`` connections per callback at most."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, on_accepted: OnAccepted,
+                 batch: int = ACCEPT_BATCH) -> None:  # fmt: skip
+        if batch < 1:
+            raise ValueError(f"batch must be at least 1, got {batch}")
+        self.sock = sock
+        self._loop = loop
+        self._on_accepted = on_accepted
+        self._batch = batch
+        self._watching = False
+        self._retry: asyncio.TimerHandle | None = None
+        self._errors = RateLimitedLog(log, interval_s=10.0)
+
+    def start(self) -> None:
+        if not self._watching and self.sock.fileno() >= 0:
+            self._loop.add_reader(self.sock.fileno(), self._accept_some)
+            self._watching = True
+
+    def _stop_watching(self) -> None:
+        if self._watching:
+            self._loop.remove_reader(self.sock.fileno())
+            self._watching = False
+
+    def _accept_some(self) -> None:
+        taken = refused = 0
+        turn_ends = time.perf_counter() + ACCEPT_TURN_S
+        while taken < self._batch and time.perf_counter() < turn_ends:
+            try:
+                conn, address = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                break  # the backlog is empty
+            except ConnectionAbortedError:
+                continue  # the peer gave up before we took it
+            except OSError as exc:
+                if exc.errno not in _OUT_OF_RESOURCES:
+                    raise
+                self._errors.warning("accept failed (%s): pausing for %g s", exc, ACCEPT_RETRY_S)
+                self._pause(ACCEPT_RETRY_S)
+                return
+            if self._on_accepted(conn, address):
+                taken += 1
+            else:
+                refused += 1
+        if refused and not taken:
+            self._pause(REFUSED_PAUSE_S)
+
+    def _pause(self, seconds: float) -> None:
+        self._stop_watching()
+        self._retry = self._loop.call_later(seconds, self.start)
+
+    def close(self) -> None:
+        """Stop accepting and close the listening socket."""
+        if self._retry is not None:
+            self._retry.cancel()
+        if self.sock.fileno() >= 0:
+            self._stop_watching()
+            self.sock.close()

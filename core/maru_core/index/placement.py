@@ -1,0 +1,225 @@
+"""Where a reserve's objects go: placing a batch in the pool's pages,
+evicting for it within its budget, and the large reserve done a slice per
+step. A part of ``maru_core.index.registry.Registry`` (its base class), kept
+apart because it is the one part that decides about space.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Sequence
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+
+from maru_core.index.records import KEY_BYTES, RecordTable, State
+from maru_core.index.registry_types import (
+    Keys,
+    NoSpace,
+    checked_lengths,
+    first_occurrences_sliced,
+    joined_keys,
+    select_keys,
+)
+from maru_core.protocol.locations import SlotList
+
+if TYPE_CHECKING:
+    from maru_core.index.allocator import ExtentAllocator
+    from maru_core.index.leases import Lease
+    from maru_core.pool.geometry import PoolGeometry
+
+
+class Placement:
+    """Placement and eviction of a ``Registry`` (which provides the state below)."""
+
+    geometry: "PoolGeometry"
+    quarantine_s: float
+    _records: RecordTable
+    _alloc: "ExtentAllocator"
+    _clock: Callable[[], float]
+    _quarantine_until: float
+    _reserved_pages: int
+    _evictions: int
+    _max_evict_pages: int
+    _high_pages: int
+    _low_pages: int
+    _lease: Callable[[str], "Lease"]
+    absent_keys: Callable[[Keys], np.ndarray]
+    _add_reserved: Callable[..., np.ndarray]
+    _release: Callable[[np.ndarray, State], None]
+
+    def reserve_sliced(self, lease_id: str, keys: Keys, lengths: Sequence[int] | np.ndarray,
+                       slice_keys: int) -> Generator[None, None, SlotList]:  # fmt: skip
+        """``reserve_packed`` of a large batch, a step of about ``slice_keys`` keys at a time
+        (a generator that yields between steps; the last returns the slots).
+
+        Its repeated keys are found a part per step, its keys looked up a
+        slice per step, then the whole batch is placed in one step (so it is
+        contiguous when one free extent holds it, and evicts within one
+        reserve's budget), then its records are added a slice per step. Each
+        slice is looked up again in the step that adds it: a key another
+        lease reserved meanwhile gets no slot (its pages go back), so a key is
+        never reserved twice; a key removed meanwhile is answered as present
+        (a miss). Pages placed for records not added yet are freed should the
+        generator be closed before its end.
+        """
+        joined = joined_keys(keys)
+        n = len(joined) // KEY_BYTES
+        lengths = checked_lengths(lengths, n)
+        self._lease(lease_id)
+        first = yield from first_occurrences_sliced(joined, 4 * slice_keys)
+        candidates = np.empty(n, dtype=bool)
+        for start in range(0, n, slice_keys):
+            candidates[start : start + slice_keys] = self.absent_keys(joined[start * KEY_BYTES : (start + slice_keys) * KEY_BYTES])
+            yield
+        candidates &= first
+        if not candidates.any():
+            return SlotList(bytes(len(joined)))
+        self._lease(lease_id)
+        idx, starts, pages = self._place_candidates(candidates, lengths)
+        self._reserved_pages += int(pages.sum())  # placed, not recorded yet: counted as reserved meanwhile
+        done = 0
+        try:
+            yield
+            words = np.zeros((n, 2), dtype="<u8")  # megabytes of fresh memory: a step of its own
+            while done < len(idx):
+                yield
+                end = done + slice_keys
+                self._add_slice(self._lease(lease_id), joined, lengths, words, idx[done:end], starts[done:end],
+                                pages[done:end])  # fmt: skip
+                done = end
+        finally:
+            self._unplace(starts[done:], pages[done:])
+        return SlotList(words.tobytes())
+
+    def _add_slice(self, lease: Lease, joined: bytes, lengths: np.ndarray, words: np.ndarray,
+                   idx: np.ndarray, starts: np.ndarray, pages: np.ndarray) -> None:  # fmt: skip
+        """Add the records of one slice of a sliced reserve (placed at ``starts``), but for keys
+        reserved or committed since they were looked up, whose pages go back."""
+        keys = select_keys(joined, idx)
+        still = self.absent_keys(keys)
+        self._unplace(starts[~still], pages[~still])
+        self._reserved_pages -= int(pages[still].sum())  # counted again by _add_reserved
+        if still.all():
+            rows = self._add_reserved(lease, keys, starts, pages, lengths[idx])
+        else:
+            keys = select_keys(joined, idx[still])
+            rows = self._add_reserved(lease, keys, starts[still], pages[still], lengths[idx[still]])
+        self._fill_slots(words, idx[still], starts[still], rows)
+
+    def _unplace(self, starts: np.ndarray, pages: np.ndarray) -> None:
+        """Give back pages placed for a sliced reserve's records that will never be added."""
+        if len(starts):
+            self._alloc.free_runs(starts, pages)
+            self._reserved_pages -= int(pages.sum())
+
+    def _fill_slots(self, words: np.ndarray, idx: np.ndarray, starts: np.ndarray, rows: np.ndarray) -> None:
+        g = self.geometry
+        words[idx, 0] = starts * g.page_size + g.data_offset
+        words[idx, 1] = self._records.generation.take(rows)
+
+    def _place_candidates(self, candidates: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(idx, starts, pages)`` of the candidates that were given pages (allocated, not
+        recorded); ``NoSpace`` in quarantine, or when none could be placed."""
+        if self._clock() < self._quarantine_until:
+            raise NoSpace(
+                f"the index restarted over a pool in use; it hands out no slot for {self.quarantine_s:g} s "
+                "so that copies in flight across the restart finish (stores are skipped meanwhile)"
+            )
+        g = self.geometry
+        too_large = lengths > g.capacity_bytes
+        cand_idx = np.flatnonzero(candidates & ~too_large)
+        if not len(cand_idx):
+            raise NoSpace(
+                f"an object of {int(lengths[too_large].max())} bytes is larger than the pool's "
+                f"{g.capacity_bytes} bytes of data: use a larger pool or smaller chunks"
+            )
+        pages = -(-lengths[cand_idx] // g.page_size)
+        starts = self._place(pages)
+        placed = starts >= 0
+        if not placed.any():
+            raise NoSpace(
+                f"no room for any of {len(cand_idx)} objects ({int(pages.sum())} pages) in a pool of "
+                f"{g.num_pages} pages: the rest is pinned or reserved"
+            )
+        return cand_idx[placed], starts[placed], pages[placed]
+
+    # -- space --------------------------------------------------------------------------------
+
+    def _evict(self, min_pages: int) -> int:
+        """Evict least recently used unpinned committed objects totalling at least
+        ``min_pages`` pages, or all there are; return the pages freed."""
+        rec, hw = self._records, self._records.high_water
+        victims = np.flatnonzero((rec.state[:hw] == State.COMMITTED) & (rec.pins[:hw] == 0))
+        if not len(victims) or min_pages <= 0:
+            return 0
+        pages = rec.pages[victims]
+        k = min(len(victims), max(16, int(1.25 * min_pages / pages.mean()) + 1))
+        while True:
+            if k < len(victims):
+                chosen = victims[np.argpartition(rec.last_used[victims], k - 1)[:k]]
+            else:
+                chosen = victims
+            chosen = chosen[np.argsort(rec.last_used[chosen], kind="stable")]
+            total = np.cumsum(rec.pages[chosen])
+            if total[-1] >= min_pages or k == len(victims):
+                break
+            k = min(len(victims), 2 * k)
+        chosen = chosen[: int(np.searchsorted(total, min_pages)) + 1]
+        freed = int(rec.pages[chosen].sum())
+        self._release(chosen, State.COMMITTED)
+        self._evictions += len(chosen)
+        return freed
+
+    def _place(self, pages: np.ndarray) -> np.ndarray:
+        """First page for each object (-1 where none fits), evicting as the watermarks
+        say but never more than ``max_evict_pages`` in one call."""
+        budget = self._max_evict_pages
+        need = int(pages.sum())
+        used = self._alloc.used_pages
+        if used + need > self._high_pages:
+            wanted = min(used + need - self._low_pages, budget)
+            freed = self._evict(wanted)
+            budget = budget - freed if freed >= wanted else 0  # less than asked: nothing is left to evict
+        start = self._alloc.allocate(need) if need <= self._alloc.largest_free else None
+        if start is not None:
+            return start + np.concatenate(([0], np.cumsum(pages)[:-1]))
+        return self._place_each(pages, budget)
+
+    def _place_each(self, pages: np.ndarray, budget: int) -> np.ndarray:
+        """Place the objects of a batch that fits nowhere whole, in order: as many
+        consecutive objects as the largest free extent holds go there with one
+        allocation; an object that fits in no extent is given room by eviction,
+        within ``budget`` pages. Once an object of ``n`` pages fits nowhere (and
+        nothing more may be evicted for it), only smaller ones are tried. The
+        work is thus bounded by what fits, not by the batch's length."""
+        starts = np.full(len(pages), -1, dtype=np.int64)
+        if budget < 1 and not self._alloc.largest_free:
+            return starts  # a full pool with nothing to evict: a flood of reserves stops here, cheaply
+        todo = np.arange(len(pages))
+        while len(todo):
+            largest = self._alloc.largest_free
+            if not largest and budget < 1:
+                break  # nothing fits any more and nothing may be evicted
+            window = pages[todo[: largest + 1]]  # every object has a page at least: no more fit
+            fit = int(np.searchsorted(np.cumsum(window), largest, side="right"))
+            if fit > 1:
+                run = todo[:fit]
+                first = self._alloc.allocate(int(window[:fit].sum()))
+                starts[run] = first + np.concatenate(([0], np.cumsum(window[: fit - 1])))
+                todo = todo[fit:]
+                continue
+            i, count = int(todo[0]), int(pages[todo[0]])
+            first = self._alloc.allocate(count)
+            while first is None and budget >= count:
+                freed = self._evict(count)
+                if not freed:
+                    break
+                budget -= freed
+                first = self._alloc.allocate(count)
+            if first is None:
+                rest = todo[1:]
+                todo = rest[pages[rest] < count]
+            else:
+                starts[i] = first
+                todo = todo[1:]
+        return starts

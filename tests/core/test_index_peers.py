@@ -1,0 +1,288 @@
+"""What one peer may cost the index: connections accepted a few per loop
+callback, per-peer budgets of new connections and of auth failures
+(refused at accept, counted, logged a line at a time), a bounded table of
+peers, and a large reserve's records added a slice per step."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from maru_core.index.accept import ACCEPT_BATCH, REFUSED_PAUSE_S, Acceptor, bind_tcp
+from maru_core.index.launcher import ThreadedIndex, unique_shm_path
+from maru_core.index.limits import ServerLimits
+from maru_core.index.peers import Budget, PeerLimiter, peer_of
+from maru_core.pool import Pool
+from maru_core.protocol import PROTOCOL_VERSION, FrameDecoder, SlotList, pack_lengths, parse_url
+from test_server import TOKEN, Raw, key
+from test_server_limits import _while_the_loop_is_blocked, server_of, wait_for
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def pool():
+    path = unique_shm_path("test-peers")
+    pool = Pool.create(path, 64 * 1024 * 1024, page_size=4096)
+    yield pool
+    pool.close()
+    os.unlink(path)
+
+
+def raw_from(url: str, source: str) -> Raw:
+    """A ``Raw`` connection from another loopback address: another peer."""
+    raw = Raw.__new__(Raw)
+    address = parse_url(url)
+    raw.sock = socket.create_connection((address.host, address.port), timeout=5, source_address=(source, 0))
+    raw.decoder, raw.pending, raw.next_id = FrameDecoder(), [], 1
+    return raw
+
+
+def refused_at_accept(url: str) -> bool:
+    """Whether a new connection is closed without an answer to a right hello."""
+    try:
+        raw = Raw(url)
+        raw.send({"op": "hello", "protocol": PROTOCOL_VERSION, "client": "probe", "token": TOKEN})
+        return raw.closed_by_peer()  # a reply would be bytes, not the end of the stream
+    except ConnectionResetError:
+        return True  # reset while connecting or sending
+
+
+# -- the buckets -------------------------------------------------------------------------------
+
+
+def test_a_peer_gets_its_burst_then_its_rate_and_others_are_not_affected() -> None:
+    clock = Clock()
+    peers = PeerLimiter(Budget(2.0, 5), Budget(1.0, 3), clock=clock)
+    assert [peers.admit("10.0.0.1") for _ in range(7)] == [None] * 5 + ["connections"] * 2
+    assert peers.admit("10.0.0.2") is None  # another address: its own budget
+    clock.now += 1.0  # two connections' worth
+    assert [peers.admit("10.0.0.1") for _ in range(3)] == [None, None, "connections"]
+
+
+def test_auth_failures_close_a_peer_until_its_budget_refills() -> None:
+    clock = Clock()
+    peers = PeerLimiter(Budget(100.0, 100), Budget(0.5, 2), clock=clock)
+    for _ in range(2):
+        assert peers.admit("p") is None
+        peers.auth_failed("p")
+    assert peers.admit("p") == "auth_failures"
+    clock.now += 2.0  # one failure's worth back
+    assert peers.admit("p") is None
+
+
+def test_a_peer_that_failed_pays_for_each_hello_when_it_connects() -> None:
+    """After a failure, a guesser cannot open a batch of connections on the
+    tokens it has left and fail on all of them: each pays as it is admitted."""
+    peers = PeerLimiter(Budget(100.0, 100), Budget(0.001, 3), clock=Clock())
+    assert peers.admit("p") is None and not peers.prepay_hello("p")  # a clean peer pays nothing up front
+    peers.auth_failed("p")
+    admitted = []
+    for _ in range(5):
+        if peers.admit("p") is None:
+            admitted.append(peers.prepay_hello("p"))
+    assert admitted == [True, True]  # the two tokens left, then refused at accept
+    peers.hello_succeeded("p")  # one had the right token: refunded
+    assert peers.admit("p") is None
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    events=st.lists(st.tuples(st.integers(0, 9), st.floats(0, 2), st.booleans()), max_size=300),
+    rate=st.floats(0.1, 50),
+    burst=st.integers(1, 20),
+    max_peers=st.integers(1, 6),
+)
+def test_no_peer_ever_gets_more_than_its_burst_plus_its_rate(events, rate, burst, max_peers) -> None:
+    """Over any span, a peer is admitted at most ``burst + rate * span`` times
+    (while it stays in the table), and the table never outgrows ``max_peers``."""
+    clock = Clock()
+    peers = PeerLimiter(Budget(rate, burst), Budget(1.0, 4), max_peers=max_peers, clock=clock)
+    admitted: dict[int, list[float]] = {}
+    start = clock.now
+    for peer, wait, fail in events:
+        clock.now += wait
+        if peers.admit(str(peer)) is None:
+            admitted.setdefault(peer, []).append(clock.now)
+        if fail:
+            peers.auth_failed(str(peer))
+        assert len(peers) <= max_peers
+    if max_peers >= 10:  # nobody was forgotten: the bound holds for everyone
+        for times in admitted.values():
+            assert len(times) <= burst + rate * (clock.now - start) + 1e-9
+
+
+def test_the_table_forgets_the_least_recently_seen_peer() -> None:
+    peers = PeerLimiter(Budget(1.0, 1), Budget(1.0, 1), max_peers=2, clock=Clock())
+    assert peers.admit("a") is None and peers.admit("b") is None
+    assert peers.admit("a") == "connections"  # a is now the most recent
+    assert peers.admit("c") is None  # b goes
+    assert len(peers) == 2 and peers.admit("a") == "connections" and peers.admit("b") is None
+
+
+@pytest.mark.parametrize("field, value", [("peer_connection_rate", 0.0), ("peer_auth_failure_rate", float("inf")),
+                                          ("peer_connection_burst", 0), ("max_peers", 0)])  # fmt: skip
+def test_bad_peer_limits_are_refused(field, value) -> None:
+    with pytest.raises(ValueError, match=field):
+        ServerLimits(**{field: value})
+
+
+def test_a_unix_socket_peer_is_its_user() -> None:
+    left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        assert peer_of(left, "") == f"uid {os.getuid()}"
+    finally:
+        left.close(), right.close()
+
+
+# -- accepting ---------------------------------------------------------------------------------
+
+
+def test_a_connection_storm_is_accepted_a_few_connections_per_loop_pass(pool) -> None:
+    with ThreadedIndex(pool, token=TOKEN) as index:
+        server = server_of(index)
+        passes = {"n": 0}
+
+        def tick() -> None:  # runs once per pass of the loop
+            passes["n"] += 1
+            index._loop.call_soon(tick)
+
+        index._loop.call_soon_threadsafe(tick)
+        admitted_in_pass: list[int] = []
+        admit = server.admit
+        server.admit = lambda conn: admitted_in_pass.append(passes["n"]) or admit(conn)
+        storm: list[socket.socket] = []
+        address = parse_url(index.url)
+        _while_the_loop_is_blocked(index, lambda: storm.extend(
+            socket.create_connection((address.host, address.port), timeout=5) for _ in range(60)))  # fmt: skip
+        assert wait_for(lambda: len(admitted_in_pass) == 60)
+        busiest = max(admitted_in_pass.count(n) for n in set(admitted_in_pass))
+        assert busiest <= ACCEPT_BATCH, busiest
+        for sock in storm:
+            sock.close()
+
+
+def test_a_callback_that_refuses_everything_pauses_accepting() -> None:
+    """A flood of refused connections is taken a batch per pause, not a socket per loop pass."""
+    loop = asyncio.new_event_loop()
+    listener = bind_tcp("127.0.0.1", 0)[0]
+    refused: list[float] = []
+
+    def refuse(sock, address) -> bool:
+        sock.close()
+        refused.append(loop.time())
+        return False
+
+    acceptor = Acceptor(loop, listener, refuse)
+    callbacks: list[float] = []
+    accept_some = acceptor._accept_some
+    acceptor._accept_some = lambda: (callbacks.append(loop.time()), accept_some())
+    clients = []
+    try:
+        acceptor.start()
+        for _ in range(30):
+            clients.append(socket.create_connection(listener.getsockname(), timeout=5))
+            loop.run_until_complete(asyncio.sleep(0.001))  # one connection at a time, as a flood arrives
+        loop.run_until_complete(asyncio.sleep(0.05))
+        assert len(refused) == 30
+        gaps = [b - a for a, b in zip(callbacks, callbacks[1:])]
+        assert min(gaps) >= REFUSED_PAUSE_S * 0.9, gaps  # never two refusing callbacks back to back
+        assert len(callbacks) < 30  # so several sockets per callback
+    finally:
+        acceptor.close()
+        for sock in clients:
+            sock.close()
+        loop.close()
+
+
+# -- budgets at the server ---------------------------------------------------------------------
+
+
+def test_a_peer_over_its_connection_budget_is_closed_at_accept_and_counted(pool, caplog) -> None:
+    limits = ServerLimits(peer_connection_burst=3, peer_connection_rate=0.01)
+    with ThreadedIndex(pool, token=TOKEN, limits=limits, with_metrics=True) as index:
+        served = [Raw(index.url) for _ in range(3)]
+        assert all(raw.hello()["ok"] for raw in served)
+        with caplog.at_level(logging.WARNING, logger="maru_core.index.server"):
+            for _ in range(20):
+                assert refused_at_accept(index.url)
+        assert wait_for(lambda: server_of(index).rate_limited["connections"] == 20)
+        lines = [r for r in caplog.records if "over its budget" in r.getMessage()]
+        assert len(lines) == 1 and "--peer-connection-rate" in lines[0].getMessage()
+        metrics = index.service.metrics.registry
+        assert metrics.get_sample_value("maru_index_rate_limited_total", {"reason": "connections"}) == 20
+        assert metrics.get_sample_value("maru_index_rate_limited_total", {"reason": "auth_failures"}) == 0
+        other = raw_from(index.url, "127.0.0.2")  # another peer still gets in
+        assert other.hello()["ok"]
+        assert all(raw.call(op="heartbeat")["ok"] for raw in served)  # and those served stay served
+        for raw in [*served, other]:
+            raw.close()
+
+
+def test_a_peer_guessing_tokens_is_closed_at_accept_even_with_the_right_one(pool) -> None:
+    limits = ServerLimits(peer_auth_failure_burst=2, peer_auth_failure_rate=0.01)
+    with ThreadedIndex(pool, token=TOKEN, limits=limits, with_metrics=True) as index:
+        for _ in range(2):
+            guess = Raw(index.url)
+            assert guess.hello("wrong-guess")["error"]["type"] == "auth"
+            guess.close()
+        assert refused_at_accept(index.url)  # even a right token would not be read
+        server = server_of(index)
+        assert wait_for(lambda: server.rate_limited["auth_failures"] == 1)
+        assert index.service.metrics.registry.get_sample_value("maru_index_auth_failures_total") == 2
+        elsewhere = raw_from(index.url, "127.0.0.3")
+        assert elsewhere.hello()["ok"]
+        elsewhere.close()
+
+
+def test_the_default_budgets_let_a_fleet_reconnect_at_once(pool) -> None:
+    """300 clients reconnecting at once from one address (a NAT, or one node's
+    pods over a Unix socket) all get in within the default burst and rate."""
+    with ThreadedIndex(pool, token=TOKEN) as index:
+        clients = []
+        deadline = time.monotonic() + 10
+        while len(clients) < 300 and time.monotonic() < deadline:
+            try:
+                raw = Raw(index.url)
+                assert raw.hello()["ok"]
+                clients.append(raw)
+            except OSError:
+                time.sleep(0.05)  # refused: a client backs off and retries
+        assert len(clients) == 300
+        assert server_of(index).rate_limited["connections"] <= 50
+        for raw in clients:
+            raw.close()
+
+
+# -- large reserves ----------------------------------------------------------------------------
+
+
+def test_a_large_reserve_adds_its_records_a_slice_per_step_letting_others_in(pool) -> None:
+    with ThreadedIndex(pool, token=TOKEN) as index:
+        big, normal = Raw(index.url), Raw(index.url)
+        big.hello(), normal.hello()
+        records = server_of(index).registry._records
+        added: list[int] = []
+        add = records.add
+        records.add = lambda keys: added.append(len(keys) // 16) or add(keys)
+        keys = b"".join(key(i) for i in range(12_000))
+        large = {"op": "reserve", "keys": keys, "lengths": pack_lengths([100] * 12_000)}
+        _while_the_loop_is_blocked(index, lambda: (big.send(large), normal.send({"op": "heartbeat"})))
+        slots = SlotList.from_wire(big.recv()["slots"])
+        assert normal.recv()["ok"]
+        assert sum(slot is not None for slot in slots) == 12_000
+        assert max(added) <= 2048 and sum(added) == 12_000, added
+        big.close(), normal.close()
