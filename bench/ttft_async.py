@@ -98,7 +98,13 @@ def _warm(engine: EngineProcess, args) -> None:
 
 
 def _engine_env(args) -> dict[str, str]:
-    env = {"OMP_NUM_THREADS": str(os.cpu_count() or 1)}
+    # Passive OpenMP waits for every engine alike. libgomp's default spins
+    # between parallel regions, but throttles the spin once its process runs
+    # more OpenMP threads than there are cores, which the connector's copy
+    # threads bring about (their torch copies start teams of their own): on
+    # a shared machine that alone made the engine without a connector 2-3x
+    # slower than the ones with it.
+    env = {"OMP_NUM_THREADS": str(os.cpu_count() or 1), "OMP_WAIT_POLICY": "PASSIVE"}
     if args.trace:
         env["MARU_TRACE_FILE"] = os.path.abspath(args.trace)
         here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trace")
@@ -140,6 +146,9 @@ def _run_mode(args, mp: bool, model_dir: str, workdir: str, out: dict) -> None:
             for key in stored:
                 both = _alternating({"R": ref, "A": engines["A"]}, {"R": w[key], "A": w[key]})
                 data["miss"][key], data.setdefault("recompute", {})[key] = both["A"], both["R"]
+            # One more step delivers the verdict on the last prompt's stores;
+            # without it the last prompt of the list would stay a miss.
+            _warm(engines["A"], args)
             time.sleep(1.0)  # the last stores commit
             data["loadavg"].append(os.getloadavg()[0])
             hits = {"S": engines["S"], "O": engines["O"]}
