@@ -52,6 +52,8 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--mp", nargs="+", default=["off", "on"], choices=["off", "on"])
     p.add_argument("--partial", type=int, default=2048, help="cached tokens of the partial hits (0: none)")
     p.add_argument("--concurrent", type=int, default=8, help="requests at once, half hits (0: none)")
+    p.add_argument("--release-after", type=int, default=1,
+                   help="maru_overlap_release_after_layers of the async + overlap engines")
     p.add_argument("--trace", default=None, help="append per-phase timestamps to this file")
     p.add_argument("--json", default=os.path.join("out", "ttft_async.json"))
     return p.parse_args()
@@ -133,7 +135,9 @@ def _run_mode(args, mp: bool, model_dir: str, workdir: str, out: dict) -> None:
                 config = make_kv_transfer_config(
                     index.url, pool_path=index.pool_path, token=index.token,
                     kv_chunk_tokens=args.chunk_tokens, use_layerwise=FORMATS[fmt],
-                    async_store=True, lookup_timeout_s=1.0, **knobs)
+                    async_store=True, lookup_timeout_s=1.0, **knobs,
+                    **({"overlap_release_after_layers": args.release_after}
+                       if knobs["overlap_load_with_compute"] else {}))
                 engines[name] = EngineProcess(EngineSpec(**{**base.__dict__, "kv_transfer_config": config}),
                                               os.path.join(workdir, f"{mode}-{fmt}-{name}.log"), wait=False)
                 stack.callback(engines[name].close)
