@@ -100,12 +100,13 @@ def _warm(engine: EngineProcess, args) -> None:
 
 
 def _engine_env(args) -> dict[str, str]:
-    # Passive OpenMP waits for every engine alike. libgomp's default spins
-    # between parallel regions, but throttles the spin once its process runs
-    # more OpenMP threads than there are cores, which the connector's copy
-    # threads bring about (their torch copies start teams of their own): on
-    # a shared machine that alone made the engine without a connector 2-3x
-    # slower than the ones with it.
+    # Passive OpenMP waits, for every engine alike: on a shared machine a
+    # spinning OpenMP thread mostly burns the core another engine's (or
+    # its own team's) thread needs. The spin also once made the engine
+    # without a connector 2-3x slower than the ones with it: libgomp
+    # throttles it only in processes that run more OpenMP threads than there
+    # are cores, which the connector's torch copies (a team per copy thread)
+    # brought about; its copies no longer use OpenMP.
     env = {"OMP_NUM_THREADS": str(os.cpu_count() or 1), "OMP_WAIT_POLICY": "PASSIVE"}
     if args.trace:
         env["MARU_TRACE_FILE"] = os.path.abspath(args.trace)
