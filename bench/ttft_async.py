@@ -52,6 +52,8 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--mp", nargs="+", default=["off", "on"], choices=["off", "on"])
     p.add_argument("--partial", type=int, default=2048, help="cached tokens of the partial hits (0: none)")
     p.add_argument("--concurrent", type=int, default=8, help="requests at once, half hits (0: none)")
+    p.add_argument("--release-after", type=int, default=1,
+                   help="maru_overlap_release_after_layers of the async + overlap engines")
     p.add_argument("--trace", default=None, help="append per-phase timestamps to this file")
     p.add_argument("--json", default=os.path.join("out", "ttft_async.json"))
     return p.parse_args()
@@ -98,7 +100,14 @@ def _warm(engine: EngineProcess, args) -> None:
 
 
 def _engine_env(args) -> dict[str, str]:
-    env = {"OMP_NUM_THREADS": str(os.cpu_count() or 1)}
+    # Passive OpenMP waits, for every engine alike: on a shared machine a
+    # spinning OpenMP thread mostly burns the core another engine's (or
+    # its own team's) thread needs. The spin also once made the engine
+    # without a connector 2-3x slower than the ones with it: libgomp
+    # throttles it only in processes that run more OpenMP threads than there
+    # are cores, which the connector's torch copies (a team per copy thread)
+    # brought about; its copies no longer use OpenMP.
+    env = {"OMP_NUM_THREADS": str(os.cpu_count() or 1), "OMP_WAIT_POLICY": "PASSIVE"}
     if args.trace:
         env["MARU_TRACE_FILE"] = os.path.abspath(args.trace)
         here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trace")
@@ -127,7 +136,9 @@ def _run_mode(args, mp: bool, model_dir: str, workdir: str, out: dict) -> None:
                 config = make_kv_transfer_config(
                     index.url, pool_path=index.pool_path, token=index.token,
                     kv_chunk_tokens=args.chunk_tokens, use_layerwise=FORMATS[fmt],
-                    async_store=True, lookup_timeout_s=1.0, **knobs)
+                    async_store=True, lookup_timeout_s=1.0, **knobs,
+                    **({"overlap_release_after_layers": args.release_after}
+                       if knobs["overlap_load_with_compute"] else {}))
                 engines[name] = EngineProcess(EngineSpec(**{**base.__dict__, "kv_transfer_config": config}),
                                               os.path.join(workdir, f"{mode}-{fmt}-{name}.log"), wait=False)
                 stack.callback(engines[name].close)
@@ -140,6 +151,9 @@ def _run_mode(args, mp: bool, model_dir: str, workdir: str, out: dict) -> None:
             for key in stored:
                 both = _alternating({"R": ref, "A": engines["A"]}, {"R": w[key], "A": w[key]})
                 data["miss"][key], data.setdefault("recompute", {})[key] = both["A"], both["R"]
+            # One more step delivers the verdict on the last prompt's stores;
+            # without it the last prompt of the list would stay a miss.
+            _warm(engines["A"], args)
             time.sleep(1.0)  # the last stores commit
             data["loadavg"].append(os.getloadavg()[0])
             hits = {"S": engines["S"], "O": engines["O"]}

@@ -64,6 +64,7 @@ def _install() -> None:
             wrap(cls, "wait_for_layer_load", lambda s, name: name)
             wrap(cls, "wait_for_save", lambda s, meta: len(meta.stores))
             wrap(cls, "get_finished", lambda s, meta: None)
+            wrap(m, "resolve_load", lambda *a, **k: "sync")
         elif module_name == "maru_connector.loader":
             from maru_connector import loader as m
             wrap(m, "resolve_load", lambda *a, **k: None)
@@ -77,6 +78,11 @@ def _install() -> None:
             from maru_connector.transfer import cpu as m
             wrap(m.CpuTransferEngine, "_run_load", lambda s, job: len(job.block_ids))
             wrap(m.CpuTransferEngine, "_run_store", lambda s, job: len(job.block_ids))
+        elif module_name == "vllm.v1.worker.cpu_worker":
+            import torch
+            from vllm.v1.worker import cpu_worker as m
+            wrap(m.CPUWorker, "execute_model",
+                 lambda s, out, *a, **k: [out.total_num_scheduled_tokens, torch.get_num_threads()])
         elif module_name == "vllm.v1.engine.llm_engine":
             from vllm.v1.engine import llm_engine as m
             wrap(m.LLMEngine, "add_request", lambda s, rid, *a, **k: rid, after=False)
@@ -93,7 +99,7 @@ def _install() -> None:
 
     targets = ("maru_connector.scheduler", "maru_connector.worker", "maru_connector.loader",
                "maru_connector.transfer.handles", "maru_connector.transfer.cpu",
-               "vllm.v1.engine.llm_engine")
+               "vllm.v1.worker.cpu_worker", "vllm.v1.engine.llm_engine")
     import sys
 
     real_import = builtins.__import__

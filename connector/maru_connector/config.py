@@ -150,9 +150,9 @@ def _check_combination(cfg: MaruConfig) -> None:
         raise MaruConfigError(
             f"maru_kv_chunk_tokens must be positive, got {cfg.maru_kv_chunk_tokens}"
         )
-    if cfg.maru_overlap_release_after_layers < 1:
+    if cfg.maru_overlap_release_after_layers < 0:
         raise MaruConfigError(
-            "maru_overlap_release_after_layers must be at least 1, got "
+            "maru_overlap_release_after_layers must be at least 0, got "
             f"{cfg.maru_overlap_release_after_layers}"
         )
     for name in ("maru_lookup_timeout_s", "maru_load_timeout_s"):

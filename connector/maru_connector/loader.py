@@ -6,8 +6,9 @@ copies on the transfer engine's one shared load queue and releases the
 request once enough layers have landed:
 
 - overlap off: after every layer landed (and the pins are released);
-- overlap on: after ``maru_overlap_release_after_layers`` layers landed; the
-  resumed forward then waits per layer in :meth:`AsyncLoader.wait_layer`.
+- overlap on: after ``maru_overlap_release_after_layers`` layers landed (0:
+  as soon as the copies are queued); the resumed forward then waits per
+  layer in :meth:`AsyncLoader.wait_layer`.
 
 A failure before release fails the request while it is still parked (its
 blocks are reported as load errors in the same step as its release). After

@@ -40,11 +40,15 @@ from maru_connector.store import Storer
 
 logger = logging.getLogger(__name__)
 
-# How long a step that computed nothing waits for a parked load to be
-# released before it returns: a release ends the wait at once, so this only
-# bounds how late a request that arrives while every request is parked is
-# admitted (vLLM schedules new requests between steps).
-_IDLE_STEP_WAIT_S = 0.002
+# The longest a step that computed nothing waits for a parked load to be
+# released or to fail; either ends the wait at once. Every step taken while
+# parked runs vLLM's scheduling in Python, taking the GIL and a core from the
+# loader and the copies, and a release that lands between steps waits for the
+# next one, so the wait should end on the release, not before. The bound only
+# limits how late a request that arrives while every request is parked is
+# admitted (vLLM admits new requests between steps); a sync load would hold
+# it for the whole load and forward.
+_IDLE_STEP_MAX_WAIT_S = 0.05
 
 
 @dataclass
@@ -220,7 +224,7 @@ class MaruWorkerHalf:
             if not meta.scheduled_req_ids:
                 # Every request is parked (or none runs): wait for the loader
                 # here, GIL-free, rather than let the engine spin on empty steps.
-                self._loader.wait_for_results(_IDLE_STEP_WAIT_S)
+                self._loader.wait_for_results(_IDLE_STEP_MAX_WAIT_S)
             results = self._loader.take_results(meta.scheduled_req_ids)
             recving = results.released | set(results.failed)
             for req_id, blocks in results.failed.items():

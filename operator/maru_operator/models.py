@@ -253,7 +253,7 @@ def _parse_load(section: Mapping[str, Any]) -> LoadSpec:
     return LoadSpec(
         async_load=_typed(section, "load", "async", bool, True),
         overlap_with_compute=_typed(section, "load", "overlapWithCompute", bool, True),
-        release_after_layers=_typed(section, "load", "releaseAfterLayers", int, 1, 1, 4096),
+        release_after_layers=_typed(section, "load", "releaseAfterLayers", int, 1, 0, 4096),
     )
 
 

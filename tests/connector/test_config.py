@@ -47,7 +47,7 @@ def test_ill_typed_value_names_the_key(key, value):
         ({"maru_index_url": "tcp://h:1"}, "exactly one of maru_pool_path"),
         ({**BASE, "maru_sidecar_socket": "/s"}, "exactly one of maru_pool_path"),
         ({**BASE, "maru_token": "a", "maru_token_file": "/t"}, "not both"),
-        ({**BASE, "maru_overlap_release_after_layers": 0}, "at least 1"),
+        ({**BASE, "maru_overlap_release_after_layers": -1}, "at least 0"),
         ({**BASE, "maru_load_timeout_s": 0}, "maru_load_timeout_s"),
     ],
 )

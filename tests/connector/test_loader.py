@@ -109,7 +109,7 @@ def test_async_load_releases_with_exact_bytes(env, layerwise):
     assert +env.index.pins == {}
 
 
-@pytest.mark.parametrize("release_after", [1, 2, 3])
+@pytest.mark.parametrize("release_after", [0, 1, 2, 3])
 def test_overlap_releases_after_n_layers_and_forward_waits_per_layer(env, release_after):
     keys, _ = _stored(env)
     gated: list[GatedEngine] = []
@@ -246,7 +246,7 @@ def test_step_that_computed_nothing_waits_for_the_release_instead_of_returning(e
     and the copies need): that step's get_finished reports the release."""
     import maru_connector.worker as worker_module
 
-    monkeypatch.setattr(worker_module, "_IDLE_STEP_WAIT_S", 30.0)
+    monkeypatch.setattr(worker_module, "_IDLE_STEP_MAX_WAIT_S", 30.0)
     keys, kv_w = _stored(env)
     reader, kv_r = env.worker(seed=2, maru_async_load=True)
     gated = GatedEngine(reader._res.engine)

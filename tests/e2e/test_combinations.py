@@ -34,14 +34,25 @@ def _name(layerwise: bool, async_load: bool, overlap: bool) -> str:
 
 @pytest.mark.parametrize("layerwise,async_load,overlap", COMBINATIONS, ids=[_name(*c) for c in COMBINATIONS])
 def test_combination_hit_equals_recompute(farm, index, layerwise, async_load, overlap):
+    _check_hits(farm, index, layerwise, async_load, overlap, release_after=2,
+                seed=1000 + 10 * COMBINATIONS.index((layerwise, async_load, overlap)))
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["chunkwise", "layerwise"])
+def test_release_before_any_layer_landed_hit_equals_recompute(farm, index, layerwise):
+    """Released once pinned (0 layers): the forward waits for every layer."""
+    _check_hits(farm, index, layerwise, True, True, release_after=0, seed=2000 + 10 * layerwise)
+
+
+def _check_hits(farm, index, layerwise, async_load, overlap, release_after, seed):
     fmt = "layerwise" if layerwise else "chunkwise"
     writer = farm.get(f"{fmt}-A", connector_config(index, use_layerwise=layerwise))
     knobs = dict(use_layerwise=layerwise, async_load=async_load, overlap_load_with_compute=overlap)
     if overlap:
-        knobs["overlap_release_after_layers"] = 2
-    engine = farm.get(_name(layerwise, async_load, overlap), connector_config(index, **knobs))
+        knobs["overlap_release_after_layers"] = release_after
+    name = _name(layerwise, async_load, overlap) + (f"-release{release_after}" if overlap else "")
+    engine = farm.get(name, connector_config(index, **knobs))
 
-    seed = 1000 + 10 * COMBINATIONS.index((layerwise, async_load, overlap))
     prompts = [random_tokens((3 + i) * CHUNK_TOKENS + 11, seed=seed + i) for i in range(4)]
     objects_per_chunk = NUM_LAYERS if layerwise else 1
     keys_before = index_keys(index)
@@ -61,4 +72,4 @@ def test_combination_hit_equals_recompute(farm, index, layerwise, async_load, ov
     assert hit == sum(len(p) // CHUNK_TOKENS * CHUNK_TOKENS for p in prompts)
     assert after["maru_load_bytes_total"] > before["maru_load_bytes_total"]
     wait_settled(index)
-    farm.close_one(_name(layerwise, async_load, overlap))
+    farm.close_one(name)

@@ -166,18 +166,22 @@ class _FailAfterRelease:
         return getattr(self.real, name)
 
 
-def test_copy_failing_after_release_is_reported_and_not_stored(engines, index):
+@pytest.mark.parametrize("release_after", [0, 1])
+def test_copy_failing_after_release_is_reported_and_not_stored(engines, index, release_after):
+    """Released after ``release_after`` layers landed (0: once pinned, before
+    any copy); the first layer copied after the release fails under the forward."""
     prefix = random_tokens(2 * CHUNK, seed=next(_seeds))
     prompt = prefix + random_tokens(2 * CHUNK + 3, seed=next(_seeds))
     _store(engines, index, prefix + [1])
     wrapped = []
 
     def wrap(resources):
-        resources.engine = _FailAfterRelease(resources.engine, ok_layers=1)
+        resources.engine = _FailAfterRelease(resources.engine, ok_layers=release_after)
         wrapped.append(resources.engine)
         return resources
 
-    failing = engines(_config(index, **MODES["async-overlap"]), wrap_resources=wrap)
+    knobs = {**MODES["async-overlap"], "overlap_release_after_layers": release_after}
+    failing = engines(_config(index, **knobs), wrap_resources=wrap)
     out = _serve(failing, "b", prompt)
     assert wrapped[0].failed == 1
     assert out == _expected_tokens(prompt, failing.num_layers, 2)

@@ -27,6 +27,11 @@ def test_minimal_gets_the_documented_defaults():
     assert (spec.index.port, spec.index.metrics_port, spec.sidecar.metrics_port) == (7070, 9090, 9091)
 
 
+def test_release_after_no_layer_is_accepted():
+    _, spec = parse_cache(body(pool={"deviceClass": "dax", "size": "1Gi"}, load={"releaseAfterLayers": 0}))
+    assert spec.load.release_after_layers == 0
+
+
 def test_complete_example_is_read_field_by_field():
     _, spec = parse_cache(yaml.safe_load((EXAMPLES / "complete.yaml").read_text()))
     assert spec.storage.layout == "layerwise" and spec.load.release_after_layers == 2
@@ -51,6 +56,8 @@ def test_complete_example_is_read_field_by_field():
      "between"),
     ({"pool": {"deviceClass": "dax", "size": "1Gi"}, "eviction": {"highWatermark": 0.5, "lowWatermark": 0.6}},
      "eviction.lowWatermark", "below"),
+    ({"pool": {"deviceClass": "dax", "size": "1Gi"}, "load": {"releaseAfterLayers": -1}}, "load.releaseAfterLayers",
+     "between 0"),
     ({"pool": {"deviceClass": "dax", "size": "1Gi"}, "index": {"port": True}}, "index.port", "int"),
     ({"pool": {"deviceClass": "dax", "size": "1Gi"}, "index": {"port": 9090}}, "index.metricsPort", "differ"),
 ])
