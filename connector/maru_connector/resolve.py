@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 from maru_core.keys import object_layer_keys
-from maru_core.protocol import LocationList
 from maru_core.pool.slot_check import SlotHeaderCheck
+from maru_core.protocol import LocationList
 
 from maru_connector.transfer import ChunkLoad
 
