@@ -236,6 +236,30 @@ def test_a_pipelining_connection_does_not_hold_the_others_back(pool):
         flood.close(), normal.close()
 
 
+def test_a_request_that_arrives_during_a_flood_s_turn_is_answered_before_its_next_turn(pool):
+    """The flood yields its turn behind the I/O that became ready meanwhile, not ahead of it."""
+    with ThreadedIndex(pool, token=TOKEN, limits=ServerLimits(turn_s=1e-6)) as index:  # one request a turn
+        flood, normal = Raw(index.url), Raw(index.url)
+        flood.hello(), normal.hello()
+        order = _completion_order(index)
+        server = server_of(index)
+        observe = server._observe
+        sent_at: list[int] = []
+
+        def send_during_the_flood(op, started, reply):
+            observe(op, started, reply)
+            if op == "stats" and order.count("stats") == 5 and not sent_at:
+                sent_at.append(len(order))  # on the loop, inside the flood's turn
+                normal.send({"op": "heartbeat"})
+
+        server._observe = send_during_the_flood
+        flood.sock.sendall(b"".join(encode_frame({"id": i, "op": "stats"}) for i in range(200)))
+        assert normal.recv()["ok"]
+        assert wait_for(lambda: order.count("stats") == 200)
+        assert order.index("heartbeat") == sent_at[0], order[: sent_at[0] + 3]  # the very next request
+        flood.close(), normal.close()
+
+
 def _pin_many(raw: Raw, pool, count: int) -> list[bytes]:
     keys = [key(i) for i in range(count)]
     packed = b"".join(keys)

@@ -155,7 +155,7 @@ class Connection(asyncio.BufferedProtocol):
                 else:
                     self._job = outcome
                     self._update_reading()
-                    self._server.loop.call_soon(self._step_job)
+                    self._after_ready_io(self._step_job)
                     return
         except FrameError as exc:
             self._frame_error(exc)
@@ -170,7 +170,15 @@ class Connection(asyncio.BufferedProtocol):
     def _yield_turn(self) -> None:
         self._yielded = True
         self._update_reading()
-        self._server.loop.call_soon(self._resume_turn)
+        self._after_ready_io(self._resume_turn)
+
+    def _after_ready_io(self, callback) -> None:
+        """Run ``callback`` in the loop's next pass, after the connections that became
+        readable meanwhile. ``call_soon`` would put it ahead of them (asyncio queues a
+        pass's I/O callbacks behind the callbacks already scheduled), so a request that
+        arrived during this connection's turn would wait for its next turn too; a timer
+        due now is queued after that I/O."""
+        self._server.loop.call_later(0, callback)
 
     def _resume_turn(self) -> None:
         self._yielded = False
@@ -190,7 +198,7 @@ class Connection(asyncio.BufferedProtocol):
             self._update_reading()
             self._answer_buffered()
         else:
-            self._server.loop.call_soon(self._step_job)
+            self._after_ready_io(self._step_job)
 
     def _update_reading(self) -> None:
         transport = self._transport
