@@ -9,9 +9,10 @@ order, so a pipelined client gets its replies in the order it sent them.
 
 Fairness: a connection answers buffered frames for at most ``turn_s`` of
 event-loop time, then stops reading and lets every other connection have a
-turn before it goes on; a sliced request (see ``IndexServer``) likewise
-runs one slice per turn. So a peer that pipelines thousands of requests
-delays the others by one turn, not by its whole backlog.
+turn before it goes on (its next turn queued behind the I/O that became
+ready meanwhile); a sliced request (see ``IndexServer``) likewise runs one
+slice per turn. So a peer that pipelines thousands of requests delays the
+others by one turn, not by its whole backlog.
 """
 
 from __future__ import annotations
