@@ -23,7 +23,7 @@ import re
 import signal
 import stat
 import sys
-from typing import Any
+from typing import Any, Callable
 
 log = logging.getLogger("maru_core.index")
 
@@ -83,59 +83,32 @@ _MAX_SECONDS = 86400.0
 MIN_TOKEN_CHARS = 16
 
 
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value <= _MAX_SECONDS:  # also refuses nan and inf
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds (at most {_MAX_SECONDS:g})")
-    return value
+def _number_arg(convert: Callable[[str], Any], accept: Callable[[Any], bool], what: str) -> Callable[[str], Any]:
+    """An argparse type: ``convert(text)`` when ``accept`` takes it, else the one-line
+    error "'TEXT' is not WHAT" (comparisons also refuse nan and inf where they must)."""
 
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError:
+            value = None
+        if value is None or not accept(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        return value
 
-def _count_arg(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
-    return value
+    return parse
 
 
 #: The highest per-peer rate a flag accepts: higher is no limit at all.
 _MAX_RATE = 1e6
 
-
-def _rate_arg(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value <= _MAX_RATE:  # also refuses nan and inf
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number per second (at most {_MAX_RATE:g})")
-    return value
-
-
-def _fraction_arg(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction of the pool above 0 and at most 1 (e.g. 0.25)")
-    return value
-
-
-def port_arg(text: str) -> int:
-    """A TCP port, 0 (pick a free one) to 65535."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port: use 0 to 65535 (0 picks a free port)")
-    return value
+_positive_seconds = _number_arg(float, lambda v: 0 < v <= _MAX_SECONDS,
+                                f"a positive number of seconds (at most {_MAX_SECONDS:g})")
+_count_arg = _number_arg(int, lambda v: v >= 1, "a whole number of at least 1")
+_rate_arg = _number_arg(float, lambda v: 0 < v <= _MAX_RATE, f"a positive number per second (at most {_MAX_RATE:g})")
+_fraction_arg = _number_arg(float, lambda v: 0 < v <= 1, "a fraction of the pool above 0 and at most 1 (e.g. 0.25)")
+#: A TCP port, 0 (pick a free one) to 65535.
+port_arg = _number_arg(int, lambda v: 0 <= v <= 65535, "a port: use 0 to 65535 (0 picks a free port)")
 
 
 def host_arg(text: str) -> str:
