@@ -33,12 +33,15 @@ def test_quickstart_stores_reads_back_and_cleans_up():
 
 
 def test_ctrl_c_cleans_up():
-    # 32,768 objects: seconds of work after the index line on any machine, so Ctrl-C
-    # lands mid-run (4,096 objects were all stored and read before it on an idle one).
+    # A terminal's foreground job gets Ctrl-C with SIGINT at its default; a test suite
+    # started in the background (a shell's `&`) inherits it ignored, and an ignored
+    # SIGINT never reaches the quickstart. 32,768 objects: seconds of work after the
+    # index line, so the signal lands mid-run.
     proc = subprocess.Popen(
         [sys.executable, "-m", "maru_core.cli", "quickstart", "--tokens", "524288", "--layers", "16",
          "--object-size", "16Ki", "--pool-size", "3Gi"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     lines = []
     for line in proc.stdout:
