@@ -295,6 +295,7 @@ class Bench:
         with Cluster(self.model, args, fmt, pool_bytes=pool_size(need)) as cl:
             res["stored"] = self.store_prompts(cl, fmt)
             res["store_cost"] = self.store_cost(cl, fmt)
+            progress(f"{fmt} store cost {res['store_cost']['cost_ratio']:+.1%}")
             cases = {f"{n}": (self.prompts[n], n) for n in args.sizes}
             cases[f"{args.partial[0]}+{args.partial[1]}"] = (self.partial, args.partial[0])
             rows = {}
@@ -316,6 +317,8 @@ class Bench:
                         row[mode] = self.hit_runs(eng, toks, cached, profile=trace)
                     finally:
                         cl.close_engine(eng)
+                    progress(f"{fmt} {case} {mode}: {ms(row[mode]['median_s'])}, "
+                             f"bits equal {row[mode]['verified']}")
                 rows[case] = row
             res["hits"] = rows
             res["concurrency"] = self.concurrency(cl, fmt)
@@ -338,6 +341,8 @@ class Bench:
                     row["aggregate_gbps_to_last_token"] = c * n * kv_bytes / max(
                         row["ttft_s"]) / GB
                     out[f"{mode}/{c}"] = row
+                    progress(f"{fmt} {c} concurrent {mode}: p50 {ms(row['median_s'])}, "
+                             f"p99 {ms(row['p99_s'])}")
             finally:
                 cl.close_engine(eng)
         return out
@@ -422,6 +427,10 @@ def table(result) -> str:
     return "\n".join(lines)
 
 
+def progress(line: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {line}", flush=True)
+
+
 def ms(x):
     return "-" if x is None else f"{x * 1000:.1f} ms"
 
@@ -478,9 +487,12 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     bench = Bench(args, geo, device)
     result["attention_check_rel_err"] = check_attention(bench.model)
-    result["formats"] = [bench.run_format(f) for f in args.formats]
-    with open(os.path.join(args.out, "ttft.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    result["formats"] = []
+    for fmt in args.formats:
+        result["formats"].append(bench.run_format(fmt))
+        # written after each format: a run cut short keeps what it measured
+        with open(os.path.join(args.out, "ttft.json"), "w") as f:
+            json.dump(result, f, indent=1)
     plot(result, os.path.join(args.out, "ttft.png"))
     print(table(result))
     return result
