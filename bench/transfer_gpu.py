@@ -184,14 +184,17 @@ def bench_format(engine_for, fmt, src_ids, dst_ids, chunks, repeat):
 
 
 def concurrency(engine, fmt, offsets, perm, tokens_blocks, n, repeat):
+    """``n`` loads at once, submitted one after another from one thread (as
+    the worker half's ``start_load_kv`` and its loader thread submit them),
+    and from ``n`` threads at once (keys ``"<n>_threads"``)."""
     bpc = fmt.blocks_per_chunk
     out = {}
-    for count in (1, n):
+    for count, threads in ((1, False), (n, False), (n, True)):
         requests = [chunks_of(perm[(i + 1) * tokens_blocks:(i + 2) * tokens_blocks],
                               offsets, bpc, ChunkLoad) for i in range(count)]
         best = None
         for _ in range(repeat):
-            handles, done_at, wall = run_loads(engine, requests, threads=True)
+            handles, done_at, wall = run_loads(engine, requests, threads=threads)
             layers = [statistics.median(layer_ms(h)) for h in handles]
             total = sum(h.nbytes for h in handles)
             row = {
@@ -203,7 +206,7 @@ def concurrency(engine, fmt, offsets, perm, tokens_blocks, n, repeat):
             }
             if best is None or row["last_done_s"] < best["last_done_s"]:
                 best = row
-        out[str(count)] = best
+        out[f"{count}_threads" if threads else str(count)] = best
     return out
 
 

@@ -47,6 +47,7 @@ vllm_shim.install()
 
 from llama_layer import LLAMA3_8B, TINY, LlamaStack, fill_random, paged_kv_caches  # noqa: E402
 from ttft_driver import Engine, Request  # noqa: E402
+from hit_phases import PhaseRecorder, describe, median_phases  # noqa: E402
 from ttft_setup import Cluster, MODES  # noqa: E402
 
 GB = 1e9
@@ -74,6 +75,9 @@ def parse(argv=None):
     p.add_argument("--profile", nargs="*", default=[], metavar="CASE/MODE",
                    help="torch-profiler timeline of the last timed hit of these cases and "
                         "modes (e.g. 4096/sync_overlap_graphs): a Chrome trace and a summary")
+    p.add_argument("--timeline", nargs="*", default=[], metavar="CASE/MODE",
+                   help="host timestamps of each timed hit's phases for these cases and "
+                        "modes (no profiler: the hit runs at full speed)")
     args = p.parse_args(argv)
     tiny = args.cpu
     args.sizes = args.sizes or ([256] if tiny else [4096, 16384, 32768])
@@ -208,11 +212,13 @@ class Bench:
         return bool(ok)
 
     def hit_runs(self, eng: Engine, toks: list[int], cached: int, count: int = 1,
-                 compute: bool = True, profile: str | None = None) -> dict:
+                 compute: bool = True, profile: str | None = None,
+                 phases: PhaseRecorder | None = None) -> dict:
         """``repeats`` timed runs after one warm-up. The uncached tokens are
         fresh in every run: the reader stores the chunks it computes, and a
         repeated prompt would hit them the next time."""
         ttfts, verified, n_runs = [], True, self.args.repeats
+        timeline = []
         new = len(toks) - cached
         for i in range(n_runs + 1):
             fill_random(self.reader_flat)  # poison: a block not loaded cannot pass
@@ -222,6 +228,8 @@ class Bench:
                             toks[:cached] + prompt(new, stamp + j, self.geo.vocab))
                     for j in range(count)]
             eng.load_errors.clear()
+            if phases:
+                phases.reset()
             if profile and i == n_runs:
                 with profiled(os.path.join(self.args.out, profile)):
                     eng.serve(reqs, compute=compute)
@@ -230,8 +238,13 @@ class Bench:
             verified &= self.verify(eng, reqs, cached)
             if i:
                 ttfts.extend(r.first_token_at - r.arrival for r in reqs)
-        return {"ttft_s": ttfts, "median_s": median(ttfts), "p99_s": percentile(ttfts, 0.99),
-                "verified": verified}
+                if phases:
+                    timeline.append(phases.phases(reqs[0].arrival, reqs[0].first_token_at))
+        out = {"ttft_s": ttfts, "median_s": median(ttfts), "p99_s": percentile(ttfts, 0.99),
+               "verified": verified}
+        if timeline:
+            out["phases_ms"] = median_phases(timeline)
+        return out
 
     def plain_runs(self, toks: list[int], cached: int) -> dict:
         """Recompute (whole prompt, no connector), then compute alone."""
@@ -310,15 +323,23 @@ class Bench:
                 finally:
                     cl.close_engine(eng)
                 for mode in args.modes:
-                    eng = cl.engine(self.reader_kv, fmt, mode)
+                    timed = f"{case}/{mode}" in args.timeline
+                    eng = cl.engine(self.reader_kv, fmt, mode, timing=timed)
                     trace = (f"trace_{fmt}_{case}_{mode}.json"
                              if f"{case}/{mode}" in args.profile else None)
+                    recorder = PhaseRecorder(eng) if timed else None
                     try:
-                        row[mode] = self.hit_runs(eng, toks, cached, profile=trace)
+                        row[mode] = self.hit_runs(eng, toks, cached, profile=trace,
+                                                  phases=recorder)
                     finally:
+                        if recorder:
+                            recorder.close()
                         cl.close_engine(eng)
                     progress(f"{fmt} {case} {mode}: {ms(row[mode]['median_s'])}, "
                              f"bits equal {row[mode]['verified']}")
+                    if timed:
+                        progress(f"  phases (ms from arrival, median): "
+                                 f"{describe(row[mode]['phases_ms'])}")
                 rows[case] = row
             res["hits"] = rows
             res["concurrency"] = self.concurrency(cl, fmt)

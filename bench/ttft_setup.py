@@ -82,7 +82,8 @@ class Cluster:
         self.pool.close()
         self.index.close()
 
-    def engine(self, kv_caches: dict, fmt: str, mode: str) -> Engine:
+    def engine(self, kv_caches: dict, fmt: str, mode: str, timing: bool = False) -> Engine:
+        """``timing``: the transfer engine records when each layer lands (CUDA)."""
         knobs, options, graphs = STORE if mode == "store" else MODES[mode]
         args = self.args
         raw = {"maru_index_url": self.index.url, "maru_token": self.index.token,
@@ -92,7 +93,7 @@ class Cluster:
         cfg = parse_config(raw, args.block_size)
         device = self.model.device.type
         ns = self.namespace(cfg.fmt_name)
-        options = options if device == "cuda" else {}
+        options = {**options, **({"timing": True} if timing else {})} if device == "cuda" else {}
         index = self.index
 
         def client(role="bench"):

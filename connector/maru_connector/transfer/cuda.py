@@ -1,8 +1,10 @@
 """CUDA backend: the pool mapping registered once with ``cudaHostRegister``;
 loads copy runs of contiguous (or evenly strided) pool bytes into a device
 staging buffer on the one load stream, then scatter them into the paged
-blocks with ``index_copy_`` on a scatter stream, so the scatter of one piece
-overlaps the copy of the next (two staging buffers, used in turn). Stores
+blocks with ``index_copy_`` on a scatter stream, so the scatters overlap
+the copies that follow (the staging buffer is a ring: copies are queued as
+far ahead as it has room, each waiting only for the scatters of the earlier
+fills whose bytes it reuses). Stores
 gather blocks with ``index_select`` into staging and copy them out on the
 store stream. Copying straight into paged blocks piece by piece is about 18x
 slower than this on an H200.
@@ -20,6 +22,7 @@ would otherwise set the pace."""
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import torch
 
@@ -30,12 +33,62 @@ from .plan import Run, layer_pieces
 
 __all__ = ["CudaTransferEngine"]
 
-DEFAULT_STAGING_BYTES = 64 << 20  # per buffer; >= 64 MiB copies reach peak
+DEFAULT_STAGING_BYTES = 64 << 20  # the largest fill; >= 64 MiB copies reach peak
+STAGING_FILLS = 2  # the ring holds this many of the largest fills
 HIGH_PRIORITY = -1  # above the default 0 (lower numbers are served first)
 # Layers smaller than this load in groups: below it a copy's fixed cost and
 # the copy thread's calls per layer show (on an H200 a 4 MiB strided copy
 # ran at 0.94 of the pinned peak, a 64 MiB one at 1.0).
 GROUP_BELOW_BYTES = 8 << 20
+
+
+class _StagingRing:
+    """Device staging for loads, handed out as spans in ring order.
+
+    A fill takes the next span of its size (wrapping to the start at the
+    end of the buffer, and at each new load, so a load's spans repeat and
+    their views can be kept). The load stream waits for the scatters of the
+    earlier fills that span reuses; a span still held by a fill whose scatter
+    is not queued yet cannot be taken (``take`` returns None: queue that
+    scatter first). Two fixed halves made a small load's third fill wait for
+    its first fill's scatter, which leaves the copy engine idle for a while
+    at the start of every small hit.
+    """
+
+    def __init__(self, nbytes: int, device) -> None:
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.nbytes = nbytes
+        self._head = 0
+        # spans in the order taken: [start, end, freed event or None (scatter not queued)]
+        self._held: list[list] = []
+
+    def restart(self) -> None:
+        """A new load starts at the beginning. Spans of a load that failed
+        before queueing their scatters are dropped: nothing will read them,
+        and the load stream orders the next copies into them after the
+        copies still in flight."""
+        self._head = 0
+        self._held = [span for span in self._held if span[2] is not None]
+
+    def take(self, nbytes: int, stream: torch.cuda.Stream) -> int | None:
+        start = 0 if self._head + nbytes > self.nbytes else self._head
+        end = start + nbytes
+        overlapping = [span for span in self._held if span[0] < end and start < span[1]]
+        if any(span[2] is None for span in overlapping):
+            return None
+        for span in overlapping:
+            stream.wait_event(span[2])
+            self._held.remove(span)
+        self._held.append([start, end, None])
+        self._head = end
+        return start
+
+    def freed(self, start: int, event: torch.cuda.Event) -> None:
+        for span in self._held:
+            if span[0] == start and span[2] is None:
+                span[2] = event
+                return
+        raise AssertionError(f"no staging span held at {start}")
 
 
 class _IdsRing:
@@ -94,8 +147,6 @@ class CudaTransferEngine(TransferEngine):
             except BaseException:
                 self._release()
                 raise
-        self._staging_free: list[torch.cuda.Event | None] = [None, None]
-        self._next_staging = 0
         self._timing = timing
         self.last_issue_s = 0.0  # host time the copy thread spent queueing the last load
 
@@ -107,12 +158,9 @@ class CudaTransferEngine(TransferEngine):
         self._memcpy = find_memcpy()
         row = fmt.layer_bytes
         self._rows_cap = max(1, staging_bytes // row)
-        self._staging = [
-            torch.empty(self._rows_cap * row, dtype=torch.uint8, device=self.device)
-            for _ in range(2)
-        ]
+        self._staging = _StagingRing(STAGING_FILLS * self._rows_cap * row, self.device)
         self._store_staging: torch.Tensor | None = None
-        self._views: dict[tuple[int, int, int], torch.Tensor] = {}
+        self._views: dict[tuple[int, int, int, int], torch.Tensor] = {}
         self._ids = {s.cuda_stream: _IdsRing(self.layout.num_blocks, self.device)
                      for s in (self.scatter_stream, self.store_stream)}
         # Scatters and gathers move 8-byte elements where the layout allows:
@@ -208,56 +256,67 @@ class CudaTransferEngine(TransferEngine):
                 pool.copy_(dev, non_blocking=True)
 
     def _device_slice(self, ptr: int, nbytes: int) -> torch.Tensor:
-        for buf in (*self._staging, self._store_staging):
+        for buf in (self._staging.buffer, self._store_staging):
             if buf is not None and buf.data_ptr() <= ptr < buf.data_ptr() + buf.numel():
                 start = ptr - buf.data_ptr()
                 return buf[start:start + nbytes]
         raise AssertionError("device pointer outside the staging buffers")
 
-    def _piece_view(self, staging: torch.Tensor, slot: int, blocks: int,
+    def _piece_view(self, buffer: torch.Tensor, offset: int, blocks: int,
                     layers: int = 1) -> torch.Tensor:
-        """Staging as ``[layers,] blocks`` blocks of wide elements."""
-        view = self._views.get((slot, blocks, layers))
+        """``buffer`` from ``offset`` as ``[layers,] blocks`` blocks of wide
+        elements (kept: a view costs a small load's copy thread time)."""
+        key = (buffer.data_ptr(), offset, blocks, layers)
+        view = self._views.get(key)
         if view is None:
+            if len(self._views) >= 1024:  # many load shapes: start over
+                self._views.clear()
             layout = self.layout
             used = layers * blocks * layout.block_bytes_per_layer
             shape = (blocks, layout.block_segments, layout.segment_bytes // self._elem.itemsize)
-            view = staging[:used].view(self._elem).view(*(((layers,) if layers > 1 else ())
-                                                           + shape))
-            self._views[(slot, blocks, layers)] = view
+            view = buffer[offset:offset + used].view(self._elem).view(
+                *(((layers,) if layers > 1 else ()) + shape))
+            self._views[key] = view
         return view
 
     # ------------------------------------------------------------------- load
     def _run_load(self, job: _Job) -> None:
-        """Copies of one staging fill are queued before the scatter of the
-        previous fill, so the copy engine never waits for the copy thread's
-        scatter calls; the block ids go up just before the first scatter."""
+        """Each fill's copies are queued as soon as the staging ring has room
+        for them, before the scatters of the fills before it, so the copy
+        engine never waits for the copy thread's scatter calls; the block
+        ids go up just before the first scatter."""
         started = time.perf_counter()
         torch.cuda.set_device(self.device)
         torch.cuda.set_stream(self.scatter_stream)  # the scatters run on this thread's stream
         ids = None
-        pending = None
+        pending: deque = deque()  # fills copied, not yet scattered
 
-        def scatter(pending):
+        def scatter_oldest():
             nonlocal ids
             if ids is None:  # needed from the first scatter on, not before
                 ids = self._device_ids(job, self.scatter_stream)
                 self.scatter_stream.wait_event(job.ready)
-            self._scatter_unit(job, ids, *pending)
+            self._scatter_unit(job, ids, *pending.popleft())
 
+        self._staging.restart()
         try:
             for unit in self._units(layer_pieces(self.fmt, job.offsets, self._rows_cap)):
-                filled = self._copy_unit(unit)
-                if pending is not None:
-                    scatter(pending)
-                pending = (unit, filled)
+                offset = self._staging.take(self._unit_bytes(unit), self.load_stream)
+                while offset is None:  # the ring is full of fills not yet scattered
+                    scatter_oldest()
+                    offset = self._staging.take(self._unit_bytes(unit), self.load_stream)
+                pending.append((unit, self._copy_unit(unit, offset)))
         except TransferError:  # a bad extent: the layers before it still land
-            if pending is not None:
-                scatter(pending)
+            while pending:
+                scatter_oldest()
             raise
-        if pending is not None:
-            scatter(pending)
+        while pending:
+            scatter_oldest()
         self.last_issue_s = time.perf_counter() - started
+
+    def _unit_bytes(self, unit) -> int:
+        _, pieces, _ = unit
+        return sum(run.rows for piece in pieces for run in piece) * self.fmt.layer_bytes
 
     def _units(self, pieces_of):
         """Staging fills in order: (layers, pieces, whether the fill
@@ -301,23 +360,15 @@ class CudaTransferEngine(TransferEngine):
         if group:
             yield group
 
-    def _take_staging(self) -> tuple[int, torch.Tensor]:
-        slot = self._next_staging
-        self._next_staging ^= 1
-        if self._staging_free[slot] is not None:
-            self.load_stream.wait_event(self._staging_free[slot])
-        return slot, self._staging[slot]
-
-    def _copy_unit(self, unit) -> tuple[int, int, torch.cuda.Event, int]:
-        """Queue one fill's copies on the load stream: (slot, bytes, filled,
-        rows interleaved). Layers whose extents sit side by side in each
+    def _copy_unit(self, unit, offset: int) -> tuple[int, int, torch.cuda.Event, int]:
+        """Queue one fill's copies into staging at ``offset`` on the load
+        stream: (offset, bytes, filled, rows interleaved). Layers whose extents sit side by side in each
         object (chunkwise; layerwise objects stored chunk by chunk) go in one
         strided copy of wide rows, staged chunk-major: ``rows`` chunks, each
         the group's layers in turn; otherwise layer-major (``rows`` 0)."""
         layers, pieces, _ = unit
-        slot, staging = self._take_staging()
         row = self.fmt.layer_bytes
-        base, pos = staging.data_ptr(), 0
+        base, pos = self._staging.buffer.data_ptr() + offset, 0
         wide = self._wide_run(pieces) if len(layers) > 1 else None
         span = self._span(pieces) if len(layers) > 1 and wide is None else None
         if wide is not None:
@@ -334,7 +385,7 @@ class CudaTransferEngine(TransferEngine):
                     pos += run.rows * row
         filled = self._event()
         filled.record(self.load_stream)
-        return slot, pos, filled, wide.rows if wide is not None else 0
+        return offset, pos, filled, wide.rows if wide is not None else 0
 
     def _span(self, pieces: list[list[Run]]) -> tuple[int, int] | None:
         """(pool offset, bytes) when the pieces' runs are contiguous and
@@ -373,27 +424,27 @@ class CudaTransferEngine(TransferEngine):
         through the layers' common stride for a group), then free the
         staging buffer; the fill's last event lands its layers."""
         layers, pieces, completes = unit
-        slot, used, filled, interleaved = copied
+        offset, used, filled, interleaved = copied
         self.scatter_stream.wait_event(filled)
-        staging = self._staging[slot]
+        staging = self._staging.buffer
         count = len(layers)
         blocks = used // count // self.layout.block_bytes_per_layer
         first = pieces[0][0].first_block  # the same for every layer of a group
         index = ids[first:first + blocks]
         if interleaved:  # staged [chunk][layer][block]: index by (chunk, block)
             per = blocks // interleaved
-            source = self._piece_view(staging, slot, per, count * interleaved)
+            source = self._piece_view(staging, offset, per, count * interleaved)
             source = source.view(interleaved, count, *source.shape[1:]).transpose(0, 1)
             self._stacked_view(layers[0], count)[:, index.view(interleaved, per)] = source
         elif count > 1:
             self._stacked_view(layers[0], count).index_copy_(
-                1, index, self._piece_view(staging, slot, blocks, count))
+                1, index, self._piece_view(staging, offset, blocks, count))
         else:
             self._wide_views[layers[0]].index_copy_(0, index,
-                                                    self._piece_view(staging, slot, blocks))
+                                                    self._piece_view(staging, offset, blocks))
         freed = self._event()
         freed.record(self.scatter_stream)
-        self._staging_free[slot] = freed
+        self._staging.freed(offset, freed)
         if completes:
             for layer in layers:
                 job.handle._mark_layer(layer, freed)
@@ -431,7 +482,7 @@ class CudaTransferEngine(TransferEngine):
                 blocks = sum(r.rows for r in piece) * self.fmt.blocks_per_chunk
                 first = piece[0].first_block
                 torch.index_select(view, 0, ids[first:first + blocks],
-                                   out=self._piece_view(staging, 2, blocks))
+                                   out=self._piece_view(staging, 0, blocks))
                 pos = 0
                 for run in piece:
                     self._copy(run, staging.data_ptr() + pos, row, D2H, stream)
