@@ -3,10 +3,13 @@ copies and scatters on the GPU and the copy thread's calls, for one hit.
 
     PYTHONPATH=connector:core python3 bench/profile_load.py --tokens 1024 --layers 32
     ... bench/profile_load.py --tokens 1024 --concurrent 8     # 8 hits submitted at once
+    ... bench/profile_load.py --tokens 4096 --host             # the copy thread's Python
 
 Prints the GPU operations in time order (start, duration and gap after the
 previous one on the same stream, in microseconds), then the busy time per
-stream against the load's wall time.
+stream against the load's wall time. With ``--host``: the copy thread's
+host time per load instead (its ``_run_load`` run on the main thread, alone,
+then under cProfile: which calls cost it).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ def main():
     ap.add_argument("--layerwise", action="store_true")
     ap.add_argument("--rows", type=int, default=60)
     ap.add_argument("--concurrent", type=int, default=1, help="loads submitted at once")
+    ap.add_argument("--host", action="store_true", help="profile the copy thread's host time")
     args = ap.parse_args()
     bs, chunk = 16, 256
     blocks = args.tokens // bs
@@ -55,6 +59,9 @@ def main():
             assert all(h.wait_all(60) for h in handles)
             return time.perf_counter() - t
 
+        if args.host:
+            host_profile(engine, loads[0], args.rows)
+            return
         walls = [run_all() for _ in range(5)]
         nbytes = n * blocks * fmt.layout.block_bytes_per_layer * args.layers
         print(f"{n} load(s) of {args.tokens} tokens, {args.layers} layers: best wall "
@@ -66,6 +73,40 @@ def main():
     finally:
         engine.close()
         pool.close()
+
+
+def host_profile(engine, load, rows, repeats=50):
+    """``_run_load`` of one load on this thread (the copy thread's work,
+    without its wake-up or the GIL shared with a forward)."""
+    import cProfile
+    import pstats
+
+    from maru_connector.transfer.engine import _Job
+    from maru_connector.transfer.handles import LoadHandle
+    from maru_connector.transfer.plan import check_chunks
+
+    def one():
+        blocks = check_chunks(engine.fmt, load, "load")
+        handle = LoadHandle(engine.layout.num_layers, 0)
+        job = _Job(handle, blocks, [c[1] for c in load])
+        engine._prepare(job)
+        t = time.perf_counter()
+        engine._run_load(job)
+        issue = time.perf_counter() - t
+        assert handle.wait_all(60)
+        return issue
+
+    for _ in range(5):
+        one()
+    issues = sorted(one() for _ in range(repeats))
+    print(f"copy thread's host time per load: median {issues[len(issues) // 2] * 1e3:.3f} ms, "
+          f"min {issues[0] * 1e3:.3f} ms ({engine.layout.num_layers} layers)")
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(repeats):
+        one()
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(rows // 2)
 
 
 def report(prof, wall, rows):
