@@ -69,7 +69,7 @@ def test_no_span_overlaps_bytes_still_in_use(loads):
     drive(loads)
 
 
-def test_a_small_load_queues_every_fill_before_any_scatter():
+def test_a_small_load_s_fills_all_fit_without_waiting_for_a_scatter():
     # 1k tokens on 32 layers of 4 MiB, a 128 MiB ring: fills of 1, 2, 4, 8,
     # 16 layers, then 1 (units of 4 MiB). Two fixed halves of 64 MiB made the
     # third fill wait for the first one's scatter.

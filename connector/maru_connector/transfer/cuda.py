@@ -1,11 +1,10 @@
 """CUDA backend: the pool mapping registered once with ``cudaHostRegister``;
 loads copy runs of contiguous (or evenly strided) pool bytes into a device
 staging buffer on the one load stream, then scatter them into the paged
-blocks with ``index_copy_`` on a scatter stream, so the scatters overlap
-the copies that follow (the staging buffer is a ring: copies are queued as
-far ahead as it has room, each waiting only for the scatters of the earlier
-fills whose bytes it reuses). Stores
-gather blocks with ``index_select`` into staging and copy them out on the
+blocks with ``index_copy_`` on a scatter stream, so the scatter of one fill
+overlaps the copies of the next (the staging buffer is a ring: a fill's
+copies wait only for the scatters of the earlier fills whose bytes they
+reuse). Stores gather blocks with ``index_select`` into staging and copy them out on the
 store stream. Copying straight into paged blocks piece by piece is about 18x
 slower than this on an H200.
 
@@ -281,11 +280,14 @@ class CudaTransferEngine(TransferEngine):
 
     # ------------------------------------------------------------------- load
     def _run_load(self, job: _Job) -> None:
-        """Each fill's copies are queued as soon as the staging ring has room
-        for them, before the scatters of the fills before it, so the copy
-        engine never waits for the copy thread's scatter calls; the block
-        ids go up just before the first scatter."""
+        """Each fill's copies are queued before the scatter of the fill
+        before it, so the copy engine never waits for the copy thread's
+        scatter call, and a layer is marked (the forward may queue its
+        attention) one fill after its copies. The staging ring has room for
+        the fills a small load starts with, so their copies never wait for a
+        scatter. The block ids go up just before the first scatter."""
         started = time.perf_counter()
+        job.handle.issue_started_at = time.monotonic()
         torch.cuda.set_device(self.device)
         torch.cuda.set_stream(self.scatter_stream)  # the scatters run on this thread's stream
         ids = None
@@ -301,11 +303,14 @@ class CudaTransferEngine(TransferEngine):
         self._staging.restart()
         try:
             for unit in self._units(layer_pieces(self.fmt, job.offsets, self._rows_cap)):
-                offset = self._staging.take(self._unit_bytes(unit), self.load_stream)
+                nbytes = self._unit_bytes(unit)
+                offset = self._staging.take(nbytes, self.load_stream)
                 while offset is None:  # the ring is full of fills not yet scattered
                     scatter_oldest()
-                    offset = self._staging.take(self._unit_bytes(unit), self.load_stream)
+                    offset = self._staging.take(nbytes, self.load_stream)
                 pending.append((unit, self._copy_unit(unit, offset)))
+                if len(pending) > 1:
+                    scatter_oldest()
         except TransferError:  # a bad extent: the layers before it still land
             while pending:
                 scatter_oldest()
@@ -313,6 +318,7 @@ class CudaTransferEngine(TransferEngine):
         while pending:
             scatter_oldest()
         self.last_issue_s = time.perf_counter() - started
+        job.handle.issued_at = time.monotonic()
 
     def _unit_bytes(self, unit) -> int:
         _, pieces, _ = unit

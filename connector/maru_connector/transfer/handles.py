@@ -56,6 +56,10 @@ class LoadHandle:
         self.error: BaseException | None = None
         self.submitted_at = time.monotonic()
         self.finished_at: float | None = None
+        # when the copy thread took the load up and when it had queued all of
+        # it (CUDA; monotonic): how long a load waits for that thread
+        self.issue_started_at: float | None = None
+        self.issued_at: float | None = None
         self._marked = [threading.Event() for _ in range(num_layers)]
         self._ok = [False] * num_layers
         self._device_events: list[Any] | None = None
@@ -191,6 +195,10 @@ class StoreHandle:
         self.error: BaseException | None = None
         self.submitted_at = time.monotonic()
         self.finished_at: float | None = None
+        # when the copy thread took the load up and when it had queued all of
+        # it (CUDA; monotonic): how long a load waits for that thread
+        self.issue_started_at: float | None = None
+        self.issued_at: float | None = None
         self._done = threading.Event()
         if nbytes == 0:
             self._finish()
