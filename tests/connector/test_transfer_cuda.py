@@ -109,8 +109,27 @@ def _round_trip(engines, pool, kind, layerwise, adjacent, src_device="cuda", **o
 @pytest.mark.parametrize("kind", ALL_KINDS)
 @pytest.mark.parametrize("layerwise", [False, True], ids=["chunkwise", "layerwise"])
 @pytest.mark.parametrize("adjacent", [True, False], ids=["adjacent", "scattered"])
-def test_round_trip_on_gpu(engines, pool, kind, layerwise, adjacent):
-    _round_trip(engines, pool, kind, layerwise, adjacent)
+@pytest.mark.parametrize("inline_load_bytes", [1 << 30, 0], ids=["inline", "copy_thread"])
+def test_round_trip_on_gpu(engines, pool, kind, layerwise, adjacent, inline_load_bytes):
+    _round_trip(engines, pool, kind, layerwise, adjacent, inline_load_bytes=inline_load_bytes)
+
+
+def test_a_load_issued_on_the_caller_s_thread_leaves_its_stream_and_device_alone(engines,
+                                                                                pool):
+    kv = make_kv_caches("packed_lbnhc", layers=2, blocks=8, seed=3, device="cuda")
+    layout = detect_kv_layout(kv)
+    fmt = ObjectFormat(layout, 2 * layout.block_size, False)
+    engine = engines(kv, fmt)
+    mine = torch.cuda.Stream()
+    with torch.cuda.stream(mine):
+        handle = engine.submit_load([ChunkLoad((0, 1), (0,))])
+        assert handle.issued_at is not None  # issued before submit_load returned
+        assert torch.cuda.current_stream() == mine
+    assert handle.wait_all(30) and handle.error is None
+    engine._inline_load_bytes = 0  # the same engine, every load on the copy thread
+    queued = engine.submit_load([ChunkLoad((2, 3), (0,))])
+    assert queued.wait_all(30) and queued.error is None and queued.issued_at is not None
+    assert torch.equal(engine.block_views[0][2], engine.block_views[0][0])
 
 
 @pytest.mark.parametrize("layerwise", [False, True], ids=["chunkwise", "layerwise"])

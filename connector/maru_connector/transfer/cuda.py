@@ -20,6 +20,7 @@ would otherwise set the pace."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 
@@ -39,6 +40,13 @@ HIGH_PRIORITY = -1  # above the default 0 (lower numbers are served first)
 # the copy thread's calls per layer show (on an H200 a 4 MiB strided copy
 # ran at 0.94 of the pinned peak, a 64 MiB one at 1.0).
 GROUP_BELOW_BYTES = 8 << 20
+# Loads up to this size are issued on the submitting thread when nothing is
+# queued before them. Issuing is host work only (the copies are queued, not
+# waited for): on the copy thread it shares the interpreter lock with the
+# forward it overlaps, which is host-bound for a small batch, and a 4k-token
+# hit's forward ended 2-4 ms after its last layer landed. Larger loads stay
+# on the copy thread, so a long prefill's compute starts at once.
+INLINE_LOAD_BYTES = 512 << 20
 
 
 class _StagingRing:
@@ -132,7 +140,8 @@ class CudaTransferEngine(TransferEngine):
 
     def __init__(self, pool_buffer, kv_caches, fmt, staging_bytes: int = DEFAULT_STAGING_BYTES,
                  copy_2d: bool = True, timing: bool = False,
-                 load_priority: int = HIGH_PRIORITY) -> None:
+                 load_priority: int = HIGH_PRIORITY,
+                 inline_load_bytes: int = INLINE_LOAD_BYTES) -> None:
         super().__init__(pool_buffer, kv_caches, fmt)
         self.device = self.kv_caches[0].device
         self._pool_ptr = self.pool.data_ptr()
@@ -147,6 +156,8 @@ class CudaTransferEngine(TransferEngine):
                 self._release()
                 raise
         self._timing = timing
+        self._inline_load_bytes = inline_load_bytes
+        self._issue_lock = threading.Lock()  # one load issued at a time: ring, ids, order
         self.last_issue_s = 0.0  # host time the copy thread spent queueing the last load
 
     def _setup(self, fmt, staging_bytes: int, copy_2d: bool, load_priority: int) -> None:
@@ -279,7 +290,31 @@ class CudaTransferEngine(TransferEngine):
         return view
 
     # ------------------------------------------------------------------- load
+    def _issue_here(self, job: _Job) -> bool:
+        if job.handle.nbytes > self._inline_load_bytes:
+            return False
+        with self._submit_lock:
+            if self._closed:
+                raise TransferError("the transfer engine is closed")
+            if self._loads_queued:  # keep submission order
+                return False
+            self._issue_lock.acquire()
+        try:
+            with torch.cuda.device(self.device), torch.cuda.stream(self.scatter_stream):
+                self._issue_load(job)  # the caller's current device and stream restored
+        except BaseException as exc:  # as on the copy thread: the handle fails
+            self._fail(job, exc)
+        finally:
+            self._issue_lock.release()
+        return True
+
     def _run_load(self, job: _Job) -> None:
+        with self._issue_lock:
+            torch.cuda.set_device(self.device)
+            torch.cuda.set_stream(self.scatter_stream)  # the scatters run on this stream
+            self._issue_load(job)
+
+    def _issue_load(self, job: _Job) -> None:
         """Each fill's copies are queued before the scatter of the fill
         before it, so the copy engine never waits for the copy thread's
         scatter call, and a layer is marked (the forward may queue its
@@ -288,8 +323,6 @@ class CudaTransferEngine(TransferEngine):
         scatter. The block ids go up just before the first scatter."""
         started = time.perf_counter()
         job.handle.issue_started_at = time.monotonic()
-        torch.cuda.set_device(self.device)
-        torch.cuda.set_stream(self.scatter_stream)  # the scatters run on this thread's stream
         ids = None
         pending: deque = deque()  # fills copied, not yet scattered
 

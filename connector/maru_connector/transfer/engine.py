@@ -2,7 +2,9 @@
 vLLM's paged KV cache, per layer and in true layer order.
 
 Loads from every request share one queue (one copy thread on the CPU, one
-load stream on CUDA) and run in submission order; stores share another. The
+load stream on CUDA) and run in submission order; stores share another. A
+backend may issue a load on the submitting thread instead, when nothing is
+queued before it (CUDA: small loads, whose copies it only queues). The
 connector calls the same interface whatever the device.
 """
 
@@ -57,6 +59,7 @@ class TransferEngine(abc.ABC):
         self._closed = False
         self._submit_lock = threading.Lock()
         self._load_queue: queue.Queue = queue.Queue()
+        self._loads_queued = 0  # queued or running on the copy thread
         self._store_queue: queue.Queue = queue.Queue()
         self._threads = [
             threading.Thread(target=self._serve, args=(self._load_queue, self._run_load),
@@ -122,8 +125,14 @@ class TransferEngine(abc.ABC):
         if chunks:
             job = _Job(handle, blocks, [c[1] for c in chunks])
             self._prepare(job)
-            self._enqueue(self._load_queue, job)
+            if not self._issue_here(job):
+                self._enqueue(self._load_queue, job)
         return handle
+
+    def _issue_here(self, job: _Job) -> bool:
+        """Backend hook: run ``job`` on the submitting thread instead of the
+        copy thread; True when it did (its failures end in its handle)."""
+        return False
 
     def submit_store(self, chunks: Sequence[ChunkStore]) -> StoreHandle:
         """Queue copies KV cache -> pool for ``chunks``; returns at once.
@@ -148,6 +157,8 @@ class TransferEngine(abc.ABC):
         with self._submit_lock:  # nothing may queue behind the stop marker
             if self._closed:
                 raise TransferError("the transfer engine is closed")
+            if q is self._load_queue:
+                self._loads_queued += 1
             q.put(job)
 
     # ------------------------------------------------------------ copy thread
@@ -160,6 +171,10 @@ class TransferEngine(abc.ABC):
                 run(job)
             except BaseException as exc:  # every waiter must be released
                 self._fail(job, exc)
+            finally:
+                if q is self._load_queue:
+                    with self._submit_lock:
+                        self._loads_queued -= 1
 
     @staticmethod
     def _fail(job: _Job, exc: BaseException) -> None:
