@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 import threading
 import time
@@ -12,7 +11,7 @@ import pytest
 
 from maru_core.index.client import AsyncIndexClient, IndexClient, IndexRejected, IndexUnavailable
 from maru_core.index.client_ops import check_reply, parse_committed, parse_locations, parse_slots
-from maru_core.index.launcher import ThreadedIndex, unique_shm_path
+from maru_core.index.launcher import ThreadedIndex
 from maru_core.pool import Pool, SlotHeader
 from maru_core.protocol import Location, LocationList
 
@@ -24,12 +23,8 @@ def key(i: int) -> bytes:
 
 
 @pytest.fixture
-def pool():
-    path = unique_shm_path("test-client")
-    pool = Pool.create(path, 32 * 1024 * 1024, page_size=64 * 1024)
-    yield pool
-    pool.close()
-    os.unlink(path)
+def pool(make_pool):
+    return make_pool("test-client", 32 * 1024 * 1024, 64 * 1024)
 
 
 @pytest.fixture

@@ -16,10 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from maru_core.index.accept import ACCEPT_BATCH, REFUSED_PAUSE_S, Acceptor, bind_tcp
-from maru_core.index.launcher import ThreadedIndex, unique_shm_path
+from maru_core.index.launcher import ThreadedIndex
 from maru_core.index.limits import ServerLimits
 from maru_core.index.peers import Budget, PeerLimiter, peer_of
-from maru_core.pool import Pool
 from maru_core.protocol import PROTOCOL_VERSION, FrameDecoder, SlotList, pack_lengths, parse_url
 from test_server import TOKEN, Raw, key
 from test_server_limits import _while_the_loop_is_blocked, server_of, wait_for
@@ -34,12 +33,8 @@ class Clock:
 
 
 @pytest.fixture
-def pool():
-    path = unique_shm_path("test-peers")
-    pool = Pool.create(path, 64 * 1024 * 1024, page_size=4096)
-    yield pool
-    pool.close()
-    os.unlink(path)
+def pool(make_pool):
+    return make_pool("test-peers", 64 * 1024 * 1024, 4096)
 
 
 def raw_from(url: str, source: str) -> Raw:

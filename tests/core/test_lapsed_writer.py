@@ -3,26 +3,21 @@ late copy never lands in another writer's object, and a reader can tell."""
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
 
 from maru_core.index.client import IndexClient
-from maru_core.index.launcher import ThreadedIndex, unique_shm_path
-from maru_core.pool import Pool, SlotHeader
+from maru_core.index.launcher import ThreadedIndex
+from maru_core.pool import SlotHeader
 
 TOKEN = "fence-token"
 LENGTH = 256 * 1024
 
 
 @pytest.fixture
-def pool():
-    path = unique_shm_path("test-fence")
-    pool = Pool.create(path, 16 * 1024 * 1024, page_size=64 * 1024)
-    yield pool
-    pool.close()
-    os.unlink(path)
+def pool(make_pool):
+    return make_pool("test-fence", 16 * 1024 * 1024, 64 * 1024)
 
 
 @pytest.fixture

@@ -76,12 +76,8 @@ class Raw:
 
 
 @pytest.fixture
-def pool():
-    path = unique_shm_path("test-server")
-    pool = Pool.create(path, 32 * 1024 * 1024, page_size=64 * 1024)
-    yield pool
-    pool.close()
-    os.unlink(path)
+def pool(make_pool):
+    return make_pool("test-server", 32 * 1024 * 1024, 64 * 1024)
 
 
 @pytest.fixture

@@ -11,20 +11,16 @@ import time
 import pytest
 
 from maru_core.index.client import IndexClient
-from maru_core.index.launcher import ThreadedIndex, unique_shm_path
+from maru_core.index.launcher import ThreadedIndex
 from maru_core.index.limits import PRE_AUTH_FRAME_BYTES, ServerLimits
-from maru_core.pool import Pool, SlotHeader
+from maru_core.pool import SlotHeader
 from maru_core.protocol import PROTOCOL_VERSION, SlotList, encode_frame, pack_lengths
 from test_server import TOKEN, Raw, key
 
 
 @pytest.fixture
-def pool():
-    path = unique_shm_path("test-limits")
-    pool = Pool.create(path, 64 * 1024 * 1024, page_size=4096)
-    yield pool
-    pool.close()
-    os.unlink(path)
+def pool(make_pool):
+    return make_pool("test-limits", 64 * 1024 * 1024, 4096)
 
 
 def serve(pool, **limits) -> ThreadedIndex:

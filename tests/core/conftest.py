@@ -1,0 +1,25 @@
+"""Fixtures shared by the core tests."""
+
+import os
+
+import pytest
+
+from maru_core.index.launcher import unique_shm_path
+from maru_core.pool import Pool
+
+
+@pytest.fixture
+def make_pool():
+    """``make_pool(name, size, page_size)``: a fresh pool file in ``/dev/shm``
+    (or the temp dir), closed and removed after the test."""
+    made = []
+
+    def make(name: str, size: int, page_size: int) -> Pool:
+        path = unique_shm_path(name)
+        made.append((Pool.create(path, size, page_size=page_size), path))
+        return made[-1][0]
+
+    yield make
+    for pool, path in made:
+        pool.close()
+        os.unlink(path)
