@@ -20,7 +20,7 @@ def test_cpu_mode_serves_bit_exact_hits_in_every_mode(tmp_path):
     modes = ["sync", "sync_overlap", "async", "async_overlap"]
     cmd = [sys.executable, os.path.join(ROOT, "bench", "ttft_gpu.py"), "--cpu",
            "--out", str(tmp_path), "--repeats", "1", "--formats", "chunkwise", "layerwise",
-           "--modes", *modes, "--concurrency", "2"]
+           "--modes", *modes, "--concurrency", "2", "--timeline", "256/async_overlap"]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads((tmp_path / "ttft.json").read_text())
@@ -38,3 +38,10 @@ def test_cpu_mode_serves_bit_exact_hits_in_every_mode(tmp_path):
             assert len(fmt["concurrency"][count]["ttft_s"]) == 2
             assert fmt["concurrency"][count]["verified"]
     assert "| 256+64 |" in run.stdout
+    # the timeline of one case: its phases in the order a hit goes through them
+    for fmt in result["formats"]:
+        phases = fmt["hits"]["256"]["async_overlap"]["phases_ms"]
+        order = ["lookup_answered", "load_submitted", "forward_started", "forward_ended",
+                 "first_token"]
+        assert [phases[k] for k in order] == sorted(phases[k] for k in order), phases
+        assert "phases_ms" not in fmt["hits"]["256"]["sync"]
