@@ -4,8 +4,8 @@ staging buffer on the one load stream, then scatter them into the paged
 blocks with ``index_copy_`` on a scatter stream, so the scatter of one fill
 overlaps the copies of the next (the staging buffer is a ring: a fill's
 copies wait only for the scatters of the earlier fills whose bytes they
-reuse). Stores gather blocks with ``index_select`` into staging and copy them out on the
-store stream. Copying straight into paged blocks piece by piece is about 18x
+reuse). Stores gather blocks with ``index_select`` into staging and copy
+them out on the store stream. Copying straight into paged blocks piece by piece is about 18x
 slower than this on an H200.
 
 Load and scatter streams run at high priority: a scatter queued while the
@@ -44,8 +44,9 @@ GROUP_BELOW_BYTES = 8 << 20
 # queued before them. Issuing is host work only (the copies are queued, not
 # waited for): on the copy thread it shares the interpreter lock with the
 # forward it overlaps, which is host-bound for a small batch, and a 4k-token
-# hit's forward ended 2-4 ms after its last layer landed. Larger loads stay
-# on the copy thread, so a long prefill's compute starts at once.
+# hit's forward ended 2-4 ms after its last layer landed (bench/RESULTS.md).
+# Larger loads stay on the copy thread, so a long prefill's compute starts
+# at once.
 INLINE_LOAD_BYTES = 512 << 20
 
 
@@ -158,7 +159,7 @@ class CudaTransferEngine(TransferEngine):
         self._timing = timing
         self._inline_load_bytes = inline_load_bytes
         self._issue_lock = threading.Lock()  # one load issued at a time: ring, ids, order
-        self.last_issue_s = 0.0  # host time the copy thread spent queueing the last load
+        self.last_issue_s = 0.0  # host time spent queueing the last load's copies
 
     def _setup(self, fmt, staging_bytes: int, copy_2d: bool, load_priority: int) -> None:
         self.load_stream = torch.cuda.Stream(self.device, priority=load_priority)
@@ -291,6 +292,7 @@ class CudaTransferEngine(TransferEngine):
 
     # ------------------------------------------------------------------- load
     def _issue_here(self, job: _Job) -> bool:
+        """A small load with nothing queued before it: see INLINE_LOAD_BYTES."""
         if job.handle.nbytes > self._inline_load_bytes:
             return False
         with self._submit_lock:
@@ -401,10 +403,11 @@ class CudaTransferEngine(TransferEngine):
 
     def _copy_unit(self, unit, offset: int) -> tuple[int, int, torch.cuda.Event, int]:
         """Queue one fill's copies into staging at ``offset`` on the load
-        stream: (offset, bytes, filled, rows interleaved). Layers whose extents sit side by side in each
-        object (chunkwise; layerwise objects stored chunk by chunk) go in one
-        strided copy of wide rows, staged chunk-major: ``rows`` chunks, each
-        the group's layers in turn; otherwise layer-major (``rows`` 0)."""
+        stream: (offset, bytes, filled, rows interleaved). Layers whose
+        extents sit side by side in each object (chunkwise; layerwise objects
+        stored chunk by chunk) go in one strided copy of wide rows, staged
+        chunk-major: ``rows`` chunks, each the group's layers in turn;
+        otherwise layer-major (``rows`` 0)."""
         layers, pieces, _ = unit
         row = self.fmt.layer_bytes
         base, pos = self._staging.buffer.data_ptr() + offset, 0
