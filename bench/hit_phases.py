@@ -75,10 +75,10 @@ class PhaseRecorder:
             out["load_submitted"] = ms(submitted)
             times = handle.device_layer_times_s() if hasattr(handle, "device_layer_times_s") \
                 else None
-            for name in ("issue_started_at", "issued_at"):  # the copy thread's
+            for name in ("issue_started_at", "issued_at"):  # queueing its copies
                 at = getattr(handle, name, None)
                 if at is not None:
-                    out["copy_thread_" + name[:-3]] = ms(submitted + at - handle.submitted_at)
+                    out["copies_" + name[:-3]] = ms(submitted + at - handle.submitted_at)
             if times:
                 out["first_layer_landed"] = ms(submitted + times[0])
                 out["last_layer_landed"] = ms(submitted + times[-1])

@@ -56,8 +56,8 @@ class LoadHandle:
         self.error: BaseException | None = None
         self.submitted_at = time.monotonic()
         self.finished_at: float | None = None
-        # when the copy thread took the load up and when it had queued all of
-        # it (CUDA; monotonic): how long a load waits for that thread
+        # when its copies began to be queued and when all were (CUDA;
+        # monotonic), on the copy thread or the submitting thread
         self.issue_started_at: float | None = None
         self.issued_at: float | None = None
         self._marked = [threading.Event() for _ in range(num_layers)]
@@ -195,10 +195,6 @@ class StoreHandle:
         self.error: BaseException | None = None
         self.submitted_at = time.monotonic()
         self.finished_at: float | None = None
-        # when the copy thread took the load up and when it had queued all of
-        # it (CUDA; monotonic): how long a load waits for that thread
-        self.issue_started_at: float | None = None
-        self.issued_at: float | None = None
         self._done = threading.Event()
         if nbytes == 0:
             self._finish()
