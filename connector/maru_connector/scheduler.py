@@ -14,7 +14,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from maru_core.keys import layer_key
+from maru_core.keys import object_layer_keys
 from maru_core.stats import ConnectorStats
 
 from maru_connector.config import MaruConfig
@@ -312,7 +312,7 @@ class MaruSchedulerHalf:
         lists = keys.slice(first, keys.num_chunks)
         if self._layers is None:
             return [list(k) for k in lists]
-        return [[layer_key(ck, layer) for ck in k for layer in self._layers] for k in lists]
+        return [object_layer_keys(k, self._layers) for k in lists]
 
     def _chunk_blocks(
         self, block_ids: list[int], first: int, end: int
