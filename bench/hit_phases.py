@@ -6,7 +6,8 @@ runs at its real speed (a torch-profiler trace of a 16 ms hit takes 34 ms).
 ``wait_for_layer_load``, ``wait_for_save``, ``get_finished``, the
 transfer engine's ``submit_load``) and the engine's forward, and reports per
 hit, in ms from arrival: when the lookup answered, when the load was
-submitted, when its last layer landed on the device (engines built with
+submitted, when its copies began to be queued and when all were, when its
+first and last layers landed on the device (engines built with
 ``timing=True``), when the forward started and ended, how long the forward
 waited for layers, and the first token.
 """
