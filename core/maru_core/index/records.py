@@ -227,6 +227,15 @@ class RecordTable:
         mask &= rows >= 0
         return rows, mask
 
+    def still_in_state(self, rows: np.ndarray, joined: bytes, state: State) -> np.ndarray:
+        """Whether each of ``rows`` (found for the keys of ``joined`` earlier,
+        -1 where not found) still holds its key, in ``state``: one vectorised
+        pass, no hashing."""
+        found = rows >= 0
+        mask = (self.keys.take(rows, axis=0) == key_words(joined)).all(axis=1)
+        mask &= self.state.take(rows) == state
+        return mask & found
+
     def add(self, keys: Sequence[bytes] | bytes) -> np.ndarray:
         """Give each key (new, distinct; ``keys`` may be given joined) a row with
         state ``RESERVED``; the caller fills the other fields."""

@@ -263,6 +263,41 @@ class Registry(Placement):
         _, committed = self._lookup_in_state(keys, State.COMMITTED)
         return len(committed) if committed.all() else int(np.argmin(committed))
 
+    def match_prefix_sliced(self, keys: Keys, slice_keys: int) -> Generator[None, None, int]:
+        """``match_prefix`` a slice of ``slice_keys`` keys per step (a large
+        batch's lookups are most of its cost); stops at the first slice that
+        has a key not committed."""
+        joined = joined_keys(keys)
+        step = slice_keys * KEY_BYTES
+        matched = 0
+        for start in range(0, len(joined), step):
+            if start:
+                yield
+            _, committed = self._lookup_in_state(joined[start : start + step], State.COMMITTED)
+            if not committed.all():
+                return matched + int(np.argmin(committed))
+            matched += len(committed)
+        return matched
+
+    def retrieve_sliced(self, lease_id: str, keys: Keys, slice_keys: int) -> Generator[None, None, LocationList]:
+        """``retrieve`` with its keys looked up a slice of ``slice_keys`` per step.
+
+        The last step checks in one pass that every row found still holds its
+        key, committed, and pins them all there, so a hit is exactly what
+        ``retrieve`` would answer at that step. A key missing when its slice
+        was looked up, or evicted since, makes it a miss: nothing pinned.
+        """
+        joined = joined_keys(keys)
+        step = slice_keys * KEY_BYTES
+        parts = []
+        for start in range(0, len(joined), step):
+            if start:
+                yield
+            parts.append(self._records.lookup(joined[start : start + step]))
+        rows = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+        committed = self._records.still_in_state(rows, joined, State.COMMITTED)
+        return self._pin_all_or_none(self._lease(lease_id), joined, rows, committed)
+
     def retrieve(self, lease_id: str, keys: Keys) -> LocationList:
         """One ``Location`` per key, in order, ``None`` for a key not committed.
 
@@ -276,6 +311,11 @@ class Registry(Placement):
         lease = self._lease(lease_id)
         joined = joined_keys(keys)
         rows, committed = self._lookup_in_state(joined, State.COMMITTED)
+        return self._pin_all_or_none(lease, joined, rows, committed)
+
+    def _pin_all_or_none(self, lease: Lease, joined: bytes, rows: np.ndarray,
+                         committed: np.ndarray) -> LocationList:
+        """The end of a retrieve: pin ``rows`` for ``lease`` if all are committed."""
         if committed.all():
             distinct = self._touch(rows)
             if distinct:

@@ -1,0 +1,74 @@
+"""Large retrieves and prefix matches looked up a slice per step
+(``Registry.retrieve_sliced``, ``match_prefix_sliced``): the answer and the
+pins are those of the whole call, and a key evicted between steps makes a
+retrieve a miss with nothing pinned, never a pin on another key's object."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from maru_core.index.registry import Registry
+from maru_core.index.registry_types import run_to_end
+from test_registry import Clock, accounting_adds_up, geometry, key, store
+
+
+def _twin_registries(stored: list[int]) -> tuple[tuple[Registry, str], tuple[Registry, str]]:
+    out = []
+    for _ in range(2):
+        reg = Registry(geometry(400), clock=Clock())
+        lease = reg.open_lease("w")
+        if stored:
+            store(reg, lease, [key(i) for i in stored])
+        out.append((reg, reg.open_lease("r")))
+    return out[0], out[1]
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(stored=st.lists(st.integers(0, 60), unique=True, max_size=40),
+       asked=st.lists(st.integers(0, 60), max_size=50),
+       slice_keys=st.integers(1, 8))
+def test_a_sliced_read_answers_and_pins_as_the_whole_one(stored, asked, slice_keys) -> None:
+    (whole, w_lease), (sliced, s_lease) = _twin_registries(stored)
+    keys = b"".join(key(i) for i in asked)
+    assert run_to_end(sliced.match_prefix_sliced(keys, slice_keys)) == whole.match_prefix(keys)
+    want = whole.retrieve(w_lease, keys)
+    got = run_to_end(sliced.retrieve_sliced(s_lease, keys, slice_keys))
+    assert bytes(got.to_wire()) == bytes(want.to_wire())
+    assert np.array_equal(sliced._records.pins, whole._records.pins)
+    # the pins are held the same way: the same unpin releases them all
+    assert whole.unpin(w_lease, keys) == sliced.unpin(s_lease, keys)
+    assert not sliced._records.pins.any()
+    accounting_adds_up(sliced)
+
+
+def test_a_key_evicted_between_steps_makes_the_retrieve_a_miss_with_nothing_pinned() -> None:
+    reg = Registry(geometry(400), clock=Clock())
+    writer, reader = reg.open_lease("w"), reg.open_lease("r")
+    keys = [key(i) for i in range(30)]
+    store(reg, writer, keys)
+    steps = reg.retrieve_sliced(reader, b"".join(keys), slice_keys=10)
+    next(steps)  # the first slice looked up
+    reg._evict(10**6)  # every unpinned object goes, then their rows are reused
+    store(reg, writer, [key(i) for i in range(100, 130)])
+    locations = run_to_end(steps)
+    assert locations.misses() > 0
+    assert not reg._records.pins.any()
+    accounting_adds_up(reg)
+
+
+def test_a_key_stored_again_between_steps_at_another_place_is_not_pinned_at_its_old_one() -> None:
+    reg = Registry(geometry(400), clock=Clock())
+    writer, reader = reg.open_lease("w"), reg.open_lease("r")
+    keys = [key(i) for i in range(20)]
+    store(reg, writer, keys)
+    steps = reg.retrieve_sliced(reader, b"".join(keys), slice_keys=5)
+    next(steps)
+    reg._evict(10**6)
+    store(reg, writer, keys)  # the same keys again, in new records
+    locations = run_to_end(steps)
+    assert locations.misses() > 0  # a miss (the keys were gone meanwhile): nothing pinned
+    assert not reg._records.pins.any()
+    assert reg.retrieve(reader, b"".join(keys)).misses() == 0  # asked again, a hit
+    assert reg._records.pins.sum() == len(keys)
