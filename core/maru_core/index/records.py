@@ -105,6 +105,7 @@ class RecordTable:
 
     def __init__(self) -> None:
         self.count = 0
+        self.removals = 0  # calls of remove(): a row found before may hold another key since
         self.high_water = 0
         self.capacity = 0
         self._free_rows = np.zeros(0, dtype=np.int64)
@@ -270,6 +271,7 @@ class RecordTable:
             getattr(self, name)[rows] = 0
         self._free_rows = np.concatenate((self._free_rows, rows))
         self.count -= len(rows)
+        self.removals += 1
 
     def key_of(self, row: int) -> bytes:
         return self.keys[row].tobytes()

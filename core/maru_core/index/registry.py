@@ -282,20 +282,28 @@ class Registry(Placement):
     def retrieve_sliced(self, lease_id: str, keys: Keys, slice_keys: int) -> Generator[None, None, LocationList]:
         """``retrieve`` with its keys looked up a slice of ``slice_keys`` per step.
 
-        The last step checks in one pass that every row found still holds its
-        key, committed, and pins them all there, so a hit is exactly what
-        ``retrieve`` would answer at that step. A key missing when its slice
-        was looked up, or evicted since, makes it a miss: nothing pinned.
+        The last step pins them all at once, so a hit is exactly what
+        ``retrieve`` would answer at that step: a committed record leaves that
+        state only when removed, and if any record was removed since the
+        first slice, every row found is checked to still hold its key,
+        committed. A key missing when its slice was looked up, or removed
+        since, makes it a miss: nothing pinned.
         """
         joined = joined_keys(keys)
         step = slice_keys * KEY_BYTES
-        parts = []
+        removals = self._records.removals
+        rows, committed = [], []
         for start in range(0, len(joined), step):
             if start:
                 yield
-            parts.append(self._records.lookup(joined[start : start + step]))
-        rows = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
-        committed = self._records.still_in_state(rows, joined, State.COMMITTED)
+            found, mask = self._lookup_in_state(joined[start : start + step], State.COMMITTED)
+            rows.append(found)
+            committed.append(mask)
+        rows = np.concatenate(rows) if rows else np.empty(0, dtype=np.int64)
+        committed = np.concatenate(committed) if committed else np.empty(0, dtype=bool)
+        if self._records.removals != removals and committed.all():
+            # records went meanwhile (evicted, expired): their rows may hold other keys now
+            committed = self._records.still_in_state(rows, joined, State.COMMITTED)
         return self._pin_all_or_none(self._lease(lease_id), joined, rows, committed)
 
     def retrieve(self, lease_id: str, keys: Keys) -> LocationList:
