@@ -43,31 +43,34 @@ def test_a_sliced_read_answers_and_pins_as_the_whole_one(stored, asked, slice_ke
     accounting_adds_up(sliced)
 
 
-def test_a_key_evicted_between_steps_makes_the_retrieve_a_miss_with_nothing_pinned() -> None:
+def _retrieve_evicting_after_its_first_slice(keys: list[bytes], slice_keys: int,
+                                             stored_meanwhile: list[bytes]):
+    """A sliced retrieve of stored ``keys`` with every unpinned object evicted
+    after its first slice and ``stored_meanwhile`` stored into the freed rows;
+    returns the registry, the reader's lease and the retrieve's answer."""
     reg = Registry(geometry(400), clock=Clock())
     writer, reader = reg.open_lease("w"), reg.open_lease("r")
-    keys = [key(i) for i in range(30)]
     store(reg, writer, keys)
-    steps = reg.retrieve_sliced(reader, b"".join(keys), slice_keys=10)
+    steps = reg.retrieve_sliced(reader, b"".join(keys), slice_keys=slice_keys)
     next(steps)  # the first slice looked up
-    reg._evict(10**6)  # every unpinned object goes, then their rows are reused
-    store(reg, writer, [key(i) for i in range(100, 130)])
-    locations = run_to_end(steps)
+    reg._evict(10**6)
+    store(reg, writer, stored_meanwhile)
+    return reg, reader, run_to_end(steps)
+
+
+def test_a_key_evicted_between_steps_makes_the_retrieve_a_miss_with_nothing_pinned() -> None:
+    keys = [key(i) for i in range(30)]
+    reg, _, locations = _retrieve_evicting_after_its_first_slice(
+        keys, 10, [key(i) for i in range(100, 130)])  # other keys reuse the rows
     assert locations.misses() > 0
     assert not reg._records.pins.any()
     accounting_adds_up(reg)
 
 
 def test_a_key_stored_again_between_steps_at_another_place_is_not_pinned_at_its_old_one() -> None:
-    reg = Registry(geometry(400), clock=Clock())
-    writer, reader = reg.open_lease("w"), reg.open_lease("r")
     keys = [key(i) for i in range(20)]
-    store(reg, writer, keys)
-    steps = reg.retrieve_sliced(reader, b"".join(keys), slice_keys=5)
-    next(steps)
-    reg._evict(10**6)
-    store(reg, writer, keys)  # the same keys again, in new records
-    locations = run_to_end(steps)
+    reg, reader, locations = _retrieve_evicting_after_its_first_slice(
+        keys, 5, keys)  # the same keys again, in new records
     assert locations.misses() > 0  # a miss (the keys were gone meanwhile): nothing pinned
     assert not reg._records.pins.any()
     assert reg.retrieve(reader, b"".join(keys)).misses() == 0  # asked again, a hit
