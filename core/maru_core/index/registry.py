@@ -260,8 +260,8 @@ class Registry(Placement):
 
     def match_prefix(self, keys: Keys) -> int:
         """How many leading ``keys`` are committed (no pin, no lease needed)."""
-        _, committed = self._lookup_in_state(keys, State.COMMITTED)
-        return len(committed) if committed.all() else int(np.argmin(committed))
+        joined = joined_keys(keys)
+        return run_to_end(self.match_prefix_sliced(joined, max(1, len(joined) // KEY_BYTES)))
 
     def match_prefix_sliced(self, keys: Keys, slice_keys: int) -> Generator[None, None, int]:
         """``match_prefix`` a slice of ``slice_keys`` keys per step (a large
@@ -289,6 +289,7 @@ class Registry(Placement):
         committed. A key missing when its slice was looked up, or removed
         since, makes it a miss: nothing pinned.
         """
+        self._lease(lease_id)  # NoLease before any work, hit or miss
         joined = joined_keys(keys)
         step = slice_keys * KEY_BYTES
         removals = self._records.removals
@@ -304,7 +305,16 @@ class Registry(Placement):
         if self._records.removals != removals and committed.all():
             # records went meanwhile (evicted, expired): their rows may hold other keys now
             committed = self._records.still_in_state(rows, joined, State.COMMITTED)
-        return self._pin_all_or_none(self._lease(lease_id), joined, rows, committed)
+        if not committed.all():
+            return self._locations(rows, committed)
+        lease = self._lease(lease_id)  # still live after the slices, or nothing is pinned
+        distinct = self._touch(rows)
+        if distinct:
+            self._records.pins[rows] += 1
+        else:
+            np.add.at(self._records.pins, rows, 1)
+        lease.add_pins(rows, distinct, joined)
+        return self._locations(rows, None)
 
     def retrieve(self, lease_id: str, keys: Keys) -> LocationList:
         """One ``Location`` per key, in order, ``None`` for a key not committed.
@@ -316,23 +326,8 @@ class Registry(Placement):
         missing, nothing is pinned and the locations returned must not be
         read.
         """
-        lease = self._lease(lease_id)
         joined = joined_keys(keys)
-        rows, committed = self._lookup_in_state(joined, State.COMMITTED)
-        return self._pin_all_or_none(lease, joined, rows, committed)
-
-    def _pin_all_or_none(self, lease: Lease, joined: bytes, rows: np.ndarray,
-                         committed: np.ndarray) -> LocationList:
-        """The end of a retrieve: pin ``rows`` for ``lease`` if all are committed."""
-        if committed.all():
-            distinct = self._touch(rows)
-            if distinct:
-                self._records.pins[rows] += 1
-            else:
-                np.add.at(self._records.pins, rows, 1)
-            lease.add_pins(rows, distinct, joined)
-            return self._locations(rows, None)
-        return self._locations(rows, committed)
+        return run_to_end(self.retrieve_sliced(lease_id, joined, max(1, len(joined) // KEY_BYTES)))
 
     def unpin(self, lease_id: str, keys: Keys) -> int:
         """Drop one of ``lease_id``'s pins per key occurrence; return how many were dropped."""
