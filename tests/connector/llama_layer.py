@@ -83,19 +83,25 @@ def fill_random(t: torch.Tensor, gen: torch.Generator | None = None) -> None:
 @dataclass
 class Batch:
     """The tokens one forward computes: per request, its new tokens, their
-    positions, the slots they are written to and its block table."""
+    positions, the slots they are written to and the slots of its context.
+
+    Built once per forward, as vLLM's attention metadata builder does: each
+    layer's attention then only launches its kernels (a slot is ``block *
+    block_size + offset``, a token row of a layer's cache viewed as rows).
+    """
 
     tokens: torch.Tensor  # [n] int64
     positions: torch.Tensor  # [n] int64
-    slots: torch.Tensor  # [n] int64: block * block_size + offset
+    slots: torch.Tensor  # [n] int64: where each new token's K/V is written
     last_index: torch.Tensor  # [requests] int64: index of each request's last token
-    seqs: list[tuple[int, int, torch.Tensor, int]]  # (first, count, block table, context)
+    seqs: list[tuple[int, int, torch.Tensor]]  # (first, count, slots of the whole context)
 
     @classmethod
     def build(cls, requests: Sequence[tuple[Sequence[int], int, Sequence[int]]],
               block_size: int, device) -> "Batch":
         """``requests``: (new tokens, first position, block ids of the whole context)."""
         toks, pos, slots, last, seqs = [], [], [], [], []
+        offsets = torch.arange(block_size, dtype=torch.int64, device=device)
         for new, start, block_ids in requests:
             first = len(toks)
             toks.extend(new)
@@ -104,12 +110,22 @@ class Batch:
             slots.extend(block_ids[q // block_size] * block_size + q % block_size for q in p)
             last.append(len(toks) - 1)
             table = torch.tensor(block_ids, dtype=torch.int64, device=device)
-            seqs.append((first, len(new), table, start + len(new)))
+            context = (table[:, None] * block_size + offsets).view(-1)[:start + len(new)]
+            seqs.append((first, len(new), context))
 
         def t(x):
             return torch.tensor(x, dtype=torch.int64, device=device)
 
         return cls(t(toks), t(pos), t(slots), t(last), seqs)
+
+
+def token_rows(kv_cache: torch.Tensor) -> torch.Tensor:
+    """A layer's cache ``[blocks, kv_heads, block_size, 2 * head]`` (token
+    dimension outside the head dimension in memory) as one row per token
+    slot, ``[blocks * block_size, kv_heads, 2 * head]``: a view, so writes
+    land in the cache (``view`` raises rather than copy)."""
+    blocks, heads, block_size, width = kv_cache.shape
+    return kv_cache.transpose(1, 2).view(blocks * block_size, heads, width)
 
 
 class LlamaStack:
@@ -176,18 +192,21 @@ class LlamaStack:
     def attention(self, kv_cache: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
                   batch: Batch, out: torch.Tensor) -> None:
         """Write the new tokens' K/V into their slots, then attend over each
-        request's whole context, read back from its blocks; into ``out``."""
+        request's whole context, read back from its slots; into ``out``.
+
+        Four kernels per request and layer (write, gather, attention, output
+        copy), close to vLLM's attention op (write into the cache, then one
+        paged attention kernel), so that the host time of a small batch's
+        forward is the model's, not this stand-in's."""
         g = self.geo
-        bs = kv_cache.shape[2]
-        kv_cache[batch.slots // bs, :, batch.slots % bs] = kv.to(kv_cache.dtype)
-        for first, count, table, context in batch.seqs:
-            ctx = kv_cache.index_select(0, table).transpose(1, 2).reshape(-1, g.kv_heads,
-                                                                         2 * g.head)[:context]
-            ctx = ctx.to(q.dtype)
+        rows = token_rows(kv_cache)
+        rows.index_copy_(0, batch.slots, kv.to(rows.dtype))
+        for first, count, context in batch.seqs:
+            ctx = rows.index_select(0, context).to(q.dtype)  # [context, kv_heads, 2 * head]
             k, v = ctx.transpose(0, 1).split(g.head, dim=-1)
             qs = q[first:first + count].transpose(0, 1)
             o = self._attend(qs.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0))
-            out[first:first + count] = o[0].transpose(0, 1).reshape(count, -1)
+            out[first:first + count].view(count, g.heads, g.head).copy_(o[0].transpose(0, 1))
 
     def _attend(self, q, k, v):
         """Causal attention aligned bottom-right (the new tokens are the last
