@@ -68,7 +68,7 @@ def measure(client, pool: Pool, fmt: ObjectFormat, tokens: int, repeats: int) ->
         if i:  # the first is a warm-up
             for name, took in zip(rows, (t1 - t0, t2 - t1, t3 - t2)):
                 rows[name].append(took * 1e3)
-    return {"objects": len(pinned.object_keys), **{k: statistics.median(v) for k, v in rows.items()}}
+    return {"objects": pinned.num_objects, **{k: statistics.median(v) for k, v in rows.items()}}
 
 
 def main() -> None:

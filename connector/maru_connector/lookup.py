@@ -52,8 +52,9 @@ class LookupService:
         self._pending: dict[str, tuple[Future[int], float]] = {}
         self._down_until = 0.0
 
-    def match(self, req_id: str, key_lists: Sequence[Sequence[bytes]]) -> int | None:
-        """Leading chunks committed for every key list (min over TP ranks).
+    def match(self, req_id: str, key_lists: Sequence[bytes | Sequence[bytes]]) -> int | None:
+        """Leading keys committed for every key list (min over TP ranks); a
+        list is a sequence of keys or the keys packed end to end.
 
         Returns the count, or ``None`` while the lookup is still in flight.
         An unreachable or failing index yields 0 (a miss).
@@ -72,7 +73,8 @@ class LookupService:
             return None
         if now < self._down_until:
             return 0
-        future = self._executor.submit(self._match_all, [list(k) for k in key_lists])
+        lists = [k if type(k) is bytes else list(k) for k in key_lists]  # a snapshot
+        future = self._executor.submit(self._match_all, lists)
         try:
             future.result(timeout=self._timeout_s)
         except FutureTimeout:
@@ -96,7 +98,7 @@ class LookupService:
         if client is not None:
             client.close()
 
-    def _match_all(self, key_lists: list[list[bytes]]) -> int:
+    def _match_all(self, key_lists: list[bytes | list[bytes]]) -> int:
         if self._client is None:
             self._client = self._client_factory()
         matched = min(

@@ -14,7 +14,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from maru_core.keys import object_layer_keys
+from maru_core.keys import packed_layer_keys
 from maru_core.stats import ConnectorStats
 
 from maru_connector.config import MaruConfig
@@ -306,13 +306,13 @@ class MaruSchedulerHalf:
             state.keys = request_keys(self._namespaces, state.request)
         return state.keys
 
-    def _lookup_keys(self, keys: RequestKeys, first: int) -> list[list[bytes]]:
-        """Keys to match from chunk ``first``: chunk keys, or (layerwise) the
-        chunk-major layer keys of every chunk."""
+    def _lookup_keys(self, keys: RequestKeys, first: int) -> list[bytes]:
+        """Keys to match from chunk ``first``, packed end to end per TP rank:
+        chunk keys, or (layerwise) the chunk-major layer keys of every chunk."""
         lists = keys.slice(first, keys.num_chunks)
         if self._layers is None:
-            return [list(k) for k in lists]
-        return [object_layer_keys(k, self._layers) for k in lists]
+            return [b"".join(k) for k in lists]
+        return [packed_layer_keys(k, self._layers) for k in lists]
 
     def _chunk_blocks(
         self, block_ids: list[int], first: int, end: int

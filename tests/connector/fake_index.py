@@ -21,6 +21,7 @@ from typing import Any
 
 from maru_core.index.client_ops import IndexRejected, IndexUnavailable
 from maru_core.protocol import ErrorType, Location, LocationList, Slot, SlotList
+from maru_core.protocol.messages import unpack_keys
 
 __all__ = ["FakeClient", "FakeIndex", "Location", "Slot"]
 
@@ -60,6 +61,11 @@ class FakeIndex:
         return Location(offset, length, self._next_page)
 
 
+def _keys(keys: Any) -> list[bytes]:
+    """Keys as a list, from a list or packed end to end (the real client takes both)."""
+    return unpack_keys(keys) if type(keys) is bytes else list(keys)
+
+
 class FakeClient:
     def __init__(self, index: FakeIndex) -> None:
         self._ix = index
@@ -67,6 +73,7 @@ class FakeClient:
 
     def match_prefix(self, keys: list[bytes], **_: Any) -> int:
         self._ix._enter("match_prefix")
+        keys = _keys(keys)
         with self._ix.lock:
             n = 0
             for key in keys:
@@ -77,6 +84,7 @@ class FakeClient:
 
     def retrieve(self, keys: list[bytes], **_: Any) -> LocationList:
         self._ix._enter("retrieve")
+        keys = _keys(keys)
         with self._ix.lock:
             locations = [self._ix.committed.get(k) for k in keys]
             if all(loc is not None for loc in locations):
@@ -87,6 +95,7 @@ class FakeClient:
 
     def unpin(self, keys: list[bytes]) -> int:
         self._ix._enter("unpin")
+        keys = _keys(keys)
         with self._ix.lock:
             n = 0
             for key in keys:
@@ -118,6 +127,7 @@ class FakeClient:
 
     def commit(self, keys: list[bytes]) -> list[bool]:
         self._ix._enter("commit")
+        keys = _keys(keys)
         with self._ix.lock:
             done = []
             for key in keys:
@@ -130,6 +140,7 @@ class FakeClient:
 
     def abort(self, keys: list[bytes]) -> int:
         self._ix._enter("abort")
+        keys = _keys(keys)
         with self._ix.lock:
             return sum(self._ix.reserved.pop(k, None) is not None for k in keys)
 

@@ -21,6 +21,8 @@ from maru_core.keys import (
     layer_key,
     layer_keys,
     object_layer_keys,
+    packed_layer_keys,
+    split_keys,
 )
 
 NS = KeyNamespace(
@@ -196,6 +198,27 @@ def test_layer_key_checks_its_arguments() -> None:
        layers=st.lists(st.integers(0, 2**32 - 1), max_size=6))
 def test_object_layer_keys_are_layer_key_chunk_major(chunks: list[bytes], layers: list[int]) -> None:
     assert object_layer_keys(chunks, layers) == [layer_key(c, layer) for c in chunks for layer in layers]
+
+
+def test_a_layer_key_is_the_chunk_key_xor_the_layers_digest() -> None:
+    chunk = chunk_keys(NS, TOKENS)[0]
+    mask = hashlib.blake2b((7).to_bytes(4, "little"), digest_size=16, person=b"maru.layer").digest()
+    assert layer_key(chunk, 7) == bytes(a ^ b for a, b in zip(chunk, mask))
+
+
+@settings(max_examples=50, deadline=None)
+@given(chunks=st.lists(st.binary(min_size=16, max_size=16), max_size=5),
+       layers=st.lists(st.integers(0, 2**32 - 1), max_size=6))
+def test_packed_layer_keys_are_object_layer_keys_end_to_end(chunks: list[bytes], layers: list[int]) -> None:
+    packed = packed_layer_keys(chunks, layers)
+    assert packed == b"".join(object_layer_keys(chunks, layers))
+    assert packed_layer_keys(b"".join(chunks), layers) == packed  # chunk keys packed too
+    assert split_keys(packed) == object_layer_keys(chunks, layers)
+
+
+def test_packed_chunk_keys_must_be_whole_keys() -> None:
+    with pytest.raises(ValueError, match="multiple of 16"):
+        packed_layer_keys(b"k" * 17, [0])
 
 
 _CHILD = """

@@ -24,6 +24,7 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
+from maru_core.keys import split_keys
 from maru_core.protocol.errors import ErrorType, ProtocolError
 
 PROTOCOL_VERSION = 1
@@ -86,9 +87,7 @@ def pack_keys(keys: Any) -> bytes:
 
 def unpack_keys(packed: bytes) -> list[bytes]:
     """The list of keys in a packed bin (its length a multiple of 16)."""
-    # A void dtype keeps every byte (an "S16" one would strip trailing NULs),
-    # and tolist() builds the bytes objects in C.
-    return np.frombuffer(packed, dtype=f"V{KEY_BYTES}").tolist()
+    return split_keys(packed)
 
 
 def pack_lengths(lengths: Any) -> bytes:
