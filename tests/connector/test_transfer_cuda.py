@@ -106,12 +106,21 @@ def _round_trip(engines, pool, kind, layerwise, adjacent, src_device="cuda", **o
     return loader
 
 
+# Where a load is issued: all of it on the submitting thread, its first fill
+# there and the rest on the copy thread, or all of it on the copy thread.
+ISSUE_PATHS = {
+    "inline": {"inline_load_bytes": 1 << 30},
+    "split": {"inline_load_bytes": 0, "inline_head_fills": 1},
+    "copy_thread": {"inline_load_bytes": 0, "inline_head_fills": 0},
+}
+
+
 @pytest.mark.parametrize("kind", ALL_KINDS)
 @pytest.mark.parametrize("layerwise", [False, True], ids=["chunkwise", "layerwise"])
 @pytest.mark.parametrize("adjacent", [True, False], ids=["adjacent", "scattered"])
-@pytest.mark.parametrize("inline_load_bytes", [1 << 30, 0], ids=["inline", "copy_thread"])
-def test_round_trip_on_gpu(engines, pool, kind, layerwise, adjacent, inline_load_bytes):
-    _round_trip(engines, pool, kind, layerwise, adjacent, inline_load_bytes=inline_load_bytes)
+@pytest.mark.parametrize("issue", list(ISSUE_PATHS))
+def test_round_trip_on_gpu(engines, pool, kind, layerwise, adjacent, issue):
+    _round_trip(engines, pool, kind, layerwise, adjacent, **ISSUE_PATHS[issue])
 
 
 def test_a_load_issued_on_the_caller_s_thread_leaves_its_stream_and_device_alone(engines,
@@ -126,7 +135,7 @@ def test_a_load_issued_on_the_caller_s_thread_leaves_its_stream_and_device_alone
         assert handle.issued_at is not None  # issued before submit_load returned
         assert torch.cuda.current_stream() == mine
     assert handle.wait_all(30) and handle.error is None
-    engine._inline_load_bytes = 0  # the same engine, every load on the copy thread
+    engine._inline_load_bytes = engine._inline_head_fills = 0  # now all on the copy thread
     queued = engine.submit_load([ChunkLoad((2, 3), (0,))])
     assert queued.wait_all(30) and queued.error is None and queued.issued_at is not None
     assert torch.equal(engine.block_views[0][2], engine.block_views[0][0])
@@ -217,7 +226,8 @@ def test_failed_copy_releases_waiters(engines, pool, bad):
     assert good.wait_all(30)
 
 
-def test_eight_concurrent_loads_share_the_load_stream(engines, pool):
+@pytest.mark.parametrize("issue", list(ISSUE_PATHS))
+def test_eight_concurrent_loads_share_the_load_stream(engines, pool, issue):
     src = make_kv_caches("cpu", layers=4, blocks=64, seed=7, device="cuda")
     dst = make_kv_caches("cpu", layers=4, blocks=64, seed=8, device="cuda")
     layout = detect_kv_layout(src)
@@ -225,7 +235,8 @@ def test_eight_concurrent_loads_share_the_load_stream(engines, pool):
     plans = [(tuple(range(4 * c, 4 * c + 4)),
               tuple((c * 4 + l) * fmt.object_bytes for l in range(4))) for c in range(16)]
     assert engines(src, fmt).submit_store([ChunkStore(*p) for p in plans]).wait(30)
-    loader = engines(dst, ObjectFormat(detect_kv_layout(dst), fmt.chunk_tokens, True))
+    loader = engines(dst, ObjectFormat(detect_kv_layout(dst), fmt.chunk_tokens, True),
+                     **ISSUE_PATHS[issue])
     handles = [None] * 8
     barrier = threading.Barrier(8)
 

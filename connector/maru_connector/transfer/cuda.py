@@ -33,6 +33,8 @@ from .plan import Run, layer_pieces
 
 __all__ = ["CudaTransferEngine"]
 
+_FAILED = object()  # a load whose issue failed on the submitting thread
+
 DEFAULT_STAGING_BYTES = 64 << 20  # the largest fill; >= 64 MiB copies reach peak
 STAGING_FILLS = 2  # the ring holds this many of the largest fills
 HIGH_PRIORITY = -1  # above the default 0 (lower numbers are served first)
@@ -45,9 +47,12 @@ GROUP_BELOW_BYTES = 8 << 20
 # waited for): on the copy thread it shares the interpreter lock with the
 # forward it overlaps, which is host-bound for a small batch, and a 4k-token
 # hit's forward ended 2-4 ms after its last layer landed (bench/RESULTS.md).
-# Larger loads stay on the copy thread, so a long prefill's compute starts
-# at once.
+# A larger load's first fills are issued there too, the rest on the copy
+# thread: the copy engine starts at once (the copy thread took 0.5-0.7 ms to
+# pick a load up beside a busy forward), and a long prefill's compute is held
+# up only by those few calls.
 INLINE_LOAD_BYTES = 512 << 20
+INLINE_HEAD_FILLS = 2  # two fills keep the copy engine busy >= 2 ms for a 16k-token hit
 
 
 class _StagingRing:
@@ -142,7 +147,8 @@ class CudaTransferEngine(TransferEngine):
     def __init__(self, pool_buffer, kv_caches, fmt, staging_bytes: int = DEFAULT_STAGING_BYTES,
                  copy_2d: bool = True, timing: bool = False,
                  load_priority: int = HIGH_PRIORITY,
-                 inline_load_bytes: int = INLINE_LOAD_BYTES) -> None:
+                 inline_load_bytes: int = INLINE_LOAD_BYTES,
+                 inline_head_fills: int = INLINE_HEAD_FILLS) -> None:
         super().__init__(pool_buffer, kv_caches, fmt)
         self.device = self.kv_caches[0].device
         self._pool_ptr = self.pool.data_ptr()
@@ -158,6 +164,7 @@ class CudaTransferEngine(TransferEngine):
                 raise
         self._timing = timing
         self._inline_load_bytes = inline_load_bytes
+        self._inline_head_fills = inline_head_fills
         self._issue_lock = threading.Lock()  # one load issued at a time: ring, ids, order
         self.last_issue_s = 0.0  # host time spent queueing the last load's copies
 
@@ -292,8 +299,12 @@ class CudaTransferEngine(TransferEngine):
 
     # ------------------------------------------------------------------- load
     def _issue_here(self, job: _Job) -> bool:
-        """A small load with nothing queued before it: see INLINE_LOAD_BYTES."""
-        if job.handle.nbytes > self._inline_load_bytes:
+        """Issue a load on the submitting thread when nothing is queued before
+        it: all of it up to ``inline_load_bytes`` (see INLINE_LOAD_BYTES),
+        else its first ``inline_head_fills`` fills, and the rest on the copy
+        thread. True when this thread issued (some of) it."""
+        whole = job.handle.nbytes <= self._inline_load_bytes
+        if not whole and self._inline_head_fills <= 0:
             return False
         with self._submit_lock:
             if self._closed:
@@ -301,10 +312,24 @@ class CudaTransferEngine(TransferEngine):
             if self._loads_queued:  # keep submission order
                 return False
             self._issue_lock.acquire()
+            if not whole:
+                # Its place in the queue is taken now, before any later load:
+                # the copy thread picks it up once this thread has issued the
+                # head and released the issue lock.
+                job.rest = None
+                self._loads_queued += 1
+                self._load_queue.put(job)
         try:
+            fills = self._issue_fills(job)
+            if not whole:  # the copy thread looks only once the issue lock is free
+                job.rest = fills
             with torch.cuda.device(self.device), torch.cuda.stream(self.scatter_stream):
-                self._issue_load(job)  # the caller's current device and stream restored
+                # the caller's current device and stream are restored
+                for done, _ in enumerate(fills, 1):
+                    if not whole and done >= self._inline_head_fills:
+                        break
         except BaseException as exc:  # as on the copy thread: the handle fails
+            job.rest = _FAILED
             self._fail(job, exc)
         finally:
             self._issue_lock.release()
@@ -312,19 +337,27 @@ class CudaTransferEngine(TransferEngine):
 
     def _run_load(self, job: _Job) -> None:
         with self._issue_lock:
+            rest = getattr(job, "rest", None)
+            if rest is _FAILED:
+                return
             torch.cuda.set_device(self.device)
             torch.cuda.set_stream(self.scatter_stream)  # the scatters run on this stream
-            self._issue_load(job)
+            for _ in rest if rest is not None else self._issue_fills(job):
+                pass
 
-    def _issue_load(self, job: _Job) -> None:
-        """Each fill's copies are queued before the scatter of the fill
+    def _issue_fills(self, job: _Job):
+        """Queue a load's copies and scatters, yielding after each fill's
+        copies, so that issuing can stop after any fill and go on later on
+        another thread (under the issue lock, nothing else issued between).
+
+        Each fill's copies are queued before the scatter of the fill
         before it, so the copy engine never waits for the copy thread's
         scatter call, and a layer is marked (the forward may queue its
         attention) one fill after its copies. The staging ring has room for
         the fills a small load starts with, so their copies never wait for a
         scatter. The block ids go up just before the first scatter."""
-        started = time.perf_counter()
         job.handle.issue_started_at = time.monotonic()
+        busy, resumed = 0.0, time.perf_counter()
         ids = None
         pending: deque = deque()  # fills copied, not yet scattered
 
@@ -346,13 +379,16 @@ class CudaTransferEngine(TransferEngine):
                 pending.append((unit, self._copy_unit(unit, offset)))
                 if len(pending) > 1:
                     scatter_oldest()
+                busy += time.perf_counter() - resumed
+                yield
+                resumed = time.perf_counter()
         except TransferError:  # a bad extent: the layers before it still land
             while pending:
                 scatter_oldest()
             raise
         while pending:
             scatter_oldest()
-        self.last_issue_s = time.perf_counter() - started
+        self.last_issue_s = busy + time.perf_counter() - resumed
         job.handle.issued_at = time.monotonic()
 
     def _unit_bytes(self, unit) -> int:
