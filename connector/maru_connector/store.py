@@ -246,9 +246,18 @@ class Storer:
                 self._stats.record_store_failure("commit_error")
             return
         done = dict(zip(keys, committed))
+        refused = sum(not ok for ok in committed)
+        if refused:
+            # Our reservation held each key, so a refusal means it lapsed
+            # (reservation_ttl_s: the verdict came too late) or a header did not
+            # name its key: a lost store, never a silent one.
+            logger.warning("the index refused %d of %d committed objects; they are not stored",
+                           refused, len(keys))
         for job in jobs:
             if any(done.get(k) for k in job.to_commit):
                 self._stats.record_store(job.nbytes, time.monotonic() - job.started)
+            else:
+                self._stats.record_store_failure("commit_error")
 
     def _finish(self, job: _StoreJob) -> None:
         job.blocks_read.set()

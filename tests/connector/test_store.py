@@ -99,3 +99,15 @@ def test_a_store_refused_for_lack_of_room_is_counted_as_no_space(env):
     failures = writer.stats.snapshot()["store_failures"]
     assert failures["no_space"] == 1 and failures["index_error"] == 0
     assert env.index.reserved == {} and env.index.committed == {}
+
+
+def test_a_commit_the_index_refuses_is_counted_not_lost_silently(env):
+    writer, _ = env.worker(seed=1, maru_async_store=False)
+    keys = env.keys(tokens(64))
+    writer.wait_for_save(store_meta("w", keys, first_block=0))
+    assert len(env.index.reserved) == 2
+    env.index.reserved.clear()  # the reservations lapsed before the verdict came
+    writer.wait_for_save(MaruConnectorMetadata(step=1, store_verdicts={0: True}))
+    snapshot = writer.stats.snapshot()
+    assert snapshot["store_failures"]["commit_error"] == 1
+    assert snapshot["counters"]["store_bytes"] == 0 and env.index.committed == {}
