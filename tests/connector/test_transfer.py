@@ -24,7 +24,7 @@ from maru_connector.transfer import (
     TransferError,
     TransferRequestError,
 )
-from maru_connector.transfer.plan import Run, layer_runs, split_runs
+from maru_connector.transfer.plan import Run, layer_pieces, layer_runs, split_runs
 
 
 def same_bytes(a, b):
@@ -176,6 +176,28 @@ def test_scattered_objects_break_runs():
     assert layer_runs(fmt, offsets, 0) == [
         Run(0, size, 2, 0), Run(5 * size, size, 1, 4), Run(3 * size, size, 1, 6)
     ]
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), layerwise=st.booleans(), chunks=st.integers(1, 6), max_rows=st.integers(1, 4))
+def test_layer_pieces_are_each_layers_own_runs(data, layerwise, chunks, max_rows):
+    """Planned once and shifted, or layer by layer: the same pieces as
+    coalescing each layer's extents on its own, for objects placed alike per
+    chunk (as one store places them), side by side, or anywhere."""
+    fmt = fmt_of(layerwise, layers=3)
+    size, per = fmt.object_bytes, fmt.objects_per_chunk
+    slots = st.integers(0, 40).map(lambda i: i * size)
+    placement = data.draw(st.sampled_from(["alike", "anywhere"]))
+    if placement == "alike":
+        shifts = data.draw(st.lists(slots, min_size=per, max_size=per))
+        bases = data.draw(st.lists(slots, min_size=chunks, max_size=chunks))
+        offsets = [tuple(b + sh for sh in shifts) for b in bases]
+    else:
+        offsets = [tuple(data.draw(st.lists(slots, min_size=per, max_size=per)))
+                   for _ in range(chunks)]
+    want = [split_runs(layer_runs(fmt, offsets, layer), max_rows, fmt.blocks_per_chunk)
+            for layer in range(fmt.num_layers)]
+    assert list(layer_pieces(fmt, offsets, max_rows)) == want
 
 
 def test_split_runs_respects_staging_rows():

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
+import numpy as np
+
 from ..object_format import ObjectFormat
 
 __all__ = [
@@ -132,19 +134,38 @@ def _shifted(pieces: list[list[Run]], delta: int) -> list[list[Run]]:
             for piece in pieces]
 
 
+def _layer_shifts(fmt: ObjectFormat, offsets: Sequence[Sequence[int]]) -> list[int] | None:
+    """Per layer, how far its extents lie from layer 0's, when that is the
+    same for every chunk (else None): then every layer's runs are layer 0's,
+    shifted.
+
+    Chunkwise objects hold the layers back to back: always. Layerwise
+    objects: when each chunk's layer objects were placed alike, as one
+    store's reserve places them (chunk-major, side by side)."""
+    if not fmt.layerwise:
+        return [layer * fmt.layer_bytes for layer in range(fmt.num_layers)]
+    table = np.asarray(offsets, dtype=np.int64).reshape(len(offsets), fmt.num_layers)
+    shifts = table - table[:, :1]
+    if len(table) and (shifts == shifts[0]).all():
+        return shifts[0].tolist()
+    return None
+
+
 def layer_pieces(fmt: ObjectFormat, offsets: Sequence[Sequence[int]], max_rows: int):
     """Per layer, in layer order: its runs grouped into staging-sized pieces.
 
-    Chunkwise objects hold the layers back to back, so every layer's runs
-    are layer 0's shifted by ``layer * layer_bytes``: planned once, not once
-    per layer (a small load is bound by the copy thread's time per layer).
+    Where every layer's runs are layer 0's shifted (``_layer_shifts``), they
+    are planned once, not once per layer: a small load is bound by the copy
+    thread's time per layer, and a layerwise 16k-token hit would plan 2,048
+    extents one by one.
     """
     bpc = fmt.blocks_per_chunk
-    if fmt.layerwise:
+    shifts = _layer_shifts(fmt, offsets)
+    if shifts is None:
         for layer in range(fmt.num_layers):
             yield split_runs(layer_runs(fmt, offsets, layer), max_rows, bpc)
         return
     first = split_runs(layer_runs(fmt, offsets, 0), max_rows, bpc)
     yield first
-    for layer in range(1, fmt.num_layers):
-        yield _shifted(first, layer * fmt.layer_bytes)
+    for shift in shifts[1:]:
+        yield _shifted(first, shift)
