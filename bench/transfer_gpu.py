@@ -98,12 +98,15 @@ def pinned_peak(nbytes):
     return gbps
 
 
-def place(fmt, chunks):
-    """Objects back to back; layerwise: each layer's objects of all chunks adjacent."""
+def place(fmt, chunks, layer_major=False):
+    """Objects back to back in key order, as one store's reserve places them
+    (layerwise: chunk-major, each chunk's layer objects side by side); with
+    ``layer_major``, each layer's objects of all chunks side by side instead."""
     size = fmt.object_bytes
     if fmt.layerwise:
-        return [tuple((l * chunks + c) * size for l in range(fmt.num_layers))
-                for c in range(chunks)]
+        layers = fmt.num_layers
+        return [tuple((l * chunks + c if layer_major else c * layers + l) * size
+                      for l in range(layers)) for c in range(chunks)]
     return [(c * size,) for c in range(chunks)]
 
 
@@ -152,8 +155,8 @@ def verify(engine, src_ids, dst_ids):
                for v in engine.block_views)
 
 
-def bench_format(engine_for, fmt, src_ids, dst_ids, chunks, repeat):
-    offsets = place(fmt, chunks)
+def bench_format(engine_for, fmt, src_ids, dst_ids, chunks, repeat, layer_major=False):
+    offsets = place(fmt, chunks, layer_major)
     bpc = fmt.blocks_per_chunk
     engine = engine_for(fmt)
     t = time.perf_counter()
@@ -258,9 +261,12 @@ def main():
 
     try:
         formats = {}
-        for name, layerwise in (("chunkwise", False), ("layerwise", True)):
+        for name, layerwise, layer_major in (("chunkwise", False, False),
+                                             ("layerwise", True, False),
+                                             ("layerwise_layer_major", True, True)):
             fmt = ObjectFormat(layout, args.chunk_tokens, layerwise)
-            engine, _, row = bench_format(engine_for, fmt, src_ids, dst_ids, chunks, args.repeat)
+            engine, _, row = bench_format(engine_for, fmt, src_ids, dst_ids, chunks, args.repeat,
+                                          layer_major)
             row["ratio_to_pinned_peak"] = row["load_gbps_wall"] / result["pinned_peak_gbps"]
             formats[name] = row
             if name == "chunkwise":
