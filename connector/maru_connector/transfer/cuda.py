@@ -316,7 +316,6 @@ class CudaTransferEngine(TransferEngine):
                 # Its place in the queue is taken now, before any later load:
                 # the copy thread picks it up once this thread has issued the
                 # head and released the issue lock.
-                job.rest = None
                 self._loads_queued += 1
                 self._load_queue.put(job)
         try:
@@ -337,7 +336,7 @@ class CudaTransferEngine(TransferEngine):
 
     def _run_load(self, job: _Job) -> None:
         with self._issue_lock:
-            rest = getattr(job, "rest", None)
+            rest = job.rest
             if rest is _FAILED:
                 return
             torch.cuda.set_device(self.device)

@@ -34,6 +34,9 @@ class _Job:
         self.handle = handle
         self.block_ids = block_ids
         self.offsets = offsets
+        # A backend that issued the first part of a load on the submitting
+        # thread leaves the rest here for the copy thread.
+        self.rest = None
 
 
 class TransferEngine(abc.ABC):
