@@ -249,14 +249,12 @@ def layer_key(chunk_key: Key, layer: int) -> Key:
     pairs share a key only when two chunk digests differ by exactly the
     difference of two layer digests), and cheap to derive in bulk.
     """
-    _check_key(chunk_key, "chunk_key")
     return Key(packed_layer_keys([chunk_key], (layer,)))
 
 
 def layer_keys(chunk_key: Key, layers: Iterable[int]) -> list[Key]:
     """``layer_key(chunk_key, layer)`` for each layer, in the order given."""
-    _check_key(chunk_key, "chunk_key")
-    return split_keys(packed_layer_keys([chunk_key], tuple(layers)))
+    return object_layer_keys([chunk_key], tuple(layers))
 
 
 def object_layer_keys(chunk_keys: Iterable[Key], layers: Sequence[int]) -> list[Key]:
