@@ -7,13 +7,15 @@ hits and misses under load, on the vLLM CPU engine.
 
 Per multiprocessing mode: engine R (no connector) computes every prompt;
 engine A (async load, async store) serves the same prompts as misses and
-stores them; engines S (sync load) and O (async load + overlap) then serve
-them as hits, as full hits, as partial hits (a stored prefix of half the
-prompt plus as many new tokens), and as 8 concurrent requests (4 hits, 4
-misses). Engines serving the same kind of request alternate prompt by prompt
-(R and A; S and O), so both columns see the same load on a shared machine;
-S stores the new half of its partial hits, so O's partial hits put other new
-tokens behind the same prefix. Every full hit's tokens are compared with R's. Model: the float32 tiny
+stores them; engines S (sync load), O (async load + overlap, the default
+choice: a lone hit loads in its own step) and P (the same, parking every hit:
+``maru_park_lone_hits``) then serve them as hits, as full hits, as partial
+hits (a stored prefix of half the prompt plus as many new tokens), and as 8
+concurrent requests (4 hits, 4 misses). Engines serving the same kind of
+request alternate prompt by prompt (R and A; S, O and P), so every column
+sees the same load on a shared machine; each engine stores the new half of
+its partial hits, so each gets new tokens of its own behind the same
+prefix. Every full hit's tokens are compared with R's. Model: the float32 tiny
 Llama (2 layers, hidden 256), block size 128, 256-token chunks. Prints
 Markdown tables (medians) and writes the raw figures as JSON. With --trace,
 every engine process appends per-phase timestamps (bench/trace) to a file.
@@ -39,7 +41,9 @@ from maru_connector.testing.workload import random_tokens
 FORMATS = {"chunkwise": False, "layerwise": True}
 ENGINES = {"A": dict(async_load=True, overlap_load_with_compute=True),
            "S": dict(async_load=False, overlap_load_with_compute=False),
-           "O": dict(async_load=True, overlap_load_with_compute=True)}
+           "O": dict(async_load=True, overlap_load_with_compute=True),
+           "P": dict(async_load=True, park_lone_hits=True, overlap_load_with_compute=True)}
+HITS = ("S", "O", "P")
 
 
 def _parse() -> argparse.Namespace:
@@ -156,17 +160,22 @@ def _run_mode(args, mp: bool, model_dir: str, workdir: str, out: dict) -> None:
             _warm(engines["A"], args)
             time.sleep(1.0)  # the last stores commit
             data["loadavg"].append(os.getloadavg()[0])
-            hits = {"S": engines["S"], "O": engines["O"]}
-            data["S"], data["O"] = {}, {}
+            hits = {name: engines[name] for name in HITS}
+            for name in HITS:
+                data[name] = {}
             for key in [k for k in w if k.startswith("full-")]:
-                both = _alternating(hits, {"S": w[key], "O": w[key]})
-                data["S"][key], data["O"][key] = both["S"], both["O"]
+                served = _alternating(hits, {name: w[key] for name in HITS})
+                for name in HITS:
+                    data[name][key] = served[name]
             if args.partial:
-                # S stores what it computes: O gets other new tokens behind the same cached prefix.
-                other = [p[: args.partial] + random_tokens(args.partial, seed=7_000_000 + i)
-                         for i, p in enumerate(w["partial"])]
-                both = _alternating(hits, {"S": w["partial"], "O": other})
-                data["S"]["partial"], data["O"]["partial"] = both["S"], both["O"]
+                # Each engine stores what it computes: each gets new tokens of
+                # its own behind the same cached prefix.
+                partial = {name: [p[: args.partial] + random_tokens(args.partial, seed=7_000_000 + 1000 * n + i)
+                                  for i, p in enumerate(w["partial"])] for n, name in enumerate(HITS)}
+                partial["S"] = w["partial"]
+                served = _alternating(hits, partial)
+                for name in HITS:
+                    data[name]["partial"] = served[name]
             if args.concurrent:
                 for n, name in enumerate(hits):
                     # Fresh misses each time: a miss's store must not turn the next run into hits.
@@ -190,24 +199,27 @@ def _pct(xs, q) -> float:
 def _report(out: dict) -> None:
     for mode, res in out.items():
         print(f"\n### {mode}")
-        print("| prompt | format | recompute | miss + store | × recompute | sync hit | async+overlap hit | × sync | tokens equal |")
-        print("|---|---|---:|---:|---:|---:|---:|---:|---|")
+        print("| prompt | format | recompute | miss + store | × recompute | sync hit | async+overlap hit | × sync "
+              "| parking every hit | × sync | tokens equal |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
         for fmt, data in res["formats"].items():
             rec = data["recompute"]
             print(f"| load average {fmt} | {', '.join(f'{x:.1f}' for x in data['loadavg'])} |")
             for key in [k for k in data["S"] if k != "busy"]:
-                s, o = data["S"][key]["ttft_s"], data["O"][key]["ttft_s"]
+                s, o, p = (data[name][key]["ttft_s"] for name in HITS)
                 r = rec[key]["ttft_s"] if key in rec else None
                 miss = data["miss"].get(key)
                 m = _ms(miss["ttft_s"]) if miss else "–"
                 mr = f"{statistics.median(miss['ttft_s']) / statistics.median(r):.2f}" if miss else "–"
-                equal = "–" if key == "partial" else rec[key]["tokens"] == data["S"][key]["tokens"] == data["O"][key]["tokens"]
+                equal = "–" if key == "partial" else all(rec[key]["tokens"] == data[name][key]["tokens"]
+                                                         for name in HITS)
                 r = _ms(r) if r else "–"
-                ratio = statistics.median(o) / statistics.median(s)
-                print(f"| {key} | {fmt} | {r} | {m} | {mr} | {_ms(s)} | {_ms(o)} | {ratio:.2f} | {equal} |")
+                ratio_o, ratio_p = (statistics.median(x) / statistics.median(s) for x in (o, p))
+                print(f"| {key} | {fmt} | {r} | {m} | {mr} | {_ms(s)} | {_ms(o)} | {ratio_o:.2f} "
+                      f"| {_ms(p)} | {ratio_p:.2f} | {equal} |")
             if "busy" in data["S"]:
                 n = len(data["S"]["busy"]["ttft_s"]) // 2
-                for name, label in (("S", "sync"), ("O", "async+overlap")):
+                for name, label in (("S", "sync"), ("O", "async+overlap"), ("P", "parking every hit")):
                     t = data[name]["busy"]["ttft_s"]
                     hits, misses = t[:n], t[n:]
                     print(f"| busy {fmt} {label} | hits p50/p99 {_pct(hits, .5) * 1e3:.1f}/{_pct(hits, .99) * 1e3:.1f} ms"

@@ -18,24 +18,23 @@ from maru_connector.worker import MaruWorkerHalf, WorkerResources
 
 from ttft_driver import Engine
 
-# mode -> (connector knobs, transfer-engine options on CUDA, piecewise CUDA graphs)
+# mode -> (connector knobs, transfer-engine options on CUDA, piecewise CUDA graphs).
+# The async modes park every hit (maru_park_lone_hits): a lone hit would
+# otherwise load in the step computing it, which is what the sync modes measure.
+SYNC = {"maru_async_load": False}
+PARKED = {"maru_async_load": True, "maru_park_lone_hits": True}
+WHOLE, OVERLAP = {"maru_overlap_load_with_compute": False}, {"maru_overlap_load_with_compute": True}
 MODES = {
-    "sync": ({"maru_async_load": False, "maru_overlap_load_with_compute": False}, {}, False),
-    "sync_overlap": ({"maru_async_load": False, "maru_overlap_load_with_compute": True}, {},
-                     False),
-    "async": ({"maru_async_load": True, "maru_overlap_load_with_compute": False}, {}, False),
-    "async_overlap": ({"maru_async_load": True, "maru_overlap_load_with_compute": True}, {},
-                      False),
-    "sync_overlap_graphs": ({"maru_async_load": False, "maru_overlap_load_with_compute": True},
-                            {}, True),
-    "async_overlap_graphs": ({"maru_async_load": True, "maru_overlap_load_with_compute": True},
-                             {}, True),
+    "sync": ({**SYNC, **WHOLE}, {}, False),
+    "sync_overlap": ({**SYNC, **OVERLAP}, {}, False),
+    "async": ({**PARKED, **WHOLE}, {}, False),
+    "async_overlap": ({**PARKED, **OVERLAP}, {}, False),
+    "sync_overlap_graphs": ({**SYNC, **OVERLAP}, {}, True),
+    "async_overlap_graphs": ({**PARKED, **OVERLAP}, {}, True),
     # loads that check every object's payload checksum on the CPU first
-    "sync_overlap_verify": ({"maru_async_load": False, "maru_overlap_load_with_compute": True,
-                             "maru_verify_payload": True}, {}, False),
+    "sync_overlap_verify": ({**SYNC, **OVERLAP, "maru_verify_payload": True}, {}, False),
     # the load and scatter streams at the default priority, as before
-    "sync_overlap_prio0": ({"maru_async_load": False, "maru_overlap_load_with_compute": True},
-                           {"load_priority": 0}, False),
+    "sync_overlap_prio0": ({**SYNC, **OVERLAP}, {"load_priority": 0}, False),
 }
 STORE = ({"maru_async_store": True}, {}, False)
 

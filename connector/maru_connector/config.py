@@ -39,6 +39,7 @@ class MaruConfig:
     maru_kv_chunk_tokens: int = 256
     maru_use_layerwise: bool = False
     maru_async_load: bool = False
+    maru_park_lone_hits: bool = False
     maru_overlap_load_with_compute: bool = False
     maru_overlap_release_after_layers: int = 1
     maru_async_store: bool = True

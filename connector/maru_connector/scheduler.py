@@ -52,6 +52,7 @@ class _RequestState:
     load_first_chunk: int | None = None  # where the last planned load began
     lookup_first_chunk: int | None = None  # where the lookup in flight began
     load_failed: bool = False  # a failed load is a miss for the rest of the request
+    park: bool = False  # what the last lookup told vLLM: load while parked
     parked: bool = False
     store_sent: bool = False
 
@@ -109,8 +110,9 @@ class MaruSchedulerHalf:
 
         Answers ``(None, False)`` while the lookup is in flight, ``(0, False)``
         on a miss, after a failed load of this request, or when vLLM's own hit
-        does not end on a chunk boundary; otherwise ``(n, maru_async_load)``.
-        At least one prompt token is always left to compute.
+        does not end on a chunk boundary; otherwise ``(n, park)`` (see
+        :meth:`_should_park`). At least one prompt token is always left to
+        compute.
         """
         state = self._state(request)
         if state.load_failed or not state.cacheable or num_computed_tokens % self._chunk:
@@ -133,7 +135,24 @@ class MaruSchedulerHalf:
         hit_end = min((base + matched) * self._chunk, request.num_tokens - 1)
         ext = max(0, hit_end - num_computed_tokens)
         state.local_tokens, state.hit_tokens = num_computed_tokens, ext
-        return ext, bool(ext) and self.cfg.maru_async_load
+        state.park = bool(ext) and self._should_park(request)
+        return ext, state.park
+
+    def _should_park(self, request: "Request") -> bool:
+        """Whether a hit loads while its request waits parked (vLLM's
+        waiting-for-remote-KV state) or in the step that computes it.
+
+        Parking lets the engine run other requests while the KV loads, and
+        costs the hit one more engine step. With no other request live that
+        step buys nothing: the load then runs in the step that computes the
+        request, as a sync load does (with overlap, beside its forward).
+        ``maru_park_lone_hits`` parks every hit.
+        """
+        if not self.cfg.maru_async_load:
+            return False
+        if self.cfg.maru_park_lone_hits:
+            return True
+        return any(req_id != request.request_id for req_id in self._reqs)
 
     def update_state_after_alloc(
         self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
@@ -154,10 +173,12 @@ class MaruSchedulerHalf:
             req_id=request.request_id,
             keys_by_rank=keys.slice(first, end),
             block_ids=self._chunk_blocks(block_ids, first, end),
-            is_async=self.cfg.maru_async_load,
+            is_async=state.park,
         )
         self._pending_loads.append(spec)
         self.stats.record_hit_tokens(num_external_tokens)
+        if spec.is_async:
+            self.stats.record_parked_load()
         state.load_first_chunk = min(first, state.stored_chunks)
         state.stored_chunks = max(state.stored_chunks, end)
         state.parked = spec.is_async

@@ -51,7 +51,7 @@ _HEADER = struct.Struct("<8sII16sII Q16s")
 REGION_PREFIX = "maru-stats."
 REGION_SUFFIX = ".region"
 
-COUNTERS = ("lookups", "lookup_hit_tokens", "load_bytes", "recomputed_tokens", "store_bytes")
+COUNTERS = ("lookups", "lookup_hit_tokens", "load_bytes", "recomputed_tokens", "store_bytes", "parked_loads")
 GAUGES = ("parked_requests",)
 # Failure reasons are a closed set: they become a label, which must stay bounded.
 LOAD_FAILURE_REASONS = (
@@ -204,6 +204,11 @@ class ConnectorStats:
         """Tokens recomputed because their KV could not be loaded (without a failure event)."""
         with self._lock:
             self._add("counter:recomputed_tokens", tokens)
+
+    def record_parked_load(self) -> None:
+        """A hit whose load runs while its request waits parked (not in the step that computes it)."""
+        with self._lock:
+            self._add("counter:parked_loads", 1)
 
     def set_parked_requests(self, count: int) -> None:
         """The number of requests parked waiting for their KV to load, now."""

@@ -34,6 +34,7 @@ _COUNTER_HELP = {
     "load_bytes": ("maru_load_bytes", "Bytes of KV loaded from the pool into vLLM's KV cache."),
     "recomputed_tokens": ("maru_recomputed_tokens", "Tokens recomputed because their KV failed to load."),
     "store_bytes": ("maru_store_bytes", "Bytes of KV stored from vLLM's KV cache into the pool."),
+    "parked_loads": ("maru_parked_loads", "Hits loaded while their request waited parked, not in the step computing it."),
 }
 _HISTOGRAM_HELP = {
     "load_duration_seconds": "Time of one load, from its start to the completion of its last copy.",

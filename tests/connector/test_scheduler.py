@@ -89,13 +89,33 @@ def test_partial_hit_loads_whole_chunks_into_the_allocated_blocks(index):
 
 @pytest.mark.parametrize("async_load", [False, True])
 def test_full_prompt_hit_holds_back_one_token(index, async_load):
-    half = make_half(index, maru_async_load=async_load)
+    half = make_half(index, maru_async_load=async_load, maru_park_lone_hits=True)
     req = request("a", 96)  # a round length: three whole chunks
     commit_prefix(index, half, req, 3)
     assert half.get_num_new_matched_tokens(req, 0) == (95, async_load)
     half.update_state_after_alloc(req, Blocks(range(6)), 95)
     (load,) = half.build_connector_meta(step_output({}, {})).loads
     assert load.num_chunks == 3  # the whole last chunk is loaded, one token recomputed
+
+
+def test_async_hit_parks_only_while_another_request_is_live(index):
+    """Parking costs the hit an engine step and buys nothing when no other
+    request could run meanwhile: a lone hit loads in the step computing it."""
+    half = make_half(index, maru_async_load=True)
+    first, second = request("a", 100), request("b", 100)
+    commit_prefix(index, half, first, 2)
+    assert half.get_num_new_matched_tokens(first, 0) == (64, False)  # alone: in the step
+    half.update_state_after_alloc(first, Blocks(range(7)), 64)
+    assert half.get_num_new_matched_tokens(second, 0) == (64, True)  # "a" is live: parked
+    half.update_state_after_alloc(second, Blocks(range(7, 14)), 64)
+    loads = half.build_connector_meta(step_output({"a": 36}, {"a": list(range(7))})).loads
+    assert [(load.req_id, load.is_async) for load in loads] == [("a", False), ("b", True)]
+    assert half.stats.snapshot()["counters"]["parked_loads"] == 1
+    assert half.stats.snapshot()["gauges"]["parked_requests"] == 1
+    half.request_finished(first, list(range(7)))
+    half.request_finished(second, [])
+    third = request("c", 100)
+    assert half.get_num_new_matched_tokens(third, 0) == (64, False)  # alone again
 
 
 def test_local_hit_not_on_a_chunk_boundary_asks_for_nothing(index):
@@ -107,7 +127,7 @@ def test_local_hit_not_on_a_chunk_boundary_asks_for_nothing(index):
 
 
 def test_failed_load_is_a_miss_for_that_request_next_time(index):
-    half = make_half(index, maru_async_load=True)
+    half = make_half(index, maru_async_load=True, maru_park_lone_hits=True)
     req = request("a", 100)
     commit_prefix(index, half, req, 3)
     assert half.get_num_new_matched_tokens(req, 0) == (96, True)
@@ -179,7 +199,7 @@ def test_every_chunked_prefill_step_stores_its_new_chunks(index):
 
 
 def test_request_finishing_while_parked_leaves_the_blocks_to_vllm(index):
-    half = make_half(index, maru_async_load=True)
+    half = make_half(index, maru_async_load=True, maru_park_lone_hits=True)
     req = request("a", 100)
     commit_prefix(index, half, req, 2)
     assert half.get_num_new_matched_tokens(req, 0) == (64, True)

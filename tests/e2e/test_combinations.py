@@ -9,6 +9,9 @@ combination serves them and must have really hit, with two oracles:
 - the tokens: equal to those of an engine without the connector. The test
   model is float32, where a split prefill and a whole one agree except on
   true ties (bf16 near-ties flip with batching, so bf16 tokens are no oracle).
+
+With async load the lone request loads in the step that computes it and the
+three served at once park (at least one of them): both paths are checked.
 """
 
 from __future__ import annotations
@@ -61,8 +64,12 @@ def _check_hits(farm, index, layerwise, async_load, overlap, release_after, seed
 
     before = engine.counters()
     alone = engine.run(prompts[:1], MAX_TOKENS, dump_kv=True)
+    between = engine.counters()
     together = engine.run(prompts[1:], MAX_TOKENS, concurrent=True, dump_kv=True)
     after = engine.counters()
+    if async_load:  # a lone hit loads in the step computing it; hits beside others park
+        assert between["maru_parked_loads_total"] == before["maru_parked_loads_total"]
+        assert after["maru_parked_loads_total"] > between["maru_parked_loads_total"]
     for prompt, wrote, read in zip(prompts, written, alone + together):
         assert_same_prefix_kv(wrote.prompt_kv, read.prompt_kv, len(prompt), len(prompt) // CHUNK_TOKENS * CHUNK_TOKENS)
     reference = farm.get("reference-a", None)

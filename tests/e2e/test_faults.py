@@ -37,8 +37,9 @@ def _writer(farm, index, layerwise: bool):
 def _faulty(farm, index, proxy, layerwise: bool, async_load: bool = True, **overrides):
     """An engine whose connector reaches the index through the fault proxy."""
     name = f"faulty-{'layerwise' if layerwise else 'chunkwise'}-{'async' if async_load else 'sync'}"
-    knobs = dict(use_layerwise=layerwise, async_load=async_load, overlap_load_with_compute=async_load,
-                 load_timeout_s=LOAD_TIMEOUT_S)
+    # Async engines park every hit, so the faults reach the parked path.
+    knobs = dict(use_layerwise=layerwise, async_load=async_load, park_lone_hits=async_load,
+                 overlap_load_with_compute=async_load, load_timeout_s=LOAD_TIMEOUT_S)
     return farm.get(name, connector_config(index, url=proxy.url, **knobs), **overrides)
 
 

@@ -27,7 +27,8 @@ NO_STALL_BOUND_S = 5.0
 
 @pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])
 def test_engine_serves_through_an_index_outage(farm, private_index, reference, async_load):
-    make = connector_config(private_index, async_load=async_load, lookup_timeout_s=LOOKUP_TIMEOUT_S)
+    make = connector_config(private_index, async_load=async_load, park_lone_hits=async_load,
+                            lookup_timeout_s=LOOKUP_TIMEOUT_S)
     writer = farm.get(f"outage-writer-{async_load}", make)
     reader = farm.get(f"outage-reader-{async_load}", make)
     seed = 3000 + 100 * int(async_load)

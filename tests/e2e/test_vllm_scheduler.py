@@ -30,12 +30,13 @@ from .conftest import index_keys, wait_for_keys, wait_settled
 
 CHUNK = 32
 BLOCK = 16
-MODES = {  # name -> knobs
+MODES = {  # name -> knobs; the "async" modes park every hit, "async-auto" only beside others
     "sync": {},
     "sync-overlap": {"overlap_load_with_compute": True},
-    "async": {"async_load": True},
-    "async-overlap": {"async_load": True, "overlap_load_with_compute": True,
+    "async": {"async_load": True, "park_lone_hits": True},
+    "async-overlap": {"async_load": True, "park_lone_hits": True, "overlap_load_with_compute": True,
                       "overlap_release_after_layers": 1},
+    "async-auto": {"async_load": True, "overlap_load_with_compute": True},
 }
 
 
@@ -99,6 +100,35 @@ def test_hit_blocks_hold_exactly_the_computed_kv(engines, index, mode, layerwise
     reader.run(until=lambda: "r" in reader.finished)
     assert reader.finished["r"].output == _expected_tokens(prompt, reader.num_layers, 2)
     assert reader.worker.worker_half.stats.snapshot()["counters"]["load_bytes"] > hit_before
+
+
+def test_async_hit_parks_only_beside_another_request(engines, index):
+    """A lone hit loads in the step that computes it (parking would add a
+    step); one that arrives while another request runs parks. Both hold
+    exactly the computed KV."""
+    first = random_tokens(3 * CHUNK + 5, seed=next(_seeds))
+    second = random_tokens(2 * CHUNK + 7, seed=next(_seeds))
+    writer = _store(engines, index, first)
+    keys = index_keys(index)
+    _serve(writer, "w2", second)
+    wait_for_keys(index, keys + 2)
+    reader = engines(_config(index, **MODES["async-auto"]))
+    stats = reader.scheduler.connector.scheduler_half.stats
+
+    reader.add("a", first, max_tokens=8)
+    reader.run(until=lambda: reader.requests["a"].output)
+    assert len(reader.history) == 1 and stats.snapshot()["counters"]["parked_loads"] == 0
+    assert reader.wrong_positions("a", first) == []
+
+    reader.add("b", second, max_tokens=2)  # "a" is still decoding
+    reader.run(until=lambda: reader.requests["b"].output)
+    assert stats.snapshot()["counters"]["parked_loads"] == 1
+    assert reader.wrong_positions("b", second) == []
+    reader.run(until=lambda: {"a", "b"} <= set(reader.finished))
+    assert reader.finished["a"].output == _expected_tokens(first, reader.num_layers, 8)
+    assert reader.finished["b"].output == _expected_tokens(second, reader.num_layers, 2)
+    assert stats.snapshot()["counters"]["lookup_hit_tokens"] == 5 * CHUNK
+    wait_settled(index)
 
 
 @pytest.mark.parametrize("mode", ["sync", "sync-overlap"])

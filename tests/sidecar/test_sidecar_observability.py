@@ -74,6 +74,7 @@ SIDECAR_SERIES = {
     "maru_lookups_total": {},
     "maru_lookup_hit_tokens_total": {},
     "maru_parked_requests": {},
+    "maru_parked_loads_total": {},
     "maru_load_bytes_total": {},
     "maru_load_duration_seconds_count": {},
     "maru_load_failures_total": {"reason": "timeout"},
