@@ -1,13 +1,16 @@
-"""Per-phase timeline of one async + overlapped hit, from a trace written by
+"""Per-phase timelines of hits, from a trace written by
 ``bench/ttft_async.py --trace FILE`` (one process and multiprocessing).
 
     .venv/bin/python bench/plot_timeline.py out/trace.jsonl bench/ttft_async_timeline.png [TOKENS]
 
-Picks, for each caller process that served async hits, the last full hit of a
-TOKENS-token prompt (default 4096) served alone, and draws its phases from arrival to first token: the
-lookup, parking, the loader's resolve (retrieve, pins, header checks), each
-layer's copy, the release, the engine steps while parked, the forward and its
-per-layer waits.
+Picks, for each caller process that served hits, the last full hit of a
+TOKENS-token prompt (default 4096) served alone, and draws its phases from
+arrival to first token: the lookup, the resolve (retrieve, pins, header
+checks; on the loader thread when parked, else on the engine thread), each
+layer's copy, the release, the engine steps, the forward and its per-layer
+waits. Each hit is named by the path it took, read from the trace: parked
+(the loader got it), in the step with overlap (the forward started before
+its copies ended), or in the step, whole (the sync path).
 """
 
 from __future__ import annotations
@@ -31,9 +34,20 @@ def _hits(events, tokens: int):
         add = max((a for a in adds if a[0] <= alloc[0]), key=lambda a: a[0])
         token = min((e for e in events if e[3] == "token" and e[0] >= add[0]), key=lambda e: e[0])
         window = [e for e in events if add[0] <= e[0] <= token[0]]
-        if sum(e[3] == "add_request>" for e in window) == 1 and any(e[3] == "submit>" for e in window):
+        if sum(e[3] == "add_request>" for e in window) == 1:
             by_caller[add[1]] = (window, add[0], token[0], len({e[1] for e in window}) > 1)
-    return list(by_caller.values())
+    return sorted(by_caller.values(), key=lambda hit: (hit[3], _path(hit[0])))
+
+
+def _path(window) -> str:
+    """How the hit was loaded, from what its trace shows."""
+    if any(e[3] == "submit>" for e in window):
+        return "async, parked (overlap)"
+    loads_started = [e[0] for e in window if e[3] == "start_load_kv<"]
+    landed = [e[0] for e in window if e[3] == "_mark_layer>"]
+    if loads_started and landed and min(loads_started) < max(landed):
+        return "in the step, overlapped (async, not parked)"
+    return "in the step, whole (sync)"
 
 
 def _spans(window, t0):
@@ -59,14 +73,16 @@ def _spans(window, t0):
 
 
 ROWS = {"get_num_new_matched_tokens": "lookup", "get_finished": "engine waits for the loader",
-        "resolve_load": "loader: resolve + pin", "_run_load": "copy thread: layer copies",
+        "resolve_load": "resolve + pin", "_run_load": "copy thread: layer copies",
         "wait_for_layer_load": "forward: layer waits"}
 
 
 def main(trace: str, png: str, tokens: int = 4096) -> None:
     events = [json.loads(line) for line in open(trace, encoding="utf-8")]
     hits = _hits(events, tokens)
-    fig, axes = plt.subplots(len(hits), 1, figsize=(11, 3.2 * len(hits)), squeeze=False)
+    if not hits:
+        raise SystemExit(f"no lone {tokens}-token hit in {trace}")
+    fig, axes = plt.subplots(len(hits), 1, figsize=(11, 2.6 * len(hits)), squeeze=False)
     for ax, (window, t0, t1, mp) in zip(axes[:, 0], hits):
         spans, marks = _spans(window, t0)
         rows = list(ROWS)
@@ -80,7 +96,7 @@ def main(trace: str, png: str, tokens: int = 4096) -> None:
         ax.set_yticks(range(len(rows)), [ROWS[r] for r in rows], fontsize=8)
         ax.set_xlim(0, (t1 - t0) * 1e3 * 1.02)
         ax.set_xlabel("ms since the request arrived (dotted red: engine steps)")
-        ax.set_title(f"one async + overlapped hit, multiprocessing {'on' if mp else 'off'}: "
+        ax.set_title(f"{tokens}-token hit, {_path(window)}, multiprocessing {'on' if mp else 'off'}: "
                      f"TTFT {(t1 - t0) * 1e3:.1f} ms", fontsize=10)
     fig.tight_layout()
     fig.savefig(png, dpi=110)

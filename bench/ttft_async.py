@@ -58,6 +58,10 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--concurrent", type=int, default=8, help="requests at once, half hits (0: none)")
     p.add_argument("--release-after", type=int, default=1,
                    help="maru_overlap_release_after_layers of the async + overlap engines")
+    p.add_argument("--settle-s", type=float, default=1.2,
+                   help="pause before each measured request: vLLM's shared-memory queue readers "
+                        "busy-loop for 1 s after each read, so with multiprocessing the engine that "
+                        "served the last request would still take cores from the next one")
     p.add_argument("--trace", default=None, help="append per-phase timestamps to this file")
     p.add_argument("--json", default=os.path.join("out", "ttft_async.json"))
     return p.parse_args()
@@ -82,18 +86,19 @@ def _workload(args) -> dict[str, list[list[int]]]:
     return w
 
 
-def _ttfts(engine: EngineProcess, prompts, concurrent=False) -> dict:
+def _ttfts(engine: EngineProcess, prompts, concurrent=False, settle_s: float = 0.0) -> dict:
+    time.sleep(settle_s)
     runs = engine.generate(prompts, max_tokens=1, concurrent=concurrent)
     return {"ttft_s": [r.ttft_s for r in runs], "tokens": [r.token_ids for r in runs]}
 
 
-def _alternating(engines: dict[str, EngineProcess], prompts: dict[str, list]) -> dict[str, dict]:
+def _alternating(engines: dict[str, EngineProcess], prompts: dict[str, list], settle_s: float) -> dict[str, dict]:
     """Each engine serves its prompt i in turn, one request at a time: on a
     shared machine every column then sees the same load."""
     out = {name: {"ttft_s": [], "tokens": []} for name in engines}
     for i in range(len(next(iter(prompts.values())))):
         for name, engine in engines.items():
-            one = _ttfts(engine, [prompts[name][i]])
+            one = _ttfts(engine, [prompts[name][i]], settle_s=settle_s)
             for k in out[name]:
                 out[name][k] += one[k]
     return out
@@ -153,7 +158,7 @@ def _run_mode(args, mp: bool, model_dir: str, workdir: str, out: dict) -> None:
             stored = [k for k in w if k.startswith("full-") or k in ("partial-prefix", "busy-hits")]
             data["miss"] = {}
             for key in stored:
-                both = _alternating({"R": ref, "A": engines["A"]}, {"R": w[key], "A": w[key]})
+                both = _alternating({"R": ref, "A": engines["A"]}, {"R": w[key], "A": w[key]}, args.settle_s)
                 data["miss"][key], data.setdefault("recompute", {})[key] = both["A"], both["R"]
             # One more step delivers the verdict on the last prompt's stores;
             # without it the last prompt of the list would stay a miss.
@@ -164,7 +169,7 @@ def _run_mode(args, mp: bool, model_dir: str, workdir: str, out: dict) -> None:
             for name in HITS:
                 data[name] = {}
             for key in [k for k in w if k.startswith("full-")]:
-                served = _alternating(hits, {name: w[key] for name in HITS})
+                served = _alternating(hits, {name: w[key] for name in HITS}, args.settle_s)
                 for name in HITS:
                     data[name][key] = served[name]
             if args.partial:
@@ -173,7 +178,7 @@ def _run_mode(args, mp: bool, model_dir: str, workdir: str, out: dict) -> None:
                 partial = {name: [p[: args.partial] + random_tokens(args.partial, seed=7_000_000 + 1000 * n + i)
                                   for i, p in enumerate(w["partial"])] for n, name in enumerate(HITS)}
                 partial["S"] = w["partial"]
-                served = _alternating(hits, partial)
+                served = _alternating(hits, partial, args.settle_s)
                 for name in HITS:
                     data[name]["partial"] = served[name]
             if args.concurrent:
@@ -181,7 +186,7 @@ def _run_mode(args, mp: bool, model_dir: str, workdir: str, out: dict) -> None:
                     # Fresh misses each time: a miss's store must not turn the next run into hits.
                     busy = w["busy-hits"] + [random_tokens(len(p), seed=6_000_000 + 1000 * n + i)
                                              for i, p in enumerate(w["busy-misses"])]
-                    data[name]["busy"] = _ttfts(engines[name], busy, concurrent=True)
+                    data[name]["busy"] = _ttfts(engines[name], busy, concurrent=True, settle_s=args.settle_s)
             data["loadavg"].append(os.getloadavg()[0])
             for engine in engines.values():
                 engine.close()

@@ -31,6 +31,9 @@ MODES = {
     "async_overlap": ({**PARKED, **OVERLAP}, {}, False),
     "sync_overlap_graphs": ({**SYNC, **OVERLAP}, {}, True),
     "async_overlap_graphs": ({**PARKED, **OVERLAP}, {}, True),
+    # the default async choice: park a hit only beside other live requests
+    "async_auto": ({"maru_async_load": True, **OVERLAP}, {}, False),
+    "async_auto_graphs": ({"maru_async_load": True, **OVERLAP}, {}, True),
     # loads that check every object's payload checksum on the CPU first
     "sync_overlap_verify": ({**SYNC, **OVERLAP, "maru_verify_payload": True}, {}, False),
     # the load and scatter streams at the default priority, as before
