@@ -132,7 +132,7 @@ class MaruKVConnector(KVConnectorBase_V1):
         self._worker().start_load_kv(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self._worker().wait_for_layer_load(layer_name)
+        self._worker().wait_for_layer_load(layer_name, self._meta().scheduled_req_ids)
 
     def save_kv_layer(
         self,

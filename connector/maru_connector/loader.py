@@ -36,7 +36,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -173,11 +173,18 @@ class AsyncLoader:
                 results.failed_after_release[req_id] = self._late_failures.pop(req_id)
         return results
 
-    def wait_layer(self, position: int) -> float:
-        """Block until layer ``position`` of every released load landed (or
-        failed: recorded for :meth:`take_results`); the seconds waited."""
+    def wait_layer(self, position: int, req_ids: Collection[str] | None = None) -> float:
+        """Block until layer ``position`` of the released loads of ``req_ids``
+        (the requests the forward computes; None: every released load)
+        landed, or failed: recorded for :meth:`take_results`. The seconds
+        waited.
+
+        Loads of other requests are not waited for: this forward does not
+        read their blocks, so it never waits behind another request's load.
+        """
         with self._lock:
-            loads = [ld for ld in self._loads.values() if ld.released]
+            loads = [ld for ld in self._loads.values()
+                     if ld.released and (req_ids is None or ld.spec.req_id in req_ids)]
         if not loads:
             return 0.0
         start = time.perf_counter()

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -189,7 +189,13 @@ class MaruWorkerHalf:
         if not self.cfg.maru_overlap_load_with_compute:
             self._finish_sync_loads()
 
-    def wait_for_layer_load(self, layer_name: str) -> None:
+    def wait_for_layer_load(self, layer_name: str, computing: Collection[str] | None = None) -> None:
+        """Wait until this layer's KV of the loads the forward reads has landed.
+
+        ``computing``: the requests this step's forward computes; released
+        async loads of other requests are not waited for. None: wait for
+        every released load.
+        """
         if not self._sync_loads and (self._loader is None or not self._loader.num_in_flight):
             return
         position = self._layout.position(layer_name)
@@ -198,7 +204,7 @@ class MaruWorkerHalf:
             load.handle.wait_layer_on_device(position)  # a failure is found in _finish_sync_loads
         waited = time.perf_counter() - start
         if self._loader is not None:
-            waited += self._loader.wait_layer(position)
+            waited += self._loader.wait_layer(position, computing)
         self.stats.record_layer_wait(waited)
 
     # ---- after the forward -----------------------------------------------

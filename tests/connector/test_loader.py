@@ -150,6 +150,32 @@ def test_overlap_releases_after_n_layers_and_forward_waits_per_layer(env, releas
     assert waits >= (1 if release_after < LAYERS else 0)
 
 
+def test_forward_waits_only_for_the_loads_of_the_requests_it_computes(env):
+    """A load released beside a step (release after 0 layers) belongs to a
+    request that step does not compute: its copies must not hold the forward."""
+    keys, _ = _stored(env)
+    gated: list[GatedEngine] = []
+    reader, _ = env.worker(seed=2, wrap_engine=lambda e: gated.append(GatedEngine(e)) or gated[-1],
+                           maru_async_load=True, maru_overlap_load_with_compute=True,
+                           maru_overlap_release_after_layers=0)
+    reader.start_load_kv(load_meta("r", keys, first_block=10, is_async=True))
+    recving, _, _ = _poll_finished(reader)
+    assert recving == {"r"}  # released, no layer landed
+    layer = LAYER.format(0)
+    done = threading.Event()
+    waiter = threading.Thread(target=lambda: (reader.wait_for_layer_load(layer, {"miss"}), done.set()))
+    waiter.start()
+    assert done.wait(2), "a forward computing only 'miss' waited for r's copies"
+    waiter = threading.Thread(target=lambda: (reader.wait_for_layer_load(layer, {"miss", "r"}), done.clear()))
+    waiter.start()
+    time.sleep(0.05)
+    assert done.is_set()  # r is computed: its layer 0 must land first
+    for i in range(LAYERS):
+        gated[0].handles[0].land(i)
+    waiter.join(5)
+    assert not done.is_set()
+
+
 def test_without_overlap_release_waits_for_every_layer(env):
     keys, _ = _stored(env)
     gated: list[GatedEngine] = []
