@@ -352,7 +352,7 @@ class Bench:
             return {}
         out = {}
         kv_bytes = self.geo.kv_bytes_per_token_layer * self.geo.layers
-        for mode in ("sync", "async_overlap"):
+        for mode in ("sync", "async_overlap", "async_auto", "async_auto_graphs"):
             if mode not in self.args.modes:
                 continue
             eng = cl.engine(self.reader_kv, fmt, mode)
