@@ -8,17 +8,18 @@ hits and misses under load, on the vLLM CPU engine.
 Per multiprocessing mode: engine R (no connector) computes every prompt;
 engine A (async load, async store) serves the same prompts as misses and
 stores them; engines S (sync load), O (async load + overlap, the default
-choice: a lone hit loads in its own step) and P (the same, parking every hit:
-``maru_park_lone_hits``) then serve them as hits, as full hits, as partial
-hits (a stored prefix of half the prompt plus as many new tokens), and as 8
-concurrent requests (4 hits, 4 misses). Engines serving the same kind of
-request alternate prompt by prompt (R and A; S, O and P), so every column
-sees the same load on a shared machine; each engine stores the new half of
-its partial hits, so each gets new tokens of its own behind the same
-prefix. Every full hit's tokens are compared with R's. Model: the float32 tiny
-Llama (2 layers, hidden 256), block size 128, 256-token chunks. Prints
-Markdown tables (medians) and writes the raw figures as JSON. With --trace,
-every engine process appends per-phase timestamps (bench/trace) to a file.
+choice: a lone hit loads in its own step) and P (the same, parking every
+hit: ``maru_park_lone_hits``) then serve them as full hits, as partial hits
+(a stored prefix of half the prompt plus as many new tokens), and as 8
+concurrent requests (4 hits, 4 misses; three rounds, engines in turn).
+Engines serving the same kind of request alternate prompt by prompt (R and
+A; S, O and P), so every column sees the same load on a shared machine;
+each engine stores the new half of its partial hits, so each gets new
+tokens of its own behind the same prefix. Every full hit's tokens are
+compared with R's. Model: the float32 tiny Llama (2 layers, hidden 256),
+block size 128, 256-token chunks. Prints Markdown tables (medians) and
+writes the raw figures as JSON. With --trace, every engine process appends
+per-phase timestamps (bench/trace) to a file.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--mp", nargs="+", default=["off", "on"], choices=["off", "on"])
     p.add_argument("--partial", type=int, default=2048, help="cached tokens of the partial hits (0: none)")
     p.add_argument("--concurrent", type=int, default=8, help="requests at once, half hits (0: none)")
+    p.add_argument("--busy-repeats", type=int, default=3, help="rounds of the concurrent requests per engine")
     p.add_argument("--release-after", type=int, default=1,
                    help="maru_overlap_release_after_layers of the async + overlap engines")
     p.add_argument("--settle-s", type=float, default=1.2,
@@ -182,11 +184,17 @@ def _run_mode(args, mp: bool, model_dir: str, workdir: str, out: dict) -> None:
                 for name in HITS:
                     data[name]["partial"] = served[name]
             if args.concurrent:
-                for n, name in enumerate(hits):
-                    # Fresh misses each time: a miss's store must not turn the next run into hits.
-                    busy = w["busy-hits"] + [random_tokens(len(p), seed=6_000_000 + 1000 * n + i)
-                                             for i, p in enumerate(w["busy-misses"])]
-                    data[name]["busy"] = _ttfts(engines[name], busy, concurrent=True, settle_s=args.settle_s)
+                for name in hits:
+                    data[name]["busy"] = {"hits_s": [], "misses_s": []}
+                for rep in range(args.busy_repeats):  # engines in turn, as for single prompts
+                    for n, name in enumerate(hits):
+                        # Fresh misses each time: a miss's store must not turn the next run into hits.
+                        misses = [random_tokens(len(p), seed=6_000_000 + 100_000 * rep + 1000 * n + i)
+                                  for i, p in enumerate(w["busy-misses"])]
+                        t = _ttfts(engines[name], w["busy-hits"] + misses, concurrent=True,
+                                   settle_s=args.settle_s)["ttft_s"]
+                        data[name]["busy"]["hits_s"] += t[: len(w["busy-hits"])]
+                        data[name]["busy"]["misses_s"] += t[len(w["busy-hits"]):]
             data["loadavg"].append(os.getloadavg()[0])
             for engine in engines.values():
                 engine.close()
@@ -223,10 +231,8 @@ def _report(out: dict) -> None:
                 print(f"| {key} | {fmt} | {r} | {m} | {mr} | {_ms(s)} | {_ms(o)} | {ratio_o:.2f} "
                       f"| {_ms(p)} | {ratio_p:.2f} | {equal} |")
             if "busy" in data["S"]:
-                n = len(data["S"]["busy"]["ttft_s"]) // 2
                 for name, label in (("S", "sync"), ("O", "async+overlap"), ("P", "parking every hit")):
-                    t = data[name]["busy"]["ttft_s"]
-                    hits, misses = t[:n], t[n:]
+                    hits, misses = data[name]["busy"]["hits_s"], data[name]["busy"]["misses_s"]
                     print(f"| busy {fmt} {label} | hits p50/p99 {_pct(hits, .5) * 1e3:.1f}/{_pct(hits, .99) * 1e3:.1f} ms"
                           f" | misses p50/p99 {_pct(misses, .5) * 1e3:.1f}/{_pct(misses, .99) * 1e3:.1f} ms |")
 
