@@ -52,7 +52,8 @@ def _install() -> None:
             from maru_connector import scheduler as m
             cls = m.MaruSchedulerHalf
             wrap(cls, "get_num_new_matched_tokens", lambda s, r, n: r.request_id)
-            wrap(cls, "update_state_after_alloc", lambda s, r, b, n: [r.request_id, n], after=False)
+            wrap(cls, "update_state_after_alloc", lambda s, r, b, n: [r.request_id, n, r.num_tokens],
+                 after=False)
             wrap(cls, "build_connector_meta",
                  lambda s, o: [o.total_num_scheduled_tokens, len(s._pending_loads)], after=False)
             wrap(cls, "update_connector_output",
@@ -61,7 +62,7 @@ def _install() -> None:
             from maru_connector import worker as m
             cls = m.MaruWorkerHalf
             wrap(cls, "start_load_kv", lambda s, meta: [len(meta.loads), len(meta.scheduled_req_ids)])
-            wrap(cls, "wait_for_layer_load", lambda s, name: name)
+            wrap(cls, "wait_for_layer_load", lambda s, name, *computing: name)
             wrap(cls, "wait_for_save", lambda s, meta: len(meta.stores))
             wrap(cls, "get_finished", lambda s, meta: None)
             wrap(m, "resolve_load", lambda *a, **k: "sync")
