@@ -28,18 +28,22 @@ ENGINE_THREAD_CALLS = ("get_num_new_matched_tokens", "start_load_kv", "wait_for_
 
 def _windows(events):
     """(window, arrival, first token, multiprocessing?, external tokens,
-    prompt tokens or None) of each request served alone."""
-    adds = [e for e in events if e[3] == "add_request>"]
-    tokens = [e for e in events if e[3] == "token"]
+    prompt tokens or None) of each request served alone: from its arrival
+    to its first token, with no other request arriving in between."""
+    adds = {e[4]: e for e in events if e[3] == "add_request>"}
+    tokens = {}
+    for e in events:
+        if e[3] == "token":
+            tokens.setdefault(e[4], e[0])
     for alloc in (e for e in events if e[3] == "update_state_after_alloc>"):
         req_id, external, *prompt = alloc[4]
-        add = max((a for a in adds if a[0] <= alloc[0]), key=lambda a: a[0])
-        later = [e[0] for e in tokens if e[0] >= add[0]]
-        if not later:
+        caller_id = req_id.rsplit("-", 1)[0]  # vLLM appends a suffix to the caller's id
+        add, first = adds.get(caller_id), tokens.get(caller_id)
+        if add is None or first is None:
             continue
-        window = [e for e in events if add[0] <= e[0] <= min(later)]
+        window = [e for e in events if add[0] <= e[0] <= first]
         if sum(e[3] == "add_request>" for e in window) == 1:
-            yield window, add[0], min(later), len({e[1] for e in window}) > 1, external, \
+            yield window, add[0], first, len({e[1] for e in window}) > 1, external, \
                 (prompt[0] if prompt else None)
 
 
