@@ -132,6 +132,7 @@ def kv_transfer_config(ref: CacheRef, spec: CacheSpec) -> dict[str, Any]:
             "maru_kv_chunk_tokens": spec.storage.chunk_tokens,
             "maru_use_layerwise": spec.storage.layout == "layerwise",
             "maru_async_load": spec.load.async_load,
+            "maru_park_lone_hits": spec.load.park_lone_hits,
             "maru_overlap_load_with_compute": spec.load.overlap_with_compute,
             "maru_overlap_release_after_layers": spec.load.release_after_layers,
         },

@@ -60,6 +60,7 @@ class StorageSpec:
 @dataclasses.dataclass(frozen=True)
 class LoadSpec:
     async_load: bool = True
+    park_lone_hits: bool = False
     overlap_with_compute: bool = True
     release_after_layers: int = 1
 
@@ -252,6 +253,7 @@ def _parse_storage(section: Mapping[str, Any]) -> StorageSpec:
 def _parse_load(section: Mapping[str, Any]) -> LoadSpec:
     return LoadSpec(
         async_load=_typed(section, "load", "async", bool, True),
+        park_lone_hits=_typed(section, "load", "parkLoneHits", bool, False),
         overlap_with_compute=_typed(section, "load", "overlapWithCompute", bool, True),
         release_after_layers=_typed(section, "load", "releaseAfterLayers", int, 1, 0, 4096),
     )

@@ -5,6 +5,8 @@ import pathlib
 import pytest
 import yaml
 
+from maru_connector.config import parse_config
+from maru_operator import desired
 from maru_operator.models import SpecError, parse_cache, parse_selector
 
 EXAMPLES = pathlib.Path(__file__).parents[2] / "crds" / "examples"
@@ -25,6 +27,15 @@ def test_minimal_gets_the_documented_defaults():
     assert spec.sidecar.socket_group == 65532 and spec.index.scheduling.tolerations == ()
     assert spec.load.async_load and spec.load.overlap_with_compute and spec.load.release_after_layers == 1
     assert (spec.index.port, spec.index.metrics_port, spec.sidecar.metrics_port) == (7070, 9090, 9091)
+
+
+def test_park_lone_hits_reaches_the_connector_config():
+    ref, default = parse_cache(body(pool={"deviceClass": "dax", "size": "1Gi"}))
+    _, parked = parse_cache(body(pool={"deviceClass": "dax", "size": "1Gi"}, load={"parkLoneHits": True}))
+    extra = {name: desired.kv_transfer_config(ref, spec)["kv_connector_extra_config"] for name, spec
+             in (("default", default), ("parked", parked))}
+    assert extra["default"]["maru_park_lone_hits"] is False and extra["parked"]["maru_park_lone_hits"] is True
+    assert parse_config(extra["parked"]).maru_park_lone_hits  # the connector accepts what the operator writes
 
 
 def test_release_after_no_layer_is_accepted():
