@@ -112,6 +112,9 @@ def overview() -> dashboard.Dashboard:
                             "reqps", "Prefix lookups made by each pod's scheduler.", width=12))
     d = d.with_panel(series("Parked requests", [Query(f"sum by (pod) (maru_parked_requests{{{SEL}}})", "{{pod}}")],
                             "short", "Requests waiting in vLLM for their KV to load.", width=12))
+    d = d.with_panel(series("Hits parked per second", [Query(rate("maru_parked_loads_total", "pod"), "{{pod}}")],
+                            "reqps", "Hits loaded while their request waited parked, beside other requests; "
+                            "a lone async hit loads in its own step and is not counted.", width=12))
     d = d.with_row(dashboard.Row("Loads (time to first token)"))
     d = d.with_panel(series("Load duration", quantiles("maru_load_duration_seconds"), "s",
                             "One load, from its start to its last copy: what a hit adds to TTFT."))
