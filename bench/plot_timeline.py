@@ -15,39 +15,23 @@ its copies ended), or in the step, whole (the sync path).
 
 from __future__ import annotations
 
-import json
 import sys
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from trace_phases import lone_requests, load_path, load_trace  # noqa: E402
 
 
 def _hits(events, tokens: int):
     """(events, arrival, first token, multiprocessing?) of the last lone full
     hit of ``tokens`` tokens per caller process."""
-    adds = [e for e in events if e[3] == "add_request>"]
-    allocs = [e for e in events if e[3] == "update_state_after_alloc>" and e[4][1] == tokens - 1]
     by_caller = {}
-    for alloc in allocs:
-        add = max((a for a in adds if a[0] <= alloc[0]), key=lambda a: a[0])
-        token = min((e for e in events if e[3] == "token" and e[0] >= add[0]), key=lambda e: e[0])
-        window = [e for e in events if add[0] <= e[0] <= token[0]]
-        if sum(e[3] == "add_request>" for e in window) == 1:
-            by_caller[add[1]] = (window, add[0], token[0], len({e[1] for e in window}) > 1)
-    return sorted(by_caller.values(), key=lambda hit: (hit[3], _path(hit[0])))
-
-
-def _path(window) -> str:
-    """How the hit was loaded, from what its trace shows."""
-    if any(e[3] == "submit>" for e in window):
-        return "async, parked (overlap)"
-    loads_started = [e[0] for e in window if e[3] == "start_load_kv<"]
-    landed = [e[0] for e in window if e[3] == "_mark_layer>"]
-    if loads_started and landed and min(loads_started) < max(landed):
-        return "in the step, overlapped (async, not parked)"
-    return "in the step, whole (sync)"
+    for hit in lone_requests(events):
+        if hit.external_tokens == tokens - 1:
+            by_caller[hit.caller_pid] = (hit.window, hit.arrival, hit.first_token, hit.multiprocessing)
+    return sorted(by_caller.values(), key=lambda hit: (hit[3], load_path(hit[0])))
 
 
 def _spans(window, t0):
@@ -78,7 +62,7 @@ ROWS = {"get_num_new_matched_tokens": "lookup", "get_finished": "engine waits fo
 
 
 def main(trace: str, png: str, tokens: int = 4096) -> None:
-    events = [json.loads(line) for line in open(trace, encoding="utf-8")]
+    events = load_trace(trace)
     hits = _hits(events, tokens)
     if not hits:
         raise SystemExit(f"no lone {tokens}-token hit in {trace}")
@@ -96,7 +80,7 @@ def main(trace: str, png: str, tokens: int = 4096) -> None:
         ax.set_yticks(range(len(rows)), [ROWS[r] for r in rows], fontsize=8)
         ax.set_xlim(0, (t1 - t0) * 1e3 * 1.02)
         ax.set_xlabel("ms since the request arrived (dotted red: engine steps)")
-        ax.set_title(f"{tokens}-token hit, {_path(window)}, multiprocessing {'on' if mp else 'off'}: "
+        ax.set_title(f"{tokens}-token hit, {load_path(window)}, multiprocessing {'on' if mp else 'off'}: "
                      f"TTFT {(t1 - t0) * 1e3:.1f} ms", fontsize=10)
     fig.tight_layout()
     fig.savefig(png, dpi=110)

@@ -4,7 +4,7 @@
 
 For hits of TOKENS tokens (default 1024 and 4096), per process model and
 per path the hit took (parked, in the step with overlap, in the step whole;
-read from the trace as ``plot_timeline`` does): ms from arrival to the
+read from the trace): ms from arrival to the
 lookup's answer, the start and end of the resolve, the last layer landed and
 the first token. For misses of at least the smallest size (engine A: a
 lookup that found nothing, then a store): the first token, and the time the
@@ -15,23 +15,41 @@ what the connector adds to a miss.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import json
 import statistics
 import sys
-
-from plot_timeline import _path
+from typing import Any, NamedTuple
 
 ENGINE_THREAD_CALLS = ("get_num_new_matched_tokens", "start_load_kv", "wait_for_save", "get_finished",
                        "build_connector_meta", "update_connector_output")
 
 
-def _windows(events):
-    """(window, arrival, first token, multiprocessing?, external tokens,
-    prompt tokens or None) of each request served alone: from its arrival
-    to its first token, with no other request arriving in between."""
+class Lone(NamedTuple):
+    """One request served alone: its trace events from arrival to first token."""
+
+    window: list[Any]
+    arrival: float
+    first_token: float
+    caller_pid: int
+    multiprocessing: bool
+    external_tokens: int  # what the pool supplied (0: a miss)
+    prompt_tokens: int | None  # None in traces written before it was recorded
+
+
+def load_trace(path: str) -> list[Any]:
+    """The trace's events, ``[monotonic_s, pid, thread, event, detail]``, in time order."""
+    with open(path, encoding="utf-8") as fh:
+        return sorted((json.loads(line) for line in fh), key=lambda e: e[0])
+
+
+def lone_requests(events: list[Any]):
+    """Every request of the (time-ordered) trace served alone: no other
+    request arrived between its arrival and its first token."""
+    times = [e[0] for e in events]
     adds = {e[4]: e for e in events if e[3] == "add_request>"}
-    tokens = {}
+    tokens: dict[str, float] = {}
     for e in events:
         if e[3] == "token":
             tokens.setdefault(e[4], e[0])
@@ -41,10 +59,21 @@ def _windows(events):
         add, first = adds.get(caller_id), tokens.get(caller_id)
         if add is None or first is None:
             continue
-        window = [e for e in events if add[0] <= e[0] <= first]
+        window = events[bisect.bisect_left(times, add[0]):bisect.bisect_right(times, first)]
         if sum(e[3] == "add_request>" for e in window) == 1:
-            yield window, add[0], first, len({e[1] for e in window}) > 1, external, \
-                (prompt[0] if prompt else None)
+            yield Lone(window, add[0], first, add[1], len({e[1] for e in window}) > 1, external,
+                       prompt[0] if prompt else None)
+
+
+def load_path(window) -> str:
+    """How a hit was loaded, from what its trace shows."""
+    if any(e[3] == "submit>" for e in window):
+        return "async, parked (overlap)"
+    loads_started = [e[0] for e in window if e[3] == "start_load_kv<"]
+    landed = [e[0] for e in window if e[3] == "_mark_layer>"]
+    if loads_started and landed and min(loads_started) < max(landed):
+        return "in the step, overlapped (async, not parked)"
+    return "in the step, whole (sync)"
 
 
 def _span_ms(window, names) -> float:
@@ -63,17 +92,18 @@ def _span_ms(window, names) -> float:
 
 def hit_phases(events, tokens: int) -> dict:
     rows = collections.defaultdict(list)
-    for window, t0, t1, mp, external, _ in _windows(events):
-        if external != tokens - 1:
+    for hit in lone_requests(events):
+        if hit.external_tokens != tokens - 1:
             continue
+        t0, window = hit.arrival, hit.window
         at = lambda name: [(e[0] - t0) * 1e3 for e in window if e[3] == name]  # noqa: E731
         resolve_start, resolve_end, landed = at("resolve_load>"), at("resolve_load<"), at("_mark_layer>")
         if not (resolve_start and resolve_end and landed):
             continue
-        rows[("multiprocessing on" if mp else "multiprocessing off", _path(window))].append({
+        rows[("multiprocessing on" if hit.multiprocessing else "multiprocessing off", load_path(window))].append({
             "lookup answered": max(at("get_num_new_matched_tokens<")),
             "resolve starts": resolve_start[0], "resolved": resolve_end[0],
-            "every layer landed": max(landed), "first token": (t1 - t0) * 1e3,
+            "every layer landed": max(landed), "first token": (hit.first_token - t0) * 1e3,
             "engine steps": sum(e[3] == "build_connector_meta>" for e in window),
         })
     return rows
@@ -83,16 +113,16 @@ def miss_costs(events, min_tokens: int) -> dict:
     """Lone misses of at least ``min_tokens`` tokens (all lone misses when
     the trace does not say the prompt's length)."""
     rows = collections.defaultdict(list)
-    for window, t0, t1, mp, external, prompt in _windows(events):
-        if external or (prompt is not None and prompt < min_tokens):
+    for miss in lone_requests(events):
+        if miss.external_tokens or (miss.prompt_tokens is not None and miss.prompt_tokens < min_tokens):
             continue
-        rows["multiprocessing on" if mp else "multiprocessing off"].append(
-            ((t1 - t0) * 1e3, _span_ms(window, ENGINE_THREAD_CALLS)))
+        rows["multiprocessing on" if miss.multiprocessing else "multiprocessing off"].append(
+            ((miss.first_token - miss.arrival) * 1e3, _span_ms(miss.window, ENGINE_THREAD_CALLS)))
     return rows
 
 
 def main(trace: str, sizes: list[int]) -> None:
-    events = [json.loads(line) for line in open(trace, encoding="utf-8")]
+    events = load_trace(trace)
     for tokens in sizes:
         for (mp, path), hits in sorted(hit_phases(events, tokens).items()):
             print(f"\n{tokens}-token hits, {mp}, {path}: {len(hits)} hits, medians in ms")
