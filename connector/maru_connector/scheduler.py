@@ -135,10 +135,10 @@ class MaruSchedulerHalf:
         hit_end = min((base + matched) * self._chunk, request.num_tokens - 1)
         ext = max(0, hit_end - num_computed_tokens)
         state.local_tokens, state.hit_tokens = num_computed_tokens, ext
-        state.park = bool(ext) and self._should_park(request)
+        state.park = bool(ext) and self._should_park()
         return ext, state.park
 
-    def _should_park(self, request: "Request") -> bool:
+    def _should_park(self) -> bool:
         """Whether a hit loads while its request waits parked (vLLM's
         waiting-for-remote-KV state) or in the step that computes it.
 
@@ -152,7 +152,7 @@ class MaruSchedulerHalf:
             return False
         if self.cfg.maru_park_lone_hits:
             return True
-        return any(req_id != request.request_id for req_id in self._reqs)
+        return len(self._reqs) > 1  # the request itself is tracked since its lookup
 
     def update_state_after_alloc(
         self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
