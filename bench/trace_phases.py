@@ -6,9 +6,9 @@ For hits of TOKENS tokens (default 1024 and 4096), per process model and
 per path the hit took (parked, in the step with overlap, in the step whole;
 read from the trace): ms from arrival to the
 lookup's answer, the start and end of the resolve, the last layer landed and
-the first token. For misses of at least the smallest size (engine A: a
-lookup that found nothing, then a store): the first token, and the time the
-connector's calls took on the engine's thread before it (lookup, step
+the first token. For misses of at least the smallest size, by prompt
+length (a lookup that found nothing, then a store): the first token, and
+the time the connector's calls took on the engine's thread before it (lookup, step
 metadata, ``start_load_kv``, ``wait_for_save``, ``get_finished``), which is
 what the connector adds to a miss.
 """
@@ -46,23 +46,26 @@ def load_trace(path: str) -> list[Any]:
 
 def lone_requests(events: list[Any]):
     """Every request of the (time-ordered) trace served alone: no other
-    request arrived between its arrival and its first token."""
+    request was live (arrived, first token not yet out) at any time between
+    its arrival and its first token."""
     times = [e[0] for e in events]
     adds = {e[4]: e for e in events if e[3] == "add_request>"}
     tokens: dict[str, float] = {}
     for e in events:
         if e[3] == "token":
             tokens.setdefault(e[4], e[0])
+    live = sorted((add[0], tokens.get(rid, float("inf")), rid) for rid, add in adds.items())
     for alloc in (e for e in events if e[3] == "update_state_after_alloc>"):
         req_id, external, *prompt = alloc[4]
         caller_id = req_id.rsplit("-", 1)[0]  # vLLM appends a suffix to the caller's id
         add, first = adds.get(caller_id), tokens.get(caller_id)
         if add is None or first is None:
             continue
+        if any(rid != caller_id and start < first and end > add[0] for start, end, rid in live):
+            continue  # another request was live beside it
         window = events[bisect.bisect_left(times, add[0]):bisect.bisect_right(times, first)]
-        if sum(e[3] == "add_request>" for e in window) == 1:
-            yield Lone(window, add[0], first, add[1], len({e[1] for e in window}) > 1, external,
-                       prompt[0] if prompt else None)
+        yield Lone(window, add[0], first, add[1], len({e[1] for e in window}) > 1, external,
+                   prompt[0] if prompt else None)
 
 
 def load_path(window) -> str:
@@ -110,13 +113,18 @@ def hit_phases(events, tokens: int) -> dict:
 
 
 def miss_costs(events, min_tokens: int) -> dict:
-    """Lone misses of at least ``min_tokens`` tokens (all lone misses when
-    the trace does not say the prompt's length)."""
+    """Lone misses that store, of at least ``min_tokens`` tokens, by process
+    model and prompt length (all of them, length unknown, when the trace does
+    not say it): (first token, the connector's calls on the engine thread) in
+    ms. A prompt vLLM's own prefix cache served is no miss: it stores nothing."""
     rows = collections.defaultdict(list)
     for miss in lone_requests(events):
         if miss.external_tokens or (miss.prompt_tokens is not None and miss.prompt_tokens < min_tokens):
             continue
-        rows["multiprocessing on" if miss.multiprocessing else "multiprocessing off"].append(
+        if not any(e[3] == "wait_for_save>" and e[4] for e in miss.window):
+            continue
+        mp = "multiprocessing on" if miss.multiprocessing else "multiprocessing off"
+        rows[(mp, miss.prompt_tokens or 0)].append(
             ((miss.first_token - miss.arrival) * 1e3, _span_ms(miss.window, ENGINE_THREAD_CALLS)))
     return rows
 
@@ -128,12 +136,13 @@ def main(trace: str, sizes: list[int]) -> None:
             print(f"\n{tokens}-token hits, {mp}, {path}: {len(hits)} hits, medians in ms")
             for phase in hits[0]:
                 print(f"  {phase:20s} {statistics.median(h[phase] for h in hits):7.1f}")
-    for mp, misses in sorted(miss_costs(events, min(sizes)).items()):
+    for (mp, tokens), misses in sorted(miss_costs(events, min(sizes)).items()):
         ttft = statistics.median(m[0] for m in misses)
         conn = statistics.median(m[1] for m in misses)
-        print(f"\nmisses, {mp}: {len(misses)}; first token {ttft:.1f} ms, the connector's calls on the "
-              f"engine thread before it {conn:.2f} ms (medians)")
-
+        share = statistics.median(m[1] / m[0] for m in misses)
+        print(f"\n{tokens or 'all'}-token misses, {mp}: {len(misses)}; first token {ttft:.1f} ms, "
+              f"the connector's calls on the engine thread before it {conn:.2f} ms "
+              f"({share:.1%} of the first token; medians)")
 
 if __name__ == "__main__":
     main(sys.argv[1], [int(a) for a in sys.argv[2:]] or [1024, 4096])
