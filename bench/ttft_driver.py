@@ -4,6 +4,7 @@ step it, with the MaruCache connector's real scheduler half and worker half.
 Per step: the scheduler half's lookup (``get_num_new_matched_tokens``), block
 allocation and ``update_state_after_alloc`` for new requests,
 ``build_connector_meta``; then the worker half's ``handle_preemptions``,
+the step's inputs (as vLLM's model runner prepares them after that call),
 ``start_load_kv``, the forward (``wait_for_layer_load`` before each layer's
 attention; ``save_kv_layer`` is a no-op in this connector), ``wait_for_save``,
 ``get_finished``, ``get_block_ids_with_load_errors`` and
@@ -180,10 +181,12 @@ class Engine:
         w = self.worker
         if w is not None:
             w.handle_preemptions(meta)
-            w.start_load_kv(meta)
         by_id = {r.request_id: r for r in running}
-        if scheduled:
-            self._run_forward([(by_id[i], n) for i, n in scheduled.items()])
+        batch = self._prepare([(by_id[i], n) for i, n in scheduled.items()]) if scheduled else None
+        if w is not None:
+            w.start_load_kv(meta)
+        if batch is not None:
+            self._run_forward(batch)
         else:
             time.sleep(self.idle_step_s)  # an empty step of the engine loop
         done_now = set()
@@ -233,11 +236,15 @@ class Engine:
         else:
             self.release(r.blocks)
 
-    def _run_forward(self, work: list[tuple[Request, int]]) -> None:
-        batch = Batch.build(
+    def _prepare(self, work: list[tuple[Request, int]]) -> Batch:
+        """The step's inputs: vLLM prepares them between ``handle_preemptions``
+        and ``start_load_kv``."""
+        return Batch.build(
             [(r.prompt_token_ids[r.num_computed_tokens:r.num_computed_tokens + n],
               r.num_computed_tokens, r.blocks) for r, n in work],
             self.block_size, self.model.device)
+
+    def _run_forward(self, batch: Batch) -> None:
         wait = self.worker.wait_for_layer_load if self.worker is not None else _no_wait
         logits = self._forward(batch, wait)
         logits.argmax(-1).tolist()  # the sampled tokens reach the host: the step ends
