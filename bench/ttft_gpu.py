@@ -145,8 +145,10 @@ class Bench:
         first = next(iter(self.reader_kv.values()))
         self.reader_flat = torch.empty(0, dtype=first.dtype, device=device).set_(
             first.untyped_storage())
-        self.prompts = {n: prompt(n + args.new_tokens, n, geo.vocab) for n in args.sizes}
         cached, new = args.partial
+        # The full hits' prompts, and the partial hit's prefix (stored too).
+        self.prompts = {n: prompt(n + args.new_tokens, n, geo.vocab)
+                        for n in sorted(set(args.sizes) | {cached})}
         self.partial = prompt(cached + args.new_tokens, cached, geo.vocab)[:cached] + \
             prompt(new, 7 + new, geo.vocab)
         self.refs: dict[int, list[torch.Tensor]] = {}
@@ -302,7 +304,7 @@ class Bench:
         # stored prompts, store-cost runs (fresh keys each), and the chunks
         # the reader stores after partial hits (fresh suffixes each run)
         runs = args.repeats + 1
-        need = (sum(args.sizes) + args.store_size * (runs + 1)
+        need = (sum(self.prompts) + args.store_size * (runs + 1)
                 + args.partial[1] * runs * (len(args.modes) + 1)) * kv_bytes
         res: dict = {"format": fmt}
         with Cluster(self.model, args, fmt, pool_bytes=pool_size(need)) as cl:
