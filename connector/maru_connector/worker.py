@@ -4,12 +4,10 @@ Runs in each vLLM worker process. It attaches the pool (directly or through
 the sidecar), builds the transfer engine for the KV caches vLLM registers and
 carries out what the scheduler half planned:
 
-- synchronous loads: resolved (pin, check reply and slot headers) on a
-  helper thread from ``handle_preemptions`` on, while vLLM prepares the
-  step's inputs; copied from ``start_load_kv`` on (not earlier: vLLM may
-  still write the step's new blocks in between); unpinned after the copies.
-  With overlap the copies run while the forward waits per layer in
-  ``wait_for_layer_load`` and are finished in ``wait_for_save``;
+- synchronous loads in ``start_load_kv`` (before the forward): resolve (pin,
+  check reply and slot headers), copy, unpin; with overlap the copies run
+  while the forward waits per layer in ``wait_for_layer_load`` and are
+  finished in ``wait_for_save``;
 - async loads on the :class:`~maru_connector.loader.AsyncLoader` thread;
 - stores in ``wait_for_save`` through the :class:`~maru_connector.store.Storer`,
   committed only once the scheduler half's verdict on their step came back.
@@ -28,7 +26,6 @@ import logging
 import os
 import time
 from collections.abc import Callable, Collection
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,9 +136,6 @@ class MaruWorkerHalf:
         self._loader: AsyncLoader | None = None
         self._storer: Storer | None = None
         self._sync_loads: list[_SyncLoad] = []
-        # Resolves of this step's sync loads, started in handle_preemptions.
-        self._early_resolves: dict[str, Future[PinnedLoad]] = {}
-        self._resolver: ThreadPoolExecutor | None = None
         self._error_blocks: set[int] = set()
         self._failed_req_ids: set[str] = set()
         self._tainted = False  # this step's forward used a load that failed
@@ -178,23 +172,11 @@ class MaruWorkerHalf:
     # ---- before / during the forward -------------------------------------
 
     def handle_preemptions(self, meta: MaruConnectorMetadata) -> None:
-        """Finish copies that touch blocks vLLM may reuse from this step on,
-        and start resolving this step's sync loads.
-
-        vLLM calls this before it updates its batch and prepares the step's
-        inputs, and ``start_load_kv`` after: the resolve's round trip to the
-        index and its header checks run beside that preparation instead of
-        before the forward.
-        """
+        """Finish copies that touch blocks vLLM may reuse from this step on."""
         if self._storer is not None:
             self._storer.drain(meta.preempted_req_ids)
         if self._loader is not None:
             self._loader.drain(meta.preempted_req_ids | meta.finished_req_ids)
-        self._drop_early_resolves()  # a step whose start_load_kv never came
-        for spec in meta.loads:
-            if not spec.is_async:
-                self._early_resolves[spec.req_id] = self._resolve_thread().submit(
-                    self._resolve, spec)
 
     def start_load_kv(self, meta: MaruConnectorMetadata) -> None:
         for spec in meta.loads:
@@ -203,7 +185,7 @@ class MaruWorkerHalf:
                     raise RuntimeError("async load planned but maru_async_load is off")
                 self._loader.submit(spec)
             else:
-                self._start_sync_load(spec, self._early_resolves.pop(spec.req_id, None))
+                self._start_sync_load(spec)
         if not self.cfg.maru_overlap_load_with_compute:
             self._finish_sync_loads()
 
@@ -271,9 +253,6 @@ class MaruWorkerHalf:
         return report
 
     def shutdown(self) -> None:
-        self._drop_early_resolves()
-        if self._resolver is not None:
-            self._resolver.shutdown(wait=True)
         self._finish_sync_loads()
         for part in (self._loader, self._storer):
             if part is not None:
@@ -285,36 +264,15 @@ class MaruWorkerHalf:
 
     # ---- synchronous loads -------------------------------------------------
 
-    def _resolve_thread(self) -> ThreadPoolExecutor:
-        if self._resolver is None:
-            self._resolver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="maru-resolve")
-        return self._resolver
-
-    def _resolve(self, spec: LoadSpec) -> PinnedLoad:
-        """Pin and check a sync load's objects; on the resolve thread, or on
-        the engine thread when ``handle_preemptions`` did not start it. Never
-        both at once: ``start_load_kv`` waits for the resolves it takes."""
-        res = self._require_resources()
-        if self._sync_client is None:
-            self._sync_client = res.client_factory("sync")
-        return resolve_load(
-            self._sync_client, res.pool, res.engine.fmt, spec.keys(self._tp_rank), spec.block_ids,
-            verify_payload=self._verify_payload,
-        )
-
-    def _drop_early_resolves(self) -> None:
-        """Unpin resolves that no ``start_load_kv`` took (nothing was copied)."""
-        early, self._early_resolves = self._early_resolves, {}
-        for future in early.values():
-            try:
-                release_pins(self._sync_client, future.result())
-            except Exception:  # a failed resolve leaves nothing pinned
-                pass
-
-    def _start_sync_load(self, spec: LoadSpec, early: Future[PinnedLoad] | None) -> None:
+    def _start_sync_load(self, spec: LoadSpec) -> None:
         res = self._require_resources()
         try:
-            pinned = early.result() if early is not None else self._resolve(spec)
+            if self._sync_client is None:
+                self._sync_client = res.client_factory("sync")
+            pinned = resolve_load(
+                self._sync_client, res.pool, res.engine.fmt, spec.keys(self._tp_rank), spec.block_ids,
+                verify_payload=self._verify_payload,
+            )
         except LoadFailure as exc:
             self._fail_sync(spec, exc.reason, str(exc))
             return

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from maru_core.pool.slots import SlotHeader
 
 from maru_connector.metadata import MaruConnectorMetadata
 
-from worker_env import LAYERS, WorkerEnv, blocks_equal, load_meta, save, step, store_meta, tokens
+from worker_env import LAYERS, WorkerEnv, blocks_equal, load_meta, step, store_meta, tokens
 
 
 @pytest.fixture
@@ -123,61 +121,3 @@ def test_second_store_of_the_same_chunks_is_skipped(env):
     first = dict(env.index.committed)
     step(writer, store_meta("b", keys, first_block=8))
     assert env.index.committed == first and env.index.reserved == {}
-
-
-def _wait_for_pins(env, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not env.index.pins and time.monotonic() < deadline:
-        time.sleep(0.001)
-    return bool(env.index.pins)
-
-
-def test_sync_load_resolves_while_vllm_prepares_the_step(env):
-    """The resolve (pin, header and payload checks) starts in
-    ``handle_preemptions``, which vLLM calls before preparing the step's
-    inputs; the copies wait for ``start_load_kv``."""
-    writer, kv_w = env.worker(seed=1, maru_async_store=False)
-    keys = env.keys(tokens(64))
-    step(writer, store_meta("w", keys, first_block=0))
-    reader, kv_r = env.worker(seed=2, maru_verify_payload=True)
-    before = _snapshot(kv_r)
-    meta = load_meta("r", keys, first_block=10)
-
-    reader.handle_preemptions(meta)
-    assert _wait_for_pins(env), "handle_preemptions did not start resolving the step's load"
-    assert blocks_equal(before, range(10, 14), kv_r, range(10, 14))  # nothing copied yet
-    assert env.index.calls["retrieve"] == 1
-
-    reader.start_load_kv(meta)
-    for i in range(LAYERS):
-        reader.wait_for_layer_load(f"model.layers.{i}.self_attn.attn")
-    save(reader, meta)
-    assert blocks_equal(kv_w, range(4), kv_r, range(10, 14))
-    assert env.index.calls["retrieve"] == 1  # start_load_kv took the early resolve
-    assert +env.index.pins == {}
-    assert reader.get_block_ids_with_load_errors() == set()
-
-
-def test_early_resolve_without_its_step_is_unpinned_and_copies_nothing(env):
-    """A step whose ``start_load_kv`` never comes (vLLM left the step early)
-    leaves no pin behind once the next step begins, and no block written."""
-    keys = _stored(env)
-    reader, kv_r = env.worker(seed=2)
-    before = _snapshot(kv_r)
-    reader.handle_preemptions(load_meta("r", keys, first_block=10))
-    assert _wait_for_pins(env)
-
-    errors, meta = step(reader, MaruConnectorMetadata())
-
-    assert +env.index.pins == {}
-    assert errors == set() and not meta.failed_load_req_ids and not meta.tainted
-    assert blocks_equal(before, range(10, 14), kv_r, range(10, 14))
-
-
-def test_shutdown_unpins_an_early_resolve(env):
-    keys = _stored(env)
-    reader, _ = env.worker(seed=2)
-    reader.handle_preemptions(load_meta("r", keys, first_block=10))
-    assert _wait_for_pins(env)
-    reader.shutdown()
-    assert +env.index.pins == {}
