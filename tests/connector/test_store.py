@@ -111,3 +111,45 @@ def test_a_commit_the_index_refuses_is_counted_not_lost_silently(env):
     snapshot = writer.stats.snapshot()
     assert snapshot["store_failures"]["commit_error"] == 1
     assert snapshot["counters"]["store_bytes"] == 0 and env.index.committed == {}
+
+
+def test_a_step_s_stores_start_when_the_next_step_begins(env):
+    """vLLM emits a step's tokens after ``wait_for_save``: the store thread
+    stays idle until the next step's ``handle_preemptions``, while the
+    request's blocks already count as being read."""
+    writer, kv_w = env.worker(seed=1)
+    keys = env.keys(tokens(64))
+    writer.wait_for_save(store_meta("w", keys, first_block=0))
+    assert finished(writer, held={"w"}) == (set(), set())  # blocks still to be read
+    time.sleep(0.05)
+    assert env.index.calls["reserve"] == 0, "the store started before the next step"
+
+    writer.handle_preemptions(MaruConnectorMetadata(step=1))
+    writer.wait_for_save(MaruConnectorMetadata(step=1, store_verdicts={0: True}))
+    assert _finished_sending(writer, set()) == {"w"}
+    deadline = time.monotonic() + 5
+    while len(env.index.committed) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(env.index.committed) == 2
+    reader, kv_r = env.worker(seed=2, maru_async_store=False)
+    reader.start_load_kv(load_meta("r", keys, first_block=20))
+    assert blocks_equal(kv_w, range(4), kv_r, range(20, 24))
+
+
+def test_a_deferred_store_of_a_preempted_request_never_reads_its_blocks(env):
+    writer, _ = env.worker(seed=1)
+    writer.wait_for_save(store_meta("a", env.keys(tokens(64)), first_block=0))
+    meta = MaruConnectorMetadata(step=1, preempted_req_ids={"a"})
+    writer.handle_preemptions(meta)  # "a" is cancelled before its store starts
+    writer.wait_for_save(MaruConnectorMetadata(step=1, store_verdicts={0: True}))
+    assert _finished_sending(writer, {"a"}) == {"a"}
+    assert env.index.calls["reserve"] == 0
+    assert env.index.committed == {} and env.index.reserved == {}
+
+
+def test_shutdown_drops_stores_that_never_started(env):
+    writer, _ = env.worker(seed=1)
+    writer.wait_for_save(store_meta("a", env.keys(tokens(64)), first_block=0))
+    writer.shutdown()
+    env.workers.remove(writer)
+    assert env.index.calls["reserve"] == 0 and env.index.reserved == {}
