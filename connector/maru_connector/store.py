@@ -9,11 +9,7 @@ The job then waits for the scheduler's verdict on its step
 any rank is never committed; the others are committed with one batched
 ``commit`` per step. Any failure aborts the reservation and only costs a
 future miss (counted by reason). With ``maru_async_store`` the jobs run on the
-store thread and never block the forward. A job submitted with ``defer``
-waits for :meth:`Storer.start_deferred`: the worker starts a step's stores
-when the next step begins, because vLLM emits the step's tokens after
-``wait_for_save`` and a store thread copying, checksumming and reserving
-meanwhile takes cores and the GIL from that. vLLM keeps a finished request's
+store thread and never block the forward; vLLM keeps a finished request's
 blocks until :meth:`Storer.finished_requests` reports that no job reads them
 any more, and a
 preempted request's jobs are cancelled or finished before its blocks are
@@ -96,42 +92,26 @@ class Storer:
         self._held: set[str] = set()  # finished requests vLLM keeps blocks for
         self._by_step: dict[int, list[_StoreJob]] = {}  # copied, awaiting their step's verdict
         self._inbox: queue.Queue[_StoreJob | dict[int, bool] | None] = queue.Queue()
-        self._deferred: list[_StoreJob] = []  # submitted with defer, not yet started
         self._thread: threading.Thread | None = None
         if async_store:
             self._thread = threading.Thread(target=self._serve, name="maru-storer", daemon=True)
             self._thread.start()
 
-    def submit(self, spec: StoreSpec, defer: bool = False) -> None:
-        """Store ``spec``'s chunks: inline without ``async_store``, else on the
-        store thread, from :meth:`start_deferred` on when ``defer``.
-
-        The job reads its blocks from now until its copy ends, deferred or
-        not: :meth:`finished_requests` and :meth:`drain` count it at once.
-        """
+    def submit(self, spec: StoreSpec) -> None:
         job = _StoreJob(spec)
         with self._lock:
             self._jobs.setdefault(spec.req_id, []).append(job)
-        if not self._async:
-            self._run(job)
-        elif defer:
-            self._deferred.append(job)
+        if self._async:
+            self._inbox.put(job)
         else:
-            self._inbox.put(job)
-
-    def start_deferred(self) -> None:
-        """Hand the deferred jobs to the store thread, in submission order."""
-        jobs, self._deferred = self._deferred, []
-        for job in jobs:
-            self._inbox.put(job)
+            self._run(job)
 
     def apply_verdicts(self, verdicts: dict[int, bool]) -> None:
         """The scheduler's verdicts (step -> commit?) on stores already submitted.
 
-        Queued behind the jobs of those steps (deferred ones are started
-        first), so every job is copied before its verdict is applied.
+        Queued behind the jobs of those steps, so every job is copied before
+        its verdict is applied.
         """
-        self.start_deferred()
         if self._async:
             self._inbox.put(dict(verdicts))
         else:
@@ -173,9 +153,6 @@ class Storer:
             return jobs + len(self._held)
 
     def close(self) -> None:
-        for job in self._deferred:  # no verdict will come: never started, nothing reserved
-            job.state = _CANCELLED
-        self.start_deferred()  # each cancelled job is finished by the thread
         if self._thread is not None:
             self._inbox.put(None)
             self._thread.join(timeout=30)

@@ -9,9 +9,8 @@ carries out what the scheduler half planned:
   while the forward waits per layer in ``wait_for_layer_load`` and are
   finished in ``wait_for_save``;
 - async loads on the :class:`~maru_connector.loader.AsyncLoader` thread;
-- stores handed to the :class:`~maru_connector.store.Storer` in
-  ``wait_for_save`` and (async) started with the next step, committed only
-  once the scheduler half's verdict on their step came back.
+- stores in ``wait_for_save`` through the :class:`~maru_connector.store.Storer`,
+  committed only once the scheduler half's verdict on their step came back.
 
 Failed loads are reported through ``get_block_ids_with_load_errors`` (and to
 the scheduler half as a miss for that request) in the step they are found,
@@ -173,12 +172,9 @@ class MaruWorkerHalf:
     # ---- before / during the forward -------------------------------------
 
     def handle_preemptions(self, meta: MaruConnectorMetadata) -> None:
-        """Finish copies that touch blocks vLLM may reuse from this step on
-        (a preempted request's stores not yet started never start), then
-        start the last step's stores."""
+        """Finish copies that touch blocks vLLM may reuse from this step on."""
         if self._storer is not None:
             self._storer.drain(meta.preempted_req_ids)
-            self._storer.start_deferred()
         if self._loader is not None:
             self._loader.drain(meta.preempted_req_ids | meta.finished_req_ids)
 
@@ -220,9 +216,7 @@ class MaruWorkerHalf:
         if meta.store_verdicts:
             self._storer.apply_verdicts(meta.store_verdicts)
         for spec in meta.stores:
-            # Started by the next step's handle_preemptions: vLLM emits this
-            # step's tokens after this call, and they should not wait for it.
-            self._storer.submit(spec, defer=True)
+            self._storer.submit(spec)
 
     def get_finished(self, meta: MaruConnectorMetadata) -> tuple[set[str], set[str]]:
         """(held requests whose stores are done, async loads released or failed).
