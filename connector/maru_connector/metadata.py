@@ -44,14 +44,9 @@ class ChunkRun:
 
 @dataclass(frozen=True)
 class LoadSpec(ChunkRun):
-    """Load these chunks into these blocks; ``is_async`` parks the request.
-
-    ``computed_tokens``: how many of the request's tokens the forward of the
-    step that loads it computes (in-step loads; 0 for a parked one).
-    """
+    """Load these chunks into these blocks; ``is_async`` parks the request."""
 
     is_async: bool = False
-    computed_tokens: int = 0
 
 
 @dataclass(frozen=True)

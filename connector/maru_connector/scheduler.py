@@ -11,7 +11,7 @@ the number of live requests: per-request state is dropped in
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from maru_core.keys import packed_layer_keys
@@ -189,11 +189,9 @@ class MaruSchedulerHalf:
         """This step's loads, the stores of chunks this step completes, the
         verdicts on earlier steps' stores, and drains."""
         self._step += 1
-        computing = scheduler_output.num_scheduled_tokens
         meta = MaruConnectorMetadata(
             step=self._step,
-            loads=[spec if spec.is_async else replace(spec, computed_tokens=computing.get(spec.req_id, 0))
-                   for spec in self._pending_loads],
+            loads=self._pending_loads,
             store_verdicts=self._verdicts,
             preempted_req_ids=set(scheduler_output.preempted_req_ids or ()),
             finished_req_ids=set(scheduler_output.finished_req_ids),

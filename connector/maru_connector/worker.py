@@ -144,7 +144,6 @@ class MaruWorkerHalf:
         res = self._res = self._resources_factory(self.cfg, kv_caches, self._block_size)
         self.stats = res.stats
         self._layout = res.engine.fmt.layout
-        self._backend = res.engine.backend
         self._verify_payload = self.cfg.verify_payload(res.engine.backend)
         if self.cfg.maru_async_load:
             release_after = (
@@ -187,23 +186,8 @@ class MaruWorkerHalf:
                 self._loader.submit(spec)
             else:
                 self._start_sync_load(spec)
-        before_forward = [load for load in self._sync_loads if not self._overlaps(load.spec)]
-        if before_forward:
-            self._finish_sync_loads(before_forward)
-
-    def _overlaps(self, spec: LoadSpec) -> bool:
-        """Whether an in-step load runs beside the forward (which waits per
-        layer) rather than before it.
-
-        On the CPU backend the copies and the forward share the cores, so a
-        forward that computes less than a chunk of the request (a full hit
-        computes one token) has nothing to hide the copies behind: overlapping
-        would only add the per-layer hand-offs. On CUDA the forward's host
-        work runs beside the copies whatever it computes.
-        """
         if not self.cfg.maru_overlap_load_with_compute:
-            return False
-        return self._backend != "cpu" or spec.computed_tokens >= self.cfg.maru_kv_chunk_tokens
+            self._finish_sync_loads()
 
     def wait_for_layer_load(self, layer_name: str, computing: Collection[str] | None = None) -> None:
         """Wait until this layer's KV of the loads the forward reads has landed.
@@ -297,13 +281,8 @@ class MaruWorkerHalf:
             return
         self._sync_loads.append(_SyncLoad(spec, pinned, res.engine.submit_load(pinned.chunks)))
 
-    def _finish_sync_loads(self, loads: list[_SyncLoad] | None = None) -> None:
-        """Wait for these sync loads (all by default), unpin, report failures."""
-        if loads is None:
-            loads, self._sync_loads = self._sync_loads, []
-        else:
-            waited = {id(load) for load in loads}
-            self._sync_loads = [load for load in self._sync_loads if id(load) not in waited]
+    def _finish_sync_loads(self) -> None:
+        loads, self._sync_loads = self._sync_loads, []
         for load in loads:
             started = load.handle.submitted_at
             wait_done(load.handle)

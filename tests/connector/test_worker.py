@@ -7,7 +7,7 @@ from maru_core.pool.slots import SlotHeader
 
 from maru_connector.metadata import MaruConnectorMetadata
 
-from worker_env import CHUNK, LAYERS, WorkerEnv, blocks_equal, load_meta, save, step, store_meta, tokens
+from worker_env import LAYERS, WorkerEnv, blocks_equal, load_meta, step, store_meta, tokens
 
 
 @pytest.fixture
@@ -30,8 +30,7 @@ def test_store_then_load_copies_exact_bytes(env, layerwise, overlap):
     assert len(env.index.committed) == 3 * (LAYERS if layerwise else 1)
     assert not blocks_equal(kv_w, range(6), kv_r, range(10, 16))
 
-    # A step computing a chunk of the request: with overlap, the copies run beside it.
-    errors, meta = step(reader, load_meta("r", keys, first_block=10, computed_tokens=CHUNK))
+    errors, meta = step(reader, load_meta("r", keys, first_block=10))
 
     assert errors == set() and not meta.failed_load_req_ids and not meta.tainted
     assert blocks_equal(kv_w, range(6), kv_r, range(10, 16))
@@ -122,39 +121,3 @@ def test_second_store_of_the_same_chunks_is_skipped(env):
     first = dict(env.index.committed)
     step(writer, store_meta("b", keys, first_block=8))
     assert env.index.committed == first and env.index.reserved == {}
-
-
-class _ReportsCuda:
-    """The CPU engine, reporting itself as CUDA (what the worker decides on)."""
-
-    def __init__(self, real):
-        self.real, self.fmt, self.backend = real, real.fmt, "cuda"
-
-    def __getattr__(self, name):
-        return getattr(self.real, name)
-
-
-@pytest.mark.parametrize("backend, computed, overlapped", [
-    ("cpu", 1, False),  # a full hit: nothing to hide the copies behind
-    ("cpu", 32, True),  # a chunk of the request to compute
-    ("cuda", 1, True),  # the forward's host work runs beside the copies
-])
-def test_overlap_runs_the_copies_beside_a_forward_that_has_work(env, backend, computed, overlapped):
-    writer, kv_w = env.worker(seed=1, maru_async_store=False)
-    keys = env.keys(tokens(64))
-    step(writer, store_meta("w", keys, first_block=0))
-    reader, kv_r = env.worker(seed=2, maru_overlap_load_with_compute=True,
-                              wrap_engine=_ReportsCuda if backend == "cuda" else None)
-    meta = load_meta("r", keys, first_block=10, computed_tokens=computed)
-
-    reader.handle_preemptions(meta)
-    reader.start_load_kv(meta)
-    # An overlapped load keeps its pins until wait_for_save; one run before
-    # the forward is done, and unpinned, when start_load_kv returns.
-    assert bool(+env.index.pins) == overlapped
-    for i in range(LAYERS):
-        reader.wait_for_layer_load(f"model.layers.{i}.self_attn.attn")
-    save(reader, meta)
-    assert +env.index.pins == {}
-    assert blocks_equal(kv_w, range(4), kv_r, range(10, 14))
-    assert reader.get_block_ids_with_load_errors() == set()

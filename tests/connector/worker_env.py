@@ -91,13 +91,10 @@ def store_meta(req_id: str, keys: list[bytes], first_block: int) -> MaruConnecto
     return MaruConnectorMetadata(stores=[spec])
 
 
-def load_meta(req_id: str, keys: list[bytes], first_block: int, is_async: bool = False,
-              computed_tokens: int = 0) -> MaruConnectorMetadata:
-    """A step that loads ``keys`` into blocks from ``first_block`` on and
-    computes ``computed_tokens`` more of the request."""
+def load_meta(req_id: str, keys: list[bytes], first_block: int, is_async: bool = False
+              ) -> MaruConnectorMetadata:
     spec = LoadSpec(req_id=req_id, keys_by_rank=(tuple(keys),),
-                    block_ids=spec_blocks(first_block, len(keys)), is_async=is_async,
-                    computed_tokens=computed_tokens)
+                    block_ids=spec_blocks(first_block, len(keys)), is_async=is_async)
     return MaruConnectorMetadata(loads=[spec])
 
 

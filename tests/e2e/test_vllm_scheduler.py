@@ -102,38 +102,6 @@ def test_hit_blocks_hold_exactly_the_computed_kv(engines, index, mode, layerwise
     assert reader.worker.worker_half.stats.snapshot()["counters"]["load_bytes"] > hit_before
 
 
-@pytest.mark.parametrize("mode", ["sync-overlap", "async-auto"])
-def test_a_lone_hit_overlaps_only_a_forward_with_work(engines, index, mode):
-    """On the CPU backend a hit loaded in its step runs its copies beside the
-    forward only when that forward computes at least a chunk of the request;
-    a full hit (one token to compute) loads before it. Both hold exactly the
-    computed KV."""
-    full = random_tokens(2 * CHUNK + 1, seed=next(_seeds))
-    prefix = random_tokens(2 * CHUNK, seed=next(_seeds))
-    writer = _store(engines, index, full)
-    keys = index_keys(index)
-    _serve(writer, "w2", prefix + [1])
-    wait_for_keys(index, keys + 2)
-    reader = engines(_config(index, **MODES[mode]))
-    stats = reader.worker.worker_half.stats
-    layer_waits = lambda: stats.snapshot()["histograms"]["layer_wait_seconds"]["count"]  # noqa: E731
-
-    reader.add("full", full, max_tokens=2)
-    reader.run(until=lambda: reader.requests["full"].output)
-    assert reader.wrong_positions("full", full) == []
-    assert layer_waits() == 0, "a one-token forward waited per layer for its copies"
-    reader.run(until=lambda: "full" in reader.finished)  # the next hit is a lone one too
-
-    partial = prefix + random_tokens(CHUNK + 3, seed=next(_seeds))
-    reader.add("partial", partial, max_tokens=2)
-    reader.run(until=lambda: reader.requests["partial"].output)
-    assert reader.wrong_positions("partial", partial) == []
-    assert layer_waits() >= reader.num_layers  # its forward waited per layer
-    reader.run(until=lambda: "partial" in reader.finished)
-    assert reader.finished["partial"].output == _expected_tokens(partial, reader.num_layers, 2)
-    assert stats.snapshot()["counters"]["load_bytes"] > 0
-
-
 def test_async_hit_parks_only_beside_another_request(engines, index):
     """A lone hit loads in the step that computes it (parking would add a
     step); one that arrives while another request runs parks. Both hold
