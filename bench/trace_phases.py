@@ -8,9 +8,9 @@ read from the trace): ms from arrival to the
 lookup's answer, the start and end of the resolve, the last layer landed and
 the first token. For misses of at least the smallest size, by prompt
 length (a lookup that found nothing, then a store): the first token, and
-the time the connector's calls took on the engine's thread before it (lookup, step
-metadata, ``start_load_kv``, ``wait_for_save``, ``get_finished``), which is
-what the connector adds to a miss.
+the time the connector's calls took on the engine's thread before it
+(lookup, step metadata, ``start_load_kv``, ``wait_for_save``,
+``get_finished``), which is what the connector adds to a miss.
 """
 
 from __future__ import annotations
@@ -143,6 +143,7 @@ def main(trace: str, sizes: list[int]) -> None:
         print(f"\n{tokens or 'all'}-token misses, {mp}: {len(misses)}; first token {ttft:.1f} ms, "
               f"the connector's calls on the engine thread before it {conn:.2f} ms "
               f"({share:.1%} of the first token; medians)")
+
 
 if __name__ == "__main__":
     main(sys.argv[1], [int(a) for a in sys.argv[2:]] or [1024, 4096])
