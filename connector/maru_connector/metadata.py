@@ -44,9 +44,15 @@ class ChunkRun:
 
 @dataclass(frozen=True)
 class LoadSpec(ChunkRun):
-    """Load these chunks into these blocks; ``is_async`` parks the request."""
+    """Load these chunks into these blocks; ``is_async`` parks the request.
+
+    ``wait_whole``: ``start_load_kv`` returns only once this load landed,
+    even on an engine that overlaps loads with the forward (the request
+    asked for ``maru_load="sync"``).
+    """
 
     is_async: bool = False
+    wait_whole: bool = False
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from maru_core.stats import ConnectorStats
 
 from maru_connector.config import MaruConfig
 from maru_connector.identity import RequestKeys, request_is_cacheable, request_keys
+from maru_connector.load_mode import PARK, SYNC, requested_load_mode
 from maru_connector.lookup import LookupService
 from maru_connector.metadata import (
     LoadSpec,
@@ -45,6 +46,7 @@ _MAX_STEPS_AWAITING_VERDICT = 256
 class _RequestState:
     request: "Request"
     cacheable: bool = True  # False: something its KV depends on cannot be keyed
+    load_mode: str | None = None  # the request's own ``maru_load`` (see load_mode.py); None: the engine's
     keys: RequestKeys | None = None
     local_tokens: int = 0  # vLLM's own (block-aligned) hit at the last lookup
     hit_tokens: int = 0  # what the last lookup answered beyond local_tokens
@@ -135,10 +137,10 @@ class MaruSchedulerHalf:
         hit_end = min((base + matched) * self._chunk, request.num_tokens - 1)
         ext = max(0, hit_end - num_computed_tokens)
         state.local_tokens, state.hit_tokens = num_computed_tokens, ext
-        state.park = bool(ext) and self._should_park()
+        state.park = bool(ext) and self._should_park(state)
         return ext, state.park
 
-    def _should_park(self) -> bool:
+    def _should_park(self, state: _RequestState) -> bool:
         """Whether a hit loads while its request waits parked (vLLM's
         waiting-for-remote-KV state) or in the step that computes it.
 
@@ -146,8 +148,11 @@ class MaruSchedulerHalf:
         costs the hit one more engine step. With no other request live that
         step buys nothing: the load then runs in the step that computes the
         request, as a sync load does (with overlap, beside its forward).
-        ``maru_park_lone_hits`` parks every hit.
+        ``maru_park_lone_hits`` parks every hit. A request's own ``maru_load``
+        comes first.
         """
+        if state.load_mode is not None:
+            return state.load_mode == PARK
         if not self.cfg.maru_async_load:
             return False
         if self.cfg.maru_park_lone_hits:
@@ -174,6 +179,7 @@ class MaruSchedulerHalf:
             keys_by_rank=keys.slice(first, end),
             block_ids=self._chunk_blocks(block_ids, first, end),
             is_async=state.park,
+            wait_whole=state.load_mode == SYNC,
         )
         self._pending_loads.append(spec)
         self.stats.record_hit_tokens(num_external_tokens)
@@ -319,7 +325,9 @@ class MaruSchedulerHalf:
             cacheable, why = request_is_cacheable(request)
             if not cacheable:
                 logger.info("request %s is neither looked up nor stored: %s", request.request_id, why)
-            state = self._reqs[request.request_id] = _RequestState(request, cacheable=cacheable)
+            mode = requested_load_mode(request.kv_transfer_params, self.cfg.maru_async_load,
+                                       self.cfg.maru_overlap_load_with_compute)
+            state = self._reqs[request.request_id] = _RequestState(request, cacheable=cacheable, load_mode=mode)
         return state
 
     def _keys(self, state: _RequestState) -> RequestKeys:

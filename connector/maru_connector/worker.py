@@ -188,6 +188,8 @@ class MaruWorkerHalf:
                 self._start_sync_load(spec)
         if not self.cfg.maru_overlap_load_with_compute:
             self._finish_sync_loads()
+        elif any(load.spec.wait_whole for load in self._sync_loads):
+            self._finish_sync_loads(only_whole=True)
 
     def wait_for_layer_load(self, layer_name: str, computing: Collection[str] | None = None) -> None:
         """Wait until this layer's KV of the loads the forward reads has landed.
@@ -281,8 +283,15 @@ class MaruWorkerHalf:
             return
         self._sync_loads.append(_SyncLoad(spec, pinned, res.engine.submit_load(pinned.chunks)))
 
-    def _finish_sync_loads(self) -> None:
-        loads, self._sync_loads = self._sync_loads, []
+    def _finish_sync_loads(self, only_whole: bool = False) -> None:
+        """Wait for the sync loads, release their pins, report failures;
+        ``only_whole``: just the loads asked for whole, the forward overlaps the rest."""
+        loads = self._sync_loads
+        if only_whole:
+            self._sync_loads = [load for load in loads if not load.spec.wait_whole]
+            loads = [load for load in loads if load.spec.wait_whole]
+        else:
+            self._sync_loads = []
         for load in loads:
             started = load.handle.submitted_at
             wait_done(load.handle)

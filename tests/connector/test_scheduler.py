@@ -249,3 +249,44 @@ def test_layerwise_chunk_hits_only_when_every_layer_is_stored(index):
             index.committed[layer_key(keys[c], layer)] = Location(0, 1, 1)
     index.committed[layer_key(keys[2], 0)] = Location(0, 1, 1)  # chunk 2 is incomplete
     assert half.get_num_new_matched_tokens(req, 0) == (64, False)
+
+
+def asking(req_id, n_tokens, mode):
+    params = SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": {"maru_load": mode}})
+    return Request(req_id, list(range(1, 1 + n_tokens)), params, None)
+
+
+@pytest.mark.parametrize("mode, parked, whole", [("sync", False, True), ("overlap", False, False),
+                                                 ("park", True, False)])
+def test_a_request_picks_its_own_load_mode(index, mode, parked, whole):
+    """``maru_load`` in a request's kv_transfer_params overrides the engine's
+    choice for that request: here a lone hit (the engine would load it in its
+    step, overlapped) and one beside another live request (the engine would park it)."""
+    half = make_half(index, maru_async_load=True, maru_overlap_load_with_compute=True)
+    commit_prefix(index, half, request("x", 100), 2)
+    lone = asking("a", 100, mode)
+    assert half.get_num_new_matched_tokens(lone, 0) == (64, parked)
+    half.update_state_after_alloc(lone, Blocks(range(7)), 64)
+    beside = asking("b", 100, mode)
+    assert half.get_num_new_matched_tokens(beside, 0) == (64, parked)
+    half.update_state_after_alloc(beside, Blocks(range(7, 14)), 64)
+    loads = half.build_connector_meta(step_output({}, {})).loads
+    assert [(load.is_async, load.wait_whole) for load in loads] == [(parked, whole)] * 2
+
+
+@pytest.mark.parametrize("mode, knobs", [("overlap", {"maru_async_load": True}),
+                                         ("park", {"maru_overlap_load_with_compute": True}),
+                                         ("later", {"maru_async_load": True}),
+                                         (["sync"], {"maru_async_load": True})])
+def test_a_load_mode_the_engine_cannot_honour_falls_back_to_the_engine_s_choice(index, mode, knobs, caplog):
+    half = make_half(index, **knobs)
+    commit_prefix(index, half, request("x", 100), 2)
+    half.get_num_new_matched_tokens(request("other", 100, start=500), 0)  # a live request beside it
+    req = asking("a", 100, mode)
+    with caplog.at_level("WARNING", logger="maru_connector.load_mode"):
+        matched = half.get_num_new_matched_tokens(req, 0)
+    assert matched == (64, knobs.get("maru_async_load", False))  # the engine's choice: park if async
+    half.update_state_after_alloc(req, Blocks(range(7)), 64)
+    (load,) = half.build_connector_meta(step_output({}, {})).loads
+    assert not load.wait_whole
+    assert "maru_load" in caplog.text and ("needs the engine" in caplog.text or "unknown" in caplog.text)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from maru_core.pool.slots import SlotHeader
 
-from maru_connector.metadata import MaruConnectorMetadata
+from maru_connector.metadata import LoadSpec, MaruConnectorMetadata
 
-from worker_env import LAYERS, WorkerEnv, blocks_equal, load_meta, step, store_meta, tokens
+from worker_env import LAYERS, WorkerEnv, blocks_equal, load_meta, spec_blocks, step, store_meta, tokens
 
 
 @pytest.fixture
@@ -37,6 +37,29 @@ def test_store_then_load_copies_exact_bytes(env, layerwise, overlap):
     assert +env.index.pins == {}  # every pin released after the copies
     assert reader.stats.snapshot()["counters"]["load_bytes"] > 0
     assert writer.stats.snapshot()["counters"]["store_bytes"] > 0
+
+
+@pytest.mark.parametrize("wait_whole", [False, True])
+def test_a_load_asked_for_whole_lands_before_the_forward_on_an_overlapping_engine(env, wait_whole):
+    """``maru_load="sync"`` on an engine that overlaps: ``start_load_kv`` returns
+    with the load landed and its pins released; an overlapped one is still in
+    flight (pinned) until ``wait_for_save``."""
+    writer, kv_w = env.worker(seed=1, maru_async_store=False)
+    reader, kv_r = env.worker(seed=2, maru_overlap_load_with_compute=True)
+    keys = env.keys(tokens(96))
+    step(writer, store_meta("w", keys, first_block=0))
+    spec = LoadSpec(req_id="r", keys_by_rank=(tuple(keys),), block_ids=spec_blocks(10, 3), wait_whole=wait_whole)
+    meta = MaruConnectorMetadata(loads=[spec])
+
+    reader.handle_preemptions(meta)
+    reader.start_load_kv(meta)
+
+    landed_before_forward = blocks_equal(kv_w, range(6), kv_r, range(10, 16)) and +env.index.pins == {}
+    for i in range(LAYERS):
+        reader.wait_for_layer_load(f"model.layers.{i}.self_attn.attn")
+    reader.wait_for_save(meta)
+    assert landed_before_forward == wait_whole
+    assert blocks_equal(kv_w, range(6), kv_r, range(10, 16)) and +env.index.pins == {}
 
 
 def _stored(env, n_tokens=64):

@@ -80,3 +80,34 @@ def _check_hits(farm, index, layerwise, async_load, overlap, release_after, seed
     assert after["maru_load_bytes_total"] > before["maru_load_bytes_total"]
     wait_settled(index)
     farm.close_one(name)
+
+
+def test_each_request_s_own_load_mode_hit_equals_recompute(farm, index):
+    """``kv_transfer_params={"maru_load": ...}`` picks a request's load mode on
+    one engine (async + overlap): a lone request asked to park parks, two at
+    once asked to overlap do not, and a sync one loads whole; each hit is the
+    writer's KV and recompute's tokens. Reuses the engines of the test above."""
+    writer = farm.get("layerwise-A", connector_config(index, use_layerwise=True))
+    engine = farm.get(_name(True, True, True) + "-release0", connector_config(
+        index, use_layerwise=True, async_load=True, overlap_load_with_compute=True, overlap_release_after_layers=0))
+    prompts = [random_tokens((3 + i) * CHUNK_TOKENS + 5, seed=3000 + i) for i in range(4)]
+    keys_before = index_keys(index)
+    written = writer.run(prompts, MAX_TOKENS, dump_kv=True)
+    wait_for_keys(index, keys_before + NUM_LAYERS * sum(len(p) // CHUNK_TOKENS for p in prompts))
+
+    served = []
+    for mode, batch, parks in (("sync", prompts[:1], False), ("park", prompts[1:2], True),
+                               ("overlap", prompts[2:], False)):
+        before = engine.counters()
+        served += engine.run(batch, MAX_TOKENS, concurrent=len(batch) > 1, dump_kv=True,
+                             kv_transfer_params={"maru_load": mode})
+        after = engine.counters()
+        parked = after["maru_parked_loads_total"] - before["maru_parked_loads_total"]
+        assert parked == (len(batch) if parks else 0), mode
+        hit = after["maru_lookup_hit_tokens_total"] - before["maru_lookup_hit_tokens_total"]
+        assert hit == sum(len(p) // CHUNK_TOKENS * CHUNK_TOKENS for p in batch), mode
+    for prompt, wrote, read in zip(prompts, written, served):
+        assert_same_prefix_kv(wrote.prompt_kv, read.prompt_kv, len(prompt), len(prompt) // CHUNK_TOKENS * CHUNK_TOKENS)
+    reference = farm.get("reference-a", None)
+    assert [r.token_ids for r in served[:2]] == reference.outputs(prompts[:2], MAX_TOKENS)
+    assert [r.token_ids for r in served[2:]] == reference.outputs(prompts[2:], MAX_TOKENS, concurrent=True)

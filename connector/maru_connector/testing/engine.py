@@ -122,6 +122,7 @@ class EngineProcess:
         abort_after_s: float | None = None,
         timeout_s: float = 600.0,
         dump_kv: bool = False,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> list[RequestResult]:
         """Run `prompts` with greedy sampling; results are in prompt order.
 
@@ -129,6 +130,7 @@ class EngineProcess:
         a request alone); `True` submits them all at once. With
         `abort_after_s`, every request still unfinished that many seconds
         after submission is aborted (its result has `aborted=True`).
+        `kv_transfer_params` go to every request (e.g. ``{"maru_load": "sync"}``).
         """
         self._conn.send(("generate", {
             "prompts": [list(map(int, p)) for p in prompts],
@@ -136,6 +138,7 @@ class EngineProcess:
             "concurrent": concurrent,
             "abort_after_s": abort_after_s,
             "dump_kv": dump_kv,
+            "kv_transfer_params": kv_transfer_params,
         }))
         reply = self._receive(timeout_s, "generate")
         return [RequestResult(**r) for r in reply]

@@ -55,7 +55,9 @@ def _run_batch(llm, prompts: list[list[int]], payload: dict[str, Any]) -> list[d
     from vllm import SamplingParams
 
     engine = llm.llm_engine
-    params = SamplingParams(temperature=0.0, max_tokens=payload["max_tokens"], ignore_eos=True)
+    transfer = payload.get("kv_transfer_params")
+    params = SamplingParams(temperature=0.0, max_tokens=payload["max_tokens"], ignore_eos=True,
+                            extra_args={"kv_transfer_params": transfer} if transfer else None)
     base = f"r{time.monotonic_ns()}-"
     submitted: dict[str, float] = {}
     first_token: dict[str, float] = {}

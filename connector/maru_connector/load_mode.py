@@ -1,0 +1,64 @@
+"""A request's own choice of how its hit loads, from its ``kv_transfer_params``.
+
+vLLM hands each request's ``kv_transfer_params`` to the connector (offline:
+``SamplingParams(extra_args={"kv_transfer_params": {...}})``; the OpenAI API
+server: the request body's ``kv_transfer_params``). ``{"maru_load": MODE}``
+picks, for that request only:
+
+- ``"sync"``: load in the step that computes the request, and start its
+  forward once every layer has landed;
+- ``"overlap"``: load in that step, each layer's attention waiting only for
+  its own layer (needs ``maru_overlap_load_with_compute``);
+- ``"park"``: load while the request waits parked and other requests run
+  (needs ``maru_async_load``).
+
+Without it the engine's knobs decide. One engine serving the modes side by
+side is how to compare them without the spread between two engine processes,
+and how an operator tries a mode on live traffic without a restart. Every
+mode gives the same KV, so a mode the engine was not started for, or an
+unknown value, falls back to the engine's choice with a warning (once per
+distinct value, for the first few): the scheduler has no way to reject a request.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+PARAM = "maru_load"
+SYNC, OVERLAP, PARK = "sync", "overlap", "park"
+MODES = (SYNC, OVERLAP, PARK)
+
+_MAX_WARNINGS = 32  # distinct warnings logged; values come from clients, so bounded
+_warned: set[str] = set()
+
+
+def requested_load_mode(kv_transfer_params: Any, async_load: bool, overlap: bool) -> str | None:
+    """The mode a request asks for and this engine can honour; ``None``: the engine's choice.
+
+    Args:
+        kv_transfer_params: the request's ``kv_transfer_params`` (any value).
+        async_load, overlap: the engine's ``maru_async_load`` and
+            ``maru_overlap_load_with_compute``.
+    """
+    if not isinstance(kv_transfer_params, dict) or PARAM not in kv_transfer_params:
+        return None
+    mode = kv_transfer_params[PARAM]
+    if mode not in MODES:
+        _warn_once(f"unknown {PARAM}={mode!r:.64}: use one of {', '.join(map(repr, MODES))}; "
+                   "the engine's own load mode is used")
+        return None
+    needs = {OVERLAP: ("maru_overlap_load_with_compute", overlap), PARK: ("maru_async_load", async_load)}
+    if mode in needs and not needs[mode][1]:
+        _warn_once(f"{PARAM}={mode!r} needs the engine started with {needs[mode][0]}=true; "
+                   "the engine's own load mode is used")
+        return None
+    return mode
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned and len(_warned) < _MAX_WARNINGS:
+        _warned.add(message)
+        logger.warning("MaruCache: %s", message)
