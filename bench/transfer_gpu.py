@@ -225,7 +225,13 @@ def main():
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--group-below-mib", type=float, default=None,
+                   help="experiment: load layers smaller than this in groups (the engine's "
+                        "GROUP_BELOW_BYTES, 8 MiB)")
     args = ap.parse_args()
+    if args.group_below_mib is not None:
+        import maru_connector.transfer.cuda as cuda_engine
+        cuda_engine.GROUP_BELOW_BYTES = int(args.group_below_mib * (1 << 20))
 
     tokens_blocks = args.tokens // args.block_size
     num_blocks = tokens_blocks * (args.concurrency + 1)

@@ -72,6 +72,9 @@ def parse(argv=None):
     p.add_argument("--chunk-tokens", type=int, default=256)
     p.add_argument("--max-batched-tokens", type=int, default=8192)
     p.add_argument("--out", default=".")
+    p.add_argument("--group-below-mib", type=float, default=None,
+                   help="experiment: load layers smaller than this in groups (the engine's "
+                        "GROUP_BELOW_BYTES, 8 MiB)")
     p.add_argument("--profile", nargs="*", default=[], metavar="CASE/MODE",
                    help="torch-profiler timeline of the last timed hit of these cases and "
                         "modes (e.g. 4096/sync_overlap_graphs): a Chrome trace and a summary")
@@ -495,6 +498,9 @@ def plot(result, path):
 
 def main(argv=None):
     args = parse(argv)
+    if args.group_below_mib is not None:
+        import maru_connector.transfer.cuda as cuda_engine
+        cuda_engine.GROUP_BELOW_BYTES = int(args.group_below_mib * (1 << 20))
     device = "cpu" if args.cpu else "cuda"
     geo = TINY if args.cpu else LLAMA3_8B
     if args.layers:
