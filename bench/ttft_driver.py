@@ -45,6 +45,7 @@ class Request:
     num_computed_tokens: int = 0
     cache_salt: str | None = None
     lora_request: Any = None
+    kv_transfer_params: dict[str, Any] | None = None
     arrival: float = 0.0
     blocks: list[int] = field(default_factory=list)
     external: int = 0  # tokens the connector loads
