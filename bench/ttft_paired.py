@@ -22,7 +22,9 @@ tokens plus as many new tokens, new ones per mode (the engine stores what
 it computes). A writer engine stores the prompts first; an engine without
 the connector computes them, and every full hit's token must equal its.
 Reports medians and, per pair, the ratio to the sync hit: its median with a
-bootstrap 95 % interval, and in how many pairs the mode was faster.
+bootstrap 95 % interval, and in how many pairs the mode was faster. Under
+load: rounds of 4 hits and 4 fresh misses submitted at once, the hits in
+each mode in turn; the hits' and the misses' TTFT p50 / p99 per mode.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096])
     p.add_argument("--pairs", type=int, default=10, help="prompts per size, each served in every mode")
     p.add_argument("--partial", type=int, default=2048, help="cached tokens of the partial hits (0: none)")
+    p.add_argument("--busy-rounds", type=int, default=4,
+                   help="rounds of 8 requests at once (4 hits, 4 misses) per mode (0: none)")
     p.add_argument("--chunk-tokens", type=int, default=256)
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
@@ -91,6 +95,24 @@ def _serve_pairs(engine, prompts_by_mode: dict[str, list[list[int]]], settle_s: 
             out[name]["ttft_s"].append(r.ttft_s)
             out[name]["tokens"].append(r.token_ids)
         print(f"  {progress}: pair {i + 1}/{pairs}", file=sys.stderr, flush=True)
+    return out
+
+
+def _serve_busy(engine, hit_prompts: list[list[int]], args, progress: str) -> dict:
+    """Rounds of the hits and as many fresh misses at once, the hits in each
+    mode in turn: the TTFTs of the hits and of the misses, per mode."""
+    out = {name: {"hits_s": [], "misses_s": []} for name in MODES}
+    size = len(hit_prompts[0])
+    for r in range(args.busy_rounds):
+        names = list(MODES)
+        for m, name in enumerate(names[r % len(names):] + names[: r % len(names)]):
+            misses = [random_tokens(size, seed=14_000_000 + 10_000 * r + 100 * m + i) for i in range(len(hit_prompts))]
+            time.sleep(args.settle_s)
+            runs = engine.generate(hit_prompts + misses, max_tokens=1, concurrent=True,
+                                   kv_transfer_params=MODES[name])
+            out[name]["hits_s"] += [x.ttft_s for x in runs[: len(hit_prompts)]]
+            out[name]["misses_s"] += [x.ttft_s for x in runs[len(hit_prompts):]]
+        print(f"  {progress} busy: round {r + 1}/{args.busy_rounds}", file=sys.stderr, flush=True)
     return out
 
 
@@ -140,10 +162,13 @@ def _run_mode(args, mp: bool, model_dir: str, workdir: str, out: dict) -> None:
                 partial = {name: [p + random_tokens(args.partial, seed=13_000_000 + 1000 * m + i)
                                   for i, p in enumerate(w["partial-prefix"])] for m, name in enumerate(MODES)}
                 data["partial"] = _serve_pairs(hits, partial, args.settle_s, f"{mode} {fmt} partial")
+            if args.busy_rounds:
+                data["busy"] = _serve_busy(hits, w[f"full-{min(args.sizes)}"][:4], args, f"{mode} {fmt}")
             data["loadavg"].append(os.getloadavg()[0])
             after = read_connector_stats(stats_dir)
             # Every serving must have hit: a full hit of n tokens loads n - 1 (vLLM computes one).
-            expected = len(MODES) * args.pairs * (sum(n - 1 for n in args.sizes) + args.partial)
+            expected = len(MODES) * (args.pairs * (sum(n - 1 for n in args.sizes) + args.partial)
+                                     + args.busy_rounds * 4 * (min(args.sizes) - 1))
             hit = after["maru_lookup_hit_tokens_total"] - before["maru_lookup_hit_tokens_total"]
             failed = sum(v for k, v in after.items() if k.startswith("maru_load_failures"))
             data["hit_tokens"], data["hit_tokens_expected"], data["load_failures"] = hit, expected, failed
@@ -171,6 +196,11 @@ def summarise(served: dict) -> dict:
     return row
 
 
+def _pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))] * 1e3
+
+
 def _report(out: dict) -> None:
     print("| engine | format | hit | sync | async as shipped | × sync (95 % CI), pairs faster "
           "| parked | × sync (95 % CI), pairs faster | tokens equal |")
@@ -186,6 +216,12 @@ def _report(out: dict) -> None:
                 equal = served.get("tokens_equal", "–")
                 print(f"| {mode} | {fmt} | {key} | {row['sync_ms']:.1f} | {row['auto_ms']:.1f} | {cells[0]} "
                       f"| {row['park_ms']:.1f} | {cells[1]} | {equal} |")
+            if "busy" in data:
+                for name in MODES:
+                    b = data["busy"][name]
+                    print(f"| {mode} | {fmt} | busy, hits {name} | hits p50/p99 {_pct(b['hits_s'], .5):.1f}/"
+                          f"{_pct(b['hits_s'], .99):.1f} ms | misses p50/p99 {_pct(b['misses_s'], .5):.1f}/"
+                          f"{_pct(b['misses_s'], .99):.1f} ms |")
             print(f"| {mode} | {fmt} | load average {', '.join(f'{x:.1f}' for x in data['loadavg'])}; "
                   f"hit tokens {data['hit_tokens']:.0f} of {data['hit_tokens_expected']}, "
                   f"failed loads {data['load_failures']:.0f} |")
