@@ -72,6 +72,9 @@ def parse(argv=None):
     p.add_argument("--chunk-tokens", type=int, default=256)
     p.add_argument("--max-batched-tokens", type=int, default=8192)
     p.add_argument("--out", default=".")
+    p.add_argument("--whole-inline-beside-forward", action="store_true",
+                   help="experiment: issue a small load whole on the engine thread even when a long "
+                        "forward follows (before: always)")
     p.add_argument("--group-below-mib", type=float, default=None,
                    help="experiment: load layers smaller than this in groups (the engine's "
                         "GROUP_BELOW_BYTES, 8 MiB)")
@@ -498,9 +501,11 @@ def plot(result, path):
 
 def main(argv=None):
     args = parse(argv)
+    import maru_connector.transfer.cuda as cuda_engine
     if args.group_below_mib is not None:
-        import maru_connector.transfer.cuda as cuda_engine
         cuda_engine.GROUP_BELOW_BYTES = int(args.group_below_mib * (1 << 20))
+    if args.whole_inline_beside_forward:
+        cuda_engine.HEAD_ONLY_BESIDE_LONG_FORWARD = False
     device = "cpu" if args.cpu else "cuda"
     geo = TINY if args.cpu else LLAMA3_8B
     if args.layers:

@@ -48,11 +48,14 @@ class LoadSpec(ChunkRun):
 
     ``wait_whole``: ``start_load_kv`` returns only once this load landed,
     even on an engine that overlaps loads with the forward (the request
-    asked for ``maru_load="sync"``).
+    asked for ``maru_load="sync"``). ``new_tokens``: the prompt tokens the
+    request computes after the load (1 for a full hit); a forward that
+    computes many beside it should not wait for all its copies to be queued.
     """
 
     is_async: bool = False
     wait_whole: bool = False
+    new_tokens: int = 0
 
 
 @dataclass(frozen=True)

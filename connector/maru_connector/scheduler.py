@@ -180,6 +180,7 @@ class MaruSchedulerHalf:
             block_ids=self._chunk_blocks(block_ids, first, end),
             is_async=state.park,
             wait_whole=state.load_mode == SYNC,
+            new_tokens=max(0, request.num_tokens - local - num_external_tokens),
         )
         self._pending_loads.append(spec)
         self.stats.record_hit_tokens(num_external_tokens)

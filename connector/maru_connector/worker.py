@@ -281,7 +281,10 @@ class MaruWorkerHalf:
         except Exception as exc:  # e.g. the client could not connect
             self._fail_sync(spec, "index_error", f"{type(exc).__name__}: {exc}")
             return
-        self._sync_loads.append(_SyncLoad(spec, pinned, res.engine.submit_load(pinned.chunks)))
+        beside_long_forward = (self.cfg.maru_overlap_load_with_compute and not spec.wait_whole
+                               and spec.new_tokens >= self.cfg.maru_kv_chunk_tokens)
+        handle = res.engine.submit_load(pinned.chunks, beside_long_forward=beside_long_forward)
+        self._sync_loads.append(_SyncLoad(spec, pinned, handle))
 
     def _finish_sync_loads(self, only_whole: bool = False) -> None:
         """Wait for the sync loads, release their pins, report failures;

@@ -49,8 +49,8 @@ class GatedEngine:
         self.fmt, self.backend = real.fmt, real.backend
         self.handles: list[GatedHandle] = []
 
-    def submit_load(self, chunks):
-        self.handles.append(GatedHandle(self.real.submit_load(chunks)))
+    def submit_load(self, chunks, **options):
+        self.handles.append(GatedHandle(self.real.submit_load(chunks, **options)))
         return self.handles[-1]
 
     def submit_store(self, chunks):

@@ -84,6 +84,7 @@ def test_partial_hit_loads_whole_chunks_into_the_allocated_blocks(index):
     meta = half.build_connector_meta(step_output({"a": 36}, {"a": list(range(10, 17))}))
     (load,) = meta.loads
     assert load.block_ids == ((10, 11), (12, 13)) and not load.is_async
+    assert load.new_tokens == 36  # what the forward computes beside it
     assert half.stats.snapshot()["counters"]["lookup_hit_tokens"] == 64
 
 
@@ -96,6 +97,7 @@ def test_full_prompt_hit_holds_back_one_token(index, async_load):
     half.update_state_after_alloc(req, Blocks(range(6)), 95)
     (load,) = half.build_connector_meta(step_output({}, {})).loads
     assert load.num_chunks == 3  # the whole last chunk is loaded, one token recomputed
+    assert load.new_tokens == 1
 
 
 def test_async_hit_parks_only_while_another_request_is_live(index):

@@ -75,7 +75,8 @@ def _plan(fmt, chunks, rng, adjacent, pool_size):
     return [tuple(starts[c * per:(c + 1) * per]) for c in range(chunks)]
 
 
-def _round_trip(engines, pool, kind, layerwise, adjacent, src_device="cuda", **options):
+def _round_trip(engines, pool, kind, layerwise, adjacent, src_device="cuda", beside_long_forward=False,
+                **options):
     rng = random.Random(f"{kind}{layerwise}{adjacent}")
     blocks, chunks, bpc = 24, 4, 2
     src = make_kv_caches(kind, layers=3, blocks=blocks, seed=1, device=src_device)
@@ -95,7 +96,7 @@ def _round_trip(engines, pool, kind, layerwise, adjacent, src_device="cuda", **o
                      **options)
     assert loader.backend == "cuda"
     h = loader.submit_load([ChunkLoad(tuple(dst_ids[c * bpc:(c + 1) * bpc]), offsets[c])
-                            for c in range(chunks)])
+                            for c in range(chunks)], beside_long_forward=beside_long_forward)
     assert h.wait_all(30) and h.error is None and h.done()
     moved = dict(zip(dst_ids, src_ids))
     for name in layout.layer_names:
@@ -107,10 +108,12 @@ def _round_trip(engines, pool, kind, layerwise, adjacent, src_device="cuda", **o
 
 
 # Where a load is issued: all of it on the submitting thread, its first fill
-# there and the rest on the copy thread, or all of it on the copy thread.
+# there and the rest on the copy thread (for its size, or because a long
+# forward follows), or all of it on the copy thread.
 ISSUE_PATHS = {
     "inline": {"inline_load_bytes": 1 << 30},
     "split": {"inline_load_bytes": 0, "inline_head_fills": 1},
+    "split_beside_forward": {"inline_load_bytes": 1 << 30, "inline_head_fills": 1, "beside_long_forward": True},
     "copy_thread": {"inline_load_bytes": 0, "inline_head_fills": 0},
 }
 
@@ -141,6 +144,31 @@ def test_a_load_issued_on_the_caller_s_thread_leaves_its_stream_and_device_alone
     # recording the last layer's event, which a small load may pass first.
     assert queued.wait_all(30) and queued.error is None and queued.issue_started_at is not None
     assert torch.equal(engine.block_views[0][2], engine.block_views[0][0])
+
+
+def test_a_load_beside_a_long_forward_leaves_all_but_its_head_to_the_copy_thread(engines, pool):
+    """A small load is issued whole on the submitting thread, unless the
+    caller's forward computes much beside it: then only its first fills."""
+    kv = make_kv_caches("packed_lbnhc", layers=8, blocks=8, seed=3, device="cuda")
+    engine = engines(kv, ObjectFormat(detect_kv_layout(kv), 2 * detect_kv_layout(kv).block_size, False),
+                     inline_head_fills=1)
+    threads = []
+    issue_fills = engine._issue_fills
+
+    def recording(job):
+        for fill in issue_fills(job):
+            threads.append(threading.current_thread().name)
+            yield fill
+
+    engine._issue_fills = recording
+    alone = engine.submit_load([ChunkLoad((0, 1), (0,))])
+    assert alone.wait_all(30) and alone.error is None
+    assert len(threads) > 1 and set(threads) == {threading.current_thread().name}
+    threads.clear()
+    beside = engine.submit_load([ChunkLoad((2, 3), (0,))], beside_long_forward=True)
+    assert beside.wait_all(30) and beside.error is None
+    assert threads[0] == threading.current_thread().name and set(threads[1:]) == {"maru-load"}
+    assert all(torch.equal(v[2], v[0]) and torch.equal(v[3], v[1]) for v in engine.block_views)
 
 
 @pytest.mark.parametrize("layerwise", [False, True], ids=["chunkwise", "layerwise"])

@@ -62,6 +62,41 @@ def test_a_load_asked_for_whole_lands_before_the_forward_on_an_overlapping_engin
     assert blocks_equal(kv_w, range(6), kv_r, range(10, 16)) and +env.index.pins == {}
 
 
+class RecordingEngine:
+    """The real engine, recording each load's submit options."""
+
+    def __init__(self, real):
+        self.real, self.options = real, []
+
+    def submit_load(self, chunks, **options):
+        self.options.append(options)
+        return self.real.submit_load(chunks, **options)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+@pytest.mark.parametrize("overlap, new_tokens, wait_whole, beside", [
+    (True, 32, False, True),  # a partial hit computing a chunk or more: its forward should not wait
+    (True, 31, False, False),
+    (True, 1, False, False),  # a full hit
+    (True, 32, True, False),  # asked for whole: the forward waits for it anyway
+    (False, 32, False, False),
+])
+def test_a_sync_load_tells_the_engine_whether_a_long_forward_follows(env, overlap, new_tokens, wait_whole, beside):
+    writer, _ = env.worker(seed=1, maru_async_store=False)
+    keys = env.keys(tokens(64))
+    step(writer, store_meta("w", keys, first_block=0))
+    recorded = []
+    reader, _ = env.worker(seed=2, maru_overlap_load_with_compute=overlap,
+                           wrap_engine=lambda e: recorded.append(RecordingEngine(e)) or recorded[-1])
+    spec = LoadSpec(req_id="r", keys_by_rank=(tuple(keys),), block_ids=spec_blocks(10, 2),
+                    wait_whole=wait_whole, new_tokens=new_tokens)
+    errors, meta = step(reader, MaruConnectorMetadata(loads=[spec]))
+    assert errors == set() and not meta.tainted
+    assert recorded[0].options == [{"beside_long_forward": beside}]
+
+
 def _stored(env, n_tokens=64):
     writer, kv_w = env.worker(seed=1, maru_async_store=False)
     keys = env.keys(tokens(n_tokens))

@@ -181,8 +181,8 @@ class _FailAfterRelease:
         self.real, self.ok_layers, self.fmt = real, ok_layers, real.fmt
         self.failed = 0
 
-    def submit_load(self, chunks):
-        real = self.real.submit_load(chunks)
+    def submit_load(self, chunks, **options):
+        real = self.real.submit_load(chunks, **options)
         real.wait_all()
         blocks = [b for c in chunks for b in c[0]]
         for layer in range(self.ok_layers, real.num_layers):
@@ -235,11 +235,11 @@ def test_loader_exception_fails_that_load_and_the_thread_serves_the_next(engines
     def wrap(resources):
         real_submit = resources.engine.submit_load
 
-        def submit_load(chunks):
+        def submit_load(chunks, **options):
             if not raised:
                 raised.append(True)
                 raise RuntimeError("injected: the engine refused the load")
-            return real_submit(chunks)
+            return real_submit(chunks, **options)
 
         resources.engine.submit_load = submit_load
         return resources

@@ -30,10 +30,12 @@ _STOP = object()
 class _Job:
     """One submitted load or store, as the copy thread sees it."""
 
-    def __init__(self, handle, block_ids: list[int], offsets: list[tuple[int, ...]]):
+    def __init__(self, handle, block_ids: list[int], offsets: list[tuple[int, ...]],
+                 beside_long_forward: bool = False):
         self.handle = handle
         self.block_ids = block_ids
         self.offsets = offsets
+        self.beside_long_forward = beside_long_forward
         # A backend that issued the first part of a load on the submitting
         # thread leaves the rest here for the copy thread.
         self.rest = None
@@ -111,11 +113,14 @@ class TransferEngine(abc.ABC):
         return ObjectFormat(detect_kv_layout(kv_caches, block_size), chunk_tokens, layerwise)
 
     # ----------------------------------------------------------------- submit
-    def submit_load(self, chunks: Sequence[ChunkLoad]) -> LoadHandle:
+    def submit_load(self, chunks: Sequence[ChunkLoad], beside_long_forward: bool = False) -> LoadHandle:
         """Queue copies pool -> KV cache for ``chunks``; returns at once.
 
         On CUDA the writes into the blocks are ordered after the work queued
-        so far on the caller's current stream.
+        so far on the caller's current stream. ``beside_long_forward``: the
+        caller goes on to a forward that computes much beside this load (a
+        partial hit), so it should be held up only by the load's first
+        copies (see ``CudaTransferEngine``).
 
         Raises ``TransferRequestError`` when a chunk does not fit the format
         (wrong number of block ids or offsets, block id out of range).
@@ -126,7 +131,7 @@ class TransferEngine(abc.ABC):
         nbytes = len(blocks) * self.layout.block_bytes_per_layer * self.layout.num_layers
         handle = LoadHandle(self.layout.num_layers if chunks else 0, nbytes)
         if chunks:
-            job = _Job(handle, blocks, [c[1] for c in chunks])
+            job = _Job(handle, blocks, [c[1] for c in chunks], beside_long_forward)
             self._prepare(job)
             if not self._issue_here(job):
                 self._enqueue(self._load_queue, job)
