@@ -118,6 +118,12 @@ ISSUE_PATHS = {
 }
 
 
+def _issue_options(issue: str) -> tuple[dict, dict]:
+    """(engine options, submit_load options) of an issue path."""
+    options = dict(ISSUE_PATHS[issue])
+    return options, {"beside_long_forward": options.pop("beside_long_forward", False)}
+
+
 @pytest.mark.parametrize("kind", ALL_KINDS)
 @pytest.mark.parametrize("layerwise", [False, True], ids=["chunkwise", "layerwise"])
 @pytest.mark.parametrize("adjacent", [True, False], ids=["adjacent", "scattered"])
@@ -265,14 +271,15 @@ def test_eight_concurrent_loads_share_the_load_stream(engines, pool, issue):
     plans = [(tuple(range(4 * c, 4 * c + 4)),
               tuple((c * 4 + l) * fmt.object_bytes for l in range(4))) for c in range(16)]
     assert engines(src, fmt).submit_store([ChunkStore(*p) for p in plans]).wait(30)
-    loader = engines(dst, ObjectFormat(detect_kv_layout(dst), fmt.chunk_tokens, True),
-                     **ISSUE_PATHS[issue])
+    engine_options, submit_options = _issue_options(issue)
+    loader = engines(dst, ObjectFormat(detect_kv_layout(dst), fmt.chunk_tokens, True), **engine_options)
     handles = [None] * 8
     barrier = threading.Barrier(8)
 
     def request(i):
         barrier.wait()
-        handles[i] = loader.submit_load([ChunkLoad(*plans[2 * i]), ChunkLoad(*plans[2 * i + 1])])
+        handles[i] = loader.submit_load([ChunkLoad(*plans[2 * i]), ChunkLoad(*plans[2 * i + 1])],
+                                        **submit_options)
 
     threads = [threading.Thread(target=request, args=(i,)) for i in range(8)]
     for t in threads:
