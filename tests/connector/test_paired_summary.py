@@ -1,0 +1,40 @@
+"""``bench/ttft_paired.py`` and ``bench/plot_paired.py`` compare each hit with
+its own pair's sync hit, and pool runs row by row."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+
+from plot_paired import pooled, table  # noqa: E402
+from ttft_paired import summarise  # noqa: E402
+
+
+def _served(sync, auto, park):
+    return {"sync": {"ttft_s": sync}, "auto": {"ttft_s": auto}, "park": {"ttft_s": park}}
+
+
+def test_ratios_are_per_pair_not_of_the_medians():
+    # Medians 2.0 and 2.0, yet every async hit is 1.5 x its own pair's sync hit.
+    row = summarise(_served([1.0, 2.0, 4.0], [1.5, 3.0, 2.0], [1.0, 2.0, 4.0]))
+    assert row["auto"]["ratio"] == 1.5 and row["auto"]["faster"] == 1 and row["auto"]["pairs"] == 3
+    assert row["park"]["ratio"] == 1.0 and row["park"]["ci95"] == (1.0, 1.0) and row["park"]["faster"] == 0
+    low, high = row["auto"]["ci95"]
+    assert 0.5 <= low <= 1.5 <= high
+
+
+def test_runs_pool_row_by_row(tmp_path):
+    paths = []
+    for i, sync in enumerate(([1.0, 1.0], [2.0])):
+        run = {"results": {"mp-off": {"chunkwise": {
+            "full-1024": _served(sync, [x * 1.1 for x in sync], sync),
+            "busy": {"sync": {"hits_s": [9.0]}}, "loadavg": [1.0]}}}}
+        paths.append(tmp_path / f"run{i}.json")
+        paths[-1].write_text(json.dumps(run))
+    rows = pooled([str(p) for p in paths])
+    assert list(rows) == ["mp-off chunkwise full-1024"]
+    assert rows["mp-off chunkwise full-1024"]["sync"]["ttft_s"] == [1.0, 1.0, 2.0]
+    assert "| mp-off chunkwise full-1024 | 3 |" in table(rows)
