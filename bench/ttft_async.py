@@ -237,20 +237,27 @@ def _report(out: dict) -> None:
                           f" | misses p50/p99 {_pct(misses, .5) * 1e3:.1f}/{_pct(misses, .99) * 1e3:.1f} ms |")
 
 
-def main() -> int:
-    args = _parse()
+def run(args, longest: int, run_mode, report) -> int:
+    """Build the tiny model for prompts of up to ``longest`` tokens, call
+    ``run_mode`` for each multiprocessing mode, print ``report`` of what it
+    measured and write the raw figures to ``args.json``."""
     workdir = tempfile.mkdtemp(prefix="marucache-bench-")
-    spec = TinyModelSpec(max_position_embeddings=max(8192, 2 * max(args.sizes + [args.partial]) + 256))
+    spec = TinyModelSpec(max_position_embeddings=max(8192, 2 * longest + 256))
     model_dir = str(build_tiny_model(spec))
     out: dict = {}
     for mp in args.mp:
-        _run_mode(args, mp == "on", model_dir, workdir, out)
-    _report(out)
+        run_mode(args, mp == "on", model_dir, workdir, out)
+    report(out)
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w", encoding="utf-8") as fh:
         json.dump({"args": vars(args), "results": out}, fh)
     print(f"\nlogs: {workdir}; raw: {args.json}")
     return 0
+
+
+def main() -> int:
+    args = _parse()
+    return run(args, max(args.sizes + [args.partial]), _run_mode, _report)
 
 
 if __name__ == "__main__":

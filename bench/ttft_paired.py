@@ -30,7 +30,6 @@ each mode in turn; the hits' and the misses' TTFT p50 / p99 per mode.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -43,10 +42,9 @@ from maru_connector.config import make_kv_transfer_config
 from maru_connector.testing.engine import EngineProcess, EngineSpec
 from maru_connector.testing.index_process import IndexProcess, unique_pool_path
 from maru_connector.testing.stats_reader import read_connector_stats
-from maru_connector.testing.tiny_model import TinyModelSpec, build_tiny_model
 from maru_connector.testing.workload import random_tokens
 
-from ttft_async import FORMATS, _engine_env, _warm
+from ttft_async import FORMATS, _engine_env, _warm, run
 
 MODES = {"sync": {"maru_load": "sync"}, "auto": None, "park": {"maru_load": "park"}}
 
@@ -229,18 +227,7 @@ def _report(out: dict) -> None:
 
 def main() -> int:
     args = _parse()
-    workdir = tempfile.mkdtemp(prefix="marucache-bench-")
-    spec = TinyModelSpec(max_position_embeddings=max(8192, 2 * max(args.sizes + [2 * args.partial]) + 256))
-    model_dir = str(build_tiny_model(spec))
-    out: dict = {}
-    for mp in args.mp:
-        _run_mode(args, mp == "on", model_dir, workdir, out)
-    _report(out)
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w", encoding="utf-8") as fh:
-        json.dump({"args": vars(args), "results": out}, fh)
-    print(f"\nlogs: {workdir}; raw: {args.json}")
-    return 0
+    return run(args, max(args.sizes + [2 * args.partial]), _run_mode, _report)
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ INLINE_HEAD_FILLS = 2  # two fills keep the copy engine busy >= 2 ms for a 16k-t
 # A load submitted beside a long forward (a partial hit) has only its head
 # issued inline, whatever its size: issuing a 4k-token hit's 32 layers took
 # 2.0-2.6 ms, all of it before that forward's first kernel (False: the
-# engine before, for bench/h200_head_ab.sh).
+# engine before, for `bench/h200_ab.sh head`).
 HEAD_ONLY_BESIDE_LONG_FORWARD = True
 
 

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# A/B runs of the GPU harness on the H200, one engine variant against the
+# other, alternating, ROUNDS times (run from the project root on the GPU
+# machine):
+#
+#   bash bench/h200_ab.sh EXPERIMENT OUT_DIR [ROUNDS]
+#
+# EXPERIMENT:
+#   group  4k-token hits with their 16 MiB layers loaded one per fill (as
+#          shipped, 8 MiB threshold) or in groups (32 MiB); also the load alone.
+#   head   a 4k + 512 partial hit's load issued whole on the engine thread
+#          (the engine before) or only its head (as shipped); then the CUDA tests.
+set -u
+experiment=${1:?usage: h200_ab.sh group|head OUT_DIR [ROUNDS]}
+out=${2:?usage: h200_ab.sh group|head OUT_DIR [ROUNDS]}
+rounds=${3:-3}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH=connector:core:tests/connector
+case $experiment in
+group) variants="g8:--group-below-mib=8 g32:--group-below-mib=32"; timed=4096/sync_overlap_graphs ;;
+head) variants="whole:--whole-inline-beside-forward head:"; timed=4096+512/sync_overlap_graphs ;;
+*) echo "unknown experiment $experiment" >&2; exit 2 ;;
+esac
+for r in $(seq 1 "$rounds"); do
+    for variant in $variants; do
+        name=${variant%%:*} flag=${variant#*:}
+        timeout 240 python3 bench/ttft_gpu.py --repeats 5 --sizes 4096 --partial 4096 512 \
+            --store-size 4096 --concurrent-size 4096 --concurrency 1 \
+            --modes sync sync_overlap_graphs async_overlap_graphs --timeline "$timed" $flag \
+            --out "$out/ttft_${name}_r$r" >"$out/ttft_${name}_r$r.txt" 2>&1 \
+            || echo "!! ttft $name r$r failed"
+        echo "== $name, round $r"
+        grep -E "^\| *4096|phases" "$out/ttft_${name}_r$r.txt" | head -8
+        if [ "$experiment" = group ]; then
+            timeout 120 python3 bench/transfer_gpu.py --tokens 4096 $flag \
+                --out "$out/transfer_4k_${name}_r$r.json" >"$out/transfer_4k_${name}_r$r.txt" 2>&1 \
+                || echo "!! transfer $name r$r failed"
+        fi
+    done
+done
+if [ "$experiment" = head ]; then
+    timeout 240 python3 -m pytest --noconftest -p no:cacheprovider -m cuda -q \
+        tests/connector/test_transfer_cuda.py tests/connector/test_graph_pieces_cuda.py \
+        >"$out/cuda_tests.txt" 2>&1
+    tail -3 "$out/cuda_tests.txt"
+fi
