@@ -106,6 +106,7 @@ class _SyncLoad:
     spec: LoadSpec
     pinned: PinnedLoad
     handle: Any
+    overlapped: bool  # the forward may start before it landed, waiting per layer
 
 
 class MaruWorkerHalf:
@@ -186,9 +187,7 @@ class MaruWorkerHalf:
                 self._loader.submit(spec)
             else:
                 self._start_sync_load(spec)
-        if not self.cfg.maru_overlap_load_with_compute:
-            self._finish_sync_loads()
-        elif any(load.spec.wait_whole for load in self._sync_loads):
+        if any(not load.overlapped for load in self._sync_loads):
             self._finish_sync_loads(only_whole=True)
 
     def wait_for_layer_load(self, layer_name: str, computing: Collection[str] | None = None) -> None:
@@ -281,18 +280,18 @@ class MaruWorkerHalf:
         except Exception as exc:  # e.g. the client could not connect
             self._fail_sync(spec, "index_error", f"{type(exc).__name__}: {exc}")
             return
-        beside_long_forward = (self.cfg.maru_overlap_load_with_compute and not spec.wait_whole
-                               and spec.new_tokens >= self.cfg.maru_kv_chunk_tokens)
-        handle = res.engine.submit_load(pinned.chunks, beside_long_forward=beside_long_forward)
-        self._sync_loads.append(_SyncLoad(spec, pinned, handle))
+        overlapped = self.cfg.maru_overlap_load_with_compute and not spec.wait_whole
+        handle = res.engine.submit_load(
+            pinned.chunks, beside_long_forward=overlapped and spec.new_tokens >= self.cfg.maru_kv_chunk_tokens)
+        self._sync_loads.append(_SyncLoad(spec, pinned, handle, overlapped))
 
     def _finish_sync_loads(self, only_whole: bool = False) -> None:
         """Wait for the sync loads, release their pins, report failures;
-        ``only_whole``: just the loads asked for whole, the forward overlaps the rest."""
+        ``only_whole``: just those the forward does not overlap."""
         loads = self._sync_loads
         if only_whole:
-            self._sync_loads = [load for load in loads if not load.spec.wait_whole]
-            loads = [load for load in loads if load.spec.wait_whole]
+            self._sync_loads = [load for load in loads if load.overlapped]
+            loads = [load for load in loads if not load.overlapped]
         else:
             self._sync_loads = []
         for load in loads:
