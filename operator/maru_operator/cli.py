@@ -119,7 +119,10 @@ def build_operator(options: OperatorOptions, metrics: OperatorMetrics | None = N
     settings.posting.reporting_component = "marucache-operator"
     settings.peering.standalone = True  # the ledger's compare-and-swap keeps replicas safe
     settings.watching.server_timeout = 300
-    settings.persistence.consistency_timeout = 0.5
+    # How long kopf waits for the watch to bring back its own annotation patch. Past this it runs
+    # the change handlers on the older body, which lacks that patch: a new cache is then
+    # reconciled a second time. Kopf's default (5 s) outlasts a busy API server's watch lag.
+    settings.persistence.consistency_timeout = 5.0
     if options.webhook:
         register_webhook(registry, native=lambda: ctx.native_sidecars,
                          report=lambda pod, reason: report_refusal(ctx, pod, reason))

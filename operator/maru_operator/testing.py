@@ -9,7 +9,8 @@ delete, but, unlike a real API server, it does not version objects. The
 - `metadata.resourceVersion` on every write, and optimistic concurrency: a
   patch that carries a stale `resourceVersion` gets 409 Conflict;
 - `uid`, `creationTimestamp`, and `generation` bumped on spec changes;
-- fault injection (`fail`), to crash a reconcile half-way;
+- fault injection (`fail`), to crash a reconcile half-way, and a watch that
+  lags (`watch_lag_s`), as a busy API server's does;
 - `GET /version` (`server_version`), which kmock does not serve;
 - lists that carry a real `resourceVersion`, and watches that start there:
   kmock answers a list with the version "..." and starts a watch by
@@ -75,6 +76,7 @@ class VersionedEmulator(kmock.KubernetesEmulator):
         self.stale_json_patches = 0  # of which JSON patches whose `test` of the resourceVersion failed (422)
         # What `GET /version` answers (None: 404, as an API server that hides it).
         self.server_version: dict[str, str] | None = {"major": "1", "minor": "30", "gitVersion": "v1.30.0"}
+        self.watch_lag_s = 0.0  # every watch event reaches its watchers this much after the write
 
     def __iter__(self) -> Iterator[kmock.Request]:
         # kmock matches a request to a reaction with `request in view`, which walks this iterator:
@@ -119,13 +121,34 @@ class VersionedEmulator(kmock.KubernetesEmulator):
         try:
             for raw in replay:
                 yield {"type": "ADDED", "object": raw}
-            async for event in bus.stream(since=mark):
+            async for event in self._lagging(bus.stream(since=mark)):
                 meta = (event.get("object") or {}).get("metadata") or {}
                 if (request.namespace is None or meta.get("namespace") == request.namespace) and \
                         (request.name is None or meta.get("name") == request.name):
                     yield event
         finally:
             await bus.unmark(mark)
+
+    async def _lagging(self, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        """`events`, each held back `watch_lag_s` after it was published (the lag does not add up)."""
+        if not self.watch_lag_s:
+            async for event in events:
+                yield event
+            return
+        loop = asyncio.get_running_loop()
+        held: asyncio.Queue[tuple[float, Any]] = asyncio.Queue()
+
+        async def drain() -> None:
+            async for event in events:
+                held.put_nowait((loop.time() + self.watch_lag_s, event))
+        drainer = asyncio.create_task(drain())
+        try:
+            while True:
+                due, event = await held.get()
+                await asyncio.sleep(max(0.0, due - loop.time()))
+                yield event
+        finally:
+            drainer.cancel()
 
     def fail(self, method: str, path_part: str, status: int = 500, sticky: bool = False) -> None:
         """Answer the next (`sticky`: every) `method` request whose path contains `path_part`

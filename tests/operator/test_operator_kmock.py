@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import time
 
 import pytest
 
@@ -200,6 +201,24 @@ def test_caches_created_at_once_cost_one_reconcile_and_a_dozen_writes_each(kube:
     ledger = [w for w in writes if "/configmaps" in w[1] and ("marucache-ledger" in w[1] or "maru-system" in w[1])]
     assert conflicts <= n and len(ledger) <= n, (conflicts, len(ledger))
     assert len(writes) - len(ledger) <= 11 * n + 4 + 2 * conflicts, (len(writes), len(ledger), conflicts)
+
+
+def test_a_lagging_watch_does_not_reconcile_a_new_cache_twice(kube: Kube, cluster, options):
+    """A busy API server's watch brings kopf's own patch back late. Kopf waits for it
+    (`consistency_timeout`) before it looks at the cache again; were it to look sooner, it would see
+    a body without its record of the create handler, and run that handler a second time."""
+    cluster.emulator.watch_lag_s = 1.0
+    n = 4
+    with OperatorThread(options) as op:
+        for i in range(n):
+            kube.apply_cache(f"lag{i}", {"pool": {"deviceClass": "dax", "size": "512Mi"}})
+        wait_for(lambda: all((condition(c, "DevicesAllocated") or {}).get("status") == "True"
+                             for c in kube.objects("maru.io/v1alpha1/marucaches").values())
+                 and len(kube.objects("maru.io/v1alpha1/marucaches")) == n, what=f"{n} caches allocated")
+        time.sleep(3 * cluster.emulator.watch_lag_s)  # every late event has arrived and been handled
+        reconciles = sum(op.metrics.registry.get_sample_value("maru_operator_reconciles_total", {"result": r})
+                         for r in ("ready", "progressing", "waiting", "invalid", "error"))
+    assert reconciles == n
 
 
 def test_ready_follows_the_index_deployment_without_waiting_for_a_resync(kube: Kube, options):
