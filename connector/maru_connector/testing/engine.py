@@ -143,13 +143,16 @@ class EngineProcess:
         reply = self._receive(timeout_s, "generate")
         return [RequestResult(**r) for r in reply]
 
-    def rss_bytes(self) -> int:
-        """Resident memory of the engine process and all its children."""
+    def private_bytes(self) -> int:
+        """Resident anonymous memory of the engine process and all its children (Linux).
+
+        Not RSS: RSS also counts the pool's shared pages each process has
+        touched, and those grow as the pool fills, whatever the engine keeps."""
         try:
             proc = psutil.Process(self.pid)
             procs = [proc, *proc.children(recursive=True)]
-            return sum(p.memory_info().rss for p in procs if p.is_running())
-        except psutil.NoSuchProcess as exc:
+            return sum(_rss_anon(p.pid) for p in procs if p.is_running())
+        except (psutil.NoSuchProcess, FileNotFoundError) as exc:
             raise EngineError(f"engine process {self.pid} is gone") from exc
 
     def call(self, name: str, timeout_s: float = 60.0, **kwargs: Any) -> Any:
@@ -275,3 +278,11 @@ def read_json_lines(path: str | os.PathLike) -> list[dict[str, Any]]:
     except FileNotFoundError:
         return []
     return records
+
+
+def _rss_anon(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024  # reported in kB
+    raise EngineError(f"/proc/{pid}/status has no RssAnon line")

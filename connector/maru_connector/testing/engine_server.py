@@ -176,6 +176,17 @@ def _probe_object_counts(llm, payload: dict[str, Any]) -> dict[str, int]:
     return dict(counts)
 
 
+def _probe_trim_heap(llm, payload: dict[str, Any]) -> bool:
+    """Hand glibc's freed arena memory back to the OS, so that resident memory read next is live memory."""
+    import ctypes
+
+    gc.collect()
+    try:
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    except OSError:  # not glibc: resident memory keeps the allocator's slack
+        return False
+
+
 def _probe_kv_cache_info(llm, payload: dict[str, Any]) -> dict[str, Any]:
     config = llm.llm_engine.vllm_config
     return {
@@ -187,6 +198,7 @@ def _probe_kv_cache_info(llm, payload: dict[str, Any]) -> dict[str, Any]:
 
 PROBES: dict[str, Callable[[Any, dict[str, Any]], Any]] = {
     "object_counts": _probe_object_counts,
+    "trim_heap": _probe_trim_heap,
     "kv_cache_info": _probe_kv_cache_info,
     "preemptions": _probe_preemptions,
 }
