@@ -10,15 +10,18 @@
 #          shipped, 8 MiB threshold) or in groups (32 MiB); also the load alone.
 #   head   a 4k + 512 partial hit's load issued whole on the engine thread
 #          (the engine before) or only its head (as shipped); then the CUDA tests.
+#   fullhead  full hits' loads issued whole on the engine thread (as shipped) or
+#          only their head, the rest on the copy thread; then the CUDA tests.
 set -u
-experiment=${1:?usage: h200_ab.sh group|head OUT_DIR [ROUNDS]}
-out=${2:?usage: h200_ab.sh group|head OUT_DIR [ROUNDS]}
+experiment=${1:?usage: h200_ab.sh group|head|fullhead OUT_DIR [ROUNDS]}
+out=${2:?usage: h200_ab.sh group|head|fullhead OUT_DIR [ROUNDS]}
 rounds=${3:-3}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=connector:core:tests/connector
 case $experiment in
 group) variants="g8:--group-below-mib=8 g32:--group-below-mib=32"; timed=4096/sync_overlap_graphs ;;
 head) variants="whole:--whole-inline-beside-forward head:"; timed=4096+512/sync_overlap_graphs ;;
+fullhead) variants="whole: head:--head-only-inline"; timed=4096/sync_overlap_graphs ;;
 *) echo "unknown experiment $experiment" >&2; exit 2 ;;
 esac
 for r in $(seq 1 "$rounds"); do
@@ -38,7 +41,7 @@ for r in $(seq 1 "$rounds"); do
         fi
     done
 done
-if [ "$experiment" = head ]; then
+if [ "$experiment" != group ]; then
     timeout 240 python3 -m pytest --noconftest -p no:cacheprovider -m cuda -q \
         tests/connector/test_transfer_cuda.py tests/connector/test_graph_pieces_cuda.py \
         >"$out/cuda_tests.txt" 2>&1

@@ -75,6 +75,9 @@ def parse(argv=None):
     p.add_argument("--whole-inline-beside-forward", action="store_true",
                    help="experiment: issue a small load whole on the engine thread even when a long "
                         "forward follows (before: always)")
+    p.add_argument("--head-only-inline", action="store_true",
+                   help="experiment: issue only a load's head on the engine thread, a full hit's too "
+                        "(as shipped: only beside a forward of a chunk or more)")
     p.add_argument("--group-below-mib", type=float, default=None,
                    help="experiment: load layers smaller than this in groups (the engine's "
                         "GROUP_BELOW_BYTES, 8 MiB)")
@@ -506,6 +509,8 @@ def main(argv=None):
         cuda_engine.GROUP_BELOW_BYTES = int(args.group_below_mib * (1 << 20))
     if args.whole_inline_beside_forward:
         cuda_engine.HEAD_ONLY_BESIDE_LONG_FORWARD = False
+    if args.head_only_inline:
+        cuda_engine.HEAD_ONLY_ALWAYS = True
     device = "cpu" if args.cpu else "cuda"
     geo = TINY if args.cpu else LLAMA3_8B
     if args.layers:

@@ -1,7 +1,7 @@
 """Async + overlapped hits against sync hits on ONE vLLM CPU engine, in pairs.
 
     .venv/bin/python bench/ttft_paired.py [--sizes 1024 4096] [--pairs 10]
-        [--mp off on] [--formats chunkwise layerwise] [--partial 2048]
+        [--mp off on] [--formats chunkwise layerwise] [--partial 2048] [--partial-new N]
 
 ``bench/ttft_async.py`` serves each load mode from its own engine process;
 on a 2-core machine two processes of the same code differ by more than the
@@ -18,8 +18,8 @@ serves every mode, picked per request with ``kv_transfer_params``
 Full hits: the same prompt in all three modes, one request at a time, the
 order rotating from pair to pair (vLLM's prefix cache is off, so each
 serving loads from the pool). Partial hits: a stored prefix of ``--partial``
-tokens plus as many new tokens, new ones per mode (the engine stores what
-it computes). A writer engine stores the prompts first; an engine without
+tokens plus ``--partial-new`` new tokens (as many as cached by default),
+new ones per mode (the engine stores what it computes). A writer engine stores the prompts first; an engine without
 the connector computes them, and every full hit's token must equal its.
 Reports medians and, per pair, the ratio to the sync hit: its median with a
 bootstrap 95 % interval, and in how many pairs the mode was faster. Under
@@ -54,6 +54,8 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096])
     p.add_argument("--pairs", type=int, default=10, help="prompts per size, each served in every mode")
     p.add_argument("--partial", type=int, default=2048, help="cached tokens of the partial hits (0: none)")
+    p.add_argument("--partial-new", type=int, default=None,
+                   help="new tokens of the partial hits (default: as many as cached)")
     p.add_argument("--busy-rounds", type=int, default=4,
                    help="rounds of 8 requests at once (4 hits, 4 misses) per mode (0: none)")
     p.add_argument("--chunk-tokens", type=int, default=256)
@@ -65,7 +67,10 @@ def _parse() -> argparse.Namespace:
                    help="pause before each measured request (see bench/ttft_async.py)")
     p.add_argument("--trace", default=None, help="append per-phase timestamps to this file")
     p.add_argument("--json", default=os.path.join("out", "ttft_paired.json"))
-    return p.parse_args()
+    args = p.parse_args()
+    if args.partial_new is None:
+        args.partial_new = args.partial
+    return args
 
 
 def _workload(args) -> dict[str, list[list[int]]]:
@@ -116,7 +121,7 @@ def _serve_busy(engine, hit_prompts: list[list[int]], args, progress: str) -> di
 
 def _run_mode(args, mp: bool, model_dir: str, workdir: str, out: dict) -> None:
     w = _workload(args)
-    longest = max(max(args.sizes), 2 * args.partial)
+    longest = max(max(args.sizes), args.partial + args.partial_new)
     base = EngineSpec(model_dir=model_dir, block_size=args.block_size, max_model_len=longest + 128,
                       max_num_batched_tokens=longest + 128, multiprocessing=mp, env=_engine_env(args))
     mode = "mp-on" if mp else "mp-off"
@@ -157,7 +162,7 @@ def _run_mode(args, mp: bool, model_dir: str, workdir: str, out: dict) -> None:
                                          f"{mode} {fmt} {key}")
                 data[key]["tokens_equal"] = all(data[key][name]["tokens"] == reference[key] for name in MODES)
             if args.partial:
-                partial = {name: [p + random_tokens(args.partial, seed=13_000_000 + 1000 * m + i)
+                partial = {name: [p + random_tokens(args.partial_new, seed=13_000_000 + 1000 * m + i)
                                   for i, p in enumerate(w["partial-prefix"])] for m, name in enumerate(MODES)}
                 data["partial"] = _serve_pairs(hits, partial, args.settle_s, f"{mode} {fmt} partial")
             if args.busy_rounds:
@@ -227,7 +232,7 @@ def _report(out: dict) -> None:
 
 def main() -> int:
     args = _parse()
-    return run(args, max(args.sizes + [2 * args.partial]), _run_mode, _report)
+    return run(args, max(args.sizes + [args.partial + args.partial_new]), _run_mode, _report)
 
 
 if __name__ == "__main__":

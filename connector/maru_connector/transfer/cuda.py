@@ -58,6 +58,9 @@ INLINE_HEAD_FILLS = 2  # two fills keep the copy engine busy >= 2 ms for a 16k-t
 # 2.0-2.6 ms, all of it before that forward's first kernel (False: the
 # engine before, for `bench/h200_ab.sh head`).
 HEAD_ONLY_BESIDE_LONG_FORWARD = True
+# Only the head inline for every load, a full hit's too (an experiment:
+# `bench/h200_ab.sh fullhead`; off as shipped).
+HEAD_ONLY_ALWAYS = False
 
 
 class _StagingRing:
@@ -310,7 +313,7 @@ class CudaTransferEngine(TransferEngine):
         fills, and the rest on the copy thread. True when this thread issued
         (some of) it."""
         whole = job.handle.nbytes <= self._inline_load_bytes and not (
-            job.beside_long_forward and HEAD_ONLY_BESIDE_LONG_FORWARD)
+            (job.beside_long_forward and HEAD_ONLY_BESIDE_LONG_FORWARD) or HEAD_ONLY_ALWAYS)
         if not whole and self._inline_head_fills <= 0:
             return False
         with self._submit_lock:
