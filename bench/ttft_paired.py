@@ -7,7 +7,7 @@
 on a 2-core machine two processes of the same code differ by more than the
 5 % its targets allow. Here one engine (async load, overlap, async store)
 serves every mode, picked per request with ``kv_transfer_params``
-(``maru_load``, see ``maru_connector.load_mode``):
+(``maru_load``, see ``maru_connector.request_params``):
 
 - ``sync``: loaded in the step that computes it, forward after the load
   (what an engine started with ``maru_async_load=false`` does);
@@ -21,8 +21,13 @@ serving loads from the pool). Partial hits: a stored prefix of ``--partial``
 tokens plus ``--partial-new`` new tokens (as many as cached by default),
 new ones per mode (the engine stores what it computes). A writer engine stores the prompts first; an engine without
 the connector computes them, and every full hit's token must equal its.
-Reports medians and, per pair, the ratio to the sync hit: its median with a
-bootstrap 95 % interval, and in how many pairs the mode was faster. Under
+Misses (``--misses``): fresh prompts of ``--miss-tokens``, in pairs of one
+that stores (as the engine is configured: async store) and one that asks not
+to be (``maru_store`` false), both looked up and missed: what storing costs
+a miss, on the same engine.
+Reports medians and, per pair, the ratio to the sync hit (to the miss that
+does not store): its median with a bootstrap 95 % interval, and in how many
+pairs the mode was faster. Under
 load: rounds of 4 hits and 4 fresh misses submitted at once, the hits in
 each mode in turn; the hits' and the misses' TTFT p50 / p99 per mode.
 """
@@ -47,6 +52,7 @@ from maru_connector.testing.workload import random_tokens
 from ttft_async import FORMATS, _engine_env, _warm, run
 
 MODES = {"sync": {"maru_load": "sync"}, "auto": None, "park": {"maru_load": "park"}}
+STORE_MODES = {"store": None, "skip": {"maru_store": False}}
 
 
 def _parse() -> argparse.Namespace:
@@ -56,6 +62,8 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--partial", type=int, default=2048, help="cached tokens of the partial hits (0: none)")
     p.add_argument("--partial-new", type=int, default=None,
                    help="new tokens of the partial hits (default: as many as cached)")
+    p.add_argument("--misses", type=int, default=0, help="pairs of misses, stored and not (0: none)")
+    p.add_argument("--miss-tokens", type=int, default=2065)
     p.add_argument("--busy-rounds", type=int, default=4,
                    help="rounds of 8 requests at once (4 hits, 4 misses) per mode (0: none)")
     p.add_argument("--chunk-tokens", type=int, default=256)
@@ -73,6 +81,10 @@ def _parse() -> argparse.Namespace:
     return args
 
 
+def _longest(args) -> int:
+    return max(args.sizes + [args.partial + args.partial_new, args.miss_tokens if args.misses else 0])
+
+
 def _workload(args) -> dict[str, list[list[int]]]:
     w = {f"full-{n}": [random_tokens(n, seed=11_000_000 + 100 * n + i) for i in range(args.pairs)]
          for n in args.sizes}
@@ -87,14 +99,16 @@ def _one(engine: EngineProcess, prompt: list[int], settle_s: float, params=None)
     return result
 
 
-def _serve_pairs(engine, prompts_by_mode: dict[str, list[list[int]]], settle_s: float, progress: str) -> dict:
-    """Pair i: every mode's prompt i, in an order rotating with i."""
+def _serve_pairs(engine, prompts_by_mode: dict[str, list[list[int]]], settle_s: float, progress: str,
+                 params: dict = MODES) -> dict:
+    """Pair i: every mode's prompt i, in an order rotating with i (`params`: each mode's
+    kv_transfer_params)."""
     names = list(prompts_by_mode)
     out = {name: {"ttft_s": [], "tokens": []} for name in names}
     pairs = len(next(iter(prompts_by_mode.values())))
     for i in range(pairs):
         for name in names[i % len(names):] + names[: i % len(names)]:
-            r = _one(engine, prompts_by_mode[name][i], settle_s, MODES[name])
+            r = _one(engine, prompts_by_mode[name][i], settle_s, params[name])
             out[name]["ttft_s"].append(r.ttft_s)
             out[name]["tokens"].append(r.token_ids)
         print(f"  {progress}: pair {i + 1}/{pairs}", file=sys.stderr, flush=True)
@@ -121,7 +135,7 @@ def _serve_busy(engine, hit_prompts: list[list[int]], args, progress: str) -> di
 
 def _run_mode(args, mp: bool, model_dir: str, workdir: str, out: dict) -> None:
     w = _workload(args)
-    longest = max(max(args.sizes), args.partial + args.partial_new)
+    longest = _longest(args)
     base = EngineSpec(model_dir=model_dir, block_size=args.block_size, max_model_len=longest + 128,
                       max_num_batched_tokens=longest + 128, multiprocessing=mp, env=_engine_env(args))
     mode = "mp-on" if mp else "mp-off"
@@ -134,7 +148,7 @@ def _run_mode(args, mp: bool, model_dir: str, workdir: str, out: dict) -> None:
         _warm(ref, args)
         reference = {key: [r.token_ids for r in ref.generate(ps, max_tokens=1)]
                      for key, ps in w.items() if key.startswith("full-")}
-        for fmt in args.formats:
+        for f, fmt in enumerate(args.formats):
             knobs = dict(kv_chunk_tokens=args.chunk_tokens, use_layerwise=FORMATS[fmt], async_store=True,
                          lookup_timeout_s=1.0, pool_path=index.pool_path, token=index.token)
             writer = EngineProcess(EngineSpec(**{**base.__dict__, "kv_transfer_config": make_kv_transfer_config(
@@ -165,6 +179,10 @@ def _run_mode(args, mp: bool, model_dir: str, workdir: str, out: dict) -> None:
                 partial = {name: [p + random_tokens(args.partial_new, seed=13_000_000 + 1000 * m + i)
                                   for i, p in enumerate(w["partial-prefix"])] for m, name in enumerate(MODES)}
                 data["partial"] = _serve_pairs(hits, partial, args.settle_s, f"{mode} {fmt} partial")
+            if args.misses:
+                fresh = {name: [random_tokens(args.miss_tokens, seed=16_000_000 + 100_000 * f + 1000 * m + i)
+                                for i in range(args.misses)] for m, name in enumerate(STORE_MODES)}
+                data["miss"] = _serve_pairs(hits, fresh, args.settle_s, f"{mode} {fmt} miss", STORE_MODES)
             if args.busy_rounds:
                 data["busy"] = _serve_busy(hits, w[f"full-{min(args.sizes)}"][:4], args, f"{mode} {fmt}")
             data["loadavg"].append(os.getloadavg()[0])
@@ -199,6 +217,16 @@ def summarise(served: dict) -> dict:
     return row
 
 
+def summarise_store(served: dict) -> dict:
+    """Misses: medians of the stored and the unstored; per pair, stored over unstored."""
+    ratios = [x / s for x, s in zip(served["store"]["ttft_s"], served["skip"]["ttft_s"])]
+    low, high = _bootstrap_median(ratios)
+    return {"store_ms": statistics.median(served["store"]["ttft_s"]) * 1e3,
+            "skip_ms": statistics.median(served["skip"]["ttft_s"]) * 1e3,
+            "ratio": statistics.median(ratios), "ci95": (low, high),
+            "faster": sum(r < 1 for r in ratios), "pairs": len(ratios)}
+
+
 def _pct(xs: list[float], q: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, int(round(q * (len(s) - 1))))] * 1e3
@@ -219,6 +247,11 @@ def _report(out: dict) -> None:
                 equal = served.get("tokens_equal", "–")
                 print(f"| {mode} | {fmt} | {key} | {row['sync_ms']:.1f} | {row['auto_ms']:.1f} | {cells[0]} "
                       f"| {row['park_ms']:.1f} | {cells[1]} | {equal} |")
+            if "miss" in data:
+                row = summarise_store(data["miss"])
+                print(f"| {mode} | {fmt} | miss, not stored / stored | {row['skip_ms']:.1f} | {row['store_ms']:.1f} "
+                      f"| {row['ratio']:.3f} ({row['ci95'][0]:.3f}–{row['ci95'][1]:.3f}), "
+                      f"{row['faster']}/{row['pairs']} | | | |")
             if "busy" in data:
                 for name in MODES:
                     b = data["busy"][name]
@@ -232,7 +265,7 @@ def _report(out: dict) -> None:
 
 def main() -> int:
     args = _parse()
-    return run(args, max(args.sizes + [args.partial + args.partial_new]), _run_mode, _report)
+    return run(args, _longest(args), _run_mode, _report)
 
 
 if __name__ == "__main__":

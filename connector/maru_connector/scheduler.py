@@ -19,7 +19,6 @@ from maru_core.stats import ConnectorStats
 
 from maru_connector.config import MaruConfig
 from maru_connector.identity import RequestKeys, request_is_cacheable, request_keys
-from maru_connector.load_mode import PARK, SYNC, requested_load_mode
 from maru_connector.lookup import LookupService
 from maru_connector.metadata import (
     LoadSpec,
@@ -27,6 +26,7 @@ from maru_connector.metadata import (
     MaruWorkerMetadata,
     StoreSpec,
 )
+from maru_connector.request_params import PARK, SYNC, requested_load_mode, requested_store
 
 if TYPE_CHECKING:
     from maru_core.keys import KeyNamespace
@@ -46,7 +46,8 @@ _MAX_STEPS_AWAITING_VERDICT = 256
 class _RequestState:
     request: "Request"
     cacheable: bool = True  # False: something its KV depends on cannot be keyed
-    load_mode: str | None = None  # the request's own ``maru_load`` (see load_mode.py); None: the engine's
+    load_mode: str | None = None  # the request's own ``maru_load`` (request_params.py); None: the engine's
+    store: bool = True  # False: the request's own ``maru_store`` keeps its KV out of the pool
     keys: RequestKeys | None = None
     local_tokens: int = 0  # vLLM's own (block-aligned) hit at the last lookup
     hit_tokens: int = 0  # what the last lookup answered beyond local_tokens
@@ -226,7 +227,7 @@ class MaruSchedulerHalf:
 
     def _plan_store(self, req_id: str, num_tokens: int, block_state: Any) -> StoreSpec | None:
         state = self._reqs.get(req_id)
-        if state is None or state.parked or not state.cacheable or block_state is None:
+        if state is None or state.parked or not state.cacheable or not state.store or block_state is None:
             return None
         request = state.request
         prompt_len = len(request.prompt_token_ids or ())
@@ -328,7 +329,8 @@ class MaruSchedulerHalf:
                 logger.info("request %s is neither looked up nor stored: %s", request.request_id, why)
             mode = requested_load_mode(request.kv_transfer_params, self.cfg.maru_async_load,
                                        self.cfg.maru_overlap_load_with_compute)
-            state = self._reqs[request.request_id] = _RequestState(request, cacheable=cacheable, load_mode=mode)
+            state = self._reqs[request.request_id] = _RequestState(
+                request, cacheable=cacheable, load_mode=mode, store=requested_store(request.kv_transfer_params))
         return state
 
     def _keys(self, state: _RequestState) -> RequestKeys:

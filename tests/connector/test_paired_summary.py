@@ -10,7 +10,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 
 from plot_paired import pooled, table  # noqa: E402
-from ttft_paired import summarise  # noqa: E402
+from ttft_paired import summarise, summarise_store  # noqa: E402
 
 
 def _served(sync, auto, park):
@@ -24,6 +24,12 @@ def test_ratios_are_per_pair_not_of_the_medians():
     assert row["park"]["ratio"] == 1.0 and row["park"]["ci95"] == (1.0, 1.0) and row["park"]["faster"] == 0
     low, high = row["auto"]["ci95"]
     assert 0.5 <= low <= 1.5 <= high
+
+
+def test_a_miss_that_stores_is_compared_with_its_pair_that_does_not():
+    row = summarise_store({"store": {"ttft_s": [1.1, 2.2, 0.9]}, "skip": {"ttft_s": [1.0, 2.0, 1.0]}})
+    assert abs(row["ratio"] - 1.1) < 1e-9 and row["faster"] == 1 and row["pairs"] == 3
+    assert abs(row["store_ms"] - 1100) < 1e-6 and abs(row["skip_ms"] - 1000) < 1e-6
 
 
 def test_runs_pool_row_by_row(tmp_path):

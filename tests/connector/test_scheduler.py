@@ -276,6 +276,24 @@ def test_a_request_picks_its_own_load_mode(index, mode, parked, whole):
     assert [(load.is_async, load.wait_whole) for load in loads] == [(parked, whole)] * 2
 
 
+@pytest.mark.parametrize("choice, stored_chunks", [(False, 0), (True, 2), ("false", 0)])
+def test_a_request_that_asks_not_to_be_stored_still_loads_its_hit(index, choice, stored_chunks, caplog):
+    """``maru_store: false`` keeps what the request computes out of the pool, and its cached
+    prefix still loads; a value that is not a boolean is warned about and read as false."""
+    half = make_half(index)
+    commit_prefix(index, half, request("x", 100), 1)
+    params = SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": {"maru_store": choice}})
+    req = Request("a", list(range(1, 101)), params, None)
+    with caplog.at_level("WARNING", logger="maru_connector.request_params"):
+        assert half.get_num_new_matched_tokens(req, 0) == (CHUNK, False)
+    half.update_state_after_alloc(req, Blocks(range(7)), CHUNK)
+    req.num_computed_tokens = CHUNK
+    meta = half.build_connector_meta(step_output({"a": 100 - CHUNK}, {"a": list(range(7))}))
+    assert len(meta.loads) == 1
+    assert sum(len(store.block_ids) for store in meta.stores) == stored_chunks
+    assert ("maru_store" in caplog.text) == (not isinstance(choice, bool))
+
+
 @pytest.mark.parametrize("mode, knobs", [("overlap", {"maru_async_load": True}),
                                          ("park", {"maru_overlap_load_with_compute": True}),
                                          ("later", {"maru_async_load": True}),
@@ -285,7 +303,7 @@ def test_a_load_mode_the_engine_cannot_honour_falls_back_to_the_engine_s_choice(
     commit_prefix(index, half, request("x", 100), 2)
     half.get_num_new_matched_tokens(request("other", 100, start=500), 0)  # a live request beside it
     req = asking("a", 100, mode)
-    with caplog.at_level("WARNING", logger="maru_connector.load_mode"):
+    with caplog.at_level("WARNING", logger="maru_connector.request_params"):
         matched = half.get_num_new_matched_tokens(req, 0)
     assert matched == (64, knobs.get("maru_async_load", False))  # the engine's choice: park if async
     half.update_state_after_alloc(req, Blocks(range(7)), 64)

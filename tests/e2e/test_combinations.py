@@ -111,3 +111,30 @@ def test_each_request_s_own_load_mode_hit_equals_recompute(farm, index):
     reference = farm.get("reference-a", None)
     assert [r.token_ids for r in served[:2]] == reference.outputs(prompts[:2], MAX_TOKENS)
     assert [r.token_ids for r in served[2:]] == reference.outputs(prompts[2:], MAX_TOKENS, concurrent=True)
+
+
+def test_a_request_asked_not_to_be_stored_still_hits_and_stores_nothing(farm, index):
+    """``kv_transfer_params={"maru_store": False}``: the request loads the cached prefix it
+    shares (its tokens equal recompute's), and what it computes stays out of the pool, while
+    a request beside it that does not ask stores as usual. Reuses the writer engine above."""
+    engine = farm.get("chunkwise-A", connector_config(index, use_layerwise=False))
+    shared = random_tokens(3 * CHUNK_TOKENS, seed=3100)
+    kept_out, stored = (shared + random_tokens(2 * CHUNK_TOKENS + 7, seed=s) for s in (3101, 3102))
+    keys = index_keys(index)
+    engine.run([shared + random_tokens(5, seed=3103)], MAX_TOKENS)
+    keys = wait_for_keys(index, keys + 3)
+
+    def hit_tokens(prompt, **kwargs) -> tuple[int, list[int]]:
+        before = engine.counters()["maru_lookup_hit_tokens_total"]
+        (result,) = engine.run([prompt], MAX_TOKENS, **kwargs)
+        return engine.counters()["maru_lookup_hit_tokens_total"] - before, result.token_ids
+
+    not_stored = {"kv_transfer_params": {"maru_store": False}}
+    hit, tokens = hit_tokens(kept_out, **not_stored)
+    assert hit == 3 * CHUNK_TOKENS
+    assert [tokens] == farm.get("reference-a", None).outputs([kept_out], MAX_TOKENS)
+    assert hit_tokens(stored)[0] == 3 * CHUNK_TOKENS
+    wait_for_keys(index, keys + 2)  # the second request's two chunks landed; the first's would have by now
+    wait_settled(index)
+    assert hit_tokens(kept_out, **not_stored)[0] == 3 * CHUNK_TOKENS
+    assert hit_tokens(stored)[0] == 5 * CHUNK_TOKENS

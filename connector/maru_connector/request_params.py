@@ -1,9 +1,18 @@
-"""A request's own choice of how its hit loads, from its ``kv_transfer_params``.
+"""A request's own choices, from its ``kv_transfer_params``: how its hit loads,
+and whether what it computes is stored.
 
 vLLM hands each request's ``kv_transfer_params`` to the connector (offline:
 ``SamplingParams(extra_args={"kv_transfer_params": {...}})``; the OpenAI API
-server: the request body's ``kv_transfer_params``). ``{"maru_load": MODE}``
-picks, for that request only:
+server: the request body's ``kv_transfer_params``).
+
+``{"maru_store": false}`` keeps the KV the request computes out of the pool
+(a prompt the client will not share with other instances, or a one-off);
+it still reads a cached prefix. Without it, or with ``true``, the engine
+stores as configured. Any other value is read as ``false``, with a warning:
+a store skipped costs a future miss, a store made against the client's
+intent cannot be taken back.
+
+``{"maru_load": MODE}`` picks, for that request only:
 
 - ``"sync"``: load in the step that computes the request, and start its
   forward once every layer has landed;
@@ -27,7 +36,8 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-PARAM = "maru_load"
+LOAD_PARAM = "maru_load"
+STORE_PARAM = "maru_store"
 SYNC, OVERLAP, PARK = "sync", "overlap", "park"
 MODES = (SYNC, OVERLAP, PARK)
 
@@ -43,19 +53,31 @@ def requested_load_mode(kv_transfer_params: Any, async_load: bool, overlap: bool
         async_load, overlap: the engine's ``maru_async_load`` and
             ``maru_overlap_load_with_compute``.
     """
-    if not isinstance(kv_transfer_params, dict) or PARAM not in kv_transfer_params:
+    if not isinstance(kv_transfer_params, dict) or LOAD_PARAM not in kv_transfer_params:
         return None
-    mode = kv_transfer_params[PARAM]
+    mode = kv_transfer_params[LOAD_PARAM]
     if mode not in MODES:
-        _warn_once(f"unknown {PARAM}={mode!r:.64}: use one of {', '.join(map(repr, MODES))}; "
+        _warn_once(f"unknown {LOAD_PARAM}={mode!r:.64}: use one of {', '.join(map(repr, MODES))}; "
                    "the engine's own load mode is used")
         return None
     needs = {OVERLAP: ("maru_overlap_load_with_compute", overlap), PARK: ("maru_async_load", async_load)}
     if mode in needs and not needs[mode][1]:
-        _warn_once(f"{PARAM}={mode!r} needs the engine started with {needs[mode][0]}=true; "
+        _warn_once(f"{LOAD_PARAM}={mode!r} needs the engine started with {needs[mode][0]}=true; "
                    "the engine's own load mode is used")
         return None
     return mode
+
+
+def requested_store(kv_transfer_params: Any) -> bool:
+    """False when the request asks that its KV not be stored (``maru_store`` false)."""
+    if not isinstance(kv_transfer_params, dict) or STORE_PARAM not in kv_transfer_params:
+        return True
+    choice = kv_transfer_params[STORE_PARAM]
+    if not isinstance(choice, bool):
+        _warn_once(f"{STORE_PARAM}={choice!r:.64} is not true or false; read as false: the request's KV "
+                   "is not stored")
+        return False
+    return choice
 
 
 def _warn_once(message: str) -> None:
