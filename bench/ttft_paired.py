@@ -193,6 +193,7 @@ def _run_mode(args, mp: bool, model_dir: str, workdir: str, out: dict) -> None:
             hit = after["maru_lookup_hit_tokens_total"] - before["maru_lookup_hit_tokens_total"]
             failed = sum(v for k, v in after.items() if k.startswith("maru_load_failures"))
             data["hit_tokens"], data["hit_tokens_expected"], data["load_failures"] = hit, expected, failed
+            data["store_bytes"] = after["maru_store_bytes_total"] - before["maru_store_bytes_total"]
             if hit != expected or failed:
                 print(f"WARNING {mode} {fmt}: {hit:.0f} hit tokens of {expected} expected, "
                       f"{failed:.0f} failed loads", file=sys.stderr)
@@ -260,7 +261,7 @@ def _report(out: dict) -> None:
                           f"{_pct(b['misses_s'], .99):.1f} ms |")
             print(f"| {mode} | {fmt} | load average {', '.join(f'{x:.1f}' for x in data['loadavg'])}; "
                   f"hit tokens {data['hit_tokens']:.0f} of {data['hit_tokens_expected']}, "
-                  f"failed loads {data['load_failures']:.0f} |")
+                  f"failed loads {data['load_failures']:.0f}, stored {data.get('store_bytes', 0) / 2**20:.1f} MiB |")
 
 
 def main() -> int:
