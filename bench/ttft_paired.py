@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/ttft_paired.py [--sizes 1024 4096] [--pairs 10]
         [--mp off on] [--formats chunkwise layerwise] [--partial 2048] [--partial-new N]
+        [--misses N] [--miss-tokens 2065]
 
 ``bench/ttft_async.py`` serves each load mode from its own engine process;
 on a 2-core machine two processes of the same code differ by more than the
