@@ -1,9 +1,11 @@
 """Fixtures for the end-to-end tests: real vLLM CPU engines on a real index and pool.
 
-Everything here is session-scoped: one pool and index, one fault proxy in
-front of it, one reference engine without the connector, and an engine farm
-that starts each connector configuration once and shares it between tests
-(an engine start costs tens of seconds on two cores).
+Everything here is scoped to this package: one pool and index, one fault
+proxy in front of it, one reference engine without the connector, and an
+engine farm that starts each connector configuration once and shares it
+between tests (an engine start costs tens of seconds on two cores). They end
+with the package's last test, so the engines do not idle beside the
+operator and sidecar tests that run after it.
 
 Tests isolate themselves by prompt, not by pool: every test draws its own
 prompts (distinct seeds), so its keys are its own.
@@ -44,7 +46,7 @@ TEST_KNOBS: dict[str, Any] = {
 }
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def workdir() -> Iterator[str]:
     path = tempfile.mkdtemp(prefix="marucache-e2e-")
     yield path
@@ -53,17 +55,17 @@ def workdir() -> Iterator[str]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def model_dir() -> str:
     return str(build_tiny_model(MODEL_SPEC))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def other_model_dir() -> str:
     return str(build_tiny_model(OTHER_MODEL_SPEC))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def index(workdir: str) -> Iterator[IndexProcess]:
     proc = IndexProcess(pool_size="512Mi", log_dir=workdir)
     proc.start()
@@ -80,13 +82,13 @@ def private_index(workdir: str) -> Iterator[IndexProcess]:
     proc.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def proxy(index: IndexProcess) -> Iterator[FaultProxy]:
     with FaultProxy(index.port, index.pool_path) as p:
         yield p
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def farm(workdir: str, model_dir: str) -> Iterator[EngineFarm]:
     base = EngineSpec(
         model_dir=model_dir,
@@ -150,14 +152,14 @@ class Sidecars:
             sidecar.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def sidecars(index: IndexProcess) -> Iterator[Sidecars]:
     started = Sidecars(index)
     yield started
     started.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def reference(farm: EngineFarm) -> "Reference":
     return Reference(farm)
 
