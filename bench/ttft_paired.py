@@ -20,16 +20,16 @@ Full hits: the same prompt in all three modes, one request at a time, the
 order rotating from pair to pair (vLLM's prefix cache is off, so each
 serving loads from the pool). Partial hits: a stored prefix of ``--partial``
 tokens plus ``--partial-new`` new tokens (as many as cached by default),
-new ones per mode (the engine stores what it computes). A writer engine stores the prompts first; an engine without
-the connector computes them, and every full hit's token must equal its.
+new ones per mode (the engine stores what it computes). A writer engine
+stores the prompts first; an engine without the connector computes them,
+and every full hit's token must equal its.
 Misses (``--misses``): fresh prompts of ``--miss-tokens``, in pairs of one
 that stores (as the engine is configured: async store) and one that asks not
 to be (``maru_store`` false), both looked up and missed: what storing costs
 a miss, on the same engine.
 Reports medians and, per pair, the ratio to the sync hit (to the miss that
 does not store): its median with a bootstrap 95 % interval, and in how many
-pairs the mode was faster. Under
-load: rounds of 4 hits and 4 fresh misses submitted at once, the hits in
+pairs the mode was faster. Under load: rounds of 4 hits and 4 fresh misses submitted at once, the hits in
 each mode in turn; the hits' and the misses' TTFT p50 / p99 per mode.
 """
 
@@ -207,26 +207,29 @@ def _bootstrap_median(xs: list[float], rounds: int = 4000, seed: int = 0) -> tup
     return medians[int(0.025 * rounds)], medians[int(0.975 * rounds) - 1]
 
 
+def _paired_ratio(times: list[float], base: list[float]) -> dict:
+    """Each pair's time over its base: median, 95 % interval, pairs faster."""
+    ratios = [x / s for x, s in zip(times, base)]
+    return {"ratio": statistics.median(ratios), "ci95": _bootstrap_median(ratios),
+            "faster": sum(r < 1 for r in ratios), "pairs": len(ratios)}
+
+
+def _medians_ms(served: dict) -> dict:
+    return {f"{name}_ms": statistics.median(s["ttft_s"]) * 1e3 for name, s in served.items()}
+
+
 def summarise(served: dict) -> dict:
     """Medians per mode; per-pair ratios to sync: median, 95 % interval, pairs faster."""
-    sync = served["sync"]["ttft_s"]
-    row = {f"{name}_ms": statistics.median(served[name]["ttft_s"]) * 1e3 for name in MODES}
+    row = _medians_ms({name: served[name] for name in MODES})
     for name in ("auto", "park"):
-        ratios = [x / s for x, s in zip(served[name]["ttft_s"], sync)]
-        low, high = _bootstrap_median(ratios)
-        row[name] = {"ratio": statistics.median(ratios), "ci95": (low, high),
-                     "faster": sum(r < 1 for r in ratios), "pairs": len(ratios)}
+        row[name] = _paired_ratio(served[name]["ttft_s"], served["sync"]["ttft_s"])
     return row
 
 
 def summarise_store(served: dict) -> dict:
     """Misses: medians of the stored and the unstored; per pair, stored over unstored."""
-    ratios = [x / s for x, s in zip(served["store"]["ttft_s"], served["skip"]["ttft_s"])]
-    low, high = _bootstrap_median(ratios)
-    return {"store_ms": statistics.median(served["store"]["ttft_s"]) * 1e3,
-            "skip_ms": statistics.median(served["skip"]["ttft_s"]) * 1e3,
-            "ratio": statistics.median(ratios), "ci95": (low, high),
-            "faster": sum(r < 1 for r in ratios), "pairs": len(ratios)}
+    return {**_medians_ms({name: served[name] for name in STORE_MODES}),
+            **_paired_ratio(served["store"]["ttft_s"], served["skip"]["ttft_s"])}
 
 
 def _pct(xs: list[float], q: float) -> float:

@@ -147,12 +147,15 @@ class EngineProcess:
         """Resident anonymous memory of the engine process and all its children (Linux).
 
         Not RSS: RSS also counts the pool's shared pages each process has
-        touched, and those grow as the pool fills, whatever the engine keeps."""
+        touched, and those grow as the pool fills, whatever the engine keeps.
+        On Linux psutil's ``shared`` is the file and shared-memory part of RSS,
+        so RSS minus it is the anonymous part (``RssAnon``)."""
         try:
             proc = psutil.Process(self.pid)
             procs = [proc, *proc.children(recursive=True)]
-            return sum(_rss_anon(p.pid) for p in procs if p.is_running())
-        except (psutil.NoSuchProcess, FileNotFoundError) as exc:
+            infos = [p.memory_info() for p in procs if p.is_running()]
+            return sum(info.rss - info.shared for info in infos)
+        except psutil.NoSuchProcess as exc:
             raise EngineError(f"engine process {self.pid} is gone") from exc
 
     def call(self, name: str, timeout_s: float = 60.0, **kwargs: Any) -> Any:
@@ -279,10 +282,3 @@ def read_json_lines(path: str | os.PathLike) -> list[dict[str, Any]]:
         return []
     return records
 
-
-def _rss_anon(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024  # reported in kB
-    raise EngineError(f"/proc/{pid}/status has no RssAnon line")
