@@ -43,6 +43,9 @@ class MaruConfig:
     maru_overlap_load_with_compute: bool = False
     maru_overlap_release_after_layers: int = 1
     maru_async_store: bool = True
+    # Pin what a lookup matched right after it, for a worker in the same
+    # process (early_pins.py); off: the worker retrieves, one round trip more.
+    maru_early_pins: bool = True
     maru_lookup_timeout_s: float = 0.05
     maru_load_timeout_s: float = 10.0
     maru_model_id: str | None = None

@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from maru_connector.config import parse_config
+from maru_connector.early_pins import PinHandoff
 from maru_connector.identity import base_namespaces, block_size_of, check_engine_supported
 from maru_connector.lookup import LookupService
 from maru_connector.metadata import MaruConnectorMetadata
@@ -81,15 +82,18 @@ class MaruKVConnector(KVConnectorBase_V1):
         cfg = parse_config(self._kv_transfer_config.kv_connector_extra_config, block_size)
         self.scheduler_half: MaruSchedulerHalf | None = None
         self.worker_half: MaruWorkerHalf | None = None
+        # Both halves of one engine find each other here when vLLM runs them in one process.
+        engine_id = self._kv_transfer_config.engine_id
+        handoff = PinHandoff.for_engine(engine_id) if cfg.maru_early_pins and engine_id else None
         if role == KVConnectorRole.SCHEDULER:
             namespaces = base_namespaces(vllm_config, kv_cache_config, cfg)
             num_layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
             self.scheduler_half = MaruSchedulerHalf(
                 cfg, namespaces, block_size, _make_lookup(cfg), num_layers=num_layers,
-                stats=open_stats(cfg, "scheduler"),
+                stats=open_stats(cfg, "scheduler"), handoff=handoff,
             )
         else:
-            self.worker_half = MaruWorkerHalf(cfg, _tp_rank(), block_size)
+            self.worker_half = MaruWorkerHalf(cfg, _tp_rank(), block_size, handoff=handoff)
 
     @property
     def requires_kv_delivery(self) -> bool:

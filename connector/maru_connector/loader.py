@@ -64,6 +64,7 @@ def wait_done(handle: Any) -> None:
 class _Load:
     spec: LoadSpec
     started: float
+    early: Any = None  # the lookup's EarlyPin for this load, now the loader's
     pinned: PinnedLoad | None = None
     handle: Any = None
     released: bool = False
@@ -132,8 +133,9 @@ class AsyncLoader:
 
     # ---- engine thread ----------------------------------------------------
 
-    def submit(self, spec: LoadSpec) -> None:
-        load = _Load(spec, time.monotonic())
+    def submit(self, spec: LoadSpec, early: Any = None) -> None:
+        """Queue a parked request's load; ``early``: its early pin (now ours)."""
+        load = _Load(spec, time.monotonic(), early)
         with self._lock:
             self._loads[spec.req_id] = load
         self._inbox.put(load)
@@ -295,6 +297,8 @@ class AsyncLoader:
     def _start(self, load: _Load, active: list[_Load]) -> None:
         spec = load.spec
         if load.aborted:
+            if load.early is not None:
+                load.early.release()
             self._stats.record_load_failure("aborted")
             self._report(load, failed=False)
             return
@@ -303,14 +307,18 @@ class AsyncLoader:
                 self._client = self._client_factory()
             load.pinned = resolve_load(
                 self._client, self._pool, self._fmt, spec.keys(self._tp_rank), spec.block_ids,
-                verify_payload=self._verify_payload,
+                verify_payload=self._verify_payload, early=load.early,
             )
         except LoadFailure as exc:
             self._fail(load, exc.reason, str(exc))
             return
         except Exception as exc:  # e.g. the client could not connect
+            if load.early is not None:
+                load.early.release()
             self._fail(load, "index_error", f"{type(exc).__name__}: {exc}")
             return
+        if load.pinned.early is not None:
+            self._stats.record_early_pinned_load()
         try:
             load.handle = self._engine.submit_load(load.pinned.chunks)
         except Exception:

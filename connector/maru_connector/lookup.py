@@ -8,6 +8,12 @@ again later" (``None``) until the reply lands. A lookup that takes longer than
 down for ``retry_after_s``: lookups answer "miss" at once instead of queueing
 behind a dead connection. After that the next lookup tries again (the client
 reconnects by itself), so hits resume without a restart.
+
+Asked to (``pin_group``), the lookup thread also pins what a lookup matched,
+right after answering it: an early pin (``early_pins.py``) that the scheduler
+half hands to a worker half in the same process, which then copies without a
+retrieve of its own. The service owns such a pin until ``take_early_pin``
+and releases it when the request looks up again or is forgotten.
 """
 
 from __future__ import annotations
@@ -18,6 +24,11 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
+
+from maru_core.keys import KEY_BYTES
+
+from maru_connector.early_pins import MISSED, EarlyPin
+from maru_connector.resolve import hold, misses_in, unpin_hidden
 
 logger = logging.getLogger(__name__)
 
@@ -49,12 +60,18 @@ class LookupService:
         self._clock = clock
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="maru-lookup")
         # One entry per live request at most; dropped by forget() at request end.
-        self._pending: dict[str, tuple[Future[int], float]] = {}
+        self._pending: dict[str, tuple[Future[_Answer], float]] = {}
+        self._early: dict[str, EarlyPin] = {}  # early pins not yet taken
         self._down_until = 0.0
 
-    def match(self, req_id: str, key_lists: Sequence[bytes | Sequence[bytes]]) -> int | None:
+    def match(self, req_id: str, key_lists: Sequence[bytes | Sequence[bytes]],
+              pin_group: int = 0) -> int | None:
         """Leading keys committed for every key list (min over TP ranks); a
         list is a sequence of keys or the keys packed end to end.
+
+        ``pin_group`` > 0 (one key list only): then also pin the matched keys,
+        in whole groups of that many (a chunk's objects), as an early pin for
+        ``take_early_pin``; a new lookup releases the request's last one.
 
         Returns the count, or ``None`` while the lookup is still in flight.
         An unreachable or failing index yields 0 (a miss).
@@ -65,16 +82,18 @@ class LookupService:
             future, started = pending
             if future.done():
                 del self._pending[req_id]
-                return self._result(future)
+                return self._result(req_id, future)
             if now - started > self._give_up_s:
-                del self._pending[req_id]
+                self._drop_pending(req_id)
                 self._mark_down(f"lookup took longer than {self._give_up_s}s")
                 return 0
             return None
+        self._release_early(req_id)
         if now < self._down_until:
             return 0
         lists = [k if type(k) is bytes else list(k) for k in key_lists]  # a snapshot
-        future = self._executor.submit(self._match_all, lists)
+        group = pin_group if len(lists) == 1 else 0
+        future = self._executor.submit(self._match_all, lists, group)
         try:
             future.result(timeout=self._timeout_s)
         except FutureTimeout:
@@ -82,38 +101,93 @@ class LookupService:
             return None
         except Exception:  # reported by _result below
             pass
-        return self._result(future)
+        return self._result(req_id, future)
+
+    def take_early_pin(self, req_id: str) -> EarlyPin | None:
+        """The request's early pin, now the caller's to hand on or release."""
+        return self._early.pop(req_id, None)
 
     def forget(self, req_id: str) -> None:
-        """Drop a request's pending lookup (called when the request ends)."""
-        self._pending.pop(req_id, None)
+        """Drop a request's pending lookup and early pin (the request ended)."""
+        self._drop_pending(req_id)
+        self._release_early(req_id)
+
+    @property
+    def num_early_pins(self) -> int:
+        return len(self._early)
 
     @property
     def num_pending(self) -> int:
         return len(self._pending)
 
     def close(self) -> None:
+        for req_id in list(self._early):
+            self._release_early(req_id)
         self._executor.shutdown(wait=False, cancel_futures=True)
         client, self._client = self._client, None
         if client is not None:
             client.close()
 
-    def _match_all(self, key_lists: list[bytes | list[bytes]]) -> int:
+    def _match_all(self, key_lists: list[bytes | list[bytes]], pin_group: int) -> "_Answer":
         if self._client is None:
             self._client = self._client_factory()
-        matched = min(
-            (self._client.match_prefix(keys) if keys else 0) for keys in key_lists
-        )
-        return max(0, int(matched))
+        client = self._client
+        matched = max(0, int(min((client.match_prefix(keys) if keys else 0) for keys in key_lists)))
+        pinned = matched - matched % pin_group if pin_group else 0
+        if not pinned:
+            return matched, None
+        keys = key_lists[0]
+        packed = keys if type(keys) is bytes else b"".join(keys)
+        pin = EarlyPin(client, packed[: pinned * KEY_BYTES], run=self._executor.submit)
+        # Queued behind this job on the same thread: the engine has its answer
+        # first and allocates blocks while the pins are taken.
+        pin.start(self._executor.submit(self._retrieve_early, client, pin))
+        return matched, pin
 
-    def _result(self, future: Future[int]) -> int:
+    @staticmethod
+    def _retrieve_early(client: Any, pin: EarlyPin) -> Any:
+        """The early pin's retrieve (on the lookup thread): the reply, or
+        ``MISSED``; a retrieve that raises pins nothing (the index client sees
+        to that), and the load that claims the pin fails with its error."""
+        reply = client.retrieve(pin.object_keys)
+        if misses_in(reply):  # evicted since the match: all-or-nothing, nothing pinned
+            unpin_hidden(client, pin.object_keys)
+            return MISSED
+        hold(client, pin)
+        return reply
+
+    def _result(self, req_id: str, future: "Future[_Answer]") -> int:
         exc = future.exception()
         if exc is None:
-            return future.result()
+            matched, pin = future.result()
+            if pin is not None:
+                self._early[req_id] = pin
+            return matched
         self._mark_down(f"{type(exc).__name__}: {exc}")
         return 0
+
+    def _drop_pending(self, req_id: str) -> None:
+        """Nobody will read this lookup: its early pin, if any, goes when it lands."""
+        pending = self._pending.pop(req_id, None)
+        if pending is not None:
+            pending[0].add_done_callback(_release_answer)
+
+    def _release_early(self, req_id: str) -> None:
+        pin = self._early.pop(req_id, None)
+        if pin is not None:
+            pin.release()
 
     def _mark_down(self, why: str) -> None:
         logger.warning("MaruCache index lookup failed (%s); treating lookups as misses "
                        "for %.1fs", why, self._retry_after_s)
         self._down_until = self._clock() + self._retry_after_s
+
+
+_Answer = tuple[int, EarlyPin | None]  # matched keys, and the early pin taken for them
+
+
+def _release_answer(future: "Future[_Answer]") -> None:
+    if not future.cancelled() and future.exception() is None:
+        pin = future.result()[1]
+        if pin is not None:
+            pin.release()

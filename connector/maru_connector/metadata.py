@@ -51,11 +51,14 @@ class LoadSpec(ChunkRun):
     asked for ``maru_load="sync"``). ``new_tokens``: the prompt tokens the
     request computes after the load (1 for a full hit); a forward that
     computes many beside it should not wait for all its copies to be queued.
+    ``early_pin``: the token under which the lookup's pins of these chunks
+    wait in this process's ``PinHandoff`` (0: none; the worker retrieves).
     """
 
     is_async: bool = False
     wait_whole: bool = False
     new_tokens: int = 0
+    early_pin: int = 0
 
 
 @dataclass(frozen=True)

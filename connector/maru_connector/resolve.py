@@ -39,10 +39,12 @@ class LoadFailure(Exception):
 @dataclass(frozen=True)
 class PinnedLoad:
     """Copies ready to submit, and the pinned object keys to unpin after them
-    (packed end to end, as the index takes them)."""
+    (packed end to end, as the index takes them). ``early``: the lookup's
+    early pin these copies read under (it unpins instead; ``early_pins.py``)."""
 
     chunks: list[ChunkLoad]
     object_keys: bytes
+    early: Any = None
 
     @property
     def num_objects(self) -> int:
@@ -66,7 +68,7 @@ def object_keys(fmt: Any, chunk_keys: Sequence[bytes]) -> list[bytes]:
     return split_keys(packed_object_keys(fmt, chunk_keys))
 
 
-def _index_failure(exc: BaseException) -> LoadFailure:
+def index_failure(exc: BaseException) -> LoadFailure:
     text = f"{type(exc).__name__}: {exc}"
     timed_out = isinstance(exc, TimeoutError) or "timed out" in text.lower() or "timeout" in text.lower()
     return LoadFailure("timeout" if timed_out else "index_error", text)
@@ -105,7 +107,22 @@ class _HeldPins:
 _HELD = _HeldPins()
 
 
-def _unpin_quietly(client: Any, keys: bytes | list[bytes]) -> None:
+def hold(client: Any, load: Any) -> None:
+    """Record that ``load`` (anything with ``object_keys``) holds pins of ``client``'s lease."""
+    _HELD.add(client, load)
+
+
+def forget_held(client: Any, load: Any) -> None:
+    _HELD.remove(client, load)
+
+
+def unpin_hidden(client: Any, keys: bytes) -> None:
+    """After a reply with a miss (which pins nothing): give back the pins a
+    reply altered on the way may hide, except those another load holds."""
+    unpin_quietly(client, _HELD.not_held(client, keys))
+
+
+def unpin_quietly(client: Any, keys: bytes | list[bytes]) -> None:
     try:
         client.unpin(keys)
     except Exception as exc:  # the lease releases the pins if this fails
@@ -139,6 +156,11 @@ class _Reply:
 
     def misses(self) -> int:
         return int(np.count_nonzero(self.offsets == 0))
+
+
+def misses_in(locations: Any) -> int:
+    """Keys a retrieve reply answered as not in the pool."""
+    return _Reply.of(locations).misses()
 
 
 def _check_reply(count: int, reply: _Reply, object_bytes: int) -> None:
@@ -206,6 +228,7 @@ def resolve_load(
     chunk_keys: Sequence[bytes],
     block_ids: Sequence[tuple[int, ...]],
     verify_payload: bool = False,
+    early: Any = None,
 ) -> PinnedLoad:
     """Pin the objects of ``chunk_keys`` and plan their copies into ``block_ids``.
 
@@ -214,6 +237,11 @@ def resolve_load(
     and before any copy: the request is released only over bytes the writer
     vouched for.
 
+    ``early``: the request's :class:`~maru_connector.early_pins.EarlyPin`,
+    now the caller's. When it covers these objects its pins are used (checked
+    exactly as a retrieve's) and no retrieve is sent; otherwise it is released
+    and ``client`` retrieves.
+
     Raises:
         LoadFailure: the index failed or timed out, the reply was short, long
             or had a miss, a slot header does not name its key and
@@ -221,36 +249,72 @@ def resolve_load(
             checksum. Nothing stays pinned in that case.
     """
     keys = packed_object_keys(fmt, chunk_keys)
+    if early is not None:
+        reply = _early_reply(early, keys, getattr(client, "timeout_s", 1.0), fmt.object_bytes)
+        if reply is not None:
+            try:
+                _check_headers(pool, keys, reply, fmt, verify_payload)
+            except LoadFailure:
+                early.release()
+                raise
+            return PinnedLoad(_plan(reply, block_ids, fmt.objects_per_chunk), keys, early=early)
     try:
         # A failed retrieve leaves nothing pinned: the index client unpins what
         # a reply it rejects shows pinned (else lets that lease lapse), and a
         # timeout or lost connection makes it leave the lease to lapse.
         reply = _Reply.of(client.retrieve(keys))
     except Exception as exc:
-        raise _index_failure(exc) from exc
+        raise index_failure(exc) from exc
     try:
         _check_reply(len(keys) // KEY_BYTES, reply, fmt.object_bytes)
         _check_headers(pool, keys, reply, fmt, verify_payload)
     except LoadFailure:
         if not reply.misses():  # every key hit, so this retrieve pinned every key
-            _unpin_quietly(client, keys)
+            unpin_quietly(client, keys)
         else:
-            # An index pins nothing when a key misses, but a reply altered on
-            # the way may hide pins: give back those no other load holds.
-            _unpin_quietly(client, _HELD.not_held(client, keys))
+            unpin_hidden(client, keys)
         raise
-    per_chunk = fmt.objects_per_chunk
-    offsets = reply.offsets.tolist()
-    chunks = [
-        ChunkLoad(tuple(blocks), tuple(offsets[i * per_chunk : (i + 1) * per_chunk]))
-        for i, blocks in enumerate(block_ids)
-    ]
-    pinned = PinnedLoad(chunks, keys)
+    pinned = PinnedLoad(_plan(reply, block_ids, fmt.objects_per_chunk), keys)
     _HELD.add(client, pinned)
     return pinned
 
 
+def _early_reply(early: Any, keys: bytes, timeout_s: float, object_bytes: int) -> _Reply | None:
+    """The early pin's reply for ``keys`` (its leading objects), checked like a
+    retrieve's; ``None`` (and the pin released) when it cannot serve them."""
+    if not early.object_keys.startswith(keys):
+        early.release()  # pinned from another first chunk than the load's
+        return None
+    try:
+        answer = early.reply(timeout_s)
+    except LoadFailure:
+        early.release()
+        raise
+    if answer is None:
+        early.release()
+        return None
+    reply = _Reply.of(answer)
+    try:
+        _check_reply(len(early.object_keys) // KEY_BYTES, reply, object_bytes)
+    except LoadFailure:
+        early.release()
+        raise
+    n = len(keys) // KEY_BYTES
+    return _Reply(reply.offsets[:n], reply.lengths[:n], reply.generations[:n])
+
+
+def _plan(reply: _Reply, block_ids: Sequence[tuple[int, ...]], per_chunk: int) -> list[ChunkLoad]:
+    offsets = reply.offsets.tolist()
+    return [
+        ChunkLoad(tuple(blocks), tuple(offsets[i * per_chunk : (i + 1) * per_chunk]))
+        for i, blocks in enumerate(block_ids)
+    ]
+
+
 def release_pins(client: Any, pinned: PinnedLoad) -> None:
     """Unpin after every copy from those slots completed (invariant 8)."""
+    if pinned.early is not None:
+        pinned.early.release()
+        return
     _HELD.remove(client, pinned)
-    _unpin_quietly(client, pinned.object_keys)
+    unpin_quietly(client, pinned.object_keys)

@@ -11,13 +11,14 @@ the number of live requests: per-request state is dropped in
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from maru_core.keys import packed_layer_keys
 from maru_core.stats import ConnectorStats
 
 from maru_connector.config import MaruConfig
+from maru_connector.early_pins import PinHandoff
 from maru_connector.identity import RequestKeys, request_is_cacheable, request_keys
 from maru_connector.lookup import LookupService
 from maru_connector.metadata import (
@@ -72,6 +73,9 @@ class MaruSchedulerHalf:
             counts as stored only when the objects of all its layers are.
         stats: where lookups, hit tokens, parked requests and recomputed
             tokens are counted (in memory when None).
+        handoff: the engine's early-pin handoff in this process; while a worker
+            half is attached to it, lookups pin what they match and the load
+            plans hand those pins over (``early_pins.py``).
     """
 
     def __init__(
@@ -82,6 +86,7 @@ class MaruSchedulerHalf:
         lookup: LookupService,
         num_layers: int = 1,
         stats: ConnectorStats | None = None,
+        handoff: PinHandoff | None = None,
     ) -> None:
         if cfg.maru_kv_chunk_tokens % block_size:
             raise ValueError(
@@ -94,6 +99,7 @@ class MaruSchedulerHalf:
         self._blocks_per_chunk = cfg.maru_kv_chunk_tokens // block_size
         self._lookup = lookup
         self._layers = tuple(range(num_layers)) if cfg.maru_use_layerwise else None
+        self._handoff = handoff
         self.stats = stats if stats is not None else ConnectorStats(role="scheduler")
         self._reqs: dict[str, _RequestState] = {}
         self._pending_loads: list[LoadSpec] = []
@@ -127,7 +133,8 @@ class MaruSchedulerHalf:
         # A lookup still in flight answers for the chunks it was asked about,
         # even when vLLM's own hit has grown since.
         base = state.lookup_first_chunk if state.lookup_first_chunk is not None else first
-        matched = self._lookup.match(request.request_id, self._lookup_keys(keys, first))
+        matched = self._lookup.match(request.request_id, self._lookup_keys(keys, first),
+                                     pin_group=self._early_pin_group())
         if matched is None:
             state.lookup_first_chunk = base
             return None, False
@@ -140,6 +147,13 @@ class MaruSchedulerHalf:
         state.local_tokens, state.hit_tokens = num_computed_tokens, ext
         state.park = bool(ext) and self._should_park(state)
         return ext, state.park
+
+    def _early_pin_group(self) -> int:
+        """Objects per chunk when lookups should pin early, else 0: only for
+        one worker half in this process (one rank; its keys are the lookup's)."""
+        if self._handoff is None or len(self._namespaces) != 1 or not self._handoff.worker_attached:
+            return 0
+        return len(self._layers) if self._layers is not None else 1
 
     def _should_park(self, state: _RequestState) -> bool:
         """Whether a hit loads while its request waits parked (vLLM's
@@ -163,9 +177,23 @@ class MaruSchedulerHalf:
     def update_state_after_alloc(
         self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
     ) -> None:
-        """Plan the load of ``num_external_tokens`` into the allocated blocks."""
+        """Plan the load of ``num_external_tokens`` into the allocated blocks,
+        handing the lookup's early pin (if any) to the worker with the plan."""
+        early = self._lookup.take_early_pin(request.request_id)
+        spec = self._plan_load(request, blocks, num_external_tokens)
+        if early is not None:
+            if spec is not None and self._handoff is not None:
+                spec = replace(spec, early_pin=self._handoff.offer(early))
+            else:
+                early.release()
+        if spec is not None:
+            self._pending_loads.append(spec)
+
+    def _plan_load(
+        self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
+    ) -> LoadSpec | None:
         if num_external_tokens <= 0:
-            return
+            return None
         state = self._state(request)
         local = state.local_tokens
         first = local // self._chunk
@@ -173,7 +201,7 @@ class MaruSchedulerHalf:
         block_ids = blocks.get_block_ids()[0]
         end = min(end, len(block_ids) // self._blocks_per_chunk)
         if end <= first:
-            return
+            return None
         keys = self._keys(state)
         spec = LoadSpec(
             req_id=request.request_id,
@@ -183,13 +211,13 @@ class MaruSchedulerHalf:
             wait_whole=state.load_mode == SYNC,
             new_tokens=max(0, request.num_tokens - local - num_external_tokens),
         )
-        self._pending_loads.append(spec)
         self.stats.record_hit_tokens(num_external_tokens)
         if spec.is_async:
             self.stats.record_parked_load()
         state.load_first_chunk = min(first, state.stored_chunks)
         state.stored_chunks = max(state.stored_chunks, end)
         state.parked = spec.is_async
+        return spec
 
     # ---- per step ---------------------------------------------------------
 

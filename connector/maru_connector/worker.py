@@ -32,6 +32,7 @@ from typing import Any
 from maru_core.stats import ConnectorStats
 
 from maru_connector.config import MaruConfig
+from maru_connector.early_pins import EarlyPin, PinHandoff
 from maru_connector.loader import AsyncLoader, wait_done
 from maru_connector.metadata import LoadSpec, MaruConnectorMetadata, MaruWorkerMetadata
 from maru_connector.resolve import LoadFailure, PinnedLoad, release_pins, resolve_load
@@ -117,6 +118,8 @@ class MaruWorkerHalf:
         tp_rank: this worker's tensor-parallel rank (picks its keys).
         block_size: vLLM's KV block size.
         resources_factory: builds the pool, engine and clients (tests inject).
+        handoff: the engine's early-pin handoff in this process: the worker
+            attaches to it and claims the pins its load plans name.
     """
 
     def __init__(
@@ -125,8 +128,10 @@ class MaruWorkerHalf:
         tp_rank: int,
         block_size: int,
         resources_factory: Callable[..., WorkerResources] = open_resources,
+        handoff: PinHandoff | None = None,
     ) -> None:
         self.cfg = cfg
+        self._handoff = handoff
         self._tp_rank = tp_rank
         self._block_size = block_size
         self._resources_factory = resources_factory
@@ -169,6 +174,8 @@ class MaruWorkerHalf:
             res.stats,
             self.cfg.maru_async_store,
         )
+        if self._handoff is not None:
+            self._handoff.attach_worker()
 
     # ---- before / during the forward -------------------------------------
 
@@ -180,13 +187,15 @@ class MaruWorkerHalf:
             self._loader.drain(meta.preempted_req_ids | meta.finished_req_ids)
 
     def start_load_kv(self, meta: MaruConnectorMetadata) -> None:
+        early = {spec.req_id: self._claim_early_pin(spec) for spec in meta.loads if spec.early_pin}
         for spec in meta.loads:
             if spec.is_async:
                 if self._loader is None:
+                    _release(early.get(spec.req_id))
                     raise RuntimeError("async load planned but maru_async_load is off")
-                self._loader.submit(spec)
+                self._loader.submit(spec, early.get(spec.req_id))
             else:
-                self._start_sync_load(spec)
+                self._start_sync_load(spec, early.get(spec.req_id))
         if any(not load.overlapped for load in self._sync_loads):
             self._finish_sync_loads(only_whole=True)
 
@@ -254,6 +263,8 @@ class MaruWorkerHalf:
         return report
 
     def shutdown(self) -> None:
+        if self._handoff is not None and self._res is not None:
+            self._handoff.detach_worker()
         self._finish_sync_loads()
         for part in (self._loader, self._storer):
             if part is not None:
@@ -265,21 +276,27 @@ class MaruWorkerHalf:
 
     # ---- synchronous loads -------------------------------------------------
 
-    def _start_sync_load(self, spec: LoadSpec) -> None:
+    def _claim_early_pin(self, spec: LoadSpec) -> EarlyPin | None:
+        return self._handoff.claim(spec.early_pin) if self._handoff is not None else None
+
+    def _start_sync_load(self, spec: LoadSpec, early: EarlyPin | None = None) -> None:
         res = self._require_resources()
         try:
             if self._sync_client is None:
                 self._sync_client = res.client_factory("sync")
             pinned = resolve_load(
                 self._sync_client, res.pool, res.engine.fmt, spec.keys(self._tp_rank), spec.block_ids,
-                verify_payload=self._verify_payload,
+                verify_payload=self._verify_payload, early=early,
             )
         except LoadFailure as exc:
             self._fail_sync(spec, exc.reason, str(exc))
             return
         except Exception as exc:  # e.g. the client could not connect
+            _release(early)
             self._fail_sync(spec, "index_error", f"{type(exc).__name__}: {exc}")
             return
+        if pinned.early is not None:
+            self.stats.record_early_pinned_load()
         overlapped = self.cfg.maru_overlap_load_with_compute and not spec.wait_whole
         handle = res.engine.submit_load(
             pinned.chunks, beside_long_forward=overlapped and spec.new_tokens >= self.cfg.maru_kv_chunk_tokens)
@@ -317,3 +334,8 @@ class MaruWorkerHalf:
         if self._res is None:
             raise RuntimeError("register_kv_caches has not been called on this worker")
         return self._res
+
+
+def _release(early: EarlyPin | None) -> None:
+    if early is not None:
+        early.release()

@@ -51,7 +51,10 @@ _HEADER = struct.Struct("<8sII16sII Q16s")
 REGION_PREFIX = "maru-stats."
 REGION_SUFFIX = ".region"
 
-COUNTERS = ("lookups", "lookup_hit_tokens", "load_bytes", "recomputed_tokens", "store_bytes", "parked_loads")
+COUNTERS = (
+    "lookups", "lookup_hit_tokens", "load_bytes", "recomputed_tokens", "store_bytes", "parked_loads",
+    "early_pinned_loads",
+)
 GAUGES = ("parked_requests",)
 # Failure reasons are a closed set: they become a label, which must stay bounded.
 LOAD_FAILURE_REASONS = (
@@ -209,6 +212,11 @@ class ConnectorStats:
         """A hit whose load runs while its request waits parked (not in the step that computes it)."""
         with self._lock:
             self._add("counter:parked_loads", 1)
+
+    def record_early_pinned_load(self) -> None:
+        """A load that copied under the pins its lookup took, with no retrieve of its own."""
+        with self._lock:
+            self._add("counter:early_pinned_loads", 1)
 
     def set_parked_requests(self, count: int) -> None:
         """The number of requests parked waiting for their KV to load, now."""

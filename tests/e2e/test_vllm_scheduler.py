@@ -87,19 +87,27 @@ def _store(engines, index, prompt, layerwise=False):
 _seeds = itertools.count(7000)
 
 
+@pytest.mark.parametrize("early_pins", [True, False], ids=["early-pins", "worker-retrieves"])
 @pytest.mark.parametrize("layerwise", [False, True], ids=["chunkwise", "layerwise"])
 @pytest.mark.parametrize("mode", list(MODES))
-def test_hit_blocks_hold_exactly_the_computed_kv(engines, index, mode, layerwise):
+def test_hit_blocks_hold_exactly_the_computed_kv(engines, index, mode, layerwise, early_pins):
+    """Whether the load copies under its lookup's early pins (the scheduler
+    and the worker share this process) or retrieves its own, the blocks hold
+    exactly the computed KV, and every pin is given back."""
     prompt = random_tokens(4 * CHUNK + 5, seed=next(_seeds))
     _store(engines, index, prompt, layerwise)
-    reader = engines(_config(index, use_layerwise=layerwise, **MODES[mode]))
+    reader = engines(_config(index, use_layerwise=layerwise, early_pins=early_pins, **MODES[mode]))
     reader.add("r", prompt, max_tokens=2)
-    hit_before = reader.worker.worker_half.stats.snapshot()["counters"]["load_bytes"]
+    stats = reader.worker.worker_half.stats
+    hit_before = stats.snapshot()["counters"]["load_bytes"]
     reader.run(until=lambda: reader.requests.get("r") is None or reader.requests["r"].output)
     assert reader.wrong_positions("r", prompt) == []  # loaded prefix and computed tail
     reader.run(until=lambda: "r" in reader.finished)
     assert reader.finished["r"].output == _expected_tokens(prompt, reader.num_layers, 2)
-    assert reader.worker.worker_half.stats.snapshot()["counters"]["load_bytes"] > hit_before
+    counters = stats.snapshot()["counters"]
+    assert counters["load_bytes"] > hit_before
+    assert counters["early_pinned_loads"] == (1 if early_pins else 0)
+    wait_settled(index)
 
 
 def test_async_hit_parks_only_beside_another_request(engines, index):

@@ -75,6 +75,7 @@ SIDECAR_SERIES = {
     "maru_lookup_hit_tokens_total": {},
     "maru_parked_requests": {},
     "maru_parked_loads_total": {},
+    "maru_early_pinned_loads_total": {},
     "maru_load_bytes_total": {},
     "maru_load_duration_seconds_count": {},
     "maru_load_failures_total": {"reason": "timeout"},

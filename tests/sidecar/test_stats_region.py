@@ -22,6 +22,7 @@ def test_in_memory_counters_and_histograms():
     s.record_recomputed_tokens(32)
     s.set_parked_requests(3)
     s.record_parked_load()
+    s.record_early_pinned_load()
     s.record_layer_wait(0.00001)  # exactly on a bucket bound: counted in that bucket (le)
     s.record_store(8192, 20.0)  # above the last bound: +Inf
     s.record_store_failure("no_space")
@@ -29,6 +30,7 @@ def test_in_memory_counters_and_histograms():
     assert snap["counters"] == {
         "lookups": 2, "lookup_hit_tokens": 256, "load_bytes": 4096,
         "recomputed_tokens": 160, "store_bytes": 8192, "parked_loads": 1,
+        "early_pinned_loads": 1,
     }  # fmt: skip
     assert snap["gauges"]["parked_requests"] == 3
     assert snap["load_failures"]["short_reply"] == 1 and sum(snap["load_failures"].values()) == 1

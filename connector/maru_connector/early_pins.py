@@ -1,0 +1,193 @@
+"""Pins taken right after a lookup, handed to a worker half in the same process.
+
+A hit used to cost two round trips to the index before its first copy: the
+scheduler half's ``match_prefix`` and, once vLLM had allocated blocks, the
+worker half's ``retrieve`` (pin and locate). When vLLM runs the scheduler and
+its one worker in one process (one device, no tensor parallelism: vLLM's
+uni-process executor), the lookup thread pins the matched objects right after
+answering the match, while the engine allocates blocks, and the worker starts
+copying without a round trip of its own. In every other case (several ranks,
+workers in other processes) the worker retrieves, as before.
+
+An :class:`EarlyPin` always has one owner, and the owner releases it:
+
+- the lookup service, from the lookup until the scheduler half plans the
+  request's load (a new lookup, a request that ends first or a planned load
+  of nothing release it there);
+- the :class:`PinHandoff` of the engine, from the plan (which names the pin
+  by a token) until the worker half claims it at ``start_load_kv``;
+- the worker half, which uses it for that load and releases it after the
+  load's copies, as it would its own pins.
+
+The worker checks an early pin exactly as its own retrieve: the reply's
+length, misses and lengths, then every slot header, before any copy. A pin
+that failed, is late or does not cover the load is released and the worker
+retrieves itself; it never makes a hit a miss.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, ClassVar
+
+from maru_core.keys import KEY_BYTES
+
+from maru_connector.resolve import LoadFailure, forget_held, index_failure, unpin_quietly
+
+logger = logging.getLogger(__name__)
+
+# An offered pin no worker claimed for this long is released: its plan never
+# reached a worker of this process (it cannot, short of a bug), and a pinned
+# object cannot be evicted.
+_UNCLAIMED_TTL_S = 60.0
+
+#: An early pin's retrieve found a key missing: all-or-nothing, nothing is pinned.
+MISSED = object()
+
+
+class EarlyPin:
+    """The objects one request's lookup pinned: ``object_keys`` (packed end to
+    end) and the ``retrieve`` reply for them, pinned under ``client``'s lease.
+
+    ``run`` schedules a call on the thread that owns ``client`` (the lookup
+    thread), so a release never waits for the index on the caller's thread.
+    """
+
+    def __init__(self, client: Any, object_keys: bytes, run: Callable[[Callable[[], None]], Any]) -> None:
+        self.client = client
+        self.object_keys = object_keys
+        self.created = time.monotonic()
+        self._reply: Future[Any] | None = None
+        self._run = run
+        self._lock = threading.Lock()
+        self._released = False
+
+    def start(self, reply: "Future[Any]") -> None:
+        """The retrieve, queued on the owning thread; its result is the reply
+        (``None``: nothing pinned)."""
+        self._reply = reply
+
+    def reply(self, timeout_s: float) -> Any | None:
+        """The retrieve's reply, or ``None`` if it is not back within
+        ``timeout_s`` (the caller then retrieves itself).
+
+        Raises:
+            LoadFailure: the retrieve failed, or an object had left the pool
+                by the time it was pinned: what the caller's own retrieve
+                would have raised.
+        """
+        assert self._reply is not None, "EarlyPin.start was not called"
+        try:
+            answer = self._reply.result(timeout=timeout_s)
+        except FutureTimeout:
+            logger.info("early pin of %d objects not back in %.3fs; retrieving instead",
+                        len(self.object_keys) // KEY_BYTES, timeout_s)
+            return None
+        except Exception as exc:
+            raise index_failure(exc) from exc
+        if answer is MISSED:
+            raise LoadFailure("miss", "an object left the pool between the lookup and its pin")
+        return answer
+
+    def release(self) -> None:
+        """Unpin, on the owning thread, once the retrieve is back (at most once).
+
+        A retrieve that failed pinned nothing: the index client gives back what
+        a reply it rejects shows pinned, and the lookup thread what a reply
+        with a miss might hide.
+        """
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+        assert self._reply is not None, "EarlyPin.start was not called"
+        self._reply.add_done_callback(self._unpin_if_pinned)
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def _unpin_if_pinned(self, reply: "Future[Any]") -> None:
+        if reply.cancelled() or reply.exception() is not None or reply.result() is MISSED:
+            return  # nothing pinned
+        def unpin() -> None:
+            forget_held(self.client, self)
+            unpin_quietly(self.client, self.object_keys)
+
+        try:
+            self._run(unpin)
+        except RuntimeError:  # the lookup thread is gone: closing its client ended the lease
+            pass
+
+
+class PinHandoff:
+    """Early pins on their way from one engine's scheduler half to its worker
+    half in this process; one per engine (vLLM's ``engine_id``).
+
+    The scheduler half pins early only while a worker half of the same engine
+    is attached here, that is, lives in this process.
+    """
+
+    _by_engine: ClassVar[dict[str, "PinHandoff"]] = {}
+    _registry_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._offered: dict[int, EarlyPin] = {}
+        self._tokens = itertools.count(1)
+        self._workers = 0
+
+    @classmethod
+    def for_engine(cls, engine_id: str) -> "PinHandoff":
+        with cls._registry_lock:
+            handoff = cls._by_engine.get(engine_id)
+            if handoff is None:
+                handoff = cls._by_engine[engine_id] = cls()
+            return handoff
+
+    def attach_worker(self) -> None:
+        with self._lock:
+            self._workers += 1
+
+    def detach_worker(self) -> None:
+        """The worker half is closing: nothing it has not claimed will be."""
+        with self._lock:
+            self._workers = max(0, self._workers - 1)
+            dropped = list(self._offered.values()) if not self._workers else []
+            if dropped:
+                self._offered.clear()
+        for pin in dropped:
+            pin.release()
+
+    @property
+    def worker_attached(self) -> bool:
+        return self._workers == 1  # two workers of one engine here: not a one-worker engine
+
+    def offer(self, pin: EarlyPin) -> int:
+        """Hand ``pin`` over; returns the token the load plan carries."""
+        now = time.monotonic()
+        with self._lock:
+            stale = [t for t, p in self._offered.items() if now - p.created > _UNCLAIMED_TTL_S]
+            lost = [self._offered.pop(t) for t in stale]
+            token = next(self._tokens)
+            self._offered[token] = pin
+        for old in lost:
+            logger.warning("an early pin was never claimed by a worker; released")
+            old.release()
+        return token
+
+    def claim(self, token: int) -> EarlyPin | None:
+        """The pin offered under ``token``, now the caller's to release."""
+        with self._lock:
+            return self._offered.pop(token, None)
+
+    @property
+    def num_offered(self) -> int:
+        with self._lock:
+            return len(self._offered)
