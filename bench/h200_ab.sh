@@ -12,28 +12,34 @@
 #          (the engine before) or only its head (as shipped); then the CUDA tests.
 #   fullhead  full hits' loads issued whole on the engine thread (as shipped) or
 #          only their head, the rest on the copy thread; then the CUDA tests.
+#   early  1k, 4k and 16k hits whose worker retrieves (pins) the load itself
+#          (the connector before) or copies under the pins its lookup took
+#          (as shipped); then the CUDA tests.
 set -u
-experiment=${1:?usage: h200_ab.sh group|head|fullhead OUT_DIR [ROUNDS]}
-out=${2:?usage: h200_ab.sh group|head|fullhead OUT_DIR [ROUNDS]}
+experiment=${1:?usage: h200_ab.sh group|head|fullhead|early OUT_DIR [ROUNDS]}
+out=${2:?usage: h200_ab.sh group|head|fullhead|early OUT_DIR [ROUNDS]}
 rounds=${3:-3}
+sizes=4096
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=connector:core:tests/connector
 case $experiment in
 group) variants="g8:--group-below-mib=8 g32:--group-below-mib=32"; timed=4096/sync_overlap_graphs ;;
 head) variants="whole:--whole-inline-beside-forward head:"; timed=4096+512/sync_overlap_graphs ;;
 fullhead) variants="whole: head:--head-only-inline"; timed=4096/sync_overlap_graphs ;;
+early) variants="worker:--no-early-pins early:"; timed="1024/sync_overlap_graphs 4096/sync_overlap_graphs"
+       sizes="1024 4096 16384" ;;
 *) echo "unknown experiment $experiment" >&2; exit 2 ;;
 esac
 for r in $(seq 1 "$rounds"); do
     for variant in $variants; do
         name=${variant%%:*} flag=${variant#*:}
-        timeout 240 python3 bench/ttft_gpu.py --repeats 5 --sizes 4096 --partial 4096 512 \
+        timeout 240 python3 bench/ttft_gpu.py --repeats 5 --sizes $sizes --partial 4096 512 \
             --store-size 4096 --concurrent-size 4096 --concurrency 1 \
-            --modes sync sync_overlap_graphs async_overlap_graphs --timeline "$timed" $flag \
+            --modes sync sync_overlap_graphs async_overlap_graphs --timeline $timed $flag \
             --out "$out/ttft_${name}_r$r" >"$out/ttft_${name}_r$r.txt" 2>&1 \
             || echo "!! ttft $name r$r failed"
         echo "== $name, round $r"
-        grep -E "^\| *4096|phases" "$out/ttft_${name}_r$r.txt" | head -8
+        grep -E "^\| *(1024|4096|16384)|phases" "$out/ttft_${name}_r$r.txt" | head -16
         if [ "$experiment" = group ]; then
             timeout 120 python3 bench/transfer_gpu.py --tokens 4096 $flag \
                 --out "$out/transfer_4k_${name}_r$r.json" >"$out/transfer_4k_${name}_r$r.txt" 2>&1 \

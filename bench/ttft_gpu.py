@@ -78,6 +78,9 @@ def parse(argv=None):
     p.add_argument("--head-only-inline", action="store_true",
                    help="experiment: issue only a load's head on the engine thread, a full hit's too "
                         "(as shipped: only beside a forward of a chunk or more)")
+    p.add_argument("--no-early-pins", action="store_true",
+                   help="A/B: the worker retrieves (pins) each load itself instead of copying under "
+                        "the pins its lookup took (maru_early_pins=false)")
     p.add_argument("--group-below-mib", type=float, default=None,
                    help="experiment: load layers smaller than this in groups (the engine's "
                         "GROUP_BELOW_BYTES, 8 MiB)")

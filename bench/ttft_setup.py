@@ -9,6 +9,7 @@ from maru_core.keys import KeyNamespace
 from maru_core.pool import Pool
 
 from maru_connector.config import parse_config
+from maru_connector.early_pins import PinHandoff
 from maru_connector.lookup import LookupService
 from maru_connector.scheduler import MaruSchedulerHalf
 from maru_connector.stats import open_stats
@@ -91,7 +92,8 @@ class Cluster:
         raw = {"maru_index_url": self.index.url, "maru_token": self.index.token,
                "maru_pool_path": self.index.pool_path,
                "maru_kv_chunk_tokens": args.chunk_tokens,
-               "maru_use_layerwise": fmt == "layerwise", **knobs}
+               "maru_use_layerwise": fmt == "layerwise",
+               "maru_early_pins": not getattr(args, "no_early_pins", False), **knobs}
         cfg = parse_config(raw, args.block_size)
         device = self.model.device.type
         ns = self.namespace(cfg.fmt_name)
@@ -108,10 +110,12 @@ class Cluster:
             return WorkerResources(_SharedPool(self.pool), engine, client,
                                    open_stats(cfg, "worker"))
 
+        # Both halves in one process, as vLLM's uni-process executor runs them.
+        handoff = PinHandoff() if cfg.maru_early_pins else None
         scheduler = MaruSchedulerHalf(
             cfg, (ns,), args.block_size, LookupService(client, timeout_s=1.0),
-            num_layers=self.model.geo.layers)
-        worker = MaruWorkerHalf(cfg, 0, args.block_size, resources_factory=resources)
+            num_layers=self.model.geo.layers, handoff=handoff)
+        worker = MaruWorkerHalf(cfg, 0, args.block_size, resources_factory=resources, handoff=handoff)
         worker.register_kv_caches(kv_caches)
         return Engine(self.model, kv_caches, args.block_size, scheduler, worker, graphs=graphs,
                       max_batched_tokens=args.max_batched_tokens)
