@@ -55,6 +55,12 @@ COUNTERS = (
     "lookups", "lookup_hit_tokens", "load_bytes", "recomputed_tokens", "store_bytes", "parked_loads",
     "early_pinned_loads",
 )
+# The counters of the layouts older connectors write, oldest first: a reader
+# maps their slots by name (a slot they lack reads 0), so a sidecar newer than
+# the connector in its pod still exports that connector's metrics.
+PREVIOUS_COUNTERS = (
+    ("lookups", "lookup_hit_tokens", "load_bytes", "recomputed_tokens", "store_bytes", "parked_loads"),
+)
 GAUGES = ("parked_requests",)
 # Failure reasons are a closed set: they become a label, which must stay bounded.
 LOAD_FAILURE_REASONS = (
@@ -87,8 +93,8 @@ BUCKETS = (
 )  # fmt: skip
 
 
-def _slot_names() -> tuple[str, ...]:
-    names = [f"counter:{c}" for c in COUNTERS]
+def _slot_names(counters: tuple[str, ...] = COUNTERS) -> tuple[str, ...]:
+    names = [f"counter:{c}" for c in counters]
     names += [f"gauge:{g}" for g in GAUGES]
     names += [f"load_failures:{r}" for r in LOAD_FAILURE_REASONS]
     names += [f"store_failures:{r}" for r in STORE_FAILURE_REASONS]
@@ -102,10 +108,20 @@ SLOT_NAMES = _slot_names()
 SLOT_INDEX = {name: i for i, name in enumerate(SLOT_NAMES)}
 FLOAT_SLOTS = frozenset(i for i, n in enumerate(SLOT_NAMES) if n.endswith(":sum"))
 GAUGE_SLOTS = frozenset(i for i, n in enumerate(SLOT_NAMES) if n.startswith("gauge:"))
-LAYOUT_DIGEST = hashlib.blake2b(
-    repr((SLOT_NAMES, BUCKETS)).encode(), digest_size=16, person=b"maru-stats"
-).digest()
+
+
+def _layout_digest(names: tuple[str, ...]) -> bytes:
+    return hashlib.blake2b(repr((names, BUCKETS)).encode(), digest_size=16, person=b"maru-stats").digest()
+
+
+LAYOUT_DIGEST = _layout_digest(SLOT_NAMES)
 REGION_BYTES = HEADER_BYTES + 8 * len(SLOT_NAMES)
+# Every layout this version reads: layout digest -> its slot names.
+READABLE_LAYOUTS = {
+    _layout_digest(names): names
+    for names in (SLOT_NAMES, *(_slot_names(counters) for counters in PREVIOUS_COUNTERS))
+}
+_READABLE_SIZES = {HEADER_BYTES + 8 * len(names) for names in READABLE_LAYOUTS.values()}
 # histogram -> (slot of bucket 0, slot of count, slot of sum), resolved once: recording stays ~1 us.
 _HISTOGRAM_SLOTS = {
     h: (SLOT_INDEX[f"hist:{h}:bucket:0"], SLOT_INDEX[f"hist:{h}:count"], SLOT_INDEX[f"hist:{h}:sum"])
@@ -295,9 +311,17 @@ def _reason_slot(kind: str, reason: str, allowed: tuple[str, ...]) -> int:
     return SLOT_INDEX[f"{kind}:{reason}"]
 
 
-def _read_slots(ints: memoryview, floats: memoryview) -> list[int | float]:
+def _read_slots(ints: memoryview, floats: memoryview, names: tuple[str, ...] = SLOT_NAMES) -> list[int | float]:
+    """The region's values in this version's slot order (``names``: the region's layout)."""
     # Element-wise loads of aligned 8-byte values: never torn.
-    return [floats[i] if i in FLOAT_SLOTS else ints[i] for i in range(len(SLOT_NAMES))]
+    if names is SLOT_NAMES:
+        return [floats[i] if i in FLOAT_SLOTS else ints[i] for i in range(len(SLOT_NAMES))]
+    values = zero_values()
+    for i, name in enumerate(names):
+        slot = SLOT_INDEX.get(name)
+        if slot is not None:
+            values[slot] = floats[i] if slot in FLOAT_SLOTS else ints[i]
+    return values
 
 
 def _create_region(directory: Path, role: str) -> tuple[int, Path, mmap.mmap]:
@@ -341,8 +365,11 @@ class RegionReading:
 def read_region(path: str | os.PathLike[str]) -> RegionReading:
     """Read one region file (read-only) and tell whether its writer is still alive.
 
-    Raises `StatsRegionError` for a file of another format or layout (a
-    connector of another MaruCache version), `StatsRegionInvalid` for a file
+    A region of an older connector's layout (`PREVIOUS_COUNTERS`) is read by
+    slot name; a slot it lacks reads 0.
+
+    Raises `StatsRegionError` for a file of another format or of a layout
+    this version does not know (a newer connector), `StatsRegionInvalid` for a file
     that is not a regular file or holds a value out of range, `OSError` if it
     vanished. Opening never blocks (a FIFO named like a region is refused).
     """
@@ -351,18 +378,22 @@ def read_region(path: str | os.PathLike[str]) -> RegionReading:
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise StatsRegionInvalid(f"{path}: not a regular file")
-        if os.fstat(fd).st_size != REGION_BYTES:
-            raise StatsRegionError(f"{path}: size {os.fstat(fd).st_size}, expected {REGION_BYTES}")
-        with mmap.mmap(fd, REGION_BYTES, mmap.MAP_SHARED, mmap.PROT_READ) as buffer:
+        size = os.fstat(fd).st_size
+        if size not in _READABLE_SIZES:
+            raise StatsRegionError(f"{path}: size {size}, expected {REGION_BYTES}")
+        with mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ) as buffer:
             magic, version, count, digest, pid, _, created, role = _HEADER.unpack_from(buffer)
-            if magic != MAGIC or version != FORMAT_VERSION or count != len(SLOT_NAMES):
+            if magic != MAGIC or version != FORMAT_VERSION:
                 raise StatsRegionError(f"{path}: not a stats region of format {FORMAT_VERSION}")
-            if digest != LAYOUT_DIGEST:
+            names = READABLE_LAYOUTS.get(digest)
+            if names is None:
                 raise StatsRegionError(f"{path}: written by a MaruCache with another counter layout")
+            if count != len(names) or size != HEADER_BYTES + 8 * count:
+                raise StatsRegionError(f"{path}: not a stats region of format {FORMAT_VERSION}")
             slots = memoryview(buffer)[HEADER_BYTES:]
             ints, floats = slots.cast("q"), slots.cast("d")
             try:
-                values = _read_slots(ints, floats)
+                values = _read_slots(ints, floats, names)
             finally:
                 ints.release()
                 floats.release()

@@ -78,6 +78,10 @@ def _check_hits(farm, index, layerwise, async_load, overlap, release_after, seed
     hit = after["maru_lookup_hit_tokens_total"] - before["maru_lookup_hit_tokens_total"]
     assert hit == sum(len(p) // CHUNK_TOKENS * CHUNK_TOKENS for p in prompts)
     assert after["maru_load_bytes_total"] > before["maru_load_bytes_total"]
+    # vLLM runs this one-device engine's worker in its engine-core process: every
+    # load copies under the pins its lookup took (docs/architecture.md, "Early pins").
+    early = after["maru_early_pinned_loads_total"] - before["maru_early_pinned_loads_total"]
+    assert early == len(prompts)
     wait_settled(index)
     farm.close_one(name)
 

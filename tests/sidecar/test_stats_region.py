@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import struct
 import subprocess
 import sys
 import threading
@@ -140,3 +141,27 @@ def test_handoff_and_stats_import_without_prometheus_or_vllm():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_a_region_of_an_older_connector_is_read_by_name(tmp_path):
+    """A sidecar newer than the connector in its pod: the older layout's slots
+    are read by name, and a counter that layout lacks reads 0."""
+    names = stats._slot_names(stats.PREVIOUS_COUNTERS[-1])
+    values = [0.0 if n.endswith(":sum") else 0 for n in names]
+    values[names.index("counter:load_bytes")] = 4096
+    values[names.index("counter:parked_loads")] = 3
+    values[names.index("hist:load_duration_seconds:count")] = 2
+    values[names.index("hist:load_duration_seconds:sum")] = 0.5
+    header = stats._HEADER.pack(stats.MAGIC, stats.FORMAT_VERSION, len(names), stats._layout_digest(names),
+                                4242, 0, 0, b"worker")
+    body = b"".join(struct.pack("<d" if n.endswith(":sum") else "<q", v) for n, v in zip(names, values))
+    path = tmp_path / f"{stats.REGION_PREFIX}4242.old{stats.REGION_SUFFIX}"
+    path.write_bytes(header.ljust(stats.HEADER_BYTES, b"\0") + body)
+    snap = decode(read_region(path).values)
+    assert snap["counters"]["load_bytes"] == 4096 and snap["counters"]["parked_loads"] == 3
+    assert snap["counters"]["early_pinned_loads"] == 0  # not in that layout
+    assert snap["histograms"]["load_duration_seconds"]["count"] == 2
+    assert snap["histograms"]["load_duration_seconds"]["sum"] == pytest.approx(0.5)
+    path.write_bytes(path.read_bytes()[:-8])  # its size no longer matches its layout
+    with pytest.raises(StatsRegionError):
+        read_region(path)
