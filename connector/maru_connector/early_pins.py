@@ -21,8 +21,9 @@ An :class:`EarlyPin` always has one owner, and the owner releases it:
 
 The worker checks an early pin exactly as its own retrieve: the reply's
 length, misses and lengths, then every slot header, before any copy. A pin
-that failed, is late or does not cover the load is released and the worker
-retrieves itself; it never makes a hit a miss.
+whose retrieve failed or found a miss fails the load, as the worker's own
+retrieve would have; one that is late or does not start at the load's first
+chunk is released, and the worker retrieves itself.
 """
 
 from __future__ import annotations
@@ -69,8 +70,8 @@ class EarlyPin:
         self._released = False
 
     def start(self, reply: "Future[Any]") -> None:
-        """The retrieve, queued on the owning thread; its result is the reply
-        (``None``: nothing pinned)."""
+        """The retrieve, queued on the owning thread: its result is the reply,
+        or ``MISSED`` (nothing pinned); if it raises, nothing is pinned either."""
         self._reply = reply
 
     def reply(self, timeout_s: float) -> Any | None:
@@ -116,6 +117,7 @@ class EarlyPin:
     def _unpin_if_pinned(self, reply: "Future[Any]") -> None:
         if reply.cancelled() or reply.exception() is not None or reply.result() is MISSED:
             return  # nothing pinned
+
         def unpin() -> None:
             forget_held(self.client, self)
             unpin_quietly(self.client, self.object_keys)
