@@ -22,8 +22,10 @@ An :class:`EarlyPin` always has one owner, and the owner releases it:
 The worker checks an early pin exactly as its own retrieve: the reply's
 length, misses and lengths, then every slot header, before any copy. A pin
 whose retrieve failed or found a miss fails the load, as the worker's own
-retrieve would have; one that is late or does not start at the load's first
-chunk is released, and the worker retrieves itself.
+retrieve would have, and so does one not back within the worker's own
+retrieve timeout (retrieving again would let a hit wait twice that long); one
+that does not start at the load's first chunk is released, and the worker
+retrieves itself.
 """
 
 from __future__ import annotations
@@ -74,22 +76,21 @@ class EarlyPin:
         or ``MISSED`` (nothing pinned); if it raises, nothing is pinned either."""
         self._reply = reply
 
-    def reply(self, timeout_s: float) -> Any | None:
-        """The retrieve's reply, or ``None`` if it is not back within
-        ``timeout_s`` (the caller then retrieves itself).
+    def reply(self, timeout_s: float) -> Any:
+        """The retrieve's reply, once back.
 
         Raises:
-            LoadFailure: the retrieve failed, or an object had left the pool
-                by the time it was pinned: what the caller's own retrieve
-                would have raised.
+            LoadFailure: the retrieve failed or is not back within
+                ``timeout_s`` (the caller's own retrieve timeout), or an
+                object had left the pool by the time it was pinned: what the
+                caller's own retrieve would have raised.
         """
         assert self._reply is not None, "EarlyPin.start was not called"
         try:
             answer = self._reply.result(timeout=timeout_s)
         except FutureTimeout:
-            logger.info("early pin of %d objects not back in %.3fs; retrieving instead",
-                        len(self.object_keys) // KEY_BYTES, timeout_s)
-            return None
+            raise LoadFailure("timeout", f"the lookup's pin of {len(self.object_keys) // KEY_BYTES} "
+                              f"objects was not back within {timeout_s:.3f}s") from None
         except Exception as exc:
             raise index_failure(exc) from exc
         if answer is MISSED:

@@ -281,18 +281,16 @@ def resolve_load(
 
 def _early_reply(early: Any, keys: bytes, timeout_s: float, object_bytes: int) -> _Reply | None:
     """The early pin's reply for ``keys`` (its leading objects), checked like a
-    retrieve's; ``None`` (and the pin released) when it cannot serve them."""
+    retrieve's; ``None`` (and the pin released) when it was pinned from
+    another first chunk than the load's."""
     if not early.object_keys.startswith(keys):
         early.release()  # pinned from another first chunk than the load's
         return None
     try:
         answer = early.reply(timeout_s)
     except LoadFailure:
-        early.release()
+        early.release()  # unpins once the retrieve is back, if it pinned
         raise
-    if answer is None:
-        early.release()
-        return None
     reply = _Reply.of(answer)
     try:
         _check_reply(len(early.object_keys) // KEY_BYTES, reply, object_bytes)

@@ -122,6 +122,40 @@ def test_an_early_pin_that_cannot_be_trusted_fails_the_load_before_any_copy(env,
     lookup.close()
 
 
+def test_an_early_pin_not_back_within_the_load_timeout_fails_the_load(env, monkeypatch):
+    """A slow index answers the lookup's pin too late: the load fails as its own
+    retrieve would have timed out (no second retrieve doubling the wait), and
+    the pin is given back once its reply lands."""
+    import threading
+    import time
+
+    from fake_index import FakeClient
+
+    keys, _ = _store(env, 64)
+    handoff = PinHandoff()
+    reader, kv_r = env.worker(seed=2, handoff=handoff)
+    monkeypatch.setattr(FakeClient, "timeout_s", 0.2, raising=False)  # the worker's retrieve timeout
+    before = {name: t.clone() for name, t in kv_r.items()}
+    landed = threading.Event()
+
+    def slow(locations):
+        time.sleep(0.6)
+        landed.set()
+        return locations
+
+    env.index.retrieve_hook = slow
+    lookup, pin = _early_pin(env, keys)
+    errors, report = step(reader, _load(keys, 10, handoff.offer(pin)))
+    assert errors == set(range(10, 14)) and report.failed_load_req_ids == {"r"} and report.tainted
+    assert not landed.is_set(), "the load waited past its timeout for the pin"
+    assert reader.stats.snapshot()["load_failures"]["timeout"] == 1
+    assert blocks_equal(before, range(10, 14), kv_r, range(10, 14))  # no block touched
+    assert landed.wait(5.0)
+    assert env.index.calls["retrieve"] == 1  # the early pin's only
+    _no_pins_left(env)  # unpinned once the late reply landed
+    lookup.close()
+
+
 # ---- the scheduler half: who gives an early pin back -----------------------
 
 class _Blocks:
