@@ -7,7 +7,9 @@ carries out what the scheduler half planned:
 - synchronous loads in ``start_load_kv`` (before the forward): resolve (pin,
   check reply and slot headers), copy, unpin; with overlap the copies run
   while the forward waits per layer in ``wait_for_layer_load`` and are
-  finished in ``wait_for_save``;
+  finished in ``wait_for_save``. The unpin, once the copies are done, runs
+  on a thread of its own: its round trip to the index is no part of the
+  step (early pins are given back on the lookup thread the same way);
 - async loads on the :class:`~maru_connector.loader.AsyncLoader` thread;
 - stores in ``wait_for_save`` through the :class:`~maru_connector.store.Storer`,
   committed only once the scheduler half's verdict on their step came back.
@@ -26,6 +28,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Collection
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,6 +142,7 @@ class MaruWorkerHalf:
         self.stats = ConnectorStats(role="worker")
         self._res: WorkerResources | None = None
         self._sync_client: Any = None
+        self._unpinner: ThreadPoolExecutor | None = None  # the sync loads' unpins
         self._loader: AsyncLoader | None = None
         self._storer: Storer | None = None
         self._sync_loads: list[_SyncLoad] = []
@@ -266,6 +270,8 @@ class MaruWorkerHalf:
         if self._handoff is not None and self._res is not None:
             self._handoff.detach_worker()
         self._finish_sync_loads()
+        if self._unpinner is not None:
+            self._unpinner.shutdown(wait=True)  # every unpin sent before the lease ends
         for part in (self._loader, self._storer):
             if part is not None:
                 part.close()
@@ -314,11 +320,22 @@ class MaruWorkerHalf:
         for load in loads:
             started = load.handle.submitted_at
             wait_done(load.handle)
-            release_pins(self._sync_client, load.pinned)
+            self._release_later(load.pinned)
             if load.handle.error is not None:
                 self._fail_sync(load.spec, "copy_error", repr(load.handle.error))
                 continue
             self.stats.record_load(load.handle.nbytes, time.monotonic() - started)
+
+    def _release_later(self, pinned: PinnedLoad) -> None:
+        """Give a finished sync load's pins back off the engine thread: every
+        copy from its slots completed, so only the index's round trip is left,
+        and the step need not wait for it."""
+        if pinned.early is not None:
+            release_pins(self._sync_client, pinned)  # queues the unpin on the lookup thread
+            return
+        if self._unpinner is None:
+            self._unpinner = ThreadPoolExecutor(1, thread_name_prefix="maru-unpin")
+        self._unpinner.submit(release_pins, self._sync_client, pinned)
 
     def _fail_sync(self, spec: LoadSpec, reason: str, detail: str) -> None:
         logger.warning("KV load for %s failed (%s); vLLM recomputes it", spec.req_id, detail)

@@ -40,6 +40,7 @@ class FakeIndex:
         self.down = False
         self.delay_s = 0.0
         self.retrieve_hook = None  # locations -> locations (fault injection)
+        self.unpin_gate: threading.Event | None = None  # unpins wait until it is set (10 s at most)
 
     def client(self, *args: Any, **kwargs: Any) -> "FakeClient":
         return FakeClient(self)
@@ -95,6 +96,8 @@ class FakeClient:
 
     def unpin(self, keys: list[bytes]) -> int:
         self._ix._enter("unpin")
+        if self._ix.unpin_gate is not None:
+            self._ix.unpin_gate.wait(10.0)
         keys = _keys(keys)
         with self._ix.lock:
             n = 0

@@ -25,7 +25,7 @@ from maru_connector.scheduler import MaruSchedulerHalf
 from maru_connector.testing.cluster import wait_until
 
 from worker_env import (BLOCK, CHUNK, LAYERS, WorkerEnv, blocks_equal, finished, spec_blocks, step,
-                        store_meta, tokens)
+                        store_meta, tokens, wait_unpinned)
 
 
 @pytest.fixture
@@ -33,10 +33,6 @@ def env():
     env = WorkerEnv()
     yield env
     env.close()
-
-
-def _no_pins_left(env) -> None:
-    wait_until(lambda: not +env.index.pins, 5.0, interval_s=0.01, what="every pin given back")
 
 
 def _store(env, n_tokens: int, layerwise: bool = False):
@@ -81,7 +77,7 @@ def test_a_load_copies_under_its_lookups_early_pin_with_no_retrieve_of_its_own(e
     assert blocks_equal(kv_w, range(6), kv_r, range(10, 16))
     assert env.index.calls["retrieve"] == retrieves  # the worker sent none
     assert reader.stats.snapshot()["counters"]["early_pinned_loads"] == 1
-    _no_pins_left(env)
+    wait_unpinned(env)
     lookup.close()
 
 
@@ -94,7 +90,7 @@ def test_an_early_pin_of_other_chunks_is_given_back_and_the_worker_retrieves(env
     assert errors == set() and blocks_equal(kv_w, range(6), kv_r, range(10, 16))
     assert env.index.calls["retrieve"] == 2  # the early pin's, then the worker's own
     assert reader.stats.snapshot()["counters"]["early_pinned_loads"] == 0
-    _no_pins_left(env)
+    wait_unpinned(env)
     lookup.close()
 
 
@@ -118,7 +114,7 @@ def test_an_early_pin_that_cannot_be_trusted_fails_the_load_before_any_copy(env,
     assert reader.stats.snapshot()["load_failures"][reason] == 1
     assert blocks_equal(before, range(10, 14), kv_r, range(10, 14))  # no block touched
     assert env.index.calls["retrieve"] == 1  # failed as a retrieve fails: not tried again
-    _no_pins_left(env)
+    wait_unpinned(env)
     lookup.close()
 
 
@@ -152,7 +148,7 @@ def test_an_early_pin_not_back_within_the_load_timeout_fails_the_load(env, monke
     assert blocks_equal(before, range(10, 14), kv_r, range(10, 14))  # no block touched
     assert landed.wait(5.0)
     assert env.index.calls["retrieve"] == 1  # the early pin's only
-    _no_pins_left(env)  # unpinned once the late reply landed
+    wait_unpinned(env)  # unpinned once the late reply landed
     lookup.close()
 
 
@@ -205,7 +201,7 @@ def test_a_planned_load_carries_the_early_pin_to_the_worker(scheduler):
     assert pin is not None and half._lookup.num_early_pins == 0
     assert len(+env.index.pins) == 3  # still pinned: now the worker's
     pin.release()
-    _no_pins_left(env)
+    wait_unpinned(env)
 
 
 @pytest.mark.parametrize("how", ["no_load_planned", "request_ended", "looked_up_again"])
@@ -222,7 +218,7 @@ def test_an_early_pin_no_load_takes_is_given_back(scheduler, how):
         wait_until(lambda: env.index.calls["unpin"] >= 1, 5.0, interval_s=0.01, what="the old pin given back")
         assert set((+env.index.pins).values()) == {1}  # one pin per key: the new lookup's
         half.request_finished(req, [])
-    _no_pins_left(env)
+    wait_unpinned(env)
     assert half._lookup.num_early_pins == 0 and handoff.num_offered == 0
 
 
@@ -233,7 +229,7 @@ def test_pins_offered_to_a_worker_that_closes_are_given_back(scheduler):
     half.update_state_after_alloc(req, _Blocks(range(8)), 3 * CHUNK)
     assert handoff.num_offered == 1
     handoff.detach_worker()  # the worker half shut down before the plan reached it
-    _no_pins_left(env)
+    wait_unpinned(env)
     assert handoff.num_offered == 0
 
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from maru_core.pool.slots import SlotHeader
 
 from maru_connector.metadata import LoadSpec, MaruConnectorMetadata
 
-from worker_env import LAYERS, WorkerEnv, blocks_equal, load_meta, spec_blocks, step, store_meta, tokens
+from worker_env import (LAYERS, WorkerEnv, blocks_equal, load_meta, spec_blocks, step, store_meta, tokens,
+                        wait_unpinned)
 
 
 @pytest.fixture
@@ -34,7 +37,7 @@ def test_store_then_load_copies_exact_bytes(env, layerwise, overlap):
 
     assert errors == set() and not meta.failed_load_req_ids and not meta.tainted
     assert blocks_equal(kv_w, range(6), kv_r, range(10, 16))
-    assert +env.index.pins == {}  # every pin released after the copies
+    wait_unpinned(env)  # every pin released after the copies
     assert reader.stats.snapshot()["counters"]["load_bytes"] > 0
     assert writer.stats.snapshot()["counters"]["store_bytes"] > 0
 
@@ -54,12 +57,38 @@ def test_a_load_asked_for_whole_lands_before_the_forward_on_an_overlapping_engin
     reader.handle_preemptions(meta)
     reader.start_load_kv(meta)
 
-    landed_before_forward = blocks_equal(kv_w, range(6), kv_r, range(10, 16)) and +env.index.pins == {}
+    if wait_whole:  # landed, and its pins on their way back, before the forward
+        assert blocks_equal(kv_w, range(6), kv_r, range(10, 16))
+        wait_unpinned(env)
+    else:  # still copying under its pins
+        assert +env.index.pins
     for i in range(LAYERS):
         reader.wait_for_layer_load(f"model.layers.{i}.self_attn.attn")
     reader.wait_for_save(meta)
-    assert landed_before_forward == wait_whole
-    assert blocks_equal(kv_w, range(6), kv_r, range(10, 16)) and +env.index.pins == {}
+    assert blocks_equal(kv_w, range(6), kv_r, range(10, 16))
+    wait_unpinned(env)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_sync_load_gives_its_pins_back_off_the_engine_thread(env, overlap):
+    """The unpin's round trip is no part of the step: an index that holds the
+    unpin holds no step, and shutting down waits for it (the pins go back
+    before the lease ends)."""
+    writer, kv_w = env.worker(seed=1, maru_async_store=False)
+    reader, kv_r = env.worker(seed=2, maru_overlap_load_with_compute=overlap)
+    keys = env.keys(tokens(96))
+    step(writer, store_meta("w", keys, first_block=0))
+    gate = env.index.unpin_gate = threading.Event()
+
+    errors, meta = step(reader, load_meta("r", keys, first_block=10))
+    assert errors == set() and not meta.tainted and blocks_equal(kv_w, range(6), kv_r, range(10, 16))
+    assert len(+env.index.pins) == 3, "the step waited for the unpin"
+    errors, _ = step(reader, load_meta("r2", keys, first_block=20))  # the next hit is not held either
+    assert errors == set() and set((+env.index.pins).values()) == {2}
+
+    threading.Timer(0.2, gate.set).start()
+    reader.shutdown()
+    assert +env.index.pins == {}
 
 
 class RecordingEngine:

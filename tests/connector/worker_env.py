@@ -17,6 +17,7 @@ from maru_core.pool import Pool
 from maru_connector.config import parse_config
 from maru_connector.stats import open_stats
 from maru_connector.metadata import LoadSpec, MaruConnectorMetadata, StoreSpec
+from maru_connector.testing.cluster import wait_until
 from maru_connector.transfer import TransferEngine
 from maru_connector.worker import MaruWorkerHalf, WorkerResources
 
@@ -125,6 +126,11 @@ def finished(half: MaruWorkerHalf, held=(), scheduled=()) -> tuple[set[str], set
 def report(half: MaruWorkerHalf, step: int = 0):
     """The worker's report on a step (``build_connector_worker_meta``)."""
     return half.build_worker_meta(MaruConnectorMetadata(step=step))
+
+
+def wait_unpinned(env: WorkerEnv) -> None:
+    """Every pin given back (loads unpin off the engine thread, shortly after their copies)."""
+    wait_until(lambda: not +env.index.pins, 5.0, interval_s=0.01, what="every pin given back")
 
 
 def step(half: MaruWorkerHalf, meta: MaruConnectorMetadata):
