@@ -4,8 +4,9 @@ A hit used to cost two round trips to the index before its first copy: the
 scheduler half's ``match_prefix`` and, once vLLM had allocated blocks, the
 worker half's ``retrieve`` (pin and locate). When vLLM runs the scheduler and
 its one worker in one process (one device, no tensor parallelism: vLLM's
-uni-process executor), the lookup thread pins the matched objects right after
-answering the match, while the engine allocates blocks, and the worker starts
+uni-process executor), the lookup service pins the matched objects right after
+answering the match (on a thread of its own, with the lookup's client), while
+the engine allocates blocks, and the worker starts
 copying without a round trip of its own. In every other case (several ranks,
 workers in other processes) the worker retrieves, as before.
 
@@ -58,8 +59,9 @@ class EarlyPin:
     """The objects one request's lookup pinned: ``object_keys`` (packed end to
     end) and the ``retrieve`` reply for them, pinned under ``client``'s lease.
 
-    ``run`` schedules a call on the thread that owns ``client`` (the lookup
-    thread), so a release never waits for the index on the caller's thread.
+    ``run`` schedules a call on the thread that pins with ``client`` (the
+    lookup service's), so a release never waits for the index on the
+    caller's thread.
     """
 
     def __init__(self, client: Any, object_keys: bytes, run: Callable[[Callable[[], None]], Any]) -> None:
@@ -101,7 +103,7 @@ class EarlyPin:
         """Unpin, on the owning thread, once the retrieve is back (at most once).
 
         A retrieve that failed pinned nothing: the index client gives back what
-        a reply it rejects shows pinned, and the lookup thread what a reply
+        a reply it rejects shows pinned, and the pinning thread what a reply
         with a miss might hide.
         """
         with self._lock:
@@ -125,7 +127,7 @@ class EarlyPin:
 
         try:
             self._run(unpin)
-        except RuntimeError:  # the lookup thread is gone: closing its client ended the lease
+        except RuntimeError:  # the pinning thread is gone: closing its client ended the lease
             pass
 
 

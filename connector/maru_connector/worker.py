@@ -9,7 +9,7 @@ carries out what the scheduler half planned:
   while the forward waits per layer in ``wait_for_layer_load`` and are
   finished in ``wait_for_save``. The unpin, once the copies are done, runs
   on a thread of its own: its round trip to the index is no part of the
-  step (early pins are given back on the lookup thread the same way);
+  step (early pins are given back on the lookup service's thread the same way);
 - async loads on the :class:`~maru_connector.loader.AsyncLoader` thread;
 - stores in ``wait_for_save`` through the :class:`~maru_connector.store.Storer`,
   committed only once the scheduler half's verdict on their step came back.
@@ -331,7 +331,7 @@ class MaruWorkerHalf:
         copy from its slots completed, so only the index's round trip is left,
         and the step need not wait for it."""
         if pinned.early is not None:
-            release_pins(self._sync_client, pinned)  # queues the unpin on the lookup thread
+            release_pins(self._sync_client, pinned)  # queues the unpin on the pins' own thread
             return
         if self._unpinner is None:
             self._unpinner = ThreadPoolExecutor(1, thread_name_prefix="maru-unpin")

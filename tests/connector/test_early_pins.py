@@ -152,6 +152,28 @@ def test_an_early_pin_not_back_within_the_load_timeout_fails_the_load(env, monke
     lookup.close()
 
 
+def test_a_lookup_never_queues_behind_another_requests_early_pin(env):
+    """A miss is not held up by a hit: while the index sits on one request's
+    pin, another request's lookup is answered."""
+    import threading
+
+    keys, _ = _store(env, 64)
+    release = threading.Event()
+    env.index.retrieve_hook = lambda locations: release.wait(10.0) and locations
+    lookup = LookupService(env.index.client, timeout_s=0.5)
+    try:
+        assert lookup.match("hit", [b"".join(keys)], pin_group=1) == 2
+        other = [b"".join(env.keys(tokens(64, start=500)))]
+        assert lookup.match("miss", other, pin_group=1) == 0  # answered, not "ask me later"
+    finally:
+        release.set()
+    pin = lookup.take_early_pin("hit")
+    assert pin.reply(5.0) is not None
+    pin.release()
+    wait_unpinned(env)
+    lookup.close()
+
+
 # ---- the scheduler half: who gives an early pin back -----------------------
 
 class _Blocks:
