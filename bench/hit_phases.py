@@ -9,7 +9,9 @@ hit, in ms from arrival: when the lookup answered, when the load was
 submitted, when its copies began to be queued and when all were, when its
 first and last layers landed on the device (engines built with
 ``timing=True``), when the forward started and ended, how long the forward
-waited for layers, and the first token.
+waited for layers, the first token, and how long the ``wait_for_save`` after
+that forward took: vLLM calls it before it computes the logits, the driver
+after (so that figure is what vLLM's order would add to the first token).
 """
 
 from __future__ import annotations
@@ -94,6 +96,9 @@ class PhaseRecorder:
         if waits:
             out["layer_waits_ms"] = sum(e - s for s, e in waits) * 1000
         out["first_token"] = ms(first_token)
+        saves = [s for s in by.get("wait_for_save", []) if fwd and s[0] >= fwd[-1][1]]
+        if saves:
+            out["wait_for_save_ms"] = (saves[0][1] - saves[0][0]) * 1000
         return out
 
 
