@@ -6,9 +6,9 @@ worker half's ``retrieve`` (pin and locate). When vLLM runs the scheduler and
 its one worker in one process (one device, no tensor parallelism: vLLM's
 uni-process executor), the lookup service pins the matched objects right after
 answering the match (on a thread of its own, with the lookup's client), while
-the engine allocates blocks, and the worker starts
-copying without a round trip of its own. In every other case (several ranks,
-workers in other processes) the worker retrieves, as before.
+the engine allocates blocks, and the worker starts copying without a round
+trip of its own. In every other case (several ranks, workers in other
+processes) the worker retrieves, as before.
 
 An :class:`EarlyPin` always has one owner, and the owner releases it:
 
