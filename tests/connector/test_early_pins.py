@@ -3,9 +3,11 @@
 Driven on the real CPU transfer engine and a real pool, with the in-memory
 index of ``fake_index.py`` (it counts every pin per key and every call per
 op). What must hold: a load that uses an early pin copies exactly the stored
-bytes with no retrieve of its own; an early pin that cannot serve its load is
-given back and the load retrieves (or fails, as a retrieve would have); and
-every early pin is given back exactly once, whoever ends up owning it.
+bytes with no retrieve of its own; an early pin of other chunks is given back
+and the load retrieves; one that failed, missed or is not back within the
+load's timeout fails the load as a retrieve would have; a lookup never waits
+behind another request's pin; and every early pin is given back exactly
+once, whoever ends up owning it.
 """
 
 from __future__ import annotations
