@@ -14,7 +14,8 @@ import pytest
 
 from maru_connector.metadata import LoadSpec, MaruConnectorMetadata, StoreSpec
 
-from worker_env import BLOCK, CHUNK, LAYERS, WorkerEnv, finished, report, same_bytes, save, spec_blocks, tokens
+from worker_env import (BLOCK, CHUNK, LAYERS, WorkerEnv, finished, report, same_bytes, save, spec_blocks, tokens,
+                        wait_unpinned)
 
 LAYER = "model.layers.{}.self_attn.attn"
 CHUNKS = (1, 2, 3)  # three requests of different lengths, as vLLM batches them
@@ -87,7 +88,4 @@ def test_each_layer_of_each_request_holds_its_own_bytes_when_the_forward_reads_i
     save(reader, meta)
 
     assert wrong == []
-    deadline = time.monotonic() + 5.0
-    while +env.index.pins and time.monotonic() < deadline:  # async: the loader unpins last
-        time.sleep(0.002)
-    assert +env.index.pins == {}
+    wait_unpinned(env)  # async: the loader unpins last

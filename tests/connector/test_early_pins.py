@@ -13,6 +13,8 @@ once, whoever ends up owning it.
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 
 import pytest
 from maru_core.keys import KeyNamespace, packed_layer_keys
@@ -26,6 +28,7 @@ from maru_connector.metadata import LoadSpec, MaruConnectorMetadata
 from maru_connector.scheduler import MaruSchedulerHalf
 from maru_connector.testing.cluster import wait_until
 
+from fake_index import FakeClient
 from worker_env import (BLOCK, CHUNK, LAYERS, WorkerEnv, blocks_equal, finished, spec_blocks, step,
                         store_meta, tokens, wait_unpinned)
 
@@ -124,11 +127,6 @@ def test_an_early_pin_not_back_within_the_load_timeout_fails_the_load(env, monke
     """A slow index answers the lookup's pin too late: the load fails as its own
     retrieve would have timed out (no second retrieve doubling the wait), and
     the pin is given back once its reply lands."""
-    import threading
-    import time
-
-    from fake_index import FakeClient
-
     keys, _ = _store(env, 64)
     handoff = PinHandoff()
     reader, kv_r = env.worker(seed=2, handoff=handoff)
@@ -157,8 +155,6 @@ def test_an_early_pin_not_back_within_the_load_timeout_fails_the_load(env, monke
 def test_a_lookup_never_queues_behind_another_requests_early_pin(env):
     """A miss is not held up by a hit: while the index sits on one request's
     pin, another request's lookup is answered."""
-    import threading
-
     keys, _ = _store(env, 64)
     release = threading.Event()
     env.index.retrieve_hook = lambda locations: release.wait(10.0) and locations
