@@ -15,9 +15,12 @@
 #   early  1k, 4k and 16k hits whose worker retrieves (pins) the load itself
 #          (the connector before) or copies under the pins its lookup took
 #          (as shipped); then the CUDA tests.
+#   prefix 1k, 4k and 16k hits whose lookup pins in a second round trip (a
+#          match_prefix, then a retrieve: the connector before) or in the
+#          same one (retrieve_prefix, as shipped); then the CUDA tests.
 set -u
-experiment=${1:?usage: h200_ab.sh group|head|fullhead|early OUT_DIR [ROUNDS]}
-out=${2:?usage: h200_ab.sh group|head|fullhead|early OUT_DIR [ROUNDS]}
+experiment=${1:?usage: h200_ab.sh group|head|fullhead|early|prefix OUT_DIR [ROUNDS]}
+out=${2:?usage: h200_ab.sh group|head|fullhead|early|prefix OUT_DIR [ROUNDS]}
 rounds=${3:-3}
 sizes=4096
 mkdir -p "$out"
@@ -27,6 +30,8 @@ group) variants="g8:--group-below-mib=8 g32:--group-below-mib=32"; timed=4096/sy
 head) variants="whole:--whole-inline-beside-forward head:"; timed=4096+512/sync_overlap_graphs ;;
 fullhead) variants="whole: head:--head-only-inline"; timed=4096/sync_overlap_graphs ;;
 early) variants="worker:--no-early-pins early:"; timed="1024/sync_overlap_graphs 4096/sync_overlap_graphs"
+       sizes="1024 4096 16384" ;;
+prefix) variants="twort:--two-round-trip-pins onert:"; timed="1024/sync_overlap_graphs 4096/sync_overlap_graphs"
        sizes="1024 4096 16384" ;;
 *) echo "unknown experiment $experiment" >&2; exit 2 ;;
 esac

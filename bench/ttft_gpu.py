@@ -78,6 +78,9 @@ def parse(argv=None):
     p.add_argument("--head-only-inline", action="store_true",
                    help="experiment: issue only a load's head on the engine thread, a full hit's too "
                         "(as shipped: only beside a forward of a chunk or more)")
+    p.add_argument("--two-round-trip-pins", action="store_true",
+                   help="early pins as an index without retrieve_prefix takes them: a "
+                        "match_prefix, then a retrieve")
     p.add_argument("--no-early-pins", action="store_true",
                    help="A/B: the worker retrieves (pins) each load itself instead of copying under "
                         "the pins its lookup took (maru_early_pins=false)")

@@ -113,7 +113,8 @@ class Cluster:
         # Both halves in one process, as vLLM's uni-process executor runs them.
         handoff = PinHandoff() if cfg.maru_early_pins else None
         scheduler = MaruSchedulerHalf(
-            cfg, (ns,), args.block_size, LookupService(client, timeout_s=1.0),
+            cfg, (ns,), args.block_size, LookupService(client, timeout_s=1.0,
+                                   one_round_trip=not getattr(args, "two_round_trip_pins", False)),
             num_layers=self.model.geo.layers, handoff=handoff)
         worker = MaruWorkerHalf(cfg, 0, args.block_size, resources_factory=resources, handoff=handoff)
         worker.register_kv_caches(kv_caches)

@@ -9,15 +9,17 @@ down for ``retry_after_s``: lookups answer "miss" at once instead of queueing
 behind a dead connection. After that the next lookup tries again (the client
 reconnects by itself), so hits resume without a restart.
 
-Asked to (``pin_group``), the service also pins what a lookup matched, right
-after answering it: an early pin (``early_pins.py``) that the scheduler half
-hands to a worker half in the same process, which then copies without a
-retrieve of its own. The pins' retrieves and unpins run on a thread of their
-own, sharing the lookup's client (and lease): a lookup never queues behind
-another request's pins (a layerwise 16k-token hit pins 2,048 objects), so a
-miss is never held up by a hit. The service owns a pin until
-``take_early_pin`` and releases it when the request looks up again or is
-forgotten.
+Asked to (``pin_group``), the service also pins what a lookup matched: an
+early pin (``early_pins.py``) that the scheduler half hands to a worker half
+in the same process, which then copies without a retrieve of its own. The
+lookup and the pin are one round trip, the index's ``retrieve_prefix``
+(match, then pin the matched whole chunks), so the pin is back with the
+answer. An index that does not know that op (an older version) gets a
+``match_prefix`` and then a ``retrieve`` on the pins' thread, as before.
+Unpins run on that thread too, sharing the lookup's client (and lease): a
+lookup never queues behind another request's unpin. The service owns a pin
+until ``take_early_pin`` and releases it when the request looks up again or
+is forgotten.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
+from maru_core.index.client_ops import IndexRejected
 from maru_core.keys import KEY_BYTES
+from maru_core.protocol import ErrorType
 
 from maru_connector.early_pins import MISSED, EarlyPin
 from maru_connector.resolve import hold, misses_in, unpin_hidden
@@ -46,6 +50,9 @@ class LookupService:
         timeout_s: how long the engine thread waits for a reply.
         give_up_s: after this long a pending lookup counts as a miss.
         retry_after_s: how long lookups answer "miss" after a failure.
+        one_round_trip: pin early with ``retrieve_prefix`` (``False``: always
+            a ``match_prefix`` and then a ``retrieve``, as an index without
+            that op needs; benchmarks compare the two).
     """
 
     def __init__(
@@ -55,6 +62,7 @@ class LookupService:
         give_up_s: float = 2.0,
         retry_after_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
+        one_round_trip: bool = True,
     ) -> None:
         self._client_factory = client_factory
         self._client: Any = None
@@ -68,6 +76,7 @@ class LookupService:
         self._pending: dict[str, tuple[Future[_Answer], float]] = {}
         self._early: dict[str, EarlyPin] = {}  # early pins not yet taken
         self._down_until = 0.0
+        self._one_round_trip = one_round_trip
 
     def match(self, req_id: str, key_lists: Sequence[bytes | Sequence[bytes]],
               pin_group: int = 0) -> int | None:
@@ -138,16 +147,56 @@ class LookupService:
         if self._client is None:
             self._client = self._client_factory()
         client = self._client
+        if pin_group and self._one_round_trip and key_lists[0]:
+            try:
+                return self._match_and_pin(client, key_lists[0], pin_group)
+            except IndexRejected as exc:
+                if exc.error_type != ErrorType.UNKNOWN_OP.value:
+                    raise
+                logger.info("the index has no retrieve_prefix (an older version); early pins "
+                            "take a match_prefix and a retrieve")
+                self._one_round_trip = False
         matched = max(0, int(min((client.match_prefix(keys) if keys else 0) for keys in key_lists)))
         pinned = matched - matched % pin_group if pin_group else 0
         if not pinned:
             return matched, None
-        keys = key_lists[0]
-        packed = keys if type(keys) is bytes else b"".join(keys)
-        pin = EarlyPin(client, packed[: pinned * KEY_BYTES], run=self._pinner.submit)
+        pin = self._early_pin(client, key_lists[0], pinned)
         # The engine has its answer now and allocates blocks while the pins are taken.
         pin.start(self._pinner.submit(self._retrieve_early, client, pin))
         return matched, pin
+
+    def _match_and_pin(self, client: Any, keys: bytes | list[bytes], pin_group: int) -> "_Answer":
+        """The lookup and its early pin in one ``retrieve_prefix``.
+
+        A reply the client rejected (it has seen to any pins of it) is not
+        trusted for the count either: a ``match_prefix`` gives the count, and
+        the pin carries the error, so the load fails and is counted and
+        recomputed, as after a failed retrieve.
+        """
+        reply: Future[Any] = Future()
+        try:
+            matched, locations = client.retrieve_prefix(keys, pin_group)
+        except IndexRejected as exc:
+            if exc.error_type == ErrorType.UNKNOWN_OP.value:
+                raise
+            matched = client.match_prefix(keys)
+            pinned = matched - matched % pin_group
+            if not pinned:
+                return matched, None
+            pin = self._early_pin(client, keys, pinned)
+            reply.set_exception(exc)
+        else:
+            if locations is None:
+                return matched, None
+            pin = self._early_pin(client, keys, len(locations))
+            hold(client, pin)
+            reply.set_result(locations)
+        pin.start(reply)
+        return matched, pin
+
+    def _early_pin(self, client: Any, keys: bytes | list[bytes], count: int) -> EarlyPin:
+        packed = keys if type(keys) is bytes else b"".join(keys)
+        return EarlyPin(client, packed[: count * KEY_BYTES], run=self._pinner.submit)
 
     @staticmethod
     def _retrieve_early(client: Any, pin: EarlyPin) -> Any:

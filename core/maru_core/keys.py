@@ -19,8 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import sys
-from array import array
+import struct
 from collections.abc import Iterable, Sequence
 from typing import NewType
 
@@ -120,21 +119,19 @@ class KeyNamespace:
 
 
 def _tokens_as_le_int32(token_ids: Sequence[int]) -> bytes:
+    # struct packs a list of ints 2-3x faster than array("i", ...) (a 4k-token
+    # prompt: 40 vs 100 us on a 2-core VM), little-endian on any host.
     try:
-        tokens = array("i", token_ids)
-    except OverflowError as exc:
-        raise ValueError(f"token ids must fit in int32: {exc}") from None
-    except TypeError as exc:
+        data = struct.pack(f"<{len(token_ids)}i", *token_ids)
+    except struct.error as exc:
+        if all(type(t) is int or hasattr(t, "__index__") for t in token_ids):
+            raise ValueError(f"token ids must fit in int32: {exc}") from None
         raise TypeError(f"token ids must be a sequence of ints: {exc}") from None
-    if tokens.itemsize != 4:  # pragma: no cover - every supported platform has a 32-bit C int
-        raise RuntimeError("this platform's C int is not 32 bits; keys need int32 token ids")
-    if tokens:
-        lowest = int(np.frombuffer(tokens, dtype=np.intc).min())  # min() over the array: 30x slower
+    if data:
+        lowest = int(np.frombuffer(data, dtype="<i4").min())  # min() over the list: 30x slower
         if lowest < 0:
             raise ValueError(f"token ids must be non-negative, found {lowest}")
-    if sys.byteorder != "little":
-        tokens.byteswap()
-    return tokens.tobytes()
+    return data
 
 
 def chunk_keys(

@@ -39,7 +39,8 @@ class FakeIndex:
         self.calls: Counter[str] = Counter()
         self.down = False
         self.delay_s = 0.0
-        self.retrieve_hook = None  # locations -> locations (fault injection)
+        self.retrieve_hook = None  # locations -> locations (fault injection), retrieve_prefix's too
+        self.knows_retrieve_prefix = True  # False: answers it as an older index would (unknown op)
         self.unpin_gate: threading.Event | None = None  # unpins wait until it is set (10 s at most)
 
     def client(self, *args: Any, **kwargs: Any) -> "FakeClient":
@@ -93,6 +94,32 @@ class FakeClient:
         if self._ix.retrieve_hook is not None:
             locations = self._ix.retrieve_hook(locations)
         return LocationList.from_items(locations)
+
+    def retrieve_prefix(self, keys: list[bytes], group: int = 1, **_: Any) -> tuple[int, LocationList | None]:
+        """Match, then pin the matched whole groups; a reply the hook spoils is
+        rejected as the real client rejects it, with nothing left pinned."""
+        self._ix._enter("retrieve_prefix")
+        if not self._ix.knows_retrieve_prefix:
+            raise IndexRejected(ErrorType.UNKNOWN_OP.value, "unknown op 'retrieve_prefix'", "retrieve_prefix")
+        keys = _keys(keys)
+        with self._ix.lock:
+            matched = 0
+            while matched < len(keys) and keys[matched] in self._ix.committed:
+                matched += 1
+            pinned = keys[: matched - matched % group]
+            locations = [self._ix.committed[k] for k in pinned]
+            self._ix.pins.update(pinned)
+        if not pinned:
+            return matched, None
+        if self._ix.retrieve_hook is not None:
+            locations = self._ix.retrieve_hook(locations)
+        if len(locations) != len(pinned) or None in locations:
+            with self._ix.lock:
+                self._ix.pins.subtract(pinned)  # the real client lets its lease lapse
+                self._ix.pins = +self._ix.pins
+            raise IndexRejected(ErrorType.INTERNAL.value, f"malformed reply: {len(locations)} locations "
+                                f"(misses included) for {len(pinned)} pinned keys", "retrieve_prefix")
+        return matched, LocationList.from_items(locations)
 
     def unpin(self, keys: list[bytes]) -> int:
         self._ix._enter("unpin")

@@ -2,12 +2,14 @@
 
 Driven on the real CPU transfer engine and a real pool, with the in-memory
 index of ``fake_index.py`` (it counts every pin per key and every call per
-op). What must hold: a load that uses an early pin copies exactly the stored
-bytes with no retrieve of its own; an early pin of other chunks is given back
-and the load retrieves; one that failed, missed or is not back within the
-load's timeout fails the load as a retrieve would have; a lookup never waits
-behind another request's pin; and every early pin is given back exactly
-once, whoever ends up owning it.
+op). What must hold: a lookup pins in the same round trip as it matches
+(``retrieve_prefix``), or, with an index that lacks that op, in a
+``retrieve`` right after; a load that uses an early pin copies exactly the
+stored bytes with no retrieve of its own; an early pin of other chunks is
+given back and the load retrieves; one that failed, missed or is not back
+within the load's timeout fails the load as a retrieve would have; a lookup
+never waits behind another request's separate pin; and every early pin is
+given back exactly once, whoever ends up owning it.
 """
 
 from __future__ import annotations
@@ -47,9 +49,11 @@ def _store(env, n_tokens: int, layerwise: bool = False):
     return keys, kv_w
 
 
-def _early_pin(env, keys, layerwise=False):
-    """What the scheduler half's lookup does: match, then pin on the lookup thread."""
-    lookup = LookupService(env.index.client, timeout_s=1.0)
+def _early_pin(env, keys, layerwise=False, one_round_trip=True):
+    """What the scheduler half's lookup does: match and pin (``one_round_trip``:
+    in one ``retrieve_prefix``; else a ``match_prefix``, then a ``retrieve`` on
+    the pins' thread)."""
+    lookup = LookupService(env.index.client, timeout_s=1.0, one_round_trip=one_round_trip)
     packed = packed_layer_keys(keys, range(LAYERS)) if layerwise else b"".join(keys)
     group = LAYERS if layerwise else 1
     assert lookup.match("r", [packed], pin_group=group) == len(packed) // 16
@@ -71,7 +75,7 @@ def test_a_load_copies_under_its_lookups_early_pin_with_no_retrieve_of_its_own(e
     handoff = PinHandoff()
     reader, kv_r = env.worker(seed=2, handoff=handoff, maru_use_layerwise=layerwise, maru_async_load=is_async)
     lookup, pin = _early_pin(env, keys, layerwise)
-    retrieves = env.index.calls["retrieve"]  # the early pin's, done by now
+    assert env.index.calls["retrieve_prefix"] == 1 and env.index.calls["match_prefix"] == 0
     meta = _load(keys, 10, handoff.offer(pin), is_async)
     if is_async:  # parked: released by the loader, read by a later step's forward
         reader.start_load_kv(meta)
@@ -80,7 +84,7 @@ def test_a_load_copies_under_its_lookups_early_pin_with_no_retrieve_of_its_own(e
     errors, report = step(reader, meta)
     assert errors == set() and not report.failed_load_req_ids
     assert blocks_equal(kv_w, range(6), kv_r, range(10, 16))
-    assert env.index.calls["retrieve"] == retrieves  # the worker sent none
+    assert env.index.calls["retrieve"] == 0  # the worker sent none
     assert reader.stats.snapshot()["counters"]["early_pinned_loads"] == 1
     wait_unpinned(env)
     lookup.close()
@@ -93,40 +97,64 @@ def test_an_early_pin_of_other_chunks_is_given_back_and_the_worker_retrieves(env
     lookup, pin = _early_pin(env, keys[1:])  # as if vLLM's own hit covered chunk 0 at lookup time
     errors, _ = step(reader, _load(keys, 10, handoff.offer(pin)))
     assert errors == set() and blocks_equal(kv_w, range(6), kv_r, range(10, 16))
-    assert env.index.calls["retrieve"] == 2  # the early pin's, then the worker's own
+    assert env.index.calls["retrieve"] == 1  # the worker's own, after the lookup's retrieve_prefix
     assert reader.stats.snapshot()["counters"]["early_pinned_loads"] == 0
     wait_unpinned(env)
     lookup.close()
 
 
-@pytest.mark.parametrize(
-    "hook, reason",
-    [
-        (lambda locs: [None] + locs[1:], "miss"),  # evicted between the match and the pin
-        (lambda locs: locs[:-1], "short_reply"),
-    ],
-)
-def test_an_early_pin_that_cannot_be_trusted_fails_the_load_before_any_copy(env, hook, reason):
+def test_an_index_without_retrieve_prefix_gets_a_match_then_a_retrieve(env):
+    keys, kv_w = _store(env, 96)
+    env.index.knows_retrieve_prefix = False  # an index of the version before
+    handoff = PinHandoff()
+    reader, kv_r = env.worker(seed=2, handoff=handoff)
+    lookup, pin = _early_pin(env, keys)
+    assert pin.reply(5.0) is not None
+    assert [env.index.calls[op] for op in ("retrieve_prefix", "match_prefix", "retrieve")] == [1, 1, 1]
+    errors, _ = step(reader, _load(keys, 10, handoff.offer(pin)))
+    assert errors == set() and blocks_equal(kv_w, range(6), kv_r, range(10, 16))
+    assert env.index.calls["retrieve"] == 1  # the early pin's: the worker sent none
+    assert lookup.match("again", [b"".join(keys)], pin_group=1) == 3
+    assert env.index.calls["retrieve_prefix"] == 1  # not asked again
+    lookup.take_early_pin("again").release()
+    wait_unpinned(env)
+    lookup.close()
+
+
+SPOILED = [
+    (lambda locs: [None] + locs[1:], "miss"),  # evicted between the match and the pin
+    (lambda locs: locs[:-1], "short_reply"),
+]
+
+
+@pytest.mark.parametrize("one_round_trip", [True, False], ids=["retrieve_prefix", "match_then_retrieve"])
+@pytest.mark.parametrize("hook, reason", SPOILED, ids=[reason for _, reason in SPOILED])
+def test_an_early_pin_that_cannot_be_trusted_fails_the_load_before_any_copy(env, hook, reason, one_round_trip):
+    """A spoilt separate retrieve fails the load with its own reason; a spoilt
+    ``retrieve_prefix`` reply is rejected by the client (an index error), the
+    count comes from a ``match_prefix``, and the load fails all the same."""
     keys, _ = _store(env, 64)
     handoff = PinHandoff()
     reader, kv_r = env.worker(seed=2, handoff=handoff)
     before = {name: t.clone() for name, t in kv_r.items()}
     env.index.retrieve_hook = hook
-    lookup, pin = _early_pin(env, keys)
+    lookup, pin = _early_pin(env, keys, one_round_trip=one_round_trip)
     env.index.retrieve_hook = None
     errors, report = step(reader, _load(keys, 10, handoff.offer(pin)))
     assert errors == set(range(10, 14)) and report.failed_load_req_ids == {"r"} and report.tainted
-    assert reader.stats.snapshot()["load_failures"][reason] == 1
+    assert reader.stats.snapshot()["load_failures"][reason if not one_round_trip else "index_error"] == 1
     assert blocks_equal(before, range(10, 14), kv_r, range(10, 14))  # no block touched
-    assert env.index.calls["retrieve"] == 1  # failed as a retrieve fails: not tried again
+    # failed as a retrieve fails: not tried again
+    assert env.index.calls["retrieve"] + env.index.calls["retrieve_prefix"] == 1
     wait_unpinned(env)
     lookup.close()
 
 
 def test_an_early_pin_not_back_within_the_load_timeout_fails_the_load(env, monkeypatch):
-    """A slow index answers the lookup's pin too late: the load fails as its own
-    retrieve would have timed out (no second retrieve doubling the wait), and
-    the pin is given back once its reply lands."""
+    """A slow index answers the lookup's separate pin too late: the load fails
+    as its own retrieve would have timed out (no second retrieve doubling the
+    wait), and the pin is given back once its reply lands. (With
+    ``retrieve_prefix`` the pin is back with the lookup's answer.)"""
     keys, _ = _store(env, 64)
     handoff = PinHandoff()
     reader, kv_r = env.worker(seed=2, handoff=handoff)
@@ -140,7 +168,7 @@ def test_an_early_pin_not_back_within_the_load_timeout_fails_the_load(env, monke
         return locations
 
     env.index.retrieve_hook = slow
-    lookup, pin = _early_pin(env, keys)
+    lookup, pin = _early_pin(env, keys, one_round_trip=False)
     errors, report = step(reader, _load(keys, 10, handoff.offer(pin)))
     assert errors == set(range(10, 14)) and report.failed_load_req_ids == {"r"} and report.tainted
     assert not landed.is_set(), "the load waited past its timeout for the pin"
@@ -154,11 +182,11 @@ def test_an_early_pin_not_back_within_the_load_timeout_fails_the_load(env, monke
 
 def test_a_lookup_never_queues_behind_another_requests_early_pin(env):
     """A miss is not held up by a hit: while the index sits on one request's
-    pin, another request's lookup is answered."""
+    separate pin, another request's lookup is answered."""
     keys, _ = _store(env, 64)
     release = threading.Event()
     env.index.retrieve_hook = lambda locations: release.wait(10.0) and locations
-    lookup = LookupService(env.index.client, timeout_s=0.5)
+    lookup = LookupService(env.index.client, timeout_s=0.5, one_round_trip=False)
     try:
         assert lookup.match("hit", [b"".join(keys)], pin_group=1) == 2
         other = [b"".join(env.keys(tokens(64, start=500)))]

@@ -40,22 +40,24 @@ Tamper = Callable[[dict], "dict | None"]  # None: close the connection instead
 
 class TamperingProxy:
     """Forwards index frames (4-byte big-endian length, msgpack map) both ways
-    and hands the next ``retrieve`` reply to ``tamper`` once armed."""
+    and hands the next reply to ``op`` (a ``retrieve`` unless told) to
+    ``tamper`` once armed."""
 
     def __init__(self, upstream_port: int) -> None:
         self._upstream = upstream_port
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.url = f"tcp://127.0.0.1:{self._listener.getsockname()[1]}"
         self._tamper: Tamper | None = None
+        self._op = "retrieve"
         self.delay_s = 0.0
         self.fired = 0
         self._lock = threading.Lock()
         self._sockets: list[socket.socket] = []
         threading.Thread(target=self._accept, daemon=True).start()
 
-    def arm(self, tamper: Tamper, delay_s: float = 0.0) -> None:
+    def arm(self, tamper: Tamper, delay_s: float = 0.0, op: str = "retrieve") -> None:
         with self._lock:
-            self._tamper, self.delay_s = tamper, delay_s
+            self._tamper, self.delay_s, self._op = tamper, delay_s, op
 
     def close(self) -> None:
         self._listener.close()
@@ -79,7 +81,7 @@ class TamperingProxy:
             while (message := _read(src)) is not None:
                 if not replies:
                     ops[message["id"]] = message["op"]
-                elif ops.pop(message.get("id"), "") == "retrieve":
+                elif ops.pop(message.get("id"), "") == self._op:
                     message = self._apply(message)
                     if message is None:
                         break
@@ -283,6 +285,30 @@ def test_lost_or_late_reply_leaves_the_lease_to_lapse(index, pool, proxy, client
     time.sleep(delay_s)  # the late reply has pinned by now
     assert client.match_prefix(keys) == len(keys) and client.lease_id != lease
     assert wait_unpinned(index) == 0
+
+
+def test_a_retrieve_prefix_reply_that_cannot_be_trusted_leaves_the_lease_to_lapse(index, pool, proxy, client, fmt):
+    """Its pinned count is what failed the check, so nothing is unpinned on its
+    word: the client moves to a fresh lease and the old one lapses."""
+    keys = stored(index, pool, fmt)
+    lease = client.connect().lease_id
+    proxy.arm(short, op="retrieve_prefix")
+    with pytest.raises(IndexRejected, match="locations"):
+        client.retrieve_prefix(keys + chunk_keys(1, first=99), len(keys))
+    assert proxy.fired == 1
+    assert pinned(index) == len(keys) and client.lease_id != lease
+    assert wait_unpinned(index) == 0
+    matched, locations = client.retrieve_prefix(keys, len(keys))  # the client keeps serving
+    assert matched == len(keys) and len(locations) == len(keys) and pinned(index) == len(keys)
+
+
+def test_a_refused_retrieve_prefix_pins_nothing_and_keeps_the_lease(index, pool, client, fmt):
+    keys = stored(index, pool, fmt)
+    lease = client.connect().lease_id
+    with pytest.raises(IndexRejected) as info:
+        client.retrieve_prefix(keys * 100_000, 1)  # above the protocol's batch limit
+    assert info.value.error_type == "too_large"
+    assert pinned(index) == 0 and client.lease_id == lease
 
 
 @pytest.mark.parametrize("tamper, lapses", [(long, False), (short, True)], ids=["long", "short"])

@@ -75,6 +75,31 @@ def test_round_trip(client, pool, index):
     assert stats["keys"] == 10 and stats["leases"] == 1 and stats["reserved_keys"] == 0
 
 
+def test_retrieve_prefix_matches_and_pins_the_whole_groups_in_one_round_trip(client, pool, index):
+    keys = [key(i) for i in range(10)]
+    store(client, pool, keys)
+    asked = keys + [key(50)] + keys
+    matched, locations = client.retrieve_prefix(asked, 4)
+    assert matched == 10 and len(locations) == 8 and pinned(index) == 8
+    assert [bytes(pool.view(loc.offset, 16)) for loc in locations] == keys[:8]
+    assert client.unpin(keys[:8]) == 8 and pinned(index) == 0
+    assert client.retrieve_prefix(asked, 11) == (10, None) and pinned(index) == 0  # no whole group
+    assert client.retrieve_prefix([key(50)] + keys, 1) == (0, None)
+    matched, locations = client.retrieve_prefix(b"".join(keys), 1)  # packed keys, as the connector sends
+    assert matched == len(locations) == 10 and pinned(index) == 10
+    assert client.unpin(keys) == 10
+    with pytest.raises(ValueError, match="group"):
+        client.retrieve_prefix(keys, 0)
+
+
+def test_the_index_names_a_bad_retrieve_prefix_group(client):
+    client.connect()
+    request = {"op": "retrieve_prefix", "keys": key(1), "group": 0}
+    with pytest.raises(IndexRejected, match="'group' must be an integer from 1") as info:
+        client._call(request)
+    assert info.value.error_type == "bad_request"
+
+
 def test_empty_batches(client):
     assert client.match_prefix([]) == 0
     assert list(client.retrieve([])) == [] and client.commit([]) == [] and list(client.reserve([])) == []
@@ -248,6 +273,9 @@ def test_async_client_round_trip_and_concurrency(index, pool):
             slots = await client.reserve([(key(100), 10)])
             assert await client.abort([key(100)]) == 1 and slots[0] is not None
             assert (await client.stats())["keys"] == 32
+            matched, locations = await client.retrieve_prefix([key(i) for i in range(40)], 5)
+            assert matched == 32 and len(locations) == 30 and pinned(index) == 30
+            assert await client.unpin([key(i) for i in range(30)]) == 30
             assert await client.heartbeat() == 0.6
             await client.retrieve([key(0)])
         stats = index.on_loop(index.service.server.registry.stats)

@@ -6,10 +6,11 @@ retrieve a miss with nothing pinned, never a pin on another key's object."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from maru_core.index.registry import Registry
+from maru_core.index.registry import NoLease, Registry
 from maru_core.index.registry_types import run_to_end
 from test_registry import Clock, accounting_adds_up, geometry, key, store
 
@@ -75,3 +76,53 @@ def test_a_key_stored_again_between_steps_at_another_place_is_not_pinned_at_its_
     assert not reg._records.pins.any()
     assert reg.retrieve(reader, b"".join(keys)).misses() == 0  # asked again, a hit
     assert reg._records.pins.sum() == len(keys)
+
+
+# -- retrieve_prefix: the match and the pin of its whole groups in one call ------
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(stored=st.lists(st.integers(0, 60), unique=True, max_size=40),
+       asked=st.lists(st.integers(0, 60), max_size=50),
+       group=st.integers(1, 5), slice_keys=st.integers(1, 8))
+def test_retrieve_prefix_is_a_match_then_a_retrieve_of_the_whole_groups(stored, asked, group, slice_keys) -> None:
+    (two, t_lease), (one, o_lease) = _twin_registries(stored)
+    keys = b"".join(key(i) for i in asked)
+    matched = two.match_prefix(keys)
+    pinned = matched - matched % group
+    want = two.retrieve(t_lease, keys[: 16 * pinned]) if pinned else None
+    got_matched, got = run_to_end(one.retrieve_prefix_sliced(o_lease, keys, group, slice_keys))
+    assert got_matched == matched
+    assert (got is None) == (want is None)
+    if want is not None:
+        assert bytes(got.to_wire()) == bytes(want.to_wire()) and got.misses() == 0
+    assert np.array_equal(one._records.pins, two._records.pins)
+    assert one.retrieve_prefix(o_lease, keys, group)[0] == matched  # the whole call says the same
+    prefix = keys[: 16 * pinned]
+    assert one.unpin(o_lease, prefix) == one.unpin(o_lease, prefix) == pinned  # pinned twice, held alike
+    assert not one._records.pins.any()
+    accounting_adds_up(one)
+
+
+def test_retrieve_prefix_pins_nothing_when_its_prefix_was_evicted_between_steps() -> None:
+    reg = Registry(geometry(400), clock=Clock())
+    writer, reader = reg.open_lease("w"), reg.open_lease("r")
+    keys = [key(i) for i in range(30)]
+    store(reg, writer, keys)
+    steps = reg.retrieve_prefix_sliced(reader, b"".join(keys), group=5, slice_keys=10)
+    next(steps)  # the first slice looked up
+    reg._evict(10**6)
+    store(reg, writer, [key(i) for i in range(100, 130)])  # other keys reuse the rows
+    matched, locations = run_to_end(steps)
+    assert matched >= 10 and locations is None
+    assert not reg._records.pins.any()
+    accounting_adds_up(reg)
+
+
+def test_retrieve_prefix_needs_a_live_lease_and_a_positive_group() -> None:
+    reg = Registry(geometry(400), clock=Clock())
+    lease = reg.open_lease("r")
+    with pytest.raises(ValueError, match="group"):
+        reg.retrieve_prefix(lease, [key(1)], 0)
+    with pytest.raises(NoLease):
+        reg.retrieve_prefix("no-such-lease", [key(1)], 1)

@@ -320,5 +320,11 @@ def _commit_while_reading(path: str) -> None:
                 assert small_replies >= 1  # answered before the large reply although sent after the commit
                 assert any(0 < matched < len(batch) for matched in seen), seen  # between two slices
                 assert reader.call(op="match_prefix", keys=packed)["matched"] == len(batch)
+                # a large retrieve_prefix runs in slices too, and answers as a whole one
+                reply = reader.call(op="retrieve_prefix", keys=packed + key(10**7), group=7)
+                pinned = len(batch) - len(batch) % 7
+                assert reply["matched"] == len(batch)
+                assert list(LocationList.from_wire(reply["locations"]).offsets()) == list(slots.offsets()[:pinned])
+                assert reader.call(op="unpin", keys=packed[: 16 * pinned])["unpinned"] == pinned
             finally:
                 writer.close(), reader.close()

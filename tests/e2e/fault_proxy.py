@@ -1,8 +1,9 @@
 """A fault-injecting TCP proxy between the connector and the real index.
 
 It speaks the index's framing (4-byte big-endian length, then a msgpack map)
-so it can tamper with `retrieve` replies the way a faulty network, a buggy
-index or a racing writer would:
+so it can tamper with `retrieve` replies (or, armed with `op="retrieve_prefix"`,
+with the lookup's pins) the way a faulty network, a buggy index or a racing
+writer would:
 
 - `short`: one location fewer than keys;
 - `long`: one location more than keys;
@@ -190,7 +191,7 @@ class FaultProxy:
             fault = self._fault
             if fault is None or fault.kind == "hold_request" or fault.op != op or not message.get("ok"):
                 return None
-            if op == "retrieve" and not message.get("locations"):
+            if op in ("retrieve", "retrieve_prefix") and not message.get("locations"):
                 return None
             return self._consume(fault)
 

@@ -6,6 +6,11 @@ a slot header rewritten in the pool) or holds a retrieve while the index is
 killed. Each test checks that the output equals that of an engine without
 the connector, that the connector counted the failure, and that the index
 shows no pin and no reservation afterwards.
+
+Two paths pin a hit's objects. Most tests take the worker's own `retrieve`
+(early pins off: as with tensor parallelism or workers in other processes);
+the last ones take the lookup's `retrieve_prefix`, which pins while it
+matches when the engine's one worker shares the scheduler's process.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ pytestmark = pytest.mark.vllm
 
 MAX_TOKENS = 6
 LOAD_TIMEOUT_S = 2.0
+LOOKUP_GIVE_UP_S = 2.0  # LookupService's give_up_s: a lookup still pending then is a miss
 # 5 prompts of 205 tokens fill 35 of 40 blocks; none needs a new block before
 # its 19th generated token, so the first 16 come before any preemption.
 PRE_PREEMPTION_TOKENS = 16
@@ -34,12 +40,15 @@ def _writer(farm, index, layerwise: bool):
     return farm.get(f"{fmt}-A", connector_config(index, use_layerwise=layerwise))
 
 
-def _faulty(farm, index, proxy, layerwise: bool, async_load: bool = True, **overrides):
-    """An engine whose connector reaches the index through the fault proxy."""
+def _faulty(farm, index, proxy, layerwise: bool, async_load: bool = True, early_pins: bool = False, **overrides):
+    """An engine whose connector reaches the index through the fault proxy;
+    its worker retrieves, unless `early_pins` (its lookup pins)."""
     name = f"faulty-{'layerwise' if layerwise else 'chunkwise'}-{'async' if async_load else 'sync'}"
+    name += "-early" if early_pins else ""
     # Async engines park every hit, so the faults reach the parked path.
     knobs = dict(use_layerwise=layerwise, async_load=async_load, park_lone_hits=async_load,
-                 overlap_load_with_compute=async_load, load_timeout_s=LOAD_TIMEOUT_S)
+                 overlap_load_with_compute=async_load, load_timeout_s=LOAD_TIMEOUT_S,
+                 early_pins=early_pins)
     return farm.get(name, connector_config(index, url=proxy.url, **knobs), **overrides)
 
 
@@ -154,6 +163,62 @@ def test_preemption_during_loads(farm, index, proxy, reference):
     farm.close_one(engine.name)
 
 
+# ---- the lookup's retrieve_prefix (early pins) ------------------------------
+
+# A reply of retrieve_prefix that fails the client's checks (a miss in it
+# included: the index never answers one) is an index error for the load.
+LOOKUP_FAULTS = [
+    ("short", False, ("index_error",)),
+    ("long", False, ("index_error",)),
+    ("miss", True, ("index_error",)),
+    ("corrupt_header", True, ("header_mismatch",)),
+]
+
+
+@pytest.mark.parametrize("kind,layerwise,reasons", LOOKUP_FAULTS,
+                         ids=[f"{k}-{'layerwise' if l else 'chunkwise'}" for k, l, _ in LOOKUP_FAULTS])
+def test_tampered_lookup_pin_is_recomputed(farm, index, proxy, reference, kind, layerwise, reasons):
+    prompt = _stored_prompt(farm, index, layerwise, seed=2500 + 10 * LOOKUP_FAULTS.index((kind, layerwise, reasons)))
+    engine = _faulty(farm, index, proxy, layerwise, early_pins=True)
+    baseline = index.stats()
+    before = failures(engine.counters())
+    retrieves = proxy.replies_seen.get("retrieve", 0)
+    proxy.arm(kind, op="retrieve_prefix")
+    try:
+        out = engine.outputs([prompt], MAX_TOKENS)[0]
+    finally:
+        proxy.disarm()
+        proxy.restore_headers()
+    assert proxy.fired == 1, "the fault never reached the connector"
+    assert proxy.replies_seen.get("retrieve", 0) == retrieves, "the worker retrieved: the lookup did not pin"
+    assert out == reference.outputs([prompt], MAX_TOKENS)[0]
+    after = failures(engine.counters())
+    counted = sum(after.get(r, 0) - before.get(r, 0) for r in reasons)
+    assert counted == 1, f"expected one failure of {reasons}; counted {after}, before {before}"
+    wait_settled(index, baseline=baseline)
+    assert engine.outputs([prompt], MAX_TOKENS)[0] == out  # and the next request hits again
+    wait_settled(index, baseline=baseline)
+
+
+def test_a_late_lookup_is_a_miss_and_leaves_nothing_pinned(farm, index, proxy, reference):
+    """A lookup the index answers after the engine gave up on it is a miss; the
+    pins its late reply took are given back."""
+    prompt = _stored_prompt(farm, index, False, seed=2600)
+    engine = _faulty(farm, index, proxy, False, early_pins=True)
+    baseline = index.stats()
+    proxy.arm("delay", delay_s=LOOKUP_GIVE_UP_S + 1.5, op="retrieve_prefix")
+    try:
+        out = engine.outputs([prompt], MAX_TOKENS)[0]
+    finally:
+        proxy.disarm()
+    assert proxy.fired == 1
+    assert out == reference.outputs([prompt], MAX_TOKENS)[0]
+    time.sleep(1.5)  # the late reply has pinned by now
+    wait_settled(index, baseline=baseline)
+
+
+# Last: a restarted index refuses stores for its quarantine after a restart,
+# so no test that stores may follow this one.
 def test_index_killed_during_load(farm, index, proxy, reference):
     prompt = _stored_prompt(farm, index, False, seed=2400)
     engine = _faulty(farm, index, proxy, False)

@@ -30,7 +30,10 @@ from maru_core.index.client_ops import (
     parse_count,
     parse_hello,
     parse_locations,
+    parse_prefix,
     parse_slots,
+    prefix_request,
+    rejected_prefix_pinned,
     rejected_retrieve_pinned,
     request_size,
     reserve_request,
@@ -179,6 +182,17 @@ class AsyncIndexClient:
             await self._release_rejected_retrieve(request["keys"], exc)
             raise
 
+    async def retrieve_prefix(
+        self, keys: Keys, group: int = 1, *, timeout_s: float | None = None
+    ) -> tuple[int, LocationList | None]:
+        request = prefix_request(keys, group)
+        try:
+            return parse_prefix(await self._call(request, timeout_s), request_size(request), group)
+        except IndexRejected as exc:
+            if rejected_prefix_pinned(exc) is not False:
+                await self._abandon_lease(f"retrieve_prefix reply rejected ({exc.message})")
+            raise
+
     async def unpin(self, keys: Keys) -> int:
         request = keys_request("unpin", keys)
         return parse_count("unpin", await self._call(request), "unpinned", request_size(request))
@@ -235,7 +249,9 @@ class AsyncIndexClient:
                 return
             except IndexError_ as unpin_exc:
                 log.warning("unpin after a rejected retrieve reply failed: %s", unpin_exc)
-        why = f"retrieve reply rejected ({exc.message})"
+        await self._abandon_lease(f"retrieve reply rejected ({exc.message})")
+
+    async def _abandon_lease(self, why: str) -> None:
         log.warning("leaving lease %s to lapse on the index: %s", self._lease_id, why)
         self._lease_id = None
         channel = self._channel

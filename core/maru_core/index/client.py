@@ -39,7 +39,10 @@ from maru_core.index.client_ops import (
     parse_count,
     parse_hello,
     parse_locations,
+    parse_prefix,
     parse_slots,
+    prefix_request,
+    rejected_prefix_pinned,
     rejected_retrieve_pinned,
     request_size,
     reserve_request,
@@ -143,6 +146,25 @@ class IndexClient:
             return parse_locations(self._call(request, timeout_s), request_size(request))
         except IndexRejected as exc:
             self._release_rejected_retrieve(request["keys"], exc)
+            raise
+
+    def retrieve_prefix(
+        self, keys: Keys, group: int = 1, *, timeout_s: float | None = None
+    ) -> tuple[int, LocationList | None]:
+        """``match_prefix`` and ``retrieve`` in one round trip: how many leading
+        ``keys`` are committed, and the pinned locations of the first
+        ``matched - matched % group`` of them (``None``: nothing pinned).
+
+        Unpin exactly those keys when done. Raising leaves nothing pinned, as
+        a retrieve's failure does: a reply that may have pinned something but
+        is rejected ends the lease's use here (the old lease lapses on the index).
+        """
+        request = prefix_request(keys, group)
+        try:
+            return parse_prefix(self._call(request, timeout_s), request_size(request), group)
+        except IndexRejected as exc:
+            if rejected_prefix_pinned(exc) is not False:
+                self._abandon_lease(f"retrieve_prefix reply rejected ({exc.message})")
             raise
 
     def unpin(self, keys: Keys) -> int:

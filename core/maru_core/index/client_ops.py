@@ -26,7 +26,7 @@ from maru_core.protocol import (
 #: reply is lost. If one was in flight when a connection failed, the client
 #: opens a fresh lease on reconnect and lets the old one lapse, so a pin or a
 #: reservation it cannot know about is released by the index, never leaked.
-LEASE_STATE_OPS = frozenset({"retrieve", "unpin", "reserve", "commit", "abort"})
+LEASE_STATE_OPS = frozenset({"retrieve", "retrieve_prefix", "unpin", "reserve", "commit", "abort"})
 
 #: Keys as the clients take them: a sequence of 16-byte keys, or all of them
 #: packed in one ``bytes`` (16 bytes each, as they travel; no join needed).
@@ -97,6 +97,13 @@ def keys_request(op: str, keys: Keys) -> dict[str, Any]:
     return {"op": op, "keys": pack_keys(keys)}
 
 
+def prefix_request(keys: Keys, group: int) -> dict[str, Any]:
+    """A ``retrieve_prefix`` request: ``keys`` packed, pinned in whole groups of ``group``."""
+    if type(group) is not int or group < 1:
+        raise ValueError(f"group must be a positive int, got {group!r}")
+    return {"op": "retrieve_prefix", "keys": pack_keys(keys), "group": group}
+
+
 def reserve_request(items: Iterable[tuple[bytes, int]]) -> dict[str, Any]:
     """A reserve request with its keys and lengths packed."""
     items = list(items)
@@ -151,6 +158,44 @@ def parse_locations(reply: dict, count: int) -> LocationList:
     if len(locations) != count:
         raise _broken("retrieve", f"{len(locations)} locations for {count} keys", reply)
     return locations
+
+
+def parse_prefix(reply: dict, count: int, group: int) -> tuple[int, LocationList | None]:
+    """A ``retrieve_prefix`` reply: ``(matched, locations)``, the locations
+    (``None``: nothing pinned) exactly the pinned whole groups, none a miss."""
+    op = "retrieve_prefix"
+    try:
+        matched = parse_count(op, reply, "matched", count)
+        wire = _field(op, reply, "locations", bytes)
+        if not wire:
+            return matched, None
+        locations = LocationList.from_wire(wire)
+        pinned = matched - matched % group
+        if len(locations) != pinned or None in locations:
+            raise _broken(op, f"{len(locations)} locations (misses included) for {pinned} pinned keys "
+                          f"of {matched} matched in groups of {group}")
+    except MalformedReply as exc:
+        exc.reply = reply
+        raise
+    except ValueError as exc:
+        raise _broken(op, str(exc), reply) from exc
+    return matched, locations
+
+
+def rejected_prefix_pinned(exc: IndexRejected) -> bool | None:
+    """Whether a ``retrieve_prefix`` that raised ``exc`` may have pinned anything.
+
+    ``False``: a typed refusal, or a reply with no locations (the index pins
+    only what it returns). ``None``: it cannot be told; the lease must end.
+    Unlike a retrieve's, such a reply is never unpinned on its word: its
+    count of pinned keys is what failed the check.
+    """
+    if not isinstance(exc, MalformedReply):
+        return None if exc.error_type == ErrorType.INTERNAL.value else False
+    reply = exc.reply
+    if type(reply) is dict and reply.get("ok") is True and reply.get("locations") == b"":
+        return False
+    return None
 
 
 def rejected_retrieve_pinned(exc: IndexRejected, count: int) -> bool | None:

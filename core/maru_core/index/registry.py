@@ -307,6 +307,63 @@ class Registry(Placement):
             committed = self._records.still_in_state(rows, joined, State.COMMITTED)
         if not committed.all():
             return self._locations(rows, committed)
+        self._pin(lease_id, rows, joined)
+        return self._locations(rows, None)
+
+    def retrieve_prefix_sliced(
+        self, lease_id: str, keys: Keys, group: int, slice_keys: int
+    ) -> Generator[None, None, tuple[int, LocationList | None]]:
+        """``retrieve_prefix`` with its keys looked up a slice of ``slice_keys``
+        per step, stopping at the first slice with a key not committed; the
+        last step pins (as ``retrieve_sliced`` does)."""
+        self._lease(lease_id)
+        joined = joined_keys(keys)
+        step = slice_keys * KEY_BYTES
+        removals = self._records.removals
+        rows: list[np.ndarray] = []
+        matched = 0
+        for start in range(0, len(joined), step):
+            if start:
+                yield
+            found, committed = self._lookup_in_state(joined[start : start + step], State.COMMITTED)
+            if not committed.all():
+                cut = int(np.argmin(committed))
+                rows.append(found[:cut])
+                matched += cut
+                break
+            rows.append(found)
+            matched += len(found)
+        pinned = matched - matched % group
+        if not pinned:
+            return matched, None
+        found = np.concatenate(rows)[:pinned]
+        prefix = joined[: pinned * KEY_BYTES]
+        if self._records.removals != removals:
+            # records went meanwhile: a row found before may hold another key now
+            still = self._records.still_in_state(found, prefix, State.COMMITTED)
+            if not still.all():
+                return matched, None
+        self._pin(lease_id, found, prefix)
+        return matched, self._locations(found, None)
+
+    def retrieve_prefix(self, lease_id: str, keys: Keys, group: int) -> tuple[int, LocationList | None]:
+        """``match_prefix`` and ``retrieve`` in one call: how many leading
+        ``keys`` are committed, and the pinned locations of the first
+        ``matched - matched % group`` of them (whole groups of ``group`` keys,
+        e.g. a chunk's layer objects).
+
+        ``None`` instead of locations when no whole group matched, or when an
+        object of the prefix was removed between a sliced call's steps; then
+        nothing is pinned and the count still says what was committed when
+        looked up. Pins are counted and released exactly as ``retrieve``'s.
+        """
+        if group < 1:
+            raise ValueError(f"group must be at least 1, got {group}")
+        joined = joined_keys(keys)
+        return run_to_end(self.retrieve_prefix_sliced(lease_id, joined, group, max(1, len(joined) // KEY_BYTES)))
+
+    def _pin(self, lease_id: str, rows: np.ndarray, joined: bytes) -> None:
+        """Pin ``rows`` (committed records of ``joined``'s keys, in order) for the lease."""
         lease = self._lease(lease_id)  # still live after the slices, or nothing is pinned
         distinct = self._touch(rows)
         if distinct:
@@ -314,7 +371,6 @@ class Registry(Placement):
         else:
             np.add.at(self._records.pins, rows, 1)
         lease.add_pins(rows, distinct, joined)
-        return self._locations(rows, None)
 
     def retrieve(self, lease_id: str, keys: Keys) -> LocationList:
         """One ``Location`` per key, in order, ``None`` for a key not committed.

@@ -22,7 +22,9 @@ batch (its eviction bounded) in one step, then adds its records a slice per
 step (``Registry.reserve_sliced``). A large ``retrieve`` or ``match_prefix``
 looks its keys up a slice per step; a retrieve then checks, in its last
 step, that every key found is still there, committed, and pins them all at
-once (``Registry.retrieve_sliced``), so it stays all or nothing.
+once (``Registry.retrieve_sliced``), so it stays all or nothing; a large
+``retrieve_prefix`` likewise, its lookups stopping at the first slice with
+a miss.
 
 Connections are accepted a few per event-loop callback
 (``maru_core.index.accept``). A peer (an IP address, or a Unix socket's
@@ -66,6 +68,7 @@ from maru_core.protocol import (
     PROTOCOL_VERSION,
     Address,
     ErrorType,
+    LocationList,
     ProtocolError,
     TcpAddress,
     UnixAddress,
@@ -136,16 +139,18 @@ class IndexServer:
             "heartbeat": self._heartbeat,
             "match_prefix": self._match_prefix,
             "retrieve": self._retrieve,
+            "retrieve_prefix": self._retrieve_prefix,
             "reserve": self._reserve,
             "commit": self._commit,
             "abort": self._abort,
             "stats": self._stats,
         }
-        # Ops that may run in slices: commit, abort, reserve, retrieve and
+        # Ops that may run in slices: commit, abort, reserve, the retrieves and
         # match_prefix when large, unpin and bye always.
         self._sliced: dict[str, Callable[[Connection, dict], Generator[None, None, dict]]] = {
             "match_prefix": self._match_prefix_sliced,
             "retrieve": self._retrieve_sliced,
+            "retrieve_prefix": self._retrieve_prefix_sliced,
             "commit": self._commit_sliced,
             "abort": self._abort_sliced,
             "reserve": self._reserve_sliced,
@@ -432,6 +437,10 @@ class IndexServer:
         locations = self.registry.retrieve(self._renewed(conn), args["keys"])
         return {"locations": pack_locations(locations)}
 
+    def _retrieve_prefix(self, conn: Connection, args: dict) -> dict:
+        matched, locations = self.registry.retrieve_prefix(self._renewed(conn), args["keys"], args["group"])
+        return prefix_reply(matched, locations)
+
     def _reserve(self, conn: Connection, args: dict) -> dict:
         slots = self.registry.reserve_packed(self._renewed(conn), args["keys"], args["lengths"])
         return {"slots": pack_slots(slots)}
@@ -452,6 +461,13 @@ class IndexServer:
         lease_id = self._renewed(conn)
         locations = yield from self.registry.retrieve_sliced(lease_id, args["keys"], self._lookup_slice_keys)
         return {"locations": pack_locations(locations)}
+
+    def _retrieve_prefix_sliced(self, conn: Connection, args: dict) -> Generator[None, None, dict]:
+        lease_id = self._renewed(conn)
+        matched, locations = yield from self.registry.retrieve_prefix_sliced(
+            lease_id, args["keys"], args["group"], self._lookup_slice_keys
+        )
+        return prefix_reply(matched, locations)
 
     def _slices(self, keys: bytes) -> Generator[bytes, None, None]:
         for start in range(0, len(keys), self._slice_bytes):
@@ -495,6 +511,12 @@ class IndexServer:
         lease_id, conn.lease_id = conn.lease_id, None
         closed = yield from self.registry.close_lease_sliced(lease_id)
         return {"closed": closed}
+
+
+def prefix_reply(matched: int, locations: LocationList | None) -> dict[str, Any]:
+    """A ``retrieve_prefix`` reply: the count, and the pinned prefix's packed
+    locations (an empty bin when nothing was pinned)."""
+    return {"matched": matched, "locations": pack_locations(locations) if locations is not None else b""}
 
 
 def stats_to_wire(stats: Any) -> dict[str, Any]:

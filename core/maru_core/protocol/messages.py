@@ -45,6 +45,7 @@ OPS = (
     "heartbeat",
     "match_prefix",
     "retrieve",
+    "retrieve_prefix",
     "unpin",
     "reserve",
     "commit",
@@ -180,6 +181,16 @@ def _check_int(field: str, value: Any) -> int:
     return value
 
 
+def _check_group(field: str, value: Any) -> int:
+    if type(value) is not int or not 1 <= value <= MAX_BATCH_KEYS:
+        raise ProtocolError(
+            ErrorType.BAD_REQUEST,
+            f"field {field!r} must be an integer from 1 to {MAX_BATCH_KEYS} (keys per pinned group), "
+            f"got {value!r}"[:200],
+        )
+    return value
+
+
 def _optional_str(limit: int) -> Callable[[str, Any], str | None]:
     def check(field: str, value: Any) -> str | None:
         if value is None:
@@ -216,6 +227,7 @@ SCHEMAS: dict[str, dict[str, _Field]] = {
     "heartbeat": {},
     "match_prefix": _KEYS,
     "retrieve": _KEYS,
+    "retrieve_prefix": {"keys": (_check_keys, True), "group": (_check_group, True)},
     "unpin": _KEYS,
     "reserve": {"keys": (_check_keys, True), "lengths": (_check_lengths, True)},
     "commit": _KEYS,
