@@ -75,16 +75,26 @@ FAULTS = [
 @pytest.mark.parametrize("kind,layerwise,reasons", FAULTS, ids=[f"{k}-{'layerwise' if l else 'chunkwise'}" for k, l, _ in FAULTS])
 def test_tampered_retrieve_reply_is_recomputed(farm, index, proxy, reference, kind, layerwise, reasons):
     prompt = _stored_prompt(farm, index, layerwise, seed=2000 + 10 * FAULTS.index((kind, layerwise, reasons)))
-    engine = _faulty(farm, index, proxy, layerwise)
+    _recomputed_once_tampered(_faulty(farm, index, proxy, layerwise), index, proxy, reference, prompt,
+                              kind, reasons, op="retrieve")
+
+
+def _recomputed_once_tampered(engine, index, proxy, reference, prompt, kind, reasons, op) -> None:
+    """Serve `prompt` with the next `op` reply tampered: the output equals
+    recompute, one failure of `reasons` is counted, nothing stays pinned, and
+    the next request hits again."""
     baseline = index.stats()
     before = failures(engine.counters())
-    proxy.arm(kind)
+    retrieves = proxy.replies_seen.get("retrieve", 0)
+    proxy.arm(kind, op=op)
     try:
         out = engine.outputs([prompt], MAX_TOKENS)[0]
     finally:
         proxy.disarm()
         proxy.restore_headers()
     assert proxy.fired == 1, "the fault never reached the connector"
+    if op == "retrieve_prefix":
+        assert proxy.replies_seen.get("retrieve", 0) == retrieves, "the worker retrieved: the lookup did not pin"
     assert out == reference.outputs([prompt], MAX_TOKENS)[0]
     after = failures(engine.counters())
     counted = sum(after.get(r, 0) - before.get(r, 0) for r in reasons)
@@ -180,24 +190,7 @@ LOOKUP_FAULTS = [
 def test_tampered_lookup_pin_is_recomputed(farm, index, proxy, reference, kind, layerwise, reasons):
     prompt = _stored_prompt(farm, index, layerwise, seed=2500 + 10 * LOOKUP_FAULTS.index((kind, layerwise, reasons)))
     engine = _faulty(farm, index, proxy, layerwise, early_pins=True)
-    baseline = index.stats()
-    before = failures(engine.counters())
-    retrieves = proxy.replies_seen.get("retrieve", 0)
-    proxy.arm(kind, op="retrieve_prefix")
-    try:
-        out = engine.outputs([prompt], MAX_TOKENS)[0]
-    finally:
-        proxy.disarm()
-        proxy.restore_headers()
-    assert proxy.fired == 1, "the fault never reached the connector"
-    assert proxy.replies_seen.get("retrieve", 0) == retrieves, "the worker retrieved: the lookup did not pin"
-    assert out == reference.outputs([prompt], MAX_TOKENS)[0]
-    after = failures(engine.counters())
-    counted = sum(after.get(r, 0) - before.get(r, 0) for r in reasons)
-    assert counted == 1, f"expected one failure of {reasons}; counted {after}, before {before}"
-    wait_settled(index, baseline=baseline)
-    assert engine.outputs([prompt], MAX_TOKENS)[0] == out  # and the next request hits again
-    wait_settled(index, baseline=baseline)
+    _recomputed_once_tampered(engine, index, proxy, reference, prompt, kind, reasons, op="retrieve_prefix")
 
 
 def test_a_late_lookup_is_a_miss_and_leaves_nothing_pinned(farm, index, proxy, reference):

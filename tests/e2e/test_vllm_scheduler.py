@@ -147,7 +147,7 @@ def test_failed_sync_load_stores_nothing_computed_on_it(engines, index, proxy, m
     prompt = prefix + random_tokens(2 * CHUNK + 3, seed=next(_seeds))
     _store(engines, index, prefix + [1])
     failing = engines(_config(index, url=proxy.url, **MODES[mode]))
-    proxy.arm("miss", count=1)
+    proxy.arm("miss", count=1, op="retrieve_prefix")  # the lookup's pin (early pins, as shipped)
     try:
         out = _serve(failing, "b", prompt)
     finally:
@@ -321,7 +321,7 @@ def test_failed_load_is_recomputed_and_not_tried_again(engines, index, proxy, mo
     prompt = random_tokens(3 * CHUNK + 2, seed=next(_seeds))
     _store(engines, index, prompt)
     reader = engines(_config(index, url=proxy.url, **MODES[mode]))
-    proxy.arm("short", count=1)
+    proxy.arm("short", count=1, op="retrieve_prefix")  # the lookup's pin (early pins, as shipped)
     try:
         assert _serve(reader, "r", prompt, max_tokens=3) == _expected_tokens(prompt, reader.num_layers, 3)
     finally:
