@@ -75,14 +75,15 @@ class FakeClient:
 
     def match_prefix(self, keys: list[bytes], **_: Any) -> int:
         self._ix._enter("match_prefix")
-        keys = _keys(keys)
         with self._ix.lock:
-            n = 0
-            for key in keys:
-                if key not in self._ix.committed:
-                    break
-                n += 1
-            return n
+            return self._leading_committed(_keys(keys))
+
+    def _leading_committed(self, keys: list[bytes]) -> int:
+        """How many leading ``keys`` are committed (the caller holds the lock)."""
+        n = 0
+        while n < len(keys) and keys[n] in self._ix.committed:
+            n += 1
+        return n
 
     def retrieve(self, keys: list[bytes], **_: Any) -> LocationList:
         self._ix._enter("retrieve")
@@ -103,9 +104,7 @@ class FakeClient:
             raise IndexRejected(ErrorType.UNKNOWN_OP.value, "unknown op 'retrieve_prefix'", "retrieve_prefix")
         keys = _keys(keys)
         with self._ix.lock:
-            matched = 0
-            while matched < len(keys) and keys[matched] in self._ix.committed:
-                matched += 1
+            matched = self._leading_committed(keys)
             pinned = keys[: matched - matched % group]
             locations = [self._ix.committed[k] for k in pinned]
             self._ix.pins.update(pinned)

@@ -112,17 +112,22 @@ def test_retrieve_timeout_is_recomputed(farm, index, proxy, reference, async_loa
     engine = _faulty(farm, index, proxy, False, async_load=async_load)
     before = failures(engine.counters())
     baseline = index.stats()
-    proxy.arm("delay", delay_s=LOAD_TIMEOUT_S + 1.5)
+    _recomputed_with_a_late_reply(engine, proxy, reference, prompt, LOAD_TIMEOUT_S + 1.5, op="retrieve")
+    after = failures(engine.counters())
+    assert sum(after.values()) == sum(before.values()) + 1, f"counted {after}, before {before}"
+    # The late reply pinned the objects; the connector must give them back.
+    wait_settled(index, timeout_s=30, baseline=baseline)
+
+
+def _recomputed_with_a_late_reply(engine, proxy, reference, prompt, delay_s: float, op: str) -> None:
+    """Serve `prompt` with the next `op` reply held back `delay_s`: the output equals recompute."""
+    proxy.arm("delay", delay_s=delay_s, op=op)
     try:
         out = engine.outputs([prompt], MAX_TOKENS)[0]
     finally:
         proxy.disarm()
     assert proxy.fired == 1
     assert out == reference.outputs([prompt], MAX_TOKENS)[0]
-    after = failures(engine.counters())
-    assert sum(after.values()) == sum(before.values()) + 1, f"counted {after}, before {before}"
-    # The late reply pinned the objects; the connector must give them back.
-    wait_settled(index, timeout_s=30, baseline=baseline)
 
 
 def test_abort_while_parked_leaves_nothing_pinned(farm, index, proxy, reference):
@@ -199,13 +204,7 @@ def test_a_late_lookup_is_a_miss_and_leaves_nothing_pinned(farm, index, proxy, r
     prompt = _stored_prompt(farm, index, False, seed=2600)
     engine = _faulty(farm, index, proxy, False, early_pins=True)
     baseline = index.stats()
-    proxy.arm("delay", delay_s=LOOKUP_GIVE_UP_S + 1.5, op="retrieve_prefix")
-    try:
-        out = engine.outputs([prompt], MAX_TOKENS)[0]
-    finally:
-        proxy.disarm()
-    assert proxy.fired == 1
-    assert out == reference.outputs([prompt], MAX_TOKENS)[0]
+    _recomputed_with_a_late_reply(engine, proxy, reference, prompt, LOOKUP_GIVE_UP_S + 1.5, op="retrieve_prefix")
     time.sleep(1.5)  # the late reply has pinned by now
     wait_settled(index, baseline=baseline)
 
