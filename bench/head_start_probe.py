@@ -89,8 +89,7 @@ def main() -> None:
                       f"inputs beside the head's copies {med(beside):.3f}")
             engine.close()
     finally:
-        pool.close()
-        os.unlink(path)
+        os.unlink(path)  # the mapping goes with the process (engines keep views of it)
 
 
 if __name__ == "__main__":
