@@ -19,8 +19,8 @@
 #          match_prefix, then a retrieve: the connector before) or in the
 #          same one (retrieve_prefix, as shipped); then the CUDA tests.
 #   headstart 1k, 4k and 16k hits whose copies start when the load is submitted
-#          (the connector before) or, their first 64 or 16 MiB, when the lookup
-#          answers (a head start); then the CUDA tests.
+#          (the connector before) or when the lookup answers (a head start,
+#          as shipped); then the CUDA tests.
 set -u
 experiment=${1:?usage: h200_ab.sh group|head|fullhead|early|prefix|headstart OUT_DIR [ROUNDS]}
 out=${2:?usage: h200_ab.sh group|head|fullhead|early|prefix|headstart OUT_DIR [ROUNDS]}
@@ -36,7 +36,7 @@ early) variants="worker:--no-early-pins early:"; timed="1024/sync_overlap_graphs
        sizes="1024 4096 16384" ;;
 prefix) variants="twort:--two-round-trip-pins onert:"; timed="1024/sync_overlap_graphs 4096/sync_overlap_graphs"
        sizes="1024 4096 16384" ;;
-headstart) variants="submit:--head-start-mib=0 lookup:--head-start-mib=64 lookup16:--head-start-mib=16"; timed="1024/sync_overlap_graphs 4096/sync_overlap_graphs"
+headstart) variants="submit:--no-head-start lookup:"; timed="1024/sync_overlap_graphs 4096/sync_overlap_graphs"
        sizes="1024 4096 16384" ;;
 *) echo "unknown experiment $experiment" >&2; exit 2 ;;
 esac

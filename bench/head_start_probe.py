@@ -89,7 +89,8 @@ def main() -> None:
                       f"inputs beside the head's copies {med(beside):.3f}")
             engine.close()
     finally:
-        os.unlink(path)  # the mapping goes with the process (engines keep views of it)
+        pool.close()
+        os.unlink(path)
 
 
 if __name__ == "__main__":
