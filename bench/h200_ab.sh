@@ -18,12 +18,9 @@
 #   prefix 1k, 4k and 16k hits whose lookup pins in a second round trip (a
 #          match_prefix, then a retrieve: the connector before) or in the
 #          same one (retrieve_prefix, as shipped); then the CUDA tests.
-#   headstart 1k, 4k and 16k hits whose copies start when the load is submitted
-#          (the connector before) or when the lookup answers (a head start,
-#          as shipped); then the CUDA tests.
 set -u
-experiment=${1:?usage: h200_ab.sh group|head|fullhead|early|prefix|headstart OUT_DIR [ROUNDS]}
-out=${2:?usage: h200_ab.sh group|head|fullhead|early|prefix|headstart OUT_DIR [ROUNDS]}
+experiment=${1:?usage: h200_ab.sh group|head|fullhead|early|prefix OUT_DIR [ROUNDS]}
+out=${2:?usage: h200_ab.sh group|head|fullhead|early|prefix OUT_DIR [ROUNDS]}
 rounds=${3:-3}
 sizes=4096
 mkdir -p "$out"
@@ -35,8 +32,6 @@ fullhead) variants="whole: head:--head-only-inline"; timed=4096/sync_overlap_gra
 early) variants="worker:--no-early-pins early:"; timed="1024/sync_overlap_graphs 4096/sync_overlap_graphs"
        sizes="1024 4096 16384" ;;
 prefix) variants="twort:--two-round-trip-pins onert:"; timed="1024/sync_overlap_graphs 4096/sync_overlap_graphs"
-       sizes="1024 4096 16384" ;;
-headstart) variants="submit:--no-head-start lookup:"; timed="1024/sync_overlap_graphs 4096/sync_overlap_graphs"
        sizes="1024 4096 16384" ;;
 *) echo "unknown experiment $experiment" >&2; exit 2 ;;
 esac
@@ -59,8 +54,7 @@ for r in $(seq 1 "$rounds"); do
 done
 if [ "$experiment" != group ]; then
     timeout 240 python3 -m pytest --noconftest -p no:cacheprovider -m cuda -q \
-        tests/connector/test_transfer_cuda.py tests/connector/test_head_start_cuda.py \
-        tests/connector/test_graph_pieces_cuda.py \
+        tests/connector/test_transfer_cuda.py tests/connector/test_graph_pieces_cuda.py \
         >"$out/cuda_tests.txt" 2>&1
     tail -3 "$out/cuda_tests.txt"
 fi

@@ -84,9 +84,6 @@ def parse(argv=None):
     p.add_argument("--no-early-pins", action="store_true",
                    help="A/B: the worker retrieves (pins) each load itself instead of copying under "
                         "the pins its lookup took (maru_early_pins=false)")
-    p.add_argument("--no-head-start", action="store_true",
-                   help="A/B: a hit's copies start only when its load is submitted, not when its "
-                        "lookup answers (the engine's HEAD_START_BYTES = 0)")
     p.add_argument("--group-below-mib", type=float, default=None,
                    help="experiment: load layers smaller than this in groups (the engine's "
                         "GROUP_BELOW_BYTES, 8 MiB)")
@@ -520,8 +517,6 @@ def main(argv=None):
         cuda_engine.HEAD_ONLY_BESIDE_LONG_FORWARD = False
     if args.head_only_inline:
         cuda_engine.HEAD_ONLY_ALWAYS = True
-    if args.no_head_start:
-        cuda_engine.HEAD_START_BYTES = 0
     device = "cpu" if args.cpu else "cuda"
     geo = TINY if args.cpu else LLAMA3_8B
     if args.layers:
