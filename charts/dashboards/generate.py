@@ -181,7 +181,7 @@ def index() -> dashboard.Dashboard:
     d = d.with_panel(series("RPC errors by op and type", [Query(rate("maru_index_rpc_errors_total", "op, type"),
                                                                 "{{op}} {{type}}")],
                             "reqps", "Error replies: auth (wrong token), no_lease (a lapsed lease), no_space, "
-                            "bad_request, internal.", width=8, stack=True))
+                            "quarantined (a restarted index, no slots yet), bad_request, internal.", width=8, stack=True))
     d = d.with_row(dashboard.Row("Operator"))
     d = d.with_panel(series("Reconciles by result", [Query(
         f"sum by (result) (rate(maru_operator_reconciles_total[{RATE}]))", "{{result}}")], "reqps",

@@ -61,9 +61,12 @@ class StoreFailure(Exception):
         self.reason = reason
 
 
-def _is_no_space(exc: BaseException) -> bool:
-    """Whether a reserve failed for lack of room (``IndexRejected`` of type ``no_space``)."""
-    return getattr(exc, "error_type", None) == ErrorType.NO_SPACE.value
+def _reserve_failure(exc: BaseException) -> str:
+    """The failure reason of a reserve the index refused or that broke."""
+    refused = getattr(exc, "error_type", None)
+    if refused in (ErrorType.NO_SPACE.value, ErrorType.QUARANTINED.value):
+        return refused  # a full pool, or an index that restarted and hands out no slot yet
+    return "index_error"
 
 
 class Storer:
@@ -276,8 +279,7 @@ class Storer:
                 self._client = self._client_factory()
             slots = list(self._client.reserve([(k, self._fmt.object_bytes) for k in keys]))
         except Exception as exc:
-            reason = "no_space" if _is_no_space(exc) else "index_error"
-            raise StoreFailure(reason, f"{type(exc).__name__}: {exc}") from exc
+            raise StoreFailure(_reserve_failure(exc), f"{type(exc).__name__}: {exc}") from exc
         if len(slots) != len(keys):
             raise StoreFailure("index_error", f"{len(slots)} slots for {len(keys)} keys")
         return slots

@@ -83,6 +83,7 @@ STORE_FAILURE_REASONS = (
     "aborted",
     "other",
     "load_failed",  # computed in a step whose forward used a failed load: never committed
+    "quarantined",  # the index restarted over the pool and hands out no slot yet
 )
 HISTOGRAMS = ("load_duration_seconds", "layer_wait_seconds", "store_duration_seconds")
 # Upper bounds in seconds; one more bucket (+Inf) follows. From 10 us (one
@@ -93,11 +94,22 @@ BUCKETS = (
 )  # fmt: skip
 
 
-def _slot_names(counters: tuple[str, ...] = COUNTERS) -> tuple[str, ...]:
+# The store failure reasons before "quarantined" (the last) was added.
+_STORE_REASONS_BEFORE_QUARANTINED = STORE_FAILURE_REASONS[:-1]
+# Older connectors' layouts (counters, store failure reasons), oldest first,
+# read by name as above.
+PREVIOUS_LAYOUTS = (
+    *((counters, _STORE_REASONS_BEFORE_QUARANTINED) for counters in PREVIOUS_COUNTERS),
+    (COUNTERS, _STORE_REASONS_BEFORE_QUARANTINED),
+)
+
+
+def _slot_names(counters: tuple[str, ...] = COUNTERS,
+                store_reasons: tuple[str, ...] = STORE_FAILURE_REASONS) -> tuple[str, ...]:
     names = [f"counter:{c}" for c in counters]
     names += [f"gauge:{g}" for g in GAUGES]
     names += [f"load_failures:{r}" for r in LOAD_FAILURE_REASONS]
-    names += [f"store_failures:{r}" for r in STORE_FAILURE_REASONS]
+    names += [f"store_failures:{r}" for r in store_reasons]
     for h in HISTOGRAMS:
         names += [f"hist:{h}:bucket:{i}" for i in range(len(BUCKETS) + 1)]
         names += [f"hist:{h}:count", f"hist:{h}:sum"]
@@ -119,7 +131,7 @@ REGION_BYTES = HEADER_BYTES + 8 * len(SLOT_NAMES)
 # Every layout this version reads: layout digest -> its slot names.
 READABLE_LAYOUTS = {
     _layout_digest(names): names
-    for names in (SLOT_NAMES, *(_slot_names(counters) for counters in PREVIOUS_COUNTERS))
+    for names in (SLOT_NAMES, *(_slot_names(*layout) for layout in PREVIOUS_LAYOUTS))
 }
 _READABLE_SIZES = {HEADER_BYTES + 8 * len(names) for names in READABLE_LAYOUTS.values()}
 # histogram -> (slot of bucket 0, slot of count, slot of sum), resolved once: recording stays ~1 us.
@@ -365,7 +377,7 @@ class RegionReading:
 def read_region(path: str | os.PathLike[str]) -> RegionReading:
     """Read one region file (read-only) and tell whether its writer is still alive.
 
-    A region of an older connector's layout (`PREVIOUS_COUNTERS`) is read by
+    A region of an older connector's layout (`PREVIOUS_LAYOUTS`) is read by
     slot name; a slot it lacks reads 0.
 
     Raises `StatsRegionError` for a file of another format or of a layout

@@ -41,6 +41,7 @@ class FakeIndex:
         self.delay_s = 0.0
         self.retrieve_hook = None  # locations -> locations (fault injection), retrieve_prefix's too
         self.knows_retrieve_prefix = True  # False: answers it as an older index would (unknown op)
+        self.quarantined = False  # True: refuses reserves as a restarted index does
         self.unpin_gate: threading.Event | None = None  # unpins wait until it is set (10 s at most)
 
     def client(self, *args: Any, **kwargs: Any) -> "FakeClient":
@@ -136,8 +137,11 @@ class FakeClient:
 
     def reserve(self, items: list[tuple[bytes, int]]) -> SlotList:
         """Like the index: ``None`` for a key already known or that does not fit,
-        and ``IndexRejected`` of type ``no_space`` when no new key fits."""
+        ``IndexRejected`` of type ``no_space`` when no new key fits, of type
+        ``quarantined`` while ``quarantined``."""
         self._ix._enter("reserve")
+        if self._ix.quarantined:
+            raise IndexRejected(ErrorType.QUARANTINED.value, "the fake index restarted", "reserve")
         slots: list[Slot | None] = []
         with self._ix.lock:
             for key, length in items:

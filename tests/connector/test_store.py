@@ -101,6 +101,15 @@ def test_a_store_refused_for_lack_of_room_is_counted_as_no_space(env):
     assert env.index.reserved == {} and env.index.committed == {}
 
 
+def test_a_store_refused_by_a_restarted_index_is_counted_as_quarantined(env):
+    writer, _ = env.worker(seed=1, maru_async_store=False)
+    env.index.quarantined = True
+    writer.wait_for_save(store_meta("w", env.keys(tokens(64)), first_block=0))
+    failures = writer.stats.snapshot()["store_failures"]
+    assert failures["quarantined"] == 1 and failures["no_space"] == 0 and failures["index_error"] == 0
+    assert env.index.committed == {}
+
+
 def test_a_commit_the_index_refuses_is_counted_not_lost_silently(env):
     writer, _ = env.worker(seed=1, maru_async_store=False)
     keys = env.keys(tokens(64))

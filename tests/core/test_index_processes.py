@@ -129,6 +129,22 @@ def test_restarted_index_answers_the_same_lookups(pool_path, token_file):
         assert reader["verified"] == 32
 
 
+def test_a_restarted_index_refuses_stores_as_quarantined(pool_path, token_file):
+    """Over the wire a restart's refusal has a type of its own, apart from a
+    full pool's ``no_space``, so connectors count it apart."""
+    first = IndexProcess(pool_path, pool_size="64Mi", token_file=token_file)
+    with first.start():
+        role("writer", first, pool_path, token_file)
+    first.kill()
+    second = IndexProcess(pool_path, token_file=token_file, extra_args=["--lease-ttl", "5"])
+    with second.start():
+        with IndexClient(second.url, token=TOKEN) as client:
+            with pytest.raises(IndexRejected, match="restarted") as info:
+                client.reserve([(bytes(range(16)), 4096)])
+            assert info.value.error_type == "quarantined"
+            assert client.match_prefix(prompt_keys(1024, 128, 4)) == 32  # reads are served
+
+
 def test_bad_token_is_refused(index):
     for token in (None, "wrong"):
         with IndexClient(index.url, token=token) as client:

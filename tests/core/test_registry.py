@@ -16,7 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from maru_core.index.memory_bench import bytes_per_key
 from maru_core.pool.slot_check import SlotHeaderCheck
-from maru_core.index.registry import BadRequest, NoLease, NoSpace, Registry, RegistryError
+from maru_core.index.registry import BadRequest, NoLease, NoSpace, Quarantined, Registry, RegistryError
 from maru_core.pool import Pool, SlotHeader
 from maru_core.pool.geometry import DATA_ALIGN, PoolGeometry
 from maru_core.protocol.locations import Location, Slot
@@ -389,8 +389,9 @@ def test_restore_rebuilds_and_quarantines(clock: Clock) -> None:
     lease = new.open_lease("b")
     assert list(new.retrieve(lease, keys)) == [loc for _, loc in objects]
     assert new.stats().quarantined
-    with pytest.raises(NoSpace, match="restarted"):
+    with pytest.raises(Quarantined, match="restarted") as refused:
         new.reserve(lease, [(key(50), PAGE)])
+    assert refused.value.error_type == "quarantined" and isinstance(refused.value, NoSpace)
     clock.now += 6
     new.renew(lease)
     assert new.stats().quarantined

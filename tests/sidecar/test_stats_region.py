@@ -143,13 +143,19 @@ def test_handoff_and_stats_import_without_prometheus_or_vllm():
     assert out.stdout.strip() == "ok", out.stderr
 
 
-def test_a_region_of_an_older_connector_is_read_by_name(tmp_path):
+@pytest.mark.parametrize("layout", stats.PREVIOUS_LAYOUTS, ids=["before_early_pins", "before_quarantined"])
+def test_a_region_of_an_older_connector_is_read_by_name(tmp_path, layout):
     """A sidecar newer than the connector in its pod: the older layout's slots
-    are read by name, and a counter that layout lacks reads 0."""
-    names = stats._slot_names(stats.PREVIOUS_COUNTERS[-1])
+    are read by name, and a counter or reason that layout lacks reads 0."""
+    counters, _ = layout
+    names = stats._slot_names(*layout)
+    assert names != stats.SLOT_NAMES
     values = [0.0 if n.endswith(":sum") else 0 for n in names]
     values[names.index("counter:load_bytes")] = 4096
     values[names.index("counter:parked_loads")] = 3
+    values[names.index("store_failures:load_failed")] = 5  # the reason before the one it lacks
+    if "early_pinned_loads" in counters:
+        values[names.index("counter:early_pinned_loads")] = 7
     values[names.index("hist:load_duration_seconds:count")] = 2
     values[names.index("hist:load_duration_seconds:sum")] = 0.5
     header = stats._HEADER.pack(stats.MAGIC, stats.FORMAT_VERSION, len(names), stats._layout_digest(names),
@@ -159,7 +165,9 @@ def test_a_region_of_an_older_connector_is_read_by_name(tmp_path):
     path.write_bytes(header.ljust(stats.HEADER_BYTES, b"\0") + body)
     snap = decode(read_region(path).values)
     assert snap["counters"]["load_bytes"] == 4096 and snap["counters"]["parked_loads"] == 3
-    assert snap["counters"]["early_pinned_loads"] == 0  # not in that layout
+    assert snap["counters"]["early_pinned_loads"] == (7 if "early_pinned_loads" in counters else 0)
+    assert snap["store_failures"]["load_failed"] == 5
+    assert snap["store_failures"]["quarantined"] == 0  # not in either layout
     assert snap["histograms"]["load_duration_seconds"]["count"] == 2
     assert snap["histograms"]["load_duration_seconds"]["sum"] == pytest.approx(0.5)
     path.write_bytes(path.read_bytes()[:-8])  # its size no longer matches its layout

@@ -15,6 +15,7 @@ from maru_core.index.records import KEY_BYTES, RecordTable, State
 from maru_core.index.registry_types import (
     Keys,
     NoSpace,
+    Quarantined,
     checked_lengths,
     first_occurrences_sliced,
     joined_keys,
@@ -119,9 +120,9 @@ class Placement:
 
     def _place_candidates(self, candidates: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(idx, starts, pages)`` of the candidates that were given pages (allocated, not
-        recorded); ``NoSpace`` in quarantine, or when none could be placed."""
+        recorded); ``Quarantined`` in quarantine, ``NoSpace`` when none could be placed."""
         if self._clock() < self._quarantine_until:
-            raise NoSpace(
+            raise Quarantined(
                 f"the index restarted over a pool in use; it hands out no slot for {self.quarantine_s:g} s "
                 "so that copies in flight across the restart finish (stores are skipped meanwhile)"
             )

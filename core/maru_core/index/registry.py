@@ -57,6 +57,7 @@ from maru_core.index.registry_types import (
     NoLease,
     NoSpace,
     ObjectInfo,
+    Quarantined,
     RegistryError,
     RegistryStats,
 )
@@ -78,6 +79,7 @@ __all__ = [
     "NoLease",
     "NoSpace",
     "ObjectInfo",
+    "Quarantined",
     "Registry",
     "RegistryError",
     "RegistryStats",

@@ -30,6 +30,13 @@ class NoSpace(RegistryError):
     error_type = "no_space"
 
 
+class Quarantined(NoSpace):
+    """No slot is handed out yet: the index restarted over a pool in use (a
+    ``NoSpace`` of its own type, so that a full pool and a restart read apart)."""
+
+    error_type = "quarantined"
+
+
 class BadRequest(RegistryError, ValueError):
     """Arguments of the wrong type or range; the message names the item."""
 

@@ -20,6 +20,9 @@ class ErrorType(str, enum.Enum):
     TOO_LARGE = "too_large"  # a batch or frame above the protocol's limits
     NO_LEASE = "no_lease"  # the connection holds no live lease: send ``hello`` again
     NO_SPACE = "no_space"  # the pool cannot hold what was reserved, even after eviction
+    # the index restarted over a pool in use and hands out no slot until copies
+    # in flight across the restart are done (a lease period): stores are skipped
+    QUARANTINED = "quarantined"
     INTERNAL = "internal"  # the server failed; the request may be retried
 
 
