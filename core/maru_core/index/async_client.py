@@ -12,7 +12,7 @@ import asyncio
 import itertools
 import logging
 import time
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
 from maru_core.index.client_ops import (
     DEFAULT_RECONNECT_BACKOFF_S,

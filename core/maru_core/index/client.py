@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
 from maru_core.index.async_client import AsyncIndexClient
 from maru_core.index.channel import Channel, open_socket
