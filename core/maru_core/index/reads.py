@@ -39,21 +39,32 @@ class Reads:
         joined = joined_keys(keys)
         return run_to_end(self.match_prefix_sliced(joined, max(1, len(joined) // KEY_BYTES)))
 
+    def _committed_sliced(
+        self, joined: bytes, slice_keys: int, stop_at_miss: bool
+    ) -> Generator[None, None, tuple[np.ndarray, np.ndarray]]:
+        """The rows of ``joined``'s keys and whether each is committed, looked
+        up a slice of ``slice_keys`` keys per step (yielding between slices);
+        ``stop_at_miss``: no slice after the first one with a key not committed."""
+        step = slice_keys * KEY_BYTES
+        rows, committed = [], []
+        for start in range(0, len(joined), step):
+            if start:
+                yield
+            found, mask = self._lookup_in_state(joined[start : start + step], State.COMMITTED)
+            rows.append(found)
+            committed.append(mask)
+            if stop_at_miss and not mask.all():
+                break
+        if not rows:
+            return np.empty(0, dtype=np.int64), np.empty(0, dtype=bool)
+        return np.concatenate(rows), np.concatenate(committed)
+
     def match_prefix_sliced(self, keys: Keys, slice_keys: int) -> Generator[None, None, int]:
         """``match_prefix`` a slice of ``slice_keys`` keys per step (a large
         batch's lookups are most of its cost); stops at the first slice that
         has a key not committed."""
-        joined = joined_keys(keys)
-        step = slice_keys * KEY_BYTES
-        matched = 0
-        for start in range(0, len(joined), step):
-            if start:
-                yield
-            _, committed = self._lookup_in_state(joined[start : start + step], State.COMMITTED)
-            if not committed.all():
-                return matched + int(np.argmin(committed))
-            matched += len(committed)
-        return matched
+        _, committed = yield from self._committed_sliced(joined_keys(keys), slice_keys, stop_at_miss=True)
+        return _leading(committed)
 
     def retrieve_sliced(self, lease_id: str, keys: Keys, slice_keys: int) -> Generator[None, None, LocationList]:
         """``retrieve`` with its keys looked up a slice of ``slice_keys`` per step.
@@ -67,17 +78,8 @@ class Reads:
         """
         self._lease(lease_id)  # NoLease before any work, hit or miss
         joined = joined_keys(keys)
-        step = slice_keys * KEY_BYTES
         removals = self._records.removals
-        rows, committed = [], []
-        for start in range(0, len(joined), step):
-            if start:
-                yield
-            found, mask = self._lookup_in_state(joined[start : start + step], State.COMMITTED)
-            rows.append(found)
-            committed.append(mask)
-        rows = np.concatenate(rows) if rows else np.empty(0, dtype=np.int64)
-        committed = np.concatenate(committed) if committed else np.empty(0, dtype=bool)
+        rows, committed = yield from self._committed_sliced(joined, slice_keys, stop_at_miss=False)
         if self._records.removals != removals and committed.all():
             # records went meanwhile (evicted, expired): their rows may hold other keys now
             committed = self._records.still_in_state(rows, joined, State.COMMITTED)
@@ -94,25 +96,13 @@ class Reads:
         last step pins (as ``retrieve_sliced`` does)."""
         self._lease(lease_id)
         joined = joined_keys(keys)
-        step = slice_keys * KEY_BYTES
         removals = self._records.removals
-        rows: list[np.ndarray] = []
-        matched = 0
-        for start in range(0, len(joined), step):
-            if start:
-                yield
-            found, committed = self._lookup_in_state(joined[start : start + step], State.COMMITTED)
-            if not committed.all():
-                cut = int(np.argmin(committed))
-                rows.append(found[:cut])
-                matched += cut
-                break
-            rows.append(found)
-            matched += len(found)
+        rows, committed = yield from self._committed_sliced(joined, slice_keys, stop_at_miss=True)
+        matched = _leading(committed)
         pinned = matched - matched % group
         if not pinned:
             return matched, None
-        found = np.concatenate(rows)[:pinned]
+        found = rows[:pinned]
         prefix = joined[: pinned * KEY_BYTES]
         if self._records.removals != removals:
             # records went meanwhile: a row found before may hold another key now
@@ -207,3 +197,8 @@ class Reads:
         self._records.last_used[rows] = ticks
         self._tick += n + 1
         return bool(np.array_equal(self._records.last_used.take(rows), ticks))
+
+
+def _leading(committed: np.ndarray) -> int:
+    """How many leading entries of ``committed`` are true."""
+    return len(committed) if committed.all() else int(np.argmin(committed))
