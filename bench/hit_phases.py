@@ -8,10 +8,12 @@ transfer engine's ``submit_load``) and the engine's forward, and reports per
 hit, in ms from arrival: when the lookup answered, when the load was
 submitted, when its copies began to be queued and when all were, when its
 first and last layers landed on the device (engines built with
-``timing=True``), when the forward started and ended, how long the forward
-waited for layers, the first token, and how long the ``wait_for_save`` after
-that forward took: vLLM calls it before it computes the logits, the driver
-after (so that figure is what vLLM's order would add to the first token).
+``timing=True``), when the forward started and when all of it was queued,
+how long the forward waited for layers, how long the ``wait_for_save`` after
+it took, and the first token. The driver, like vLLM, calls
+``wait_for_save`` before the sampled tokens reach the host, so that wait is
+part of the first token (reports before this order named the forward's end,
+with the token on the host, ``forward_ended``).
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ class PhaseRecorder:
         fwd = by.get("_run_forward", [])
         if fwd:
             out["forward_started"] = ms(fwd[-1][0])
-            out["forward_ended"] = ms(fwd[-1][1])
+            out["forward_queued"] = ms(fwd[-1][1])
         waits = by.get("wait_for_layer_load", [])
         if waits:
             out["layer_waits_ms"] = sum(e - s for s, e in waits) * 1000

@@ -8,11 +8,13 @@ the step's inputs (as vLLM's model runner prepares them after that call),
 ``start_load_kv``, the forward (``wait_for_layer_load`` before each layer's
 attention; ``save_kv_layer`` is a no-op in this connector), ``wait_for_save``,
 ``get_finished``, ``get_block_ids_with_load_errors`` and
-``build_worker_meta`` (the step's report); and back on the scheduler side
-``update_connector_output``, whose verdict on the step's stores reaches the
-workers with the next step. Parked (async) requests wait until
-``get_finished`` reports them; a finished request's blocks are freed at once
-or, when the connector asks (async store), once its stores are reported.
+``build_worker_meta`` (the step's report), then the sampled tokens to the
+host (vLLM computes the logits and samples once it has left its connector
+context); and back on the scheduler side ``update_connector_output``, whose
+verdict on the step's stores reaches the workers with the next step.
+Parked (async) requests wait until ``get_finished`` reports them; a finished
+request's blocks are freed at once or, when the connector asks (async
+store), once its stores are reported.
 
 Only prefill is modelled: a request is done when its last prompt token is
 computed and its logits are on the host (its time to first token). Chunked
@@ -186,10 +188,20 @@ class Engine:
         batch = self._prepare([(by_id[i], n) for i, n in scheduled.items()]) if scheduled else None
         if w is not None:
             w.start_load_kv(meta)
-        if batch is not None:
-            self._run_forward(batch)
-        else:
+        logits = self._run_forward(batch) if batch is not None else None
+        if batch is None:
             time.sleep(self.idle_step_s)  # an empty step of the engine loop
+        sending, recving, worker_meta = set(), set(), None
+        if w is not None:
+            # vLLM's model runner leaves its connector context here, before
+            # it computes the logits and samples: wait_for_save, then the
+            # step's report.
+            w.wait_for_save(meta)
+            sending, recving = w.get_finished(meta)
+            self.load_errors |= w.get_block_ids_with_load_errors()
+            worker_meta = w.build_worker_meta(meta)
+        if logits is not None:
+            self._sample(logits)
         done_now = set()
         if compute:
             for i, n in scheduled.items():
@@ -203,12 +215,7 @@ class Engine:
                 if r.first_token_at is None:
                     r.first_token_at = time.perf_counter()
                     done_now.add(r.request_id)
-        sending, recving = set(), set()
         if w is not None:
-            w.wait_for_save(meta)
-            sending, recving = w.get_finished(meta)
-            self.load_errors |= w.get_block_ids_with_load_errors()
-            worker_meta = w.build_worker_meta(meta)
             self.scheduler.update_connector_output(SimpleNamespace(
                 kv_connector_worker_meta=worker_meta, finished_recving=recving,
                 finished_sending=sending))
@@ -245,9 +252,13 @@ class Engine:
               r.num_computed_tokens, r.blocks) for r, n in work],
             self.block_size, self.model.device)
 
-    def _run_forward(self, batch: Batch) -> None:
+    def _run_forward(self, batch: Batch) -> torch.Tensor:
+        """Queue the step's forward; its logits, not waited for."""
         wait = self.worker.wait_for_layer_load if self.worker is not None else _no_wait
-        logits = self._forward(batch, wait)
+        return self._forward(batch, wait)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor) -> None:
         logits.argmax(-1).tolist()  # the sampled tokens reach the host: the step ends
 
     def _drain_stores(self, finished_ids, delayed, deadline) -> None:
