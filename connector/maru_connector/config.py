@@ -19,6 +19,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 CONNECTOR_NAME = "MaruKVConnector"
+PREFAULT_UNSET_MAX_BYTES = 64 << 30  # 128 MiB of page tables per worker
 CONNECTOR_MODULE = "maru_connector"
 
 
@@ -53,6 +54,10 @@ class MaruConfig:
     maru_stats_dir: str | None = None
     # None: on where it costs a hit little (the CPU backend), see verify_payload().
     maru_verify_payload: bool | None = None
+    # CPU backend: map the pool's pages in the background at start, so hits
+    # and stores take no page fault per page they touch (transfer/prefault.py).
+    # None: on up to PREFAULT_UNSET_MAX_BYTES of pool, see prefault_pool().
+    maru_prefault_pool: bool | None = None
 
     @property
     def fmt_name(self) -> str:
@@ -70,6 +75,18 @@ class MaruConfig:
         if self.maru_verify_payload is not None:
             return self.maru_verify_payload
         return device_type == "cpu"
+
+    def prefault_pool(self, pool_bytes: int) -> bool:
+        """Whether the CPU backend maps the pool's pages at start.
+
+        ``maru_prefault_pool`` decides when set. Unset, it is on for pools up
+        to ``PREFAULT_UNSET_MAX_BYTES``: every GiB costs each worker 2 MiB of
+        page tables and about 0.1 s of a core, so a pool of terabytes is
+        mapped ahead only when asked for.
+        """
+        if self.maru_prefault_pool is not None:
+            return self.maru_prefault_pool
+        return pool_bytes <= PREFAULT_UNSET_MAX_BYTES
 
     def resolve_token(self) -> str | None:
         """The index token: inline, or read from ``maru_token_file``."""

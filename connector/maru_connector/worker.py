@@ -92,7 +92,8 @@ def open_resources(cfg: MaruConfig, kv_caches: dict[str, Any], block_size: int) 
 
         pool = Pool.attach(cfg.maru_pool_path)
         stats = open_stats(cfg, "worker")
-    engine = TransferEngine.create(pool.buffer, kv_caches, fmt)
+    engine = TransferEngine.create(pool.buffer, kv_caches, fmt,
+                                   prefault=cfg.prefault_pool(pool.buffer.nbytes))
 
     def client_factory(role: str) -> Any:
         return IndexClient(

@@ -1,7 +1,9 @@
 """CPU backend: copies between a view of the pool mapping and the KV cache
 tensors, on one load thread and one store thread (no CUDA needed, so CI
 exercises every path). Each copy runs on its own thread only, without the
-GIL (numpy), never in an OpenMP team of its own: see :func:`_copy`."""
+GIL (numpy), never in an OpenMP team of its own: see :func:`_copy`. The
+pool's pages are mapped into the process in the background at start, so the
+copies of hits and stores do not fault them in (``prefault.py``)."""
 
 from __future__ import annotations
 
@@ -10,12 +12,24 @@ import torch
 
 from .engine import TransferEngine, _Job
 from .plan import Run
+from .prefault import PoolPrefaulter
 
 __all__ = ["CpuTransferEngine"]
 
 
 class CpuTransferEngine(TransferEngine):
     backend = "cpu"
+
+    def __init__(self, pool_buffer, kv_caches, fmt, prefault: bool = True) -> None:
+        """``prefault``: map the pool's pages ahead of the first hits, in the
+        background (``prefault.py``)."""
+        super().__init__(pool_buffer, kv_caches, fmt)
+        self.prefaulter = (PoolPrefaulter(self.pool.data_ptr(), self.pool_size)
+                           if prefault else None)
+
+    def _release(self) -> None:
+        if self.prefaulter is not None:
+            self.prefaulter.stop()  # before the mapping can go
 
     def _rows(self, run: Run) -> list[torch.Tensor]:
         """Pool views ``[blocks, segments, segment_bytes]`` of a run: one view

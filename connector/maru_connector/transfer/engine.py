@@ -80,7 +80,8 @@ class TransferEngine(abc.ABC):
     # ------------------------------------------------------------------ create
     @classmethod
     def create(cls, pool_buffer: memoryview, kv_caches: dict[str, torch.Tensor],
-               fmt: ObjectFormat, device: str = "auto", **options) -> "TransferEngine":
+               fmt: ObjectFormat, device: str = "auto", prefault: bool = True,
+               **options) -> "TransferEngine":
         """Build the engine for the device the KV cache lives on.
 
         Args:
@@ -88,6 +89,8 @@ class TransferEngine(abc.ABC):
             kv_caches: the tensors vLLM handed to ``register_kv_caches``.
             fmt: the object format; its layout must match ``kv_caches``.
             device: ``"auto"`` (the KV cache's device), ``"cpu"`` or ``"cuda"``.
+            prefault: CPU: map the pool's pages in the background at start
+                (``prefault.py``); CUDA registers the pool, which maps them.
             options: backend options (CUDA: ``staging_bytes``).
         """
         on_cuda = any(t.is_cuda for t in kv_caches.values())
@@ -102,6 +105,7 @@ class TransferEngine(abc.ABC):
             from .cuda import CudaTransferEngine as engine_cls
         else:
             from .cpu import CpuTransferEngine as engine_cls
+            options["prefault"] = prefault
         engine = engine_cls(pool_buffer, kv_caches, fmt, **options)
         engine._start()
         return engine
