@@ -74,6 +74,8 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--release-after", type=int, default=1, help="maru_overlap_release_after_layers")
     p.add_argument("--settle-s", type=float, default=1.2,
                    help="pause before each measured request (see bench/ttft_async.py)")
+    p.add_argument("--no-prefault", action="store_true",
+                   help="maru_prefault_pool off: the pool's pages fault in as they are touched")
     p.add_argument("--trace", default=None, help="append per-phase timestamps to this file")
     p.add_argument("--json", default=os.path.join("out", "ttft_paired.json"))
     args = p.parse_args()
@@ -151,7 +153,8 @@ def _run_mode(args, mp: bool, model_dir: str, workdir: str, out: dict) -> None:
                      for key, ps in w.items() if key.startswith("full-")}
         for f, fmt in enumerate(args.formats):
             knobs = dict(kv_chunk_tokens=args.chunk_tokens, use_layerwise=FORMATS[fmt], async_store=True,
-                         lookup_timeout_s=1.0, pool_path=index.pool_path, token=index.token)
+                         lookup_timeout_s=1.0, pool_path=index.pool_path, token=index.token,
+                         prefault_pool=not args.no_prefault)
             writer = EngineProcess(EngineSpec(**{**base.__dict__, "kv_transfer_config": make_kv_transfer_config(
                 index.url, **knobs)}), os.path.join(workdir, f"{mode}-{fmt}-W.log"), wait=False)
             stack.callback(writer.close)
