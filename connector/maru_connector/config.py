@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .transfer.copy_cpus import parse_cpu_list
+
 logger = logging.getLogger(__name__)
 
 CONNECTOR_NAME = "MaruKVConnector"
@@ -58,6 +60,10 @@ class MaruConfig:
     # and stores take no page fault per page they touch (transfer/prefault.py).
     # None: on up to PREFAULT_UNSET_MAX_BYTES of pool, see prefault_pool().
     maru_prefault_pool: bool | None = None
+    # CPU backend: the cores the copy threads run on (transfer/copy_cpus.py):
+    # "auto" (those vLLM's CPU worker leaves out of the forward's OpenMP
+    # team, if any), "none" (unpinned) or a list like "2,6-7".
+    maru_copy_cpus: str = "auto"
 
     @property
     def fmt_name(self) -> str:
@@ -176,6 +182,14 @@ def _check_combination(cfg: MaruConfig) -> None:
             "maru_overlap_release_after_layers must be at least 0, got "
             f"{cfg.maru_overlap_release_after_layers}"
         )
+    if cfg.maru_copy_cpus.strip().lower() not in ("auto", "none"):
+        try:
+            parse_cpu_list(cfg.maru_copy_cpus)
+        except ValueError as exc:
+            raise MaruConfigError(
+                f"maru_copy_cpus={cfg.maru_copy_cpus!r}: {exc}; use \"auto\", \"none\" "
+                "or cores like \"3\" or \"2,6-7\""
+            ) from None
     for name in ("maru_lookup_timeout_s", "maru_load_timeout_s"):
         if getattr(cfg, name) <= 0:
             raise MaruConfigError(f"{name} must be positive, got {getattr(cfg, name)}")

@@ -34,7 +34,7 @@ from typing import Any
 
 from maru_core.stats import ConnectorStats
 
-from maru_connector.config import MaruConfig
+from maru_connector.config import MaruConfig, MaruConfigError
 from maru_connector.early_pins import EarlyPin, PinHandoff
 from maru_connector.loader import AsyncLoader, wait_done
 from maru_connector.metadata import LoadSpec, MaruConnectorMetadata, MaruWorkerMetadata
@@ -71,6 +71,20 @@ class WorkerResources:
         self.stats.close()
 
 
+def copy_cpus_for(cfg: MaruConfig) -> frozenset[int] | None:
+    """The cores for the CPU backend's copy threads, from ``maru_copy_cpus``
+    and the OpenMP binding vLLM gave this process (``copy_cpus.py``)."""
+    from maru_connector.transfer.copy_cpus import CopyCpusError, resolve_copy_cpus
+
+    try:
+        cpus = resolve_copy_cpus(cfg.maru_copy_cpus)
+    except CopyCpusError as exc:
+        raise MaruConfigError(str(exc)) from None
+    if cpus:
+        logger.info("CPU backend: copy threads on cores %s", sorted(cpus))
+    return cpus
+
+
 def open_resources(cfg: MaruConfig, kv_caches: dict[str, Any], block_size: int) -> WorkerResources:
     """Attach the pool, detect the KV layout and build the transfer engine."""
     from maru_core.index.client import IndexClient
@@ -93,7 +107,8 @@ def open_resources(cfg: MaruConfig, kv_caches: dict[str, Any], block_size: int) 
         pool = Pool.attach(cfg.maru_pool_path)
         stats = open_stats(cfg, "worker")
     engine = TransferEngine.create(pool.buffer, kv_caches, fmt,
-                                   prefault=cfg.prefault_pool(pool.buffer.nbytes))
+                                   prefault=cfg.prefault_pool(pool.buffer.nbytes),
+                                   copy_cpus=copy_cpus_for(cfg))
 
     def client_factory(role: str) -> Any:
         return IndexClient(

@@ -3,7 +3,9 @@ tensors, on one load thread and one store thread (no CUDA needed, so CI
 exercises every path). Each copy runs on its own thread only, without the
 GIL (numpy), never in an OpenMP team of its own: see :func:`_copy`. The
 pool's pages are mapped into the process in the background at start, so the
-copies of hits and stores do not fault them in (``prefault.py``)."""
+copies of hits and stores do not fault them in (``prefault.py``). The copy
+threads run on cores of their own when vLLM leaves any out of the forward's
+OpenMP team (``copy_cpus.py``): only then can a load overlap the forward."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 
 from .engine import TransferEngine, _Job
 from .plan import Run
+from .copy_cpus import pin_this_thread
 from .prefault import PoolPrefaulter
 
 __all__ = ["CpuTransferEngine"]
@@ -20,12 +23,18 @@ __all__ = ["CpuTransferEngine"]
 class CpuTransferEngine(TransferEngine):
     backend = "cpu"
 
-    def __init__(self, pool_buffer, kv_caches, fmt, prefault: bool = True) -> None:
+    def __init__(self, pool_buffer, kv_caches, fmt, prefault: bool = True,
+                 copy_cpus: frozenset[int] | None = None) -> None:
         """``prefault``: map the pool's pages ahead of the first hits, in the
-        background (``prefault.py``)."""
+        background (``prefault.py``). ``copy_cpus``: the cores the copy
+        threads (and that background work) run on; None: unpinned."""
         super().__init__(pool_buffer, kv_caches, fmt)
-        self.prefaulter = (PoolPrefaulter(self.pool.data_ptr(), self.pool_size)
+        self.copy_cpus = copy_cpus
+        self.prefaulter = (PoolPrefaulter(self.pool.data_ptr(), self.pool_size, cpus=copy_cpus)
                            if prefault else None)
+
+    def _copy_thread_started(self) -> None:
+        pin_this_thread(self.copy_cpus)
 
     def _release(self) -> None:
         if self.prefaulter is not None:

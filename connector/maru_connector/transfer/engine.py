@@ -81,7 +81,7 @@ class TransferEngine(abc.ABC):
     @classmethod
     def create(cls, pool_buffer: memoryview, kv_caches: dict[str, torch.Tensor],
                fmt: ObjectFormat, device: str = "auto", prefault: bool = True,
-               **options) -> "TransferEngine":
+               copy_cpus: frozenset[int] | None = None, **options) -> "TransferEngine":
         """Build the engine for the device the KV cache lives on.
 
         Args:
@@ -91,6 +91,8 @@ class TransferEngine(abc.ABC):
             device: ``"auto"`` (the KV cache's device), ``"cpu"`` or ``"cuda"``.
             prefault: CPU: map the pool's pages in the background at start
                 (``prefault.py``); CUDA registers the pool, which maps them.
+            copy_cpus: CPU: the cores for the copy threads, None: unpinned
+                (``copy_cpus.py``); CUDA's copies run on its copy engines.
             options: backend options (CUDA: ``staging_bytes``).
         """
         on_cuda = any(t.is_cuda for t in kv_caches.values())
@@ -105,7 +107,7 @@ class TransferEngine(abc.ABC):
             from .cuda import CudaTransferEngine as engine_cls
         else:
             from .cpu import CpuTransferEngine as engine_cls
-            options["prefault"] = prefault
+            options.update(prefault=prefault, copy_cpus=copy_cpus)
         engine = engine_cls(pool_buffer, kv_caches, fmt, **options)
         engine._start()
         return engine
@@ -175,6 +177,7 @@ class TransferEngine(abc.ABC):
 
     # ------------------------------------------------------------ copy thread
     def _serve(self, q: queue.Queue, run) -> None:
+        self._copy_thread_started()
         while True:
             job = q.get()
             if job is _STOP:
@@ -187,6 +190,9 @@ class TransferEngine(abc.ABC):
                 if q is self._load_queue:
                     with self._submit_lock:
                         self._loads_queued -= 1
+
+    def _copy_thread_started(self) -> None:
+        """Runs first on each copy thread (CPU: pins it to its cores)."""
 
     @staticmethod
     def _fail(job: _Job, exc: BaseException) -> None:

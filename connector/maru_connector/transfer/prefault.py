@@ -29,6 +29,8 @@ import logging
 import os
 import threading
 
+from .copy_cpus import pin_this_thread
+
 logger = logging.getLogger(__name__)
 
 MADV_POPULATE_READ = 22  # linux/mman.h, since 5.14
@@ -59,7 +61,8 @@ class PoolPrefaulter:
     it refuses) ends it at the first slice; loads are as correct either way.
     """
 
-    def __init__(self, address: int, nbytes: int, slice_bytes: int = SLICE_BYTES) -> None:
+    def __init__(self, address: int, nbytes: int, slice_bytes: int = SLICE_BYTES,
+                 cpus: frozenset[int] | None = None) -> None:
         page = os.sysconf("SC_PAGE_SIZE")
         start = -(-address // page) * page  # the whole pages inside the range
         self.address = start
@@ -67,6 +70,7 @@ class PoolPrefaulter:
         self.slice_bytes = max(page, slice_bytes - slice_bytes % page)
         self.populated = 0  # bytes done so far
         self.error: OSError | None = None
+        self._cpus = cpus  # the copy threads' cores, away from the forward's
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="maru-prefault", daemon=True)
         self._thread.start()
@@ -88,6 +92,7 @@ class PoolPrefaulter:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _LOWEST_PRIORITY)
         except OSError:
             pass
+        pin_this_thread(self._cpus)
         while self.populated < self.nbytes and not self._stop.is_set():
             n = min(self.slice_bytes, self.nbytes - self.populated)
             try:
