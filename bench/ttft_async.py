@@ -64,6 +64,9 @@ def _parse() -> argparse.Namespace:
                    help="pause before each measured request: vLLM's shared-memory queue readers "
                         "busy-loop for 1 s after each read, so with multiprocessing the engine that "
                         "served the last request would still take cores from the next one")
+    p.add_argument("--reserve-cpus", type=int, default=0,
+                   help="cores left out of the forward's OpenMP team for the copies "
+                        "(vLLM's VLLM_CPU_NUM_OF_RESERVED_CPU; 0: all cores in the team)")
     p.add_argument("--trace", default=None, help="append per-phase timestamps to this file")
     p.add_argument("--json", default=os.path.join("out", "ttft_async.json"))
     return p.parse_args()
@@ -110,7 +113,25 @@ def _warm(engine: EngineProcess, args) -> None:
     engine.generate([random_tokens(args.chunk_tokens // 2, seed=987_654)], max_tokens=1)
 
 
-def _engine_env(args) -> dict[str, str]:
+def _reserved_cpus_env(reserved: int, mp: bool) -> dict[str, str]:
+    """Leave the last ``reserved`` cores out of the forward's OpenMP team, as
+    vLLM's CPU worker does with ``VLLM_CPU_NUM_OF_RESERVED_CPU`` (it reserves
+    one core for the scheduler and one for KV transfer when it has enough;
+    on 2 cores it reserves none). With multiprocessing off vLLM binds
+    nothing, so the same binding is set here; the connector's copy threads
+    then run on the reserved cores (``maru_copy_cpus`` auto)."""
+    if reserved <= 0:
+        return {}
+    if mp:  # vLLM's own binding (the test engines' default is none)
+        return {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(reserved), "VLLM_CPU_OMP_THREADS_BIND": "auto"}
+    team = sorted(os.sched_getaffinity(0))[:-reserved]
+    if not team:
+        raise SystemExit(f"--reserve-cpus {reserved} leaves no core for the forward")
+    return {"OMP_NUM_THREADS": str(len(team)), "OMP_PROC_BIND": "true",
+            "OMP_PLACES": "{" + ",".join(map(str, team)) + "}"}
+
+
+def _engine_env(args, mp: bool = True) -> dict[str, str]:
     # Passive OpenMP waits, for every engine alike: on a shared machine a
     # spinning OpenMP thread mostly burns the core another engine's (or
     # its own team's) thread needs. The spin also once made the engine
@@ -119,6 +140,7 @@ def _engine_env(args) -> dict[str, str]:
     # are cores, which the connector's torch copies (a team per copy thread)
     # brought about; its copies no longer use OpenMP.
     env = {"OMP_NUM_THREADS": str(os.cpu_count() or 1), "OMP_WAIT_POLICY": "PASSIVE"}
+    env.update(_reserved_cpus_env(getattr(args, "reserve_cpus", 0), mp))
     if args.trace:
         env["MARU_TRACE_FILE"] = os.path.abspath(args.trace)
         here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trace")
@@ -130,7 +152,7 @@ def _run_mode(args, mp: bool, model_dir: str, workdir: str, out: dict) -> None:
     w = _workload(args)
     longest = max(len(p) for ps in w.values() for p in ps)
     base = EngineSpec(model_dir=model_dir, block_size=args.block_size, max_model_len=longest + 128,
-                      max_num_batched_tokens=longest + 128, multiprocessing=mp, env=_engine_env(args))
+                      max_num_batched_tokens=longest + 128, multiprocessing=mp, env=_engine_env(args, mp))
     mode = "mp-on" if mp else "mp-off"
     res = out.setdefault(mode, {"formats": {}})
     with ExitStack() as stack:

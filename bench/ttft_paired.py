@@ -76,6 +76,9 @@ def _parse() -> argparse.Namespace:
                    help="pause before each measured request (see bench/ttft_async.py)")
     p.add_argument("--no-prefault", action="store_true",
                    help="maru_prefault_pool off: the pool's pages fault in as they are touched")
+    p.add_argument("--reserve-cpus", type=int, default=0,
+                   help="cores left out of the forward's OpenMP team for the copies "
+                        "(vLLM's VLLM_CPU_NUM_OF_RESERVED_CPU; 0: all cores in the team)")
     p.add_argument("--trace", default=None, help="append per-phase timestamps to this file")
     p.add_argument("--json", default=os.path.join("out", "ttft_paired.json"))
     args = p.parse_args()
@@ -140,7 +143,7 @@ def _run_mode(args, mp: bool, model_dir: str, workdir: str, out: dict) -> None:
     w = _workload(args)
     longest = _longest(args)
     base = EngineSpec(model_dir=model_dir, block_size=args.block_size, max_model_len=longest + 128,
-                      max_num_batched_tokens=longest + 128, multiprocessing=mp, env=_engine_env(args))
+                      max_num_batched_tokens=longest + 128, multiprocessing=mp, env=_engine_env(args, mp))
     mode = "mp-on" if mp else "mp-off"
     res = out.setdefault(mode, {})
     with ExitStack() as stack:
