@@ -71,7 +71,7 @@ def _install() -> None:
             wrap(m, "resolve_load", lambda *a, **k: None)
             wrap(m.AsyncLoader, "_release", lambda s, ld: ld.spec.req_id, after=False)
             wrap(m.AsyncLoader, "_finish", lambda s, ld: ld.spec.req_id, after=False)
-            wrap(m.AsyncLoader, "submit", lambda s, spec: spec.req_id, after=False)
+            wrap(m.AsyncLoader, "submit", lambda s, spec, *early: spec.req_id, after=False)
         elif module_name == "maru_connector.transfer.handles":
             from maru_connector.transfer import handles as m
             wrap(m.LoadHandle, "_mark_layer", lambda s, layer, *a: layer, after=False)
