@@ -2,8 +2,10 @@
 
 On the CPU, a load's copies and the forward they overlap compete for the
 same cores unless the copies have cores of their own: on two cores shared
-with the forward's OpenMP team, overlap hid 2-4 ms of a 30-ms load
-(bench/RESULTS.md). vLLM plans for this: with a KV connector configured, its
+with the forward's OpenMP team, partial hits ran at 0.90-1.03 x their sync
+time, with a core reserved at 0.97 x in every row, the forward waiting only
+for the first layer's copy (bench/RESULTS.md, "Copies on a core of their
+own"). vLLM plans for this: with a KV connector configured, its
 CPU worker leaves cores out of the OpenMP team (``VLLM_CPU_NUM_OF_RESERVED_CPU``;
 one more per rank for KV transfer) and binds the team to the rest through
 ``OMP_PLACES`` (or ``GOMP_CPU_AFFINITY`` / ``KMP_AFFINITY`` with those
@@ -98,9 +100,11 @@ _CPUSET_FILES = (
 
 
 def process_cpus() -> set[int]:
-    """The cores this process may use. Not the calling thread's affinity:
-    once OpenMP has bound the engine thread (its team's first thread), that
-    names the team's cores only."""
+    """The cores this process may use: its cpuset (a container's), else
+    every core online. Not the calling thread's affinity: once OpenMP has
+    bound the engine thread (its team's first thread), that names the
+    team's cores only. A process confined by ``taskset`` alone is not seen
+    as confined: list its cores in ``maru_copy_cpus`` there."""
     for path in _CPUSET_FILES:
         try:
             with open(path) as f:
