@@ -12,9 +12,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .copy_cpus import pin_this_thread
 from .engine import TransferEngine, _Job
 from .plan import Run
-from .copy_cpus import pin_this_thread
 from .prefault import PoolPrefaulter
 
 __all__ = ["CpuTransferEngine"]
