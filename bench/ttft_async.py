@@ -131,7 +131,7 @@ def _reserved_cpus_env(reserved: int, mp: bool) -> dict[str, str]:
             "OMP_PLACES": "{" + ",".join(map(str, team)) + "}"}
 
 
-def _engine_env(args, mp: bool = True) -> dict[str, str]:
+def _engine_env(args, mp: bool) -> dict[str, str]:
     # Passive OpenMP waits, for every engine alike: on a shared machine a
     # spinning OpenMP thread mostly burns the core another engine's (or
     # its own team's) thread needs. The spin also once made the engine
@@ -140,7 +140,7 @@ def _engine_env(args, mp: bool = True) -> dict[str, str]:
     # are cores, which the connector's torch copies (a team per copy thread)
     # brought about; its copies no longer use OpenMP.
     env = {"OMP_NUM_THREADS": str(os.cpu_count() or 1), "OMP_WAIT_POLICY": "PASSIVE"}
-    env.update(_reserved_cpus_env(getattr(args, "reserve_cpus", 0), mp))
+    env.update(_reserved_cpus_env(args.reserve_cpus, mp))
     if args.trace:
         env["MARU_TRACE_FILE"] = os.path.abspath(args.trace)
         here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trace")

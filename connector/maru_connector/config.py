@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .transfer.copy_cpus import parse_cpu_list
+from .transfer.copy_cpus import CopyCpusError, parse_setting
 
 logger = logging.getLogger(__name__)
 
@@ -182,14 +182,10 @@ def _check_combination(cfg: MaruConfig) -> None:
             "maru_overlap_release_after_layers must be at least 0, got "
             f"{cfg.maru_overlap_release_after_layers}"
         )
-    if cfg.maru_copy_cpus.strip().lower() not in ("auto", "none"):
-        try:
-            parse_cpu_list(cfg.maru_copy_cpus)
-        except ValueError as exc:
-            raise MaruConfigError(
-                f"maru_copy_cpus={cfg.maru_copy_cpus!r}: {exc}; use \"auto\", \"none\" "
-                "or cores like \"3\" or \"2,6-7\""
-            ) from None
+    try:
+        parse_setting(cfg.maru_copy_cpus)
+    except CopyCpusError as exc:
+        raise MaruConfigError(str(exc)) from None
     for name in ("maru_lookup_timeout_s", "maru_load_timeout_s"):
         if getattr(cfg, name) <= 0:
             raise MaruConfigError(f"{name} must be positive, got {getattr(cfg, name)}")

@@ -28,8 +28,8 @@ from typing import Mapping
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CopyCpusError", "openmp_cpus", "parse_cpu_list", "pin_this_thread", "process_cpus",
-           "resolve_copy_cpus"]
+__all__ = ["CopyCpusError", "openmp_cpus", "parse_cpu_list", "parse_setting", "pin_this_thread",
+           "process_cpus", "resolve_copy_cpus"]
 
 
 class CopyCpusError(ValueError):
@@ -114,30 +114,36 @@ def process_cpus() -> set[int]:
     return set(os.sched_getaffinity(0))
 
 
+def parse_setting(setting: str) -> str | set[int]:
+    """``maru_copy_cpus`` read: ``"auto"``, ``"none"`` or the cores it lists;
+    ``CopyCpusError`` (saying what to write) for anything else."""
+    value = setting.strip().lower()
+    if value in ("auto", "none"):
+        return value
+    try:
+        return parse_cpu_list(value)
+    except ValueError as exc:
+        raise CopyCpusError(
+            f"maru_copy_cpus={setting!r}: {exc}; use \"auto\", \"none\" or cores like \"3\" or \"2,6-7\""
+        ) from None
+
+
 def resolve_copy_cpus(setting: str, environ: Mapping[str, str] | None = None,
                       allowed: set[int] | None = None) -> frozenset[int] | None:
     """The cores for the copy threads (None: leave them unpinned).
 
     Raises ``CopyCpusError`` for a list that is malformed or names no core
     this process may run on."""
-    environ = os.environ if environ is None else environ
-    allowed = process_cpus() if allowed is None else allowed
-    value = setting.strip().lower()
+    value = parse_setting(setting)
     if value == "none":
         return None
+    environ = os.environ if environ is None else environ
+    allowed = process_cpus() if allowed is None else allowed
     if value == "auto":
         team = openmp_cpus(environ)
-        if team is None:
-            return None
-        free = allowed - team
+        free = allowed - team if team is not None else set()
         return frozenset(free) if free else None
-    try:
-        cpus = parse_cpu_list(value)
-    except ValueError as exc:
-        raise CopyCpusError(
-            f"maru_copy_cpus={setting!r}: {exc}; use \"auto\", \"none\" or cores like \"3\" or \"2,6-7\""
-        ) from None
-    usable = cpus & allowed
+    usable = value & allowed
     if not usable:
         raise CopyCpusError(
             f"maru_copy_cpus={setting!r} names none of the cores this process may use "
