@@ -18,13 +18,9 @@
 #   prefix 1k, 4k and 16k hits whose lookup pins in a second round trip (a
 #          match_prefix, then a retrieve: the connector before) or in the
 #          same one (retrieve_prefix, as shipped); then the CUDA tests.
-#   busypoll  1k and 4k hits with the index as by default (its event loop
-#          sleeps when idle) or started with --busy-poll (it never sleeps);
-#          no CUDA tests (the connector is the same).
 set -u
-usage="usage: h200_ab.sh group|head|fullhead|early|prefix|busypoll OUT_DIR [ROUNDS]"
-experiment=${1:?$usage}
-out=${2:?$usage}
+experiment=${1:?usage: h200_ab.sh group|head|fullhead|early|prefix OUT_DIR [ROUNDS]}
+out=${2:?usage: h200_ab.sh group|head|fullhead|early|prefix OUT_DIR [ROUNDS]}
 rounds=${3:-3}
 sizes=4096
 mkdir -p "$out"
@@ -37,8 +33,6 @@ early) variants="worker:--no-early-pins early:"; timed="1024/sync_overlap_graphs
        sizes="1024 4096 16384" ;;
 prefix) variants="twort:--two-round-trip-pins onert:"; timed="1024/sync_overlap_graphs 4096/sync_overlap_graphs"
        sizes="1024 4096 16384" ;;
-busypoll) variants="sleeps: busy:--index-busy-poll"; timed="1024/sync_overlap_graphs 4096/sync_overlap_graphs"
-       sizes="1024 4096" ;;
 *) echo "unknown experiment $experiment" >&2; exit 2 ;;
 esac
 for r in $(seq 1 "$rounds"); do
@@ -58,7 +52,7 @@ for r in $(seq 1 "$rounds"); do
         fi
     done
 done
-if [ "$experiment" != group ] && [ "$experiment" != busypoll ]; then
+if [ "$experiment" != group ]; then
     timeout 240 python3 -m pytest --noconftest -p no:cacheprovider -m cuda -q \
         tests/connector/test_transfer_cuda.py tests/connector/test_graph_pieces_cuda.py \
         >"$out/cuda_tests.txt" 2>&1

@@ -17,9 +17,6 @@ CPU, a real index process), then:
 
     PYTHONPATH=connector:core:tests/connector python3 bench/lookup_latency.py --tokens 4096
 
-Each format runs twice: the index as by default, then with ``--busy-poll``
-(its event loop never sleeps).
-
 Host only (no GPU needed): the same code runs on the GPU machine's host.
 """
 
@@ -79,10 +76,9 @@ class Spans:
             setattr(owner, name, inner)
 
 
-def lookup_phases(fmt: str, tokens: int, hits: int, busy_poll: bool) -> dict:
+def lookup_phases(fmt: str, tokens: int, hits: int) -> dict:
     args = harness.parse(["--cpu", "--layers", "32", "--sizes", str(tokens),
-                          "--partial", str(tokens), "16", "--formats", fmt, "--out", "/tmp"]
-                         + (["--index-busy-poll"] if busy_poll else []))
+                          "--partial", str(tokens), "16", "--formats", fmt, "--out", "/tmp"])
     geo = harness.TINY.scaled(layers=32)
     bench = harness.Bench(args, geo, "cpu")
     spans = Spans()
@@ -141,8 +137,7 @@ def lookup_phases(fmt: str, tokens: int, hits: int, busy_poll: bool) -> dict:
     finally:
         spans.close()
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-    return {"format": fmt, "tokens": tokens, "index_busy_poll": busy_poll, "hits": len(rows),
-            "median_ms": med,
+    return {"format": fmt, "tokens": tokens, "hits": len(rows), "median_ms": med,
             "round_trip_after_idle_ms": gaps}
 
 
@@ -156,14 +151,12 @@ def main(argv=None) -> None:
     result = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                           "platform": platform.platform()}, "runs": []}
     for fmt in args.formats:
-        for busy_poll in (False, True):
-            run = lookup_phases(fmt, args.tokens, args.hits, busy_poll)
-            result["runs"].append(run)
-            med = ", ".join(f"{k} {v:.3f}" for k, v in run["median_ms"].items())
-            idle = ", ".join(f"{k}: {v:.3f}" for k, v in run["round_trip_after_idle_ms"].items())
-            index = "index --busy-poll" if busy_poll else "index as default"
-            print(f"{fmt} {args.tokens} tokens, {index}, medians of {run['hits']} hits (ms): {med}")
-            print(f"  retrieve_prefix round trip after the index and client idled (ms): {idle}")
+        run = lookup_phases(fmt, args.tokens, args.hits)
+        result["runs"].append(run)
+        med = ", ".join(f"{k} {v:.3f}" for k, v in run["median_ms"].items())
+        idle = ", ".join(f"{k}: {v:.3f}" for k, v in run["round_trip_after_idle_ms"].items())
+        print(f"{fmt} {args.tokens} tokens, medians of {run['hits']} hits (ms): {med}")
+        print(f"  retrieve_prefix round trip after the index and client idled (ms): {idle}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

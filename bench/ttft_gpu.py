@@ -84,8 +84,6 @@ def parse(argv=None):
     p.add_argument("--no-early-pins", action="store_true",
                    help="A/B: the worker retrieves (pins) each load itself instead of copying under "
                         "the pins its lookup took (maru_early_pins=false)")
-    p.add_argument("--index-busy-poll", action="store_true",
-                   help="start the index with --busy-poll (its event loop never sleeps)")
     p.add_argument("--group-below-mib", type=float, default=None,
                    help="experiment: load layers smaller than this in groups (the engine's "
                         "GROUP_BELOW_BYTES, 8 MiB)")

@@ -61,8 +61,7 @@ class Cluster:
 
     def __init__(self, model, args, fmt: str, pool_bytes: int):
         self.model, self.args, self.fmt = model, args, fmt
-        busy = ("--busy-poll",) if getattr(args, "index_busy_poll", False) else ()
-        self.index = IndexProcess(pool_size=str(pool_bytes), extra_args=busy)
+        self.index = IndexProcess(pool_size=str(pool_bytes))
         self.registered = False
 
     def __enter__(self) -> "Cluster":

@@ -193,9 +193,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="N", help=f"wrong-token hellos one peer may send at once (default {limits.peer_auth_failure_burst})")
     parser.add_argument("--max-evict-fraction", type=_fraction_arg, default=MAX_EVICT_FRACTION, metavar="F",
                         help=f"largest share of the pool one reserve may evict (default {MAX_EVICT_FRACTION:g})")
-    parser.add_argument("--busy-poll", action="store_true",
-                        help="never let the event loop sleep: a request after idle is read at once, not "
-                             "after an idle core wakes (0.2-0.75 ms on virtual machines); costs one core")
     parser.add_argument("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
@@ -355,7 +352,6 @@ async def _serve(args: argparse.Namespace, pool: Any, token: str | None, fresh: 
         watermarks=(args.high_watermark, args.low_watermark),
         limits=limits,
         max_evict_fraction=args.max_evict_fraction,
-        busy_poll=args.busy_poll,
     )
     try:
         if args.metrics_port is not None:  # before listening: a taken port is reported before any client arrives

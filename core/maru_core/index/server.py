@@ -109,7 +109,6 @@ class IndexServer:
         metrics: Any = None,
         slice_keys: int = SLICE_KEYS,
         limits: ServerLimits | None = None,
-        busy_poll: bool = False,
     ) -> None:
         if slice_keys < 1:
             raise ValueError(f"slice_keys must be at least 1, got {slice_keys}")
@@ -118,7 +117,6 @@ class IndexServer:
         self.limits = limits or ServerLimits()
         self._token = token.encode() if token else None
         self._expiry_interval_s = expiry_interval_s
-        self._busy_poll = busy_poll
         self._metrics = metrics
         self._slice_keys = slice_keys
         self._slice_bytes = slice_keys * KEY_BYTES
@@ -192,19 +190,7 @@ class IndexServer:
             asyncio.create_task(self._expire_periodically()),
             asyncio.create_task(self._sweep_periodically()),
         ]
-        if self._busy_poll:
-            self._tasks.append(asyncio.create_task(self._poll_without_sleeping()))
         return bound
-
-    @staticmethod
-    async def _poll_without_sleeping() -> None:
-        """Keep the event loop polling (``--busy-poll``): with a task always
-        ready it never blocks in the kernel, so a request is read within
-        microseconds instead of after the wake-up of an idle core, which took
-        0.2-0.75 ms on the virtual machines measured (bench/RESULTS.md). Costs
-        one core, all the time."""
-        while True:
-            await asyncio.sleep(0)
 
     async def close(self) -> None:
         """Stop listening, drop every connection, stop the periodic tasks."""

@@ -54,7 +54,6 @@ def build_service(
     watermarks: tuple[float, float] = (0.95, 0.85),
     limits: ServerLimits | None = None,
     max_evict_fraction: float = MAX_EVICT_FRACTION,
-    busy_poll: bool = False,
 ) -> IndexService:
     """Build the index of ``pool``; call inside the running loop that will serve it.
 
@@ -62,8 +61,7 @@ def build_service(
     writer of an earlier index to wait for. ``watermarks`` is (high, low):
     the used fractions at which eviction starts and down to which it evicts.
     ``limits`` bound what one connection may cost; ``max_evict_fraction`` what
-    one reserve may evict. ``busy_poll``: the event loop never sleeps (lower
-    latency after idle, one core spent).
+    one reserve may evict.
     """
     high, low = watermarks
     registry = Registry(pool.geometry, lease_ttl_s=lease_ttl_s, reservation_ttl_s=reservation_ttl_s,
@@ -86,6 +84,5 @@ def build_service(
 
         metrics = IndexMetrics(read_stats, pool.geometry.capacity_bytes)
     interval = expiry_interval_s or min(1.0, lease_ttl_s / 4)
-    server = IndexServer(registry, pool, token=token, expiry_interval_s=interval, metrics=metrics, limits=limits,
-                         busy_poll=busy_poll)
+    server = IndexServer(registry, pool, token=token, expiry_interval_s=interval, metrics=metrics, limits=limits)
     return IndexService(server=server, metrics=metrics, restored=restored)
