@@ -79,6 +79,8 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--reserve-cpus", type=int, default=0,
                    help="cores left out of the forward's OpenMP team for the copies "
                         "(vLLM's VLLM_CPU_NUM_OF_RESERVED_CPU; 0: all cores in the team)")
+    p.add_argument("--copy-priority", choices=["normal", "idle"], default="idle",
+                   help="the copy threads' priority (maru_copy_priority)")
     p.add_argument("--trace", default=None, help="append per-phase timestamps to this file")
     p.add_argument("--json", default=os.path.join("out", "ttft_paired.json"))
     args = p.parse_args()
@@ -157,7 +159,7 @@ def _run_mode(args, mp: bool, model_dir: str, workdir: str, out: dict) -> None:
         for f, fmt in enumerate(args.formats):
             knobs = dict(kv_chunk_tokens=args.chunk_tokens, use_layerwise=FORMATS[fmt], async_store=True,
                          lookup_timeout_s=1.0, pool_path=index.pool_path, token=index.token,
-                         prefault_pool=not args.no_prefault)
+                         prefault_pool=not args.no_prefault, copy_priority=args.copy_priority)
             writer = EngineProcess(EngineSpec(**{**base.__dict__, "kv_transfer_config": make_kv_transfer_config(
                 index.url, **knobs)}), os.path.join(workdir, f"{mode}-{fmt}-W.log"), wait=False)
             stack.callback(writer.close)

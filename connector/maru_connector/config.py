@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .transfer.copy_cpus import CopyCpusError, parse_setting
+from .transfer.copy_cpus import CopyCpusError, check_priority, parse_setting
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,9 @@ class MaruConfig:
     # "auto" (those vLLM's CPU worker leaves out of the forward's OpenMP
     # team, if any), "none" (unpinned) or a list like "2,6-7".
     maru_copy_cpus: str = "auto"
+    # CPU backend: "idle" runs the copy threads only on cores the forward
+    # leaves idle (Linux SCHED_IDLE), "normal" as any other thread.
+    maru_copy_priority: str = "idle"
 
     @property
     def fmt_name(self) -> str:
@@ -184,6 +187,7 @@ def _check_combination(cfg: MaruConfig) -> None:
         )
     try:
         parse_setting(cfg.maru_copy_cpus)
+        check_priority(cfg.maru_copy_priority)
     except CopyCpusError as exc:
         raise MaruConfigError(str(exc)) from None
     for name in ("maru_lookup_timeout_s", "maru_load_timeout_s"):

@@ -108,7 +108,8 @@ def open_resources(cfg: MaruConfig, kv_caches: dict[str, Any], block_size: int) 
         stats = open_stats(cfg, "worker")
     engine = TransferEngine.create(pool.buffer, kv_caches, fmt,
                                    prefault=cfg.prefault_pool(pool.buffer.nbytes),
-                                   copy_cpus=copy_cpus_for(cfg))
+                                   copy_cpus=copy_cpus_for(cfg),
+                                   copy_priority=cfg.maru_copy_priority)
 
     def client_factory(role: str) -> Any:
         return IndexClient(

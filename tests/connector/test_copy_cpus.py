@@ -2,10 +2,12 @@
 vLLM's CPU worker sets is read in each of its forms, ``maru_copy_cpus``
 resolves to the cores left out of it, bad lists are refused with a message
 that says what to write, and a real engine's copy threads (and its pool
-prefaulter) run pinned while their copies stay exact."""
+prefaulter) run pinned, and at idle priority when asked, while their
+copies stay exact."""
 
 import os
 import random
+import time
 
 import pytest
 from hypothesis import given
@@ -105,6 +107,16 @@ def copy_thread_cpus(engine) -> dict[str, set[int]]:
     return {t.name: os.sched_getaffinity(t.native_id) for t in engine._threads}
 
 
+def settled(read, expected, timeout_s: float = 10.0):
+    """``read()`` once it returns ``expected`` (a copy thread sets its cores
+    and priority first thing, but a moment after the engine is built), or
+    its last value after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while (value := read()) != expected and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return value
+
+
 def test_copy_threads_run_pinned_and_their_copies_stay_exact():
     mine = os.sched_getaffinity(0)
     cpus = frozenset({max(mine)})
@@ -172,7 +184,8 @@ def test_the_worker_pins_copies_off_the_cores_vllm_binds_its_forward_to(monkeypa
         res = open_resources(cfg, kv, 16)
         try:
             assert res.engine.copy_cpus == frozenset(allowed - {team})
-            assert copy_thread_cpus(res.engine)["maru-load"] == allowed - {team}
+            assert settled(lambda: copy_thread_cpus(res.engine)["maru-load"], allowed - {team}) \
+                == allowed - {team}
         finally:
             res.close()
     finally:
@@ -196,3 +209,52 @@ def test_the_process_cores_are_not_the_bound_thread_s():
         assert process_cpus() == allowed
     finally:
         os.sched_setaffinity(0, mine)
+
+
+@pytest.mark.parametrize("priority, policy", [("normal", os.SCHED_OTHER), ("idle", os.SCHED_IDLE)])
+def test_copy_threads_run_at_the_priority_asked_for_and_copy_exactly(priority, policy):
+    pool = ShmPool(1 << 20)
+    made = []
+
+    def engine_at(*args, **kwargs):
+        made.append(TransferEngine.create(*args, copy_priority=priority, **kwargs))
+        return made[-1]
+
+    try:
+        round_trip(engine_at, pool, "cpu", layerwise=False, chunks=3, rng=random.Random(8),
+                   adjacent=False)
+        for engine in made:
+            assert {t.name: os.sched_getscheduler(t.native_id) for t in engine._threads} == {
+                "maru-load": policy, "maru-store": policy}
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the caller's thread is left alone
+    finally:
+        for engine in made:
+            engine.close()
+        pool.close()
+
+
+@pytest.mark.parametrize("knob, policy", [({}, os.SCHED_IDLE),
+                                          ({"maru_copy_priority": "normal"}, os.SCHED_OTHER)])
+def test_the_worker_runs_copies_at_the_configured_priority(knob, policy):
+    raw = {"maru_index_url": "tcp://127.0.0.1:1", "maru_kv_chunk_tokens": 32}
+    path = f"/dev/shm/maru-copy-priority-worker-{os.getpid()}"
+    pool = Pool.create(path, 4 << 20, page_size=os.sysconf("SC_PAGE_SIZE"))
+    try:
+        cfg = parse_config({**raw, "maru_pool_path": path, **knob}, 16)
+        kv = make_kv_caches("cpu", layers=2, blocks=8, heads=2, block_size=16, head_size=8)
+        res = open_resources(cfg, kv, 16)
+        try:
+            load_thread = res.engine._threads[0].native_id
+            assert settled(lambda: os.sched_getscheduler(load_thread), policy) == policy
+        finally:
+            res.close()
+    finally:
+        pool.close()
+        os.unlink(path)
+
+
+def test_a_copy_priority_other_than_idle_or_normal_stops_start_up():
+    raw = {"maru_index_url": "tcp://127.0.0.1:1", "maru_pool_path": "/dev/shm/unused"}
+    assert parse_config(raw).maru_copy_priority == "idle"
+    with pytest.raises(MaruConfigError, match="maru_copy_priority must be one of normal, idle, got 'low'"):
+        parse_config({**raw, "maru_copy_priority": "low"})

@@ -165,5 +165,29 @@ def pin_this_thread(cpus: frozenset[int] | None) -> None:
                        _format(set(cpus)), exc)
 
 
+PRIORITIES = ("normal", "idle")
+
+
+def check_priority(priority: str) -> None:
+    """Raise ``CopyCpusError`` unless ``priority`` is one of ``PRIORITIES``."""
+    if priority not in PRIORITIES:
+        raise CopyCpusError(f"maru_copy_priority must be one of {', '.join(PRIORITIES)}, "
+                            f"got {priority!r}")
+
+
+def idle_this_thread() -> None:
+    """Let the calling thread run only on a core nothing else wants
+    (``SCHED_IDLE``; the caller only, as with the affinity above). Sharing
+    cores with the forward, a copy thread that takes a core from one of the
+    forward's OpenMP threads stalls the whole team at its next barrier; at
+    idle priority it runs in the gaps the forward leaves (its Python between
+    kernels, a passive OpenMP team waiting) and, when the forward waits for
+    the layer it copies, on the core that wait frees."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError) as exc:
+        logger.warning("copy thread left at normal priority (%s)", exc)
+
+
 def _format(cpus: set[int]) -> str:
     return ",".join(str(c) for c in sorted(cpus))

@@ -5,14 +5,15 @@ GIL (numpy), never in an OpenMP team of its own: see :func:`_copy`. The
 pool's pages are mapped into the process in the background at start, so the
 copies of hits and stores do not fault them in (``prefault.py``). The copy
 threads run on cores of their own when vLLM leaves any out of the forward's
-OpenMP team (``copy_cpus.py``): only then can a load overlap the forward."""
+OpenMP team (``copy_cpus.py``), and at idle priority, so that on cores they
+share with the forward they take only the time it leaves idle."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from .copy_cpus import pin_this_thread
+from .copy_cpus import idle_this_thread, pin_this_thread
 from .engine import TransferEngine, _Job
 from .plan import Run
 from .prefault import PoolPrefaulter
@@ -24,17 +25,23 @@ class CpuTransferEngine(TransferEngine):
     backend = "cpu"
 
     def __init__(self, pool_buffer, kv_caches, fmt, prefault: bool = True,
-                 copy_cpus: frozenset[int] | None = None) -> None:
+                 copy_cpus: frozenset[int] | None = None, copy_priority: str = "idle") -> None:
         """``prefault``: map the pool's pages ahead of the first hits, in the
         background (``prefault.py``). ``copy_cpus``: the cores the copy
-        threads (and that background work) run on; None: unpinned."""
+        threads (and that background work) run on; None: unpinned.
+        ``copy_priority``: ``"idle"`` runs the copy threads only where a
+        core is otherwise idle (``copy_cpus.idle_this_thread``), ``"normal"``
+        as any other thread."""
         super().__init__(pool_buffer, kv_caches, fmt)
         self.copy_cpus = copy_cpus
+        self.copy_priority = copy_priority
         self.prefaulter = (PoolPrefaulter(self.pool.data_ptr(), self.pool_size, cpus=copy_cpus)
                            if prefault else None)
 
     def _copy_thread_started(self) -> None:
         pin_this_thread(self.copy_cpus)
+        if self.copy_priority == "idle":
+            idle_this_thread()
 
     def _release(self) -> None:
         if self.prefaulter is not None:

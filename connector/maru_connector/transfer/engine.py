@@ -81,7 +81,8 @@ class TransferEngine(abc.ABC):
     @classmethod
     def create(cls, pool_buffer: memoryview, kv_caches: dict[str, torch.Tensor],
                fmt: ObjectFormat, device: str = "auto", prefault: bool = True,
-               copy_cpus: frozenset[int] | None = None, **options) -> "TransferEngine":
+               copy_cpus: frozenset[int] | None = None, copy_priority: str = "idle",
+               **options) -> "TransferEngine":
         """Build the engine for the device the KV cache lives on.
 
         Args:
@@ -93,6 +94,8 @@ class TransferEngine(abc.ABC):
                 (``prefault.py``); CUDA registers the pool, which maps them.
             copy_cpus: CPU: the cores for the copy threads, None: unpinned
                 (``copy_cpus.py``); CUDA's copies run on its copy engines.
+            copy_priority: CPU: ``"idle"`` (the copy threads run only where
+                a core is otherwise idle) or ``"normal"``.
             options: backend options (CUDA: ``staging_bytes``).
         """
         on_cuda = any(t.is_cuda for t in kv_caches.values())
@@ -107,7 +110,7 @@ class TransferEngine(abc.ABC):
             from .cuda import CudaTransferEngine as engine_cls
         else:
             from .cpu import CpuTransferEngine as engine_cls
-            options.update(prefault=prefault, copy_cpus=copy_cpus)
+            options.update(prefault=prefault, copy_cpus=copy_cpus, copy_priority=copy_priority)
         engine = engine_cls(pool_buffer, kv_caches, fmt, **options)
         engine._start()
         return engine
