@@ -64,8 +64,9 @@ class MaruConfig:
     # "auto" (those vLLM's CPU worker leaves out of the forward's OpenMP
     # team, if any), "none" (unpinned) or a list like "2,6-7".
     maru_copy_cpus: str = "auto"
-    # CPU backend: "idle" runs the copy threads only on cores the forward
-    # leaves idle (Linux SCHED_IDLE), "normal" as any other thread.
+    # CPU backend: "idle" runs the load thread only on cores the forward
+    # leaves idle (Linux SCHED_IDLE), "normal" as any other thread; the
+    # store thread always at normal priority (transfer/cpu.py says why).
     maru_copy_priority: str = "idle"
 
     @property

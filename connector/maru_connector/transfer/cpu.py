@@ -5,8 +5,12 @@ GIL (numpy), never in an OpenMP team of its own: see :func:`_copy`. The
 pool's pages are mapped into the process in the background at start, so the
 copies of hits and stores do not fault them in (``prefault.py``). The copy
 threads run on cores of their own when vLLM leaves any out of the forward's
-OpenMP team (``copy_cpus.py``), and at idle priority, so that on cores they
-share with the forward they take only the time it leaves idle."""
+OpenMP team (``copy_cpus.py``), and the load thread at idle priority, so
+that on cores it shares with the forward it takes only the time the forward
+leaves idle. The store thread stays at normal priority: nothing waits for
+a store, so at idle priority it could wait without end behind other busy
+processes (an idle vLLM worker polls its queue), its reservation lapse, and
+the store be lost."""
 
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ class CpuTransferEngine(TransferEngine):
         """``prefault``: map the pool's pages ahead of the first hits, in the
         background (``prefault.py``). ``copy_cpus``: the cores the copy
         threads (and that background work) run on; None: unpinned.
-        ``copy_priority``: ``"idle"`` runs the copy threads only where a
+        ``copy_priority``: ``"idle"`` runs the load thread only where a
         core is otherwise idle (``copy_cpus.idle_this_thread``), ``"normal"``
         as any other thread."""
         super().__init__(pool_buffer, kv_caches, fmt)
@@ -38,9 +42,9 @@ class CpuTransferEngine(TransferEngine):
         self.prefaulter = (PoolPrefaulter(self.pool.data_ptr(), self.pool_size, cpus=copy_cpus)
                            if prefault else None)
 
-    def _copy_thread_started(self) -> None:
+    def _copy_thread_started(self, loads: bool) -> None:
         pin_this_thread(self.copy_cpus)
-        if self.copy_priority == "idle":
+        if loads and self.copy_priority == "idle":
             idle_this_thread()
 
     def _release(self) -> None:

@@ -94,7 +94,7 @@ class TransferEngine(abc.ABC):
                 (``prefault.py``); CUDA registers the pool, which maps them.
             copy_cpus: CPU: the cores for the copy threads, None: unpinned
                 (``copy_cpus.py``); CUDA's copies run on its copy engines.
-            copy_priority: CPU: ``"idle"`` (the copy threads run only where
+            copy_priority: CPU: ``"idle"`` (the load thread runs only where
                 a core is otherwise idle) or ``"normal"``.
             options: backend options (CUDA: ``staging_bytes``).
         """
@@ -180,7 +180,7 @@ class TransferEngine(abc.ABC):
 
     # ------------------------------------------------------------ copy thread
     def _serve(self, q: queue.Queue, run) -> None:
-        self._copy_thread_started()
+        self._copy_thread_started(loads=q is self._load_queue)
         while True:
             job = q.get()
             if job is _STOP:
@@ -194,8 +194,9 @@ class TransferEngine(abc.ABC):
                     with self._submit_lock:
                         self._loads_queued -= 1
 
-    def _copy_thread_started(self) -> None:
-        """Runs first on each copy thread (CPU: pins it to its cores)."""
+    def _copy_thread_started(self, loads: bool) -> None:
+        """Runs first on each copy thread, the load thread's with ``loads``
+        (CPU: pins it to its cores, and sets the load thread's priority)."""
 
     @staticmethod
     def _fail(job: _Job, exc: BaseException) -> None:
