@@ -26,21 +26,23 @@ Every copied block is compared with its source bytes.
 from __future__ import annotations
 
 import ctypes
-import mmap
 import os
 import random
 import statistics
-import tempfile
+import sys
 import time
 
 import numpy as np
 import torch
 
-from maru_connector.transfer.cudart import _loaded_cudart, register_host, unregister_host
+sys.path.insert(0, os.path.dirname(__file__))
 
-LAYERS, BLOCK_BYTES, BLOCKS_PER_CHUNK, CHUNKS = 32, 64 << 10, 16, 16
-LAYER_IN_CHUNK = BLOCK_BYTES * BLOCKS_PER_CHUNK
-OBJECT_BYTES = LAYER_IN_CHUNK * LAYERS
+from gpu_probe_common import (  # noqa: E402
+    BLOCK_BYTES, BLOCKS_PER_CHUNK, CHUNKS, LAYER_IN_CHUNK, LAYERS, OBJECT_BYTES,
+    beside, decode_like_forward, elapsed_ms, registered_pool,
+)
+from maru_connector.transfer.cudart import _loaded_cudart  # noqa: E402
+
 SRC_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream
 
 
@@ -80,32 +82,11 @@ def batch_memcpy():
     return version.value, copy
 
 
-def elapsed_ms(fn, repeats=7) -> list[float]:
-    times = []
-    for _ in range(repeats + 1):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times[1:]
-
-
 def main() -> None:
     dev = torch.device("cuda")
     torch.cuda.init()
     version, copy = batch_memcpy()
-    pool_bytes = OBJECT_BYTES * CHUNKS * 4
-    fd, path = tempfile.mkstemp(dir="/dev/shm")
-    os.ftruncate(fd, pool_bytes)
-    mm = mmap.mmap(fd, pool_bytes)
-    pool = torch.frombuffer(mm, dtype=torch.uint8)
-    pool.random_(0, 256)
-    ptr = pool.data_ptr()
-    assert register_host(ptr, pool_bytes)
-    try:
+    with registered_pool(OBJECT_BYTES * CHUNKS * 4) as (pool, ptr):
         rng = random.Random(0)
         slots = rng.sample(range(CHUNKS * 4), CHUNKS)
         n_blocks = CHUNKS * BLOCKS_PER_CHUNK
@@ -150,33 +131,20 @@ def main() -> None:
                 if events:
                     torch.cuda.Event().record(stream)
 
-        def timed(fn):
-            def run():
-                torch.cuda.current_stream().wait_stream(stream)
-                stream.wait_stream(torch.cuda.current_stream())
-                fn()
-                torch.cuda.current_stream().wait_stream(stream)
-            return statistics.median(elapsed_ms(run))
+        def on_stream(fn):
+            stream.wait_stream(torch.cuda.current_stream())
+            fn()
+            torch.cuda.current_stream().wait_stream(stream)
 
-        weights = [torch.randn(4 * 4096, 4096, dtype=torch.bfloat16, device=dev)
-                   for _ in range(LAYERS)]
-        mlp = [torch.randn(14336 * 3, 4096, dtype=torch.bfloat16, device=dev) for _ in range(8)]
-        x = torch.randn(1, 4096, dtype=torch.bfloat16, device=dev)
-
-        def forward():
-            for layer in range(LAYERS):
-                torch.matmul(x, weights[layer].t())
-                torch.matmul(x, mlp[layer % 8].t())
-
-        fwd_alone = statistics.median(elapsed_ms(forward))
-        print(f"decode-like forward alone: {fwd_alone:.2f} ms")
+        forward = decode_like_forward(dev)
+        print(f"decode-like forward alone: {statistics.median(elapsed_ms(forward)):.2f} ms")
 
         for piece in (BLOCK_BYTES, BLOCK_BYTES // 2, BLOCK_BYTES // 4):
             t0 = time.perf_counter()
             dsts, srcs, sizes = plan(piece)
             plan_ms = (time.perf_counter() - t0) * 1e3
             backing.zero_()
-            ms = timed(lambda: load(dsts, srcs, sizes))
+            ms = statistics.median(elapsed_ms(lambda: on_stream(lambda: load(dsts, srcs, sizes))))
             torch.cuda.synchronize()
             ok = True
             for layer in (0, 17, LAYERS - 1):
@@ -190,34 +158,12 @@ def main() -> None:
                 load(dsts, srcs, sizes, events=True)
                 issue.append((time.perf_counter() - t0) * 1e3)
             torch.cuda.synchronize()
-            marks = []
-
-            def both():
-                a = torch.cuda.Event(enable_timing=True)
-                b = torch.cuda.Event(enable_timing=True)
-                stream.wait_stream(torch.cuda.current_stream())
-                a.record(stream)
-                load(dsts, srcs, sizes)
-                b.record(stream)
-                forward()
-                torch.cuda.current_stream().wait_stream(stream)
-                marks.append((a, b))
-
-            total = statistics.median(elapsed_ms(both))
-            torch.cuda.synchronize()
-            beside = statistics.median(a.elapsed_time(b) for a, b in marks[1:])
+            total, alone = beside(lambda: load(dsts, srcs, sizes), forward, stream)
             print(f"batched, {piece >> 10} KiB pieces ({len(sizes)} per layer): {ms:.2f} ms = "
                   f"{load_bytes / ms / 1e6:.1f} GB/s ({peak / ms:.2f} of one cudaMemcpy); "
                   f"issue {statistics.median(issue[5:]):.3f} ms host for {LAYERS} calls + events "
-                  f"(plan {plan_ms:.2f} ms, numpy); beside the forward {beside:.2f} ms "
+                  f"(plan {plan_ms:.2f} ms, numpy); beside the forward {alone:.2f} ms "
                   f"(both done {total:.2f}); bits equal: {ok}")
-    finally:
-        torch.cuda.synchronize()
-        unregister_host(ptr)
-        del pool
-        mm.close()
-        os.close(fd)
-        os.unlink(path)
 
 
 if __name__ == "__main__":

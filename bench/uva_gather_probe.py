@@ -22,22 +22,22 @@ Every gathered block is compared with its source bytes.
 
 from __future__ import annotations
 
-import mmap
 import os
 import random
 import statistics
-import tempfile
+import sys
 import time
 
 import torch
 import triton
 import triton.language as tl
 
-from maru_connector.transfer.cudart import register_host, unregister_host
+sys.path.insert(0, os.path.dirname(__file__))
 
-LAYERS, BLOCK_BYTES, BLOCKS_PER_CHUNK, CHUNKS = 32, 64 << 10, 16, 16
-LAYER_IN_CHUNK = BLOCK_BYTES * BLOCKS_PER_CHUNK  # one layer's extent in a chunk object
-OBJECT_BYTES = LAYER_IN_CHUNK * LAYERS
+from gpu_probe_common import (  # noqa: E402
+    BLOCK_BYTES, BLOCKS_PER_CHUNK, CHUNKS, LAYER_IN_CHUNK, LAYERS, OBJECT_BYTES,
+    beside, decode_like_forward, elapsed_ms, registered_pool,
+)
 
 
 class HostPointer:
@@ -69,31 +69,10 @@ def gather_layer(src, dst, src_off, dst_off, layer_off, n_blocks,
         tl.store(dst + do + idx, tl.load(src + so + idx))
 
 
-def elapsed_ms(fn, repeats=7) -> list[float]:
-    times = []
-    for _ in range(repeats + 1):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times[1:]
-
-
 def main() -> None:
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    pool_bytes = OBJECT_BYTES * CHUNKS * 4
-    fd, path = tempfile.mkstemp(dir="/dev/shm")
-    os.ftruncate(fd, pool_bytes)
-    mm = mmap.mmap(fd, pool_bytes)
-    pool = torch.frombuffer(mm, dtype=torch.uint8)
-    pool.random_(0, 256)
-    ptr = pool.data_ptr()
-    assert register_host(ptr, pool_bytes)
-    try:
+    with registered_pool(OBJECT_BYTES * CHUNKS * 4) as (pool, ptr):
         rng = random.Random(0)
         slots = rng.sample(range(CHUNKS * 4), CHUNKS)  # chunk c's object sits in slot slots[c]
         n_blocks = CHUNKS * BLOCKS_PER_CHUNK
@@ -113,24 +92,28 @@ def main() -> None:
         # 1. The copy engine's peak from the same registered pool.
         flat = torch.empty(load_bytes, dtype=torch.uint8, device=dev)
         host = pool[:load_bytes]
-        peak = statistics.median(elapsed_ms(lambda: flat.copy_(host, non_blocking=True)))
+
+        def copy_engine():
+            flat.copy_(host, non_blocking=True)
+
+        peak = statistics.median(elapsed_ms(copy_engine))
         print(f"device {torch.cuda.get_device_name()}, {sms} SMs; load {load_bytes >> 20} MiB")
         print(f"copy engine, one cudaMemcpy: {peak:.2f} ms = {load_bytes / peak / 1e6:.1f} GB/s")
-        del flat
 
-        def gather(programs: int, chunk: int, warps: int):
+        def gather(programs: int, chunk: int, warps: int, events: bool = False):
             for layer in range(LAYERS):
                 gather_layer[(programs,)](src, kv[layer], src_off_d, dst_off_d,
                                           layer * (LAYER_IN_CHUNK // 8), n_blocks,
                                           ELEMS=BLOCK_BYTES // 8, CHUNK=chunk, PROGRAMS=programs,
                                           num_warps=warps)
+                if events:
+                    torch.cuda.Event().record()
 
         results = {}
         for programs in (sms * 4, sms, 64, 32, 16):
             for chunk, warps in ((1024, 4), (2048, 8)):
                 gather(programs, chunk, warps)  # compile
-                t = elapsed_ms(lambda: gather(programs, chunk, warps))
-                med = statistics.median(t)
+                med = statistics.median(elapsed_ms(lambda: gather(programs, chunk, warps)))
                 results[(programs, chunk, warps)] = med
                 print(f"gather, {programs:4d} programs, {chunk} x 8 B, {warps} warps: "
                       f"{med:.2f} ms = {load_bytes / med / 1e6:.1f} GB/s "
@@ -156,76 +139,22 @@ def main() -> None:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             with torch.cuda.stream(stream):
-                for layer in range(LAYERS):
-                    gather_layer[(best[0],)](src, kv[layer], src_off_d, dst_off_d,
-                                             layer * (LAYER_IN_CHUNK // 8), n_blocks,
-                                             ELEMS=BLOCK_BYTES // 8, CHUNK=best[1],
-                                             PROGRAMS=best[0], num_warps=best[2])
-                    torch.cuda.Event().record(stream)
+                gather(*best, events=True)
             issue.append((time.perf_counter() - t0) * 1e3)
         print(f"issue, {LAYERS} launches + events: {statistics.median(issue[5:]):.3f} ms host")
 
-        # Beside a decode-like forward: 32 layers of GEMVs over 13 GiB of weights.
-        weights = [torch.randn(4 * 4096, 4096, dtype=torch.bfloat16,
-                               device=dev) for _ in range(LAYERS)]
-        mlp = [torch.randn(14336 * 3, 4096, dtype=torch.bfloat16, device=dev) for _ in range(8)]
-        x = torch.randn(1, 4096, dtype=torch.bfloat16, device=dev)
-
-        def forward():
-            for layer in range(LAYERS):
-                torch.matmul(x, weights[layer].t())
-                torch.matmul(x, mlp[layer % 8].t())
-
+        forward = decode_like_forward(dev)
         fwd_alone = statistics.median(elapsed_ms(forward))
         print(f"decode-like forward alone: {fwd_alone:.2f} ms")
         for programs in sorted({best[0], sms, 32, 16}):
             cfg = (programs, best[1], best[2])
             if cfg not in results:
                 continue
-            g_ev = []
-
-            def both():
-                s0 = torch.cuda.Event(enable_timing=True)
-                s1 = torch.cuda.Event(enable_timing=True)
-                s0.record(stream)
-                with torch.cuda.stream(stream):
-                    gather(*cfg)
-                s1.record(stream)
-                forward()
-                torch.cuda.current_stream().wait_stream(stream)
-                g_ev.append((s0, s1))
-
-            t = statistics.median(elapsed_ms(both))
-            torch.cuda.synchronize()
-            g = statistics.median(a.elapsed_time(b) for a, b in g_ev[1:])
-            print(f"together ({programs} programs): both done {t:.2f} ms; gather {g:.2f} ms "
+            total, alone = beside(lambda: gather(*cfg), forward, stream)
+            print(f"together ({programs} programs): both done {total:.2f} ms; gather {alone:.2f} ms "
                   f"(alone {results[cfg]:.2f}); forward alone {fwd_alone:.2f}")
-        # The copy engine's copy beside the same forward, for comparison.
-        flat = torch.empty(load_bytes, dtype=torch.uint8, device=dev)
-        c_ev = []
-
-        def both_ce():
-            s0 = torch.cuda.Event(enable_timing=True)
-            s1 = torch.cuda.Event(enable_timing=True)
-            s0.record(stream)
-            with torch.cuda.stream(stream):
-                flat.copy_(host, non_blocking=True)
-            s1.record(stream)
-            forward()
-            torch.cuda.current_stream().wait_stream(stream)
-            c_ev.append((s0, s1))
-
-        t = statistics.median(elapsed_ms(both_ce))
-        torch.cuda.synchronize()
-        print(f"together (copy engine): both done {t:.2f} ms; copy "
-              f"{statistics.median(a.elapsed_time(b) for a, b in c_ev[1:]):.2f} ms (alone {peak:.2f})")
-    finally:
-        torch.cuda.synchronize()
-        unregister_host(ptr)
-        del pool
-        mm.close()
-        os.close(fd)
-        os.unlink(path)
+        total, alone = beside(copy_engine, forward, stream)
+        print(f"together (copy engine): both done {total:.2f} ms; copy {alone:.2f} ms (alone {peak:.2f})")
 
 
 if __name__ == "__main__":
