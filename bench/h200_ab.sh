@@ -18,9 +18,13 @@
 #   prefix 1k, 4k and 16k hits whose lookup pins in a second round trip (a
 #          match_prefix, then a retrieve: the connector before) or in the
 #          same one (retrieve_prefix, as shipped); then the CUDA tests.
+#   attention  1k, 4k and 16k hits with the stand-in's attention as one flash
+#          kernel per request (before) or one per layer for the whole batch
+#          (as shipped); then the CUDA tests.
 set -u
-experiment=${1:?usage: h200_ab.sh group|head|fullhead|early|prefix OUT_DIR [ROUNDS]}
-out=${2:?usage: h200_ab.sh group|head|fullhead|early|prefix OUT_DIR [ROUNDS]}
+usage="usage: h200_ab.sh group|head|fullhead|early|prefix|attention OUT_DIR [ROUNDS]"
+experiment=${1:?$usage}
+out=${2:?$usage}
 rounds=${3:-3}
 sizes=4096
 mkdir -p "$out"
@@ -33,6 +37,8 @@ early) variants="worker:--no-early-pins early:"; timed="1024/sync_overlap_graphs
        sizes="1024 4096 16384" ;;
 prefix) variants="twort:--two-round-trip-pins onert:"; timed="1024/sync_overlap_graphs 4096/sync_overlap_graphs"
        sizes="1024 4096 16384" ;;
+attention) variants="perreq:--attention=per-request varlen:"
+       timed="1024/sync_overlap_graphs 4096/sync_overlap_graphs" sizes="1024 4096 16384" ;;
 *) echo "unknown experiment $experiment" >&2; exit 2 ;;
 esac
 for r in $(seq 1 "$rounds"); do
@@ -55,6 +61,7 @@ done
 if [ "$experiment" != group ]; then
     timeout 240 python3 -m pytest --noconftest -p no:cacheprovider -m cuda -q \
         tests/connector/test_transfer_cuda.py tests/connector/test_graph_pieces_cuda.py \
+        tests/connector/test_llama_layer.py \
         >"$out/cuda_tests.txt" 2>&1
     tail -3 "$out/cuda_tests.txt"
 fi

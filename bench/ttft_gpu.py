@@ -84,6 +84,9 @@ def parse(argv=None):
     p.add_argument("--no-early-pins", action="store_true",
                    help="A/B: the worker retrieves (pins) each load itself instead of copying under "
                         "the pins its lookup took (maru_early_pins=false)")
+    p.add_argument("--attention", choices=["varlen", "per-request"], default="varlen",
+                   help="A/B: the stand-in's attention as one flash kernel per layer for the "
+                        "whole batch (as vLLM runs it) or one per request (before)")
     p.add_argument("--group-below-mib", type=float, default=None,
                    help="experiment: load layers smaller than this in groups (the engine's "
                         "GROUP_BELOW_BYTES, 8 MiB)")
@@ -150,6 +153,7 @@ class Bench:
     def __init__(self, args, geo, device):
         self.args, self.geo, self.device = args, geo, device
         self.model = LlamaStack(geo, device)
+        self.model.varlen = args.attention == "varlen"
         bs = args.block_size
         hits = max(args.sizes + [sum(args.partial)]) + args.new_tokens
         conc = max(args.concurrency) * (args.concurrent_size + args.new_tokens)
@@ -544,16 +548,24 @@ def main(argv=None):
 
 
 def check_attention(model: LlamaStack) -> float:
-    """The fast attention path against float64 math, on random inputs."""
-    from llama_layer import reference_attention
+    """The attention the forwards run (the cache write, the gather and the
+    batch-wide flash kernel) against float64 math, on random inputs: a
+    37-token request over 300 tokens of context."""
+    from llama_layer import Batch, paged_kv_caches, reference_attention
 
-    g = model.geo
-    q = torch.randn(1, g.heads, 37, g.head, device=model.device, dtype=model.dtype)
-    k = torch.randn(1, g.kv_heads, 300, g.head, device=model.device, dtype=model.dtype)
-    v = torch.randn_like(k)
-    got = model._attend(q, k, v).double()
-    ref = reference_attention(q.double(), k.double(), v.double())
-    err = float((got - ref).norm() / ref.norm())
+    g, dev, bs = model.geo, model.device, 16
+    cache = next(iter(paged_kv_caches(g.scaled(layers=1), 24, bs, dev, seed=5).values()))
+    blocks = torch.randperm(24).tolist()[:-(-337 // bs)]
+    batch = Batch.build([(list(range(37)), 300, blocks)], bs, dev)
+    q = torch.randn(37, g.heads, g.head, device=dev, dtype=model.dtype)
+    kv = torch.randn(37, g.kv_heads, 2 * g.head, device=dev, dtype=model.dtype)
+    out = torch.empty(37, g.heads * g.head, device=dev, dtype=model.dtype)
+    model.attention(cache, q, kv, batch, out)
+    ctx = cache.transpose(1, 2).reshape(-1, g.kv_heads, 2 * g.head)[batch.context].double()
+    k, v = ctx[..., :g.head], ctx[..., g.head:]
+    ref = reference_attention(q.double().transpose(0, 1)[None], k.transpose(0, 1)[None],
+                              v.transpose(0, 1)[None])[0].transpose(0, 1).reshape(37, -1)
+    err = float((out.double() - ref).norm() / ref.norm())
     if not err < 2e-2:
         raise AssertionError(f"attention differs from the reference: {err}")
     return err

@@ -22,8 +22,9 @@ with the token dimension outside the head dimension physically.
 
 from __future__ import annotations
 
+import itertools
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import torch
@@ -95,6 +96,12 @@ class Batch:
     slots: torch.Tensor  # [n] int64: where each new token's K/V is written
     last_index: torch.Tensor  # [requests] int64: index of each request's last token
     seqs: list[tuple[int, int, torch.Tensor]]  # (first, count, slots of the whole context)
+    context: torch.Tensor  # every request's context slots, one after the other
+    cu_q: torch.Tensor  # [requests + 1] int32: where each request's new tokens start
+    cu_k: torch.Tensor  # [requests + 1] int32: where each request's context starts
+    max_q: int
+    max_k: int
+    _gathered: dict = field(default_factory=dict)  # one gather buffer per layer shape
 
     @classmethod
     def build(cls, requests: Sequence[tuple[Sequence[int], int, Sequence[int]]],
@@ -113,10 +120,25 @@ class Batch:
             context = (table[:, None] * block_size + offsets).view(-1)[:start + len(new)]
             seqs.append((first, len(new), context))
 
-        def t(x):
-            return torch.tensor(x, dtype=torch.int64, device=device)
+        def t(x, dtype=torch.int64):
+            return torch.tensor(x, dtype=dtype, device=device)
 
-        return cls(t(toks), t(pos), t(slots), t(last), seqs)
+        counts = [c for _, c, _ in seqs]
+        lengths = [len(c) for _, _, c in seqs]
+        return cls(t(toks), t(pos), t(slots), t(last), seqs,
+                   torch.cat([c for _, _, c in seqs]),
+                   t(list(itertools.accumulate(counts, initial=0)), torch.int32),
+                   t(list(itertools.accumulate(lengths, initial=0)), torch.int32),
+                   max(counts), max(lengths))
+
+    def gathered(self, rows: torch.Tensor, head: int):
+        """A buffer for the context's rows of one layer, reused by every
+        layer, and its K and V halves: ``(buffer, k, v)``."""
+        key = (rows.shape[1:], rows.dtype, rows.device)
+        if key not in self._gathered:
+            buf = rows.new_empty((len(self.context),) + tuple(rows.shape[1:]))
+            self._gathered[key] = (buf, buf[..., :head], buf[..., head:])
+        return self._gathered[key]
 
 
 def token_rows(kv_cache: torch.Tensor) -> torch.Tensor:
@@ -158,6 +180,9 @@ class LlamaStack:
         freqs = torch.outer(torch.arange(max_positions, device=device, dtype=torch.float32), inv)
         self.cos, self.sin = freqs.cos().to(bf), freqs.sin().to(bf)
         self._flash_gqa: bool | None = None
+        # one flash-attention kernel per layer for the whole batch (CUDA);
+        # off: one per request (the A/B of bench/forward_host.py)
+        self.varlen = True
 
     # ---- pieces (everything but attention) --------------------------------
     def _rms(self, x, weight):
@@ -191,16 +216,29 @@ class LlamaStack:
     # ---- attention (eager, between pieces) --------------------------------
     def attention(self, kv_cache: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
                   batch: Batch, out: torch.Tensor) -> None:
-        """Write the new tokens' K/V into their slots, then attend over each
-        request's whole context, read back from its slots; into ``out``.
+        self.attend(token_rows(kv_cache), q, kv, batch, out)
 
-        Four kernels per request and layer (write, gather, attention, output
-        copy), close to vLLM's attention op (write into the cache, then one
-        paged attention kernel), so that the host time of a small batch's
-        forward is the model's, not this stand-in's."""
+    def attend(self, rows: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
+               batch: Batch, out: torch.Tensor) -> None:
+        """Write the new tokens' K/V into their slots (``rows``: a layer's
+        cache as token rows), then attend over each request's whole context,
+        read back from its slots; into ``out``.
+
+        On CUDA this is vLLM's attention op but for one gather: the cache
+        write, a gather of every request's context, one variable-length
+        flash-attention kernel for the whole batch (vLLM's reads the blocks
+        in place), the output copy. Elsewhere (or with ``varlen`` off), per
+        request, by the math path on the CPU."""
         g = self.geo
-        rows = token_rows(kv_cache)
         rows.index_copy_(0, batch.slots, kv.to(rows.dtype))
+        if q.is_cuda and self.varlen:
+            buf, k, v = batch.gathered(rows, g.head)
+            torch.index_select(rows, 0, batch.context, out=buf)
+            o = torch.ops.aten._flash_attention_forward(
+                q, k, v, batch.cu_q, batch.cu_k, batch.max_q, batch.max_k, 0.0, True, False,
+                scale=1 / math.sqrt(g.head))[0]
+            out.view_as(o).copy_(o)
+            return
         for first, count, context in batch.seqs:
             ctx = rows.index_select(0, context).to(q.dtype)  # [context, kv_heads, 2 * head]
             k, v = ctx.transpose(0, 1).split(g.head, dim=-1)
@@ -242,7 +280,7 @@ class EagerForward:
 
     def __init__(self, model: LlamaStack, kv_caches: dict[str, torch.Tensor]):
         self.model = model
-        self.kv = [kv_caches[layer_name(i)] for i in range(model.geo.layers)]
+        self.rows = [token_rows(kv_caches[layer_name(i)]) for i in range(model.geo.layers)]
 
     def __call__(self, batch: Batch, wait: WaitFn = _no_wait) -> torch.Tensor:
         m, g = self.model, self.model.geo
@@ -251,7 +289,7 @@ class EagerForward:
         for i in range(g.layers):
             q, kv = m.pre_attention(i, h, batch.positions)
             wait(layer_name(i))
-            m.attention(self.kv[i], q, kv, batch, attn)
+            m.attend(self.rows[i], q, kv, batch, attn)
             h = m.post_attention(i, h, attn)
         return m.logits(h, batch.last_index)
 
@@ -267,7 +305,7 @@ class PiecewiseForward:
     def __init__(self, model: LlamaStack, kv_caches: dict[str, torch.Tensor], batch: Batch):
         self.model = model
         g = model.geo
-        self.kv = [kv_caches[layer_name(i)] for i in range(g.layers)]
+        self.rows = [token_rows(kv_caches[layer_name(i)]) for i in range(g.layers)]
         self.tokens = batch.tokens.clone()
         self.positions = batch.positions.clone()
         self.last_index = batch.last_index.clone()
@@ -314,5 +352,5 @@ class PiecewiseForward:
             if i < m.geo.layers:
                 _, q, kv = self.outputs[i]
                 wait(layer_name(i))
-                m.attention(self.kv[i], q, kv, batch, self.attn)
+                m.attend(self.rows[i], q, kv, batch, self.attn)
         return self.outputs[-1][1]

@@ -1,11 +1,13 @@
-"""The benchmark's Llama stand-in on the CPU: its paged attention writes each
-new token's K/V into the right block and offset, and attends exactly as
-dense attention over the same (bf16-rounded) K/V would."""
+"""The benchmark's Llama stand-in: its paged attention writes each new
+token's K/V into the right block and offset, and attends exactly as dense
+attention over the same (bf16-rounded) K/V would (on the CPU; on CUDA, the
+batch-wide flash kernel against float64 math)."""
 
 from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from llama_layer import TINY, Batch, LlamaStack, paged_kv_caches, reference_attention
@@ -59,3 +61,32 @@ def test_a_batch_of_two_requests_attends_each_over_its_own_blocks():
     for rows in (slice(0, 40), slice(40, 60)):
         want = _dense(model, q[rows], rounded[rows, :, :geo.head], rounded[rows, :, geo.head:])
         assert torch.allclose(out[rows], want, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs an NVIDIA GPU; run on an H200: bench/RESULTS.md (CUDA tests)")
+def test_the_batch_wide_flash_kernel_equals_dense_attention_per_request():
+    """On CUDA one variable-length kernel attends for the whole batch: a
+    prefill of 300 tokens and a one-token request over 1,000 cached ones,
+    each over its own scattered blocks, as float64 math does."""
+    torch.manual_seed(2)
+    geo = TINY.scaled(layers=1, heads=8, kv_heads=2, head=128)
+    model = LlamaStack(geo, "cuda")
+    kv_cache = next(iter(paged_kv_caches(geo, 120, BLOCK, "cuda").values()))
+    order = random.Random(3).sample(range(120), 120)
+    a_blocks, b_blocks = order[:19], order[19:19 + 63]
+    batch = Batch.build([(list(range(300)), 0, a_blocks), ([5], 1000, b_blocks)], BLOCK, "cuda")
+    q = torch.randn(301, geo.heads, geo.head, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(301, geo.kv_heads, 2 * geo.head, device="cuda", dtype=torch.bfloat16)
+    out = torch.zeros(301, geo.heads * geo.head, device="cuda", dtype=torch.bfloat16)
+    model.attention(kv_cache, q, kv, batch, out)
+    assert model.varlen, "the variable-length kernel was not used"
+    rows = kv_cache.transpose(1, 2).reshape(-1, geo.kv_heads, 2 * geo.head).double()
+    for (first, count, context) in batch.seqs:
+        ctx = rows[context]
+        want = _dense(model, q[first:first + count].double(), ctx[..., :geo.head],
+                      ctx[..., geo.head:])
+        got = out[first:first + count].double()
+        err = float((got - want).norm() / want.norm())
+        assert err < 2e-2, (first, count, err)

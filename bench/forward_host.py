@@ -1,0 +1,96 @@
+"""What the stand-in's one-token forward costs the host and the GPU (CUDA).
+
+A hit whose forward computes one token is bound by two paths: the copies,
+and the engine thread that queues the forward. This splits the forward's
+side into host time (the time to queue it, with the GPU held busy by a
+sleep kernel so that it never holds the host back), GPU time (events around
+the same queued forward) and the wall time of the forward alone, for the
+stand-in's attention as one variable-length kernel per layer (as shipped)
+and one per request (before), in piecewise graphs; then the host time of
+the pieces alone, of the attention alone, and of one stream wait per layer
+(what ``wait_for_layer_load`` adds on the device side).
+
+    PYTHONPATH=connector:core:tests/connector python3 bench/forward_host.py --out FILE.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from llama_layer import LLAMA3_8B, Batch, LlamaStack, PiecewiseForward, paged_kv_caches
+
+BLOCK = 16
+
+
+def host_and_gpu_ms(fn, repeats: int) -> dict:
+    """Median host ms to queue ``fn()`` behind a 50 ms sleep kernel, its GPU
+    ms, and the wall ms of ``fn()`` alone until the GPU is done."""
+    host, gpu, alone = [], [], []
+    for _ in range(repeats + 1):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(100_000_000)  # about 50 ms: the host runs ahead of the GPU
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t) * 1e3)
+        end.record()
+        end.synchronize()
+        gpu.append(start.elapsed_time(end))
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        alone.append((time.perf_counter() - t) * 1e3)
+    return {k: round(statistics.median(v[1:]), 3) for k, v in
+            (("host_ms", host), ("gpu_ms", gpu), ("alone_ms", alone))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    geo, dev = LLAMA3_8B, torch.device("cuda")
+    model = LlamaStack(geo, dev)
+    blocks = max(args.contexts) // BLOCK + 2
+    kv = paged_kv_caches(geo, blocks, BLOCK, dev)
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
+    for context in args.contexts:
+        table = list(range(context // BLOCK + 1))
+        batch = Batch.build([([7], context, table)], BLOCK, dev)
+        fwd = PiecewiseForward(model, kv, batch)
+        for varlen in (True, False):
+            model.varlen = varlen
+            row = {"context": context, "attention": "varlen" if varlen else "per_request"}
+            row["forward"] = host_and_gpu_ms(lambda: fwd(batch), args.repeats)
+            row["pieces_only"] = host_and_gpu_ms(
+                lambda: [g.replay() for g in fwd.graphs], args.repeats)
+
+            def attention_only():
+                for i in range(geo.layers):
+                    _, q, kvn = fwd.outputs[i]
+                    model.attend(fwd.rows[i], q, kvn, batch, fwd.attn)
+            row["attention_only"] = host_and_gpu_ms(attention_only, args.repeats)
+            result["rows"].append(row)
+            print(json.dumps(row), flush=True)
+    model.varlen = True
+    event = torch.cuda.Event()
+    event.record()
+    result["stream_waits_32"] = host_and_gpu_ms(
+        lambda: [torch.cuda.current_stream().wait_event(event) for _ in range(geo.layers)],
+        args.repeats)
+    print("32 stream waits:", result["stream_waits_32"])
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
