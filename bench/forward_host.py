@@ -4,11 +4,13 @@ A hit whose forward computes one token is bound by two paths: the copies,
 and the engine thread that queues the forward. This splits the forward's
 side into host time (the time to queue it, with the GPU held busy by a
 sleep kernel so that it never holds the host back), GPU time (events around
-the same queued forward) and the wall time of the forward alone, for the
-stand-in's attention as one variable-length kernel per layer (as shipped)
-and one per request (before), in piecewise graphs; then the host time of
-the pieces alone, of the attention alone, and of one stream wait per layer
-(what ``wait_for_layer_load`` adds on the device side).
+the same queued forward) and the wall time of the forward alone, in
+piecewise graphs, for the stand-in as shipped (projections stored [out, in]
+and applied by ``F.linear``, as vLLM's; attention as one variable-length
+kernel per layer) and as it was before (``x @ w`` over [in, out] weights;
+one attention kernel per request); then the same for the pieces alone, the
+attention alone, and one stream wait per layer (what
+``wait_for_layer_load`` adds on the device side).
 
     PYTHONPATH=connector:core:tests/connector python3 bench/forward_host.py --out FILE.json
 """
@@ -58,17 +60,20 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     geo, dev = LLAMA3_8B, torch.device("cuda")
-    model = LlamaStack(geo, dev)
     blocks = max(args.contexts) // BLOCK + 2
     kv = paged_kv_caches(geo, blocks, BLOCK, dev)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
-    for context in args.contexts:
-        table = list(range(context // BLOCK + 1))
-        batch = Batch.build([([7], context, table)], BLOCK, dev)
-        fwd = PiecewiseForward(model, kv, batch)
-        for varlen in (True, False):
-            model.varlen = varlen
-            row = {"context": context, "attention": "varlen" if varlen else "per_request"}
+    # (weights [out, in] by F.linear, attention as one kernel for the batch):
+    # as shipped, then each of the two before
+    for out_in, varlen in ((True, True), (False, True), (True, False)):
+        model = LlamaStack(geo, dev, out_in=out_in)
+        model.varlen = varlen
+        for context in args.contexts:
+            table = list(range(context // BLOCK + 1))
+            batch = Batch.build([([7], context, table)], BLOCK, dev)
+            fwd = PiecewiseForward(model, kv, batch)
+            row = {"context": context, "weights": "out_in" if out_in else "in_out",
+                   "attention": "varlen" if varlen else "per_request"}
             row["forward"] = host_and_gpu_ms(lambda: fwd(batch), args.repeats)
             row["pieces_only"] = host_and_gpu_ms(
                 lambda: [g.replay() for g in fwd.graphs], args.repeats)
@@ -80,7 +85,9 @@ def main() -> None:
             row["attention_only"] = host_and_gpu_ms(attention_only, args.repeats)
             result["rows"].append(row)
             print(json.dumps(row), flush=True)
-    model.varlen = True
+            del fwd
+        del model
+        torch.cuda.empty_cache()
     event = torch.cuda.Event()
     event.record()
     result["stream_waits_32"] = host_and_gpu_ms(

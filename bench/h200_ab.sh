@@ -21,8 +21,11 @@
 #   attention  1k, 4k and 16k hits with the stand-in's attention as one flash
 #          kernel per request (before) or one per layer for the whole batch
 #          (as shipped); then the CUDA tests.
+#   weights  1k, 4k and 16k hits with the stand-in's projections as x @ w over
+#          [in, out] weights (before) or F.linear over [out, in] (as shipped);
+#          then the CUDA tests.
 set -u
-usage="usage: h200_ab.sh group|head|fullhead|early|prefix|attention OUT_DIR [ROUNDS]"
+usage="usage: h200_ab.sh group|head|fullhead|early|prefix|attention|weights OUT_DIR [ROUNDS]"
 experiment=${1:?$usage}
 out=${2:?$usage}
 rounds=${3:-3}
@@ -38,6 +41,8 @@ early) variants="worker:--no-early-pins early:"; timed="1024/sync_overlap_graphs
 prefix) variants="twort:--two-round-trip-pins onert:"; timed="1024/sync_overlap_graphs 4096/sync_overlap_graphs"
        sizes="1024 4096 16384" ;;
 attention) variants="perreq:--attention=per-request varlen:"
+       timed="1024/sync_overlap_graphs 4096/sync_overlap_graphs" sizes="1024 4096 16384" ;;
+weights) variants="inout:--weights=in-out outin:"
        timed="1024/sync_overlap_graphs 4096/sync_overlap_graphs" sizes="1024 4096 16384" ;;
 *) echo "unknown experiment $experiment" >&2; exit 2 ;;
 esac

@@ -87,6 +87,9 @@ def parse(argv=None):
     p.add_argument("--attention", choices=["varlen", "per-request"], default="varlen",
                    help="A/B: the stand-in's attention as one flash kernel per layer for the "
                         "whole batch (as vLLM runs it) or one per request (before)")
+    p.add_argument("--weights", choices=["out-in", "in-out"], default="out-in",
+                   help="A/B: the stand-in's projections stored [out, in] and applied by "
+                        "F.linear (as vLLM's) or [in, out] by x @ w (before)")
     p.add_argument("--group-below-mib", type=float, default=None,
                    help="experiment: load layers smaller than this in groups (the engine's "
                         "GROUP_BELOW_BYTES, 8 MiB)")
@@ -152,7 +155,7 @@ def pinned_peak_gbps(nbytes: int) -> float | None:
 class Bench:
     def __init__(self, args, geo, device):
         self.args, self.geo, self.device = args, geo, device
-        self.model = LlamaStack(geo, device)
+        self.model = LlamaStack(geo, device, out_in=args.weights == "out-in")
         self.model.varlen = args.attention == "varlen"
         bs = args.block_size
         hits = max(args.sizes + [sum(args.partial)]) + args.new_tokens

@@ -153,20 +153,27 @@ def token_rows(kv_cache: torch.Tensor) -> torch.Tensor:
 class LlamaStack:
     """Weights of ``geo.layers`` layers (random, scaled to keep activations finite)."""
 
-    def __init__(self, geo: Geometry, device, seed: int = 0, max_positions: int = 65536):
+    def __init__(self, geo: Geometry, device, seed: int = 0, max_positions: int = 65536,
+                 out_in: bool = True):
         self.geo = geo
+        # projections stored [out, in] and applied by F.linear, as vLLM's
+        # linear layers are (cuBLAS's matrix-vector kernels are faster in
+        # this layout); False: [in, out] applied by ``x @ w`` (before)
+        self.out_in = out_in
         self.device = torch.device(device)
         gen = torch.Generator(device=device).manual_seed(seed)
         # bf16 as vLLM runs it on the GPU; float32 on the CPU, where bf16
         # matrix products are emulated and slow (the KV cache stays bf16)
         bf = self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
 
-        def w(rows, cols):
-            out = torch.empty(rows, cols, dtype=bf, device=device)
+        def w(rows, cols):  # a projection from ``rows`` features to ``cols``
+            shape = (cols, rows) if out_in else (rows, cols)
+            out = torch.empty(shape, dtype=bf, device=device)
             return out.normal_(0, 1 / math.sqrt(rows), generator=gen)
 
         q_out = (geo.heads + 2 * geo.kv_heads) * geo.head
-        self.embed = w(geo.vocab, geo.hidden) * math.sqrt(geo.vocab)
+        self.embed = torch.empty(geo.vocab, geo.hidden, dtype=bf, device=device)
+        self.embed.normal_(0, 1, generator=gen)
         self.layers = [
             dict(ln1=torch.ones(geo.hidden, dtype=bf, device=device), wqkv=w(geo.hidden, q_out),
                  wo=w(geo.heads * geo.head, geo.hidden),
@@ -185,6 +192,9 @@ class LlamaStack:
         self.varlen = True
 
     # ---- pieces (everything but attention) --------------------------------
+    def _linear(self, x, weight):
+        return F.linear(x, weight) if self.out_in else x @ weight
+
     def _rms(self, x, weight):
         return F.rms_norm(x, (x.shape[-1],), weight, self.geo.eps)
 
@@ -198,7 +208,7 @@ class LlamaStack:
         """Norm, QKV projection and RoPE of layer ``i``: (q, kv) with kv packed
         as the cache holds it, ``[n, kv_heads, 2 * head]``."""
         g, p = self.geo, self.layers[i]
-        qkv = self._rms(h, p["ln1"]) @ p["wqkv"]
+        qkv = self._linear(self._rms(h, p["ln1"]), p["wqkv"])
         q, k, v = qkv.split([g.heads * g.head, g.kv_heads * g.head, g.kv_heads * g.head], -1)
         q = self._rope(q.view(-1, g.heads, g.head), positions)
         k = self._rope(k.view(-1, g.kv_heads, g.head), positions)
@@ -206,12 +216,12 @@ class LlamaStack:
 
     def post_attention(self, i: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         p = self.layers[i]
-        h = h + attn @ p["wo"]
-        gate, up = (self._rms(h, p["ln2"]) @ p["w13"]).chunk(2, dim=-1)
-        return h + (F.silu(gate) * up) @ p["w2"]
+        h = h + self._linear(attn, p["wo"])
+        gate, up = self._linear(self._rms(h, p["ln2"]), p["w13"]).chunk(2, dim=-1)
+        return h + self._linear(F.silu(gate) * up, p["w2"])
 
     def logits(self, h: torch.Tensor, last_index: torch.Tensor) -> torch.Tensor:
-        return self._rms(h[last_index], self.norm) @ self.lm_head
+        return self._linear(self._rms(h[last_index], self.norm), self.lm_head)
 
     # ---- attention (eager, between pieces) --------------------------------
     def attention(self, kv_cache: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
