@@ -13,6 +13,7 @@ attention alone, and one stream wait per layer (what
 ``wait_for_layer_load`` adds on the device side).
 
     PYTHONPATH=connector:core:tests/connector python3 bench/forward_host.py --out FILE.json
+    python3 bench/forward_host.py --plot FILE.json      # FILE.png: host and GPU ms per case
 """
 
 from __future__ import annotations
@@ -53,12 +54,41 @@ def host_and_gpu_ms(fn, repeats: int) -> dict:
             (("host_ms", host), ("gpu_ms", gpu), ("alone_ms", alone))}
 
 
+def plot(path: str) -> str:
+    """Host and GPU ms of each case's forward, side by side: a PNG beside ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = json.load(open(path))["rows"]
+    labels = [f"{r['context'] // 1024}k, {r['weights']}, {r['attention']}" for r in rows]
+    y = range(len(rows))
+    fig, ax = plt.subplots(figsize=(8, 0.4 * len(rows) + 1.5))
+    ax.barh([i + 0.2 for i in y], [r["forward"]["gpu_ms"] for r in rows], 0.4, label="GPU")
+    ax.barh([i - 0.2 for i in y], [r["forward"]["host_ms"] for r in rows], 0.4,
+            label="host (queueing it)")
+    ax.set_yticks(list(y), labels)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms, one-token forward in piecewise graphs (context, weights, attention)")
+    ax.set_title("The stand-in's forward is bound by its GPU time, not its host time")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    png = path.rsplit(".", 1)[0] + ".png"
+    fig.savefig(png, dpi=120)
+    return png
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--plot", metavar="FILE.json", help="only plot a run's results")
     args = ap.parse_args()
+    if args.plot:
+        print(plot(args.plot))
+        return
     geo, dev = LLAMA3_8B, torch.device("cuda")
     blocks = max(args.contexts) // BLOCK + 2
     kv = paged_kv_caches(geo, blocks, BLOCK, dev)
