@@ -24,8 +24,11 @@
 #   weights  1k, 4k and 16k hits with the stand-in's projections as x @ w over
 #          [in, out] weights (before) or F.linear over [out, in] (as shipped);
 #          then the CUDA tests.
+#   headstart 4k and 16k hits whose copies start when the load is submitted
+#          (the connector before) or, their first 64 MiB, when the lookup
+#          answers (a head start, as shipped); then the CUDA tests.
 set -u
-usage="usage: h200_ab.sh group|head|fullhead|early|prefix|attention|weights OUT_DIR [ROUNDS]"
+usage="usage: h200_ab.sh group|head|fullhead|early|prefix|attention|weights|headstart OUT_DIR [ROUNDS]"
 experiment=${1:?$usage}
 out=${2:?$usage}
 rounds=${3:-3}
@@ -44,6 +47,8 @@ attention) variants="perreq:--attention=per-request varlen:"
        timed="1024/sync_overlap_graphs 4096/sync_overlap_graphs" sizes="1024 4096 16384" ;;
 weights) variants="inout:--weights=in-out outin:"
        timed="1024/sync_overlap_graphs 4096/sync_overlap_graphs" sizes="1024 4096 16384" ;;
+headstart) variants="submit:--head-start-mib=0 lookup:"; timed="4096/sync_overlap_graphs 16384/sync_overlap_graphs"
+       sizes="4096 16384" ;;
 *) echo "unknown experiment $experiment" >&2; exit 2 ;;
 esac
 for r in $(seq 1 "$rounds"); do
@@ -65,8 +70,8 @@ for r in $(seq 1 "$rounds"); do
 done
 if [ "$experiment" != group ]; then
     timeout 240 python3 -m pytest --noconftest -p no:cacheprovider -m cuda -q \
-        tests/connector/test_transfer_cuda.py tests/connector/test_graph_pieces_cuda.py \
-        tests/connector/test_llama_layer.py \
+        tests/connector/test_transfer_cuda.py tests/connector/test_head_start_cuda.py \
+        tests/connector/test_graph_pieces_cuda.py tests/connector/test_llama_layer.py \
         >"$out/cuda_tests.txt" 2>&1
     tail -3 "$out/cuda_tests.txt"
 fi

@@ -90,6 +90,9 @@ def parse(argv=None):
     p.add_argument("--weights", choices=["out-in", "in-out"], default="out-in",
                    help="A/B: the stand-in's projections stored [out, in] and applied by "
                         "F.linear (as vLLM's) or [in, out] by x @ w (before)")
+    p.add_argument("--head-start-mib", type=int, default=None,
+                   help="A/B: how much of a hit is copied when its lookup answers, before its load "
+                        "is submitted (the engine's HEAD_START_BYTES, 64 MiB; 0: none)")
     p.add_argument("--group-below-mib", type=float, default=None,
                    help="experiment: load layers smaller than this in groups (the engine's "
                         "GROUP_BELOW_BYTES, 8 MiB)")
@@ -524,6 +527,8 @@ def main(argv=None):
         cuda_engine.HEAD_ONLY_BESIDE_LONG_FORWARD = False
     if args.head_only_inline:
         cuda_engine.HEAD_ONLY_ALWAYS = True
+    if args.head_start_mib is not None:
+        cuda_engine.HEAD_START_BYTES = args.head_start_mib << 20
     device = "cpu" if args.cpu else "cuda"
     geo = TINY if args.cpu else LLAMA3_8B
     if args.layers:

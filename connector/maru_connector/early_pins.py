@@ -27,6 +27,15 @@ retrieve would have, and so does one not back within the worker's own
 retrieve timeout (retrieving again would let a hit wait twice that long); one
 that does not start at the load's first chunk is released, and the worker
 retrieves itself.
+
+A hit's copies can start before vLLM has allocated its blocks: once the
+lookup answers with the pin, the scheduler half asks the worker half (through
+the handoff) for a head start, the transfer engine's copies of the load's
+first layers into device staging (``TransferEngine.start_head``). The pin
+carries the head start; its load scatters those fills first, and a pin
+released without a load drops it. Nothing reaches the KV cache before the
+load's own checks: only the scatters write blocks, and they are queued by the
+load, after its slot-header checks.
 """
 
 from __future__ import annotations
@@ -72,6 +81,7 @@ class EarlyPin:
         self._run = run
         self._lock = threading.Lock()
         self._released = False
+        self.head: Any = None  # its load's head start (a TransferEngine's), if one was started
 
     def start(self, reply: "Future[Any]") -> None:
         """The retrieve, queued on the owning thread: its result is the reply,
@@ -99,6 +109,26 @@ class EarlyPin:
             raise LoadFailure("miss", "an object left the pool between the lookup and its pin")
         return answer
 
+    def attach_head(self, head: Any) -> None:
+        """Carry ``head`` (its load's head start) to the load; dropped at once
+        when the pin was released meanwhile (its buffer would stay taken)."""
+        if head is None:
+            return
+        with self._lock:
+            if not self._released:
+                self.head = head
+                return
+        head.drop()
+
+    def reply_if_back(self) -> Any:
+        """The retrieve's reply if it is back and pinned everything, else None
+        (never waits)."""
+        reply = self._reply
+        if reply is None or not reply.done() or reply.cancelled() or reply.exception() is not None:
+            return None
+        answer = reply.result()
+        return None if answer is MISSED else answer
+
     def release(self) -> None:
         """Unpin, on the owning thread, once the retrieve is back (at most once).
 
@@ -110,6 +140,9 @@ class EarlyPin:
             if self._released:
                 return
             self._released = True
+            head, self.head = self.head, None
+        if head is not None:
+            head.drop()  # a no-op once its load claimed it
         assert self._reply is not None, "EarlyPin.start was not called"
         self._reply.add_done_callback(self._unpin_if_pinned)
 
@@ -147,6 +180,7 @@ class PinHandoff:
         self._offered: dict[int, EarlyPin] = {}
         self._tokens = itertools.count(1)
         self._workers = 0
+        self._head_start: Callable[[EarlyPin, int], None] | None = None
 
     @classmethod
     def for_engine(cls, engine_id: str) -> "PinHandoff":
@@ -156,14 +190,25 @@ class PinHandoff:
                 handoff = cls._by_engine[engine_id] = cls()
             return handoff
 
-    def attach_worker(self) -> None:
+    def attach_worker(self, head_start: Callable[[EarlyPin, int], None] | None = None) -> None:
+        """``head_start(pin, num_chunks)``: the worker's way to start copying
+        a pinned hit's first chunks' layers before its blocks are allocated."""
         with self._lock:
             self._workers += 1
+            self._head_start = head_start
+
+    def start_head(self, pin: EarlyPin, num_chunks: int) -> None:
+        """Have the worker start copying the load ``pin`` is for (its first
+        ``num_chunks`` chunks); the head start rides on the pin."""
+        head_start = self._head_start
+        if head_start is not None and self.worker_attached:
+            head_start(pin, num_chunks)
 
     def detach_worker(self) -> None:
         """The worker half is closing: nothing it has not claimed will be."""
         with self._lock:
             self._workers = max(0, self._workers - 1)
+            self._head_start = None
             dropped = list(self._offered.values()) if not self._workers else []
             if dropped:
                 self._offered.clear()

@@ -320,7 +320,7 @@ class AsyncLoader:
         if load.pinned.early is not None:
             self._stats.record_early_pinned_load()
         try:
-            load.handle = self._engine.submit_load(load.pinned.chunks)
+            load.handle = self._engine.submit_load(load.pinned.chunks, head=load.pinned.head)
         except Exception:
             release_pins(self._client, load.pinned)  # nothing was queued
             raise

@@ -117,6 +117,10 @@ class LookupService:
             pass
         return self._result(req_id, future)
 
+    def early_pin(self, req_id: str) -> EarlyPin | None:
+        """The request's early pin, still the service's."""
+        return self._early.get(req_id)
+
     def take_early_pin(self, req_id: str) -> EarlyPin | None:
         """The request's early pin, now the caller's to hand on or release."""
         return self._early.pop(req_id, None)

@@ -50,6 +50,11 @@ class PinnedLoad:
     def num_objects(self) -> int:
         return len(self.object_keys) // KEY_BYTES
 
+    @property
+    def head(self) -> Any:
+        """The head start of these copies (``TransferEngine.start_head``), if any."""
+        return self.early.head if self.early is not None else None
+
 
 def packed_object_keys(fmt: Any, chunk_keys: Sequence[bytes]) -> bytes:
     """The keys of the objects of these chunks, end to end: chunk-major, then
@@ -302,11 +307,25 @@ def _early_reply(early: Any, keys: bytes, timeout_s: float, object_bytes: int) -
 
 
 def _plan(reply: _Reply, block_ids: Sequence[tuple[int, ...]], per_chunk: int) -> list[ChunkLoad]:
-    offsets = reply.offsets.tolist()
-    return [
-        ChunkLoad(tuple(blocks), tuple(offsets[i * per_chunk : (i + 1) * per_chunk]))
-        for i, blocks in enumerate(block_ids)
-    ]
+    sources = _chunk_sources(reply, len(block_ids), per_chunk)
+    return [ChunkLoad(tuple(blocks), src) for blocks, src in zip(block_ids, sources)]
+
+
+def _chunk_sources(reply: _Reply, num_chunks: int, per_chunk: int) -> list[tuple[int, ...]]:
+    offsets = reply.offsets[: num_chunks * per_chunk].tolist()
+    return [tuple(offsets[i * per_chunk : (i + 1) * per_chunk]) for i in range(num_chunks)]
+
+
+def head_sources(locations: Any, num_chunks: int, per_chunk: int) -> list[tuple[int, ...]] | None:
+    """The pool offsets of the first ``num_chunks`` chunks' objects in a
+    retrieve reply, per chunk, exactly as the load's ``ChunkLoad``s will
+    carry them; ``None`` when the reply is short or has a miss among them
+    (the load will fail its checks; nothing to start)."""
+    reply = _Reply.of(locations)
+    count = num_chunks * per_chunk
+    if num_chunks <= 0 or len(reply) < count or np.count_nonzero(reply.offsets[:count] == 0):
+        return None
+    return _chunk_sources(reply, num_chunks, per_chunk)
 
 
 def release_pins(client: Any, pinned: PinnedLoad) -> None:

@@ -146,7 +146,17 @@ class MaruSchedulerHalf:
         ext = max(0, hit_end - num_computed_tokens)
         state.local_tokens, state.hit_tokens = num_computed_tokens, ext
         state.park = bool(ext) and self._should_park(state)
+        if ext:
+            self._start_head(request.request_id, first, -(-hit_end // self._chunk))
         return ext, state.park
+
+    def _start_head(self, req_id: str, first: int, end: int) -> None:
+        """With an early pin, start the load's first copies now: vLLM
+        allocates blocks and prepares the step before the worker sees the
+        load (chunks ``first`` to ``end``, as ``_plan_load`` will plan them)."""
+        pin = self._lookup.early_pin(req_id) if self._handoff is not None else None
+        if pin is not None:
+            self._handoff.start_head(pin, end - first)
 
     def _early_pin_group(self) -> int:
         """Objects per chunk when lookups should pin early, else 0: only for

@@ -38,7 +38,7 @@ from maru_connector.config import MaruConfig, MaruConfigError
 from maru_connector.early_pins import EarlyPin, PinHandoff
 from maru_connector.loader import AsyncLoader, wait_done
 from maru_connector.metadata import LoadSpec, MaruConnectorMetadata, MaruWorkerMetadata
-from maru_connector.resolve import LoadFailure, PinnedLoad, release_pins, resolve_load
+from maru_connector.resolve import LoadFailure, PinnedLoad, head_sources, release_pins, resolve_load
 from maru_connector.stats import open_stats
 from maru_connector.store import Storer
 
@@ -196,7 +196,7 @@ class MaruWorkerHalf:
             self.cfg.maru_async_store,
         )
         if self._handoff is not None:
-            self._handoff.attach_worker()
+            self._handoff.attach_worker(head_start=self._start_head)
 
     # ---- before / during the forward -------------------------------------
 
@@ -299,6 +299,17 @@ class MaruWorkerHalf:
 
     # ---- synchronous loads -------------------------------------------------
 
+    def _start_head(self, pin: EarlyPin, num_chunks: int) -> None:
+        """Start copying the first layers of the hit ``pin`` holds (on the
+        scheduler's thread, before vLLM allocates its blocks)."""
+        res = self._res
+        locations = pin.reply_if_back() if res is not None else None
+        if locations is None:
+            return
+        sources = head_sources(locations, num_chunks, res.engine.fmt.objects_per_chunk)
+        if sources is not None:
+            pin.attach_head(res.engine.start_head(sources))
+
     def _claim_early_pin(self, spec: LoadSpec) -> EarlyPin | None:
         return self._handoff.claim(spec.early_pin) if self._handoff is not None else None
 
@@ -322,7 +333,8 @@ class MaruWorkerHalf:
             self.stats.record_early_pinned_load()
         overlapped = self.cfg.maru_overlap_load_with_compute and not spec.wait_whole
         handle = res.engine.submit_load(
-            pinned.chunks, beside_long_forward=overlapped and spec.new_tokens >= self.cfg.maru_kv_chunk_tokens)
+            pinned.chunks, beside_long_forward=overlapped and spec.new_tokens >= self.cfg.maru_kv_chunk_tokens,
+            head=pinned.head)
         self._sync_loads.append(_SyncLoad(spec, pinned, handle, overlapped))
 
     def _finish_sync_loads(self, only_whole: bool = False) -> None:

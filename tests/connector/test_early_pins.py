@@ -14,7 +14,6 @@ given back exactly once, whoever ends up owning it.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 
@@ -210,13 +209,13 @@ class _Blocks:
         return (self.ids,)
 
 
-def _scheduler(env, handoff):
+def _scheduler(env, handoff, layerwise=False):
     cfg = parse_config({"maru_index_url": "tcp://127.0.0.1:1", "maru_pool_path": "/x",
-                        "maru_kv_chunk_tokens": CHUNK}, BLOCK)
-    ns = dataclasses.replace(env.ns, fmt=cfg.fmt_name)
+                        "maru_kv_chunk_tokens": CHUNK, "maru_use_layerwise": layerwise}, BLOCK)
+    ns = env.ns  # the keys the test stored under, in either format (worker_env.WorkerEnv.keys)
     assert isinstance(ns, KeyNamespace)
     return MaruSchedulerHalf(cfg, (ns,), BLOCK, LookupService(env.index.client, timeout_s=1.0),
-                             handoff=handoff)
+                             num_layers=LAYERS if layerwise else None, handoff=handoff)
 
 
 def _request(n_tokens):

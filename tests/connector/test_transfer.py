@@ -376,3 +376,28 @@ def test_create_checks_device_and_buffer(make_pool):
     with pytest.raises(TransferError, match="closed"):
         engine.submit_load([ChunkLoad((0, 1), (0,))])
     assert not any(t.is_alive() for t in engine._threads)
+
+
+class _RecordedHead:
+    def __init__(self):
+        self.dropped = 0
+
+    def claim(self, sources):
+        raise AssertionError("the CPU backend has no head starts to claim")
+
+    def drop(self):
+        self.dropped += 1
+
+
+def test_the_cpu_backend_starts_no_head_and_drops_one_handed_to_it(engines, make_pool):
+    """Head starts are a CUDA backend's (test_head_start_cuda.py); on the CPU
+    a load copies everything itself and lets go of a head it was given."""
+    pool = make_pool(1 << 20)
+    kv = make_kv_caches("flash_nhd", layers=2, blocks=8, seed=1)
+    fmt = ObjectFormat(detect_kv_layout(kv), chunk_tokens=32, layerwise=False)
+    engine = engines(pool.buffer, kv, fmt)
+    assert engine.start_head([(0,)]) is None
+    head = _RecordedHead()
+    loaded = engine.submit_load([ChunkLoad((0, 1), (0,))], head=head)
+    assert loaded.wait_all(10) and loaded.error is None
+    assert head.dropped == 1

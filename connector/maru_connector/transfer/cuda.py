@@ -27,7 +27,7 @@ from collections import deque
 import torch
 
 from .cudart import D2H, H2D, find_memcpy, find_memcpy2d, register_host, unregister_host
-from .engine import TransferEngine, _Job
+from .engine import HeadStart, TransferEngine, _Job
 from .handles import TransferError
 from .plan import Run, layer_pieces
 
@@ -61,6 +61,11 @@ HEAD_ONLY_BESIDE_LONG_FORWARD = True
 # Only the head inline for every load, a full hit's too (an experiment:
 # `bench/h200_ab.sh fullhead`; off as shipped).
 HEAD_ONLY_ALWAYS = False
+# A head start (``start_head``) copies at most this much of a load before
+# vLLM has allocated its blocks: about 1.2 ms of copies at the PCIe peak,
+# more than the 0.7-1.4 ms from a lookup's answer to its load's submit on an
+# H200 host (bench/RESULTS.md).
+HEAD_START_BYTES = 64 << 20
 
 
 class _StagingRing:
@@ -112,6 +117,38 @@ class _StagingRing:
         raise AssertionError(f"no staging span held at {start}")
 
 
+class _CudaHeadStart(HeadStart):
+    """Fills copied into the engine's one head buffer ahead of their load.
+
+    States: started (the engine's head owner), claimed by the load of the
+    same sources (the load releases the buffer once it queued their
+    scatters), or dropped (the buffer is free; copies into it by a later
+    head start are queued behind these on the same stream).
+    """
+
+    def __init__(self, engine: "CudaTransferEngine", sources: list[tuple[int, ...]], fills: list) -> None:
+        self._engine = engine
+        self.sources = sources
+        self.fills = fills  # [(unit, copied)] in the order the load's units come
+        self.state = "started"
+
+    def claim(self, sources: list[tuple[int, ...]]) -> "HeadStart | None":
+        with self._engine._head_lock:
+            if self.state == "started" and sources == self.sources:
+                self.state = "claimed"
+                return self
+        self.drop()
+        return None
+
+    def drop(self) -> None:
+        with self._engine._head_lock:
+            if self.state != "started":
+                return
+            self.state = "dropped"
+            if self._engine._head_owner is self:
+                self._engine._head_owner = None
+
+
 class _IdsRing:
     """Two pinned host buffers used in turn and one device buffer of block ids."""
 
@@ -156,7 +193,8 @@ class CudaTransferEngine(TransferEngine):
                  copy_2d: bool = True, timing: bool = False,
                  load_priority: int = HIGH_PRIORITY,
                  inline_load_bytes: int = INLINE_LOAD_BYTES,
-                 inline_head_fills: int = INLINE_HEAD_FILLS) -> None:
+                 inline_head_fills: int = INLINE_HEAD_FILLS,
+                 head_start_bytes: int | None = None) -> None:
         super().__init__(pool_buffer, kv_caches, fmt)
         self.device = self.kv_caches[0].device
         self._pool_ptr = self.pool.data_ptr()
@@ -174,6 +212,12 @@ class CudaTransferEngine(TransferEngine):
         self._inline_load_bytes = inline_load_bytes
         self._inline_head_fills = inline_head_fills
         self._issue_lock = threading.Lock()  # one load issued at a time: ring, ids, order
+        self._head_start_bytes = HEAD_START_BYTES if head_start_bytes is None else head_start_bytes
+        self._head_lock = threading.Lock()
+        self._head_buffer: torch.Tensor | None = None  # allocated at the first head start
+        self._head_owner: _CudaHeadStart | None = None  # started or claimed, buffer not yet free
+        self._head_freed: torch.cuda.Event | None = None  # the last scatter that read the buffer
+        self.heads_used = 0  # loads that reused a head start's copies
         self.last_issue_s = 0.0  # host time spent queueing the last load's copies
 
     def _setup(self, fmt, staging_bytes: int, copy_2d: bool, load_priority: int) -> None:
@@ -282,7 +326,7 @@ class CudaTransferEngine(TransferEngine):
                 pool.copy_(dev, non_blocking=True)
 
     def _device_slice(self, ptr: int, nbytes: int) -> torch.Tensor:
-        for buf in (self._staging.buffer, self._store_staging):
+        for buf in (self._staging.buffer, self._store_staging, self._head_buffer):
             if buf is not None and buf.data_ptr() <= ptr < buf.data_ptr() + buf.numel():
                 start = ptr - buf.data_ptr()
                 return buf[start:start + nbytes]
@@ -306,6 +350,57 @@ class CudaTransferEngine(TransferEngine):
         return view
 
     # ------------------------------------------------------------------- load
+    def start_head(self, sources) -> HeadStart | None:
+        """Queue the copies of a load's first fills (up to HEAD_START_BYTES)
+        into the head buffer, before the load's blocks exist: a hit's copies
+        start when its lookup answers, not once vLLM has allocated blocks and
+        prepared the step. Only scatters need the block ids; the load that
+        claims this head scatters these fills first.
+
+        ``None`` (nothing queued) while another load is being issued (this
+        one would queue behind it anyway), the head buffer is taken, or the
+        first fill does not fit it (``head_start_bytes``; 0: never).
+        """
+        sources = [tuple(s) for s in sources]
+        if not sources or not self._head_start_bytes or not self._issue_lock.acquire(blocking=False):
+            return None
+        try:
+            with self._head_lock:
+                if self._head_owner is not None or self._closed:
+                    return None
+            with torch.cuda.device(self.device):
+                if self._head_buffer is None:
+                    self._head_buffer = torch.empty(self._head_start_bytes, dtype=torch.uint8,
+                                                    device=self.device)
+                if self._head_freed is not None:  # the last load's scatters read it
+                    self.load_stream.wait_event(self._head_freed)
+                fills, used = [], 0
+                try:
+                    for unit in self._units(layer_pieces(self.fmt, sources, self._rows_cap)):
+                        nbytes = self._unit_bytes(unit)
+                        if used + nbytes > self._head_buffer.numel():
+                            break
+                        fills.append((unit, self._copy_unit(unit, used, self._head_buffer)))
+                        used += nbytes
+                except TransferError:  # a bad extent: the load itself reports it
+                    return None
+            if not fills:
+                return None
+            head = _CudaHeadStart(self, sources, fills)
+            with self._head_lock:
+                self._head_owner = head
+            return head
+        finally:
+            self._issue_lock.release()
+
+    def _claim_head(self, head: HeadStart, job: _Job) -> HeadStart | None:
+        return head.claim(job.offsets)
+
+    def _release_head(self, head: _CudaHeadStart) -> None:
+        with self._head_lock:
+            if self._head_owner is head:
+                self._head_owner = None
+
     def _issue_here(self, job: _Job) -> bool:
         """Issue a load on the submitting thread when nothing is queued before
         it: all of it up to ``inline_load_bytes`` (see INLINE_LOAD_BYTES)
@@ -369,6 +464,9 @@ class CudaTransferEngine(TransferEngine):
         busy, resumed = 0.0, time.perf_counter()
         ids = None
         pending: deque = deque()  # fills copied, not yet scattered
+        head_fills = deque(job.head.fills if job.head is not None else ())  # copied already
+        if head_fills:
+            self.heads_used += 1
 
         def scatter_oldest():
             nonlocal ids
@@ -380,6 +478,14 @@ class CudaTransferEngine(TransferEngine):
         self._staging.restart()
         try:
             for unit in self._units(layer_pieces(self.fmt, job.offsets, self._rows_cap)):
+                if head_fills:
+                    head_unit, copied = head_fills.popleft()
+                    if head_unit != unit:  # same sources, same units: a bug if not
+                        raise AssertionError("a head start's fills differ from its load's")
+                    pending.append((unit, copied))
+                    if len(pending) > 1:
+                        scatter_oldest()
+                    continue
                 nbytes = self._unit_bytes(unit)
                 offset = self._staging.take(nbytes, self.load_stream)
                 while offset is None:  # the ring is full of fills not yet scattered
@@ -391,12 +497,15 @@ class CudaTransferEngine(TransferEngine):
                 busy += time.perf_counter() - resumed
                 yield
                 resumed = time.perf_counter()
+            while pending:
+                scatter_oldest()
         except TransferError:  # a bad extent: the layers before it still land
             while pending:
                 scatter_oldest()
             raise
-        while pending:
-            scatter_oldest()
+        finally:
+            if job.head is not None:  # its scatters are queued (or never will be)
+                self._release_head(job.head)
         self.last_issue_s = busy + time.perf_counter() - resumed
         job.handle.issued_at = time.monotonic()
 
@@ -446,16 +555,18 @@ class CudaTransferEngine(TransferEngine):
         if group:
             yield group
 
-    def _copy_unit(self, unit, offset: int) -> tuple[int, int, torch.cuda.Event, int]:
-        """Queue one fill's copies into staging at ``offset`` on the load
-        stream: (offset, bytes, filled, rows interleaved). Layers whose
+    def _copy_unit(self, unit, offset: int, buffer: torch.Tensor | None = None) -> tuple:
+        """Queue one fill's copies into ``buffer`` (the staging ring's by
+        default) at ``offset`` on the load stream: (offset, bytes, filled,
+        rows interleaved, buffer). Layers whose
         extents sit side by side in each object (chunkwise; layerwise objects
         stored chunk by chunk) go in one strided copy of wide rows, staged
         chunk-major: ``rows`` chunks, each the group's layers in turn;
         otherwise layer-major (``rows`` 0)."""
         layers, pieces, _ = unit
         row = self.fmt.layer_bytes
-        base, pos = self._staging.buffer.data_ptr() + offset, 0
+        buffer = self._staging.buffer if buffer is None else buffer
+        base, pos = buffer.data_ptr() + offset, 0
         wide = self._wide_run(pieces) if len(layers) > 1 else None
         span = self._span(pieces) if len(layers) > 1 and wide is None else None
         if wide is not None:
@@ -472,7 +583,7 @@ class CudaTransferEngine(TransferEngine):
                     pos += run.rows * row
         filled = self._event()
         filled.record(self.load_stream)
-        return offset, pos, filled, wide.rows if wide is not None else 0
+        return offset, pos, filled, wide.rows if wide is not None else 0, buffer
 
     def _span(self, pieces: list[list[Run]]) -> tuple[int, int] | None:
         """(pool offset, bytes) when the pieces' runs are contiguous and
@@ -511,9 +622,8 @@ class CudaTransferEngine(TransferEngine):
         through the layers' common stride for a group), then free the
         staging buffer; the fill's last event lands its layers."""
         layers, pieces, completes = unit
-        offset, used, filled, interleaved = copied
+        offset, used, filled, interleaved, staging = copied
         self.scatter_stream.wait_event(filled)
-        staging = self._staging.buffer
         count = len(layers)
         blocks = used // count // self.layout.block_bytes_per_layer
         first = pieces[0][0].first_block  # the same for every layer of a group
@@ -531,7 +641,10 @@ class CudaTransferEngine(TransferEngine):
                                                     self._piece_view(staging, offset, blocks))
         freed = self._event()
         freed.record(self.scatter_stream)
-        self._staging.freed(offset, freed)
+        if staging is self._head_buffer:
+            self._head_freed = freed
+        else:
+            self._staging.freed(offset, freed)
         if completes:
             for layer in layers:
                 job.handle._mark_layer(layer, freed)

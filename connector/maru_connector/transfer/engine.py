@@ -22,7 +22,7 @@ from ..object_format import ObjectFormat
 from .handles import LoadHandle, StoreHandle, TransferError
 from .plan import ChunkLoad, ChunkStore, Run, check_chunks, layer_runs
 
-__all__ = ["TransferEngine"]
+__all__ = ["HeadStart", "TransferEngine"]
 
 _STOP = object()
 
@@ -39,6 +39,20 @@ class _Job:
         # A backend that issued the first part of a load on the submitting
         # thread leaves the rest here for the copy thread.
         self.rest = None
+        self.head = None  # the load's head start, when it uses one (CUDA)
+
+
+class HeadStart(abc.ABC):
+    """The first fills of a load, copied before the load was submitted."""
+
+    @abc.abstractmethod
+    def claim(self, sources: list[tuple[int, ...]]) -> "HeadStart | None":
+        """This head for the load of ``sources`` (None, and dropped, when it
+        was started for other sources): from now on the load's to use."""
+
+    @abc.abstractmethod
+    def drop(self) -> None:
+        """No load will use it (a no-op once claimed); idempotent."""
 
 
 class TransferEngine(abc.ABC):
@@ -122,7 +136,19 @@ class TransferEngine(abc.ABC):
         return ObjectFormat(detect_kv_layout(kv_caches, block_size), chunk_tokens, layerwise)
 
     # ----------------------------------------------------------------- submit
-    def submit_load(self, chunks: Sequence[ChunkLoad], beside_long_forward: bool = False) -> LoadHandle:
+    def start_head(self, sources: Sequence[tuple[int, ...]]) -> "HeadStart | None":
+        """Start copying the first layers of a load of ``sources`` (its
+        chunks' pool offsets, as its ``ChunkLoad``s will carry them) before
+        its blocks are allocated; ``None`` when the backend does not or
+        cannot now. Only ever pinned objects: the copies read the pool.
+
+        The load that follows passes the result to ``submit_load`` (used only
+        if it loads exactly these sources); anything else ``drop``s it.
+        """
+        return None
+
+    def submit_load(self, chunks: Sequence[ChunkLoad], beside_long_forward: bool = False,
+                    head: "HeadStart | None" = None) -> LoadHandle:
         """Queue copies pool -> KV cache for ``chunks``; returns at once.
 
         On CUDA the writes into the blocks are ordered after the work queued
@@ -134,17 +160,31 @@ class TransferEngine(abc.ABC):
         Raises ``TransferRequestError`` when a chunk does not fit the format
         (wrong number of block ids or offsets, block id out of range).
         Problems found while copying (e.g. an offset outside the pool) end
-        in ``handle.error`` instead.
+        in ``handle.error`` instead. ``head``: this load's ``start_head``,
+        whose copies it then reuses when the sources match (else dropped).
         """
-        blocks = check_chunks(self.fmt, chunks, "load")
+        try:
+            blocks = check_chunks(self.fmt, chunks, "load")
+        except BaseException:
+            if head is not None:
+                head.drop()
+            raise
         nbytes = len(blocks) * self.layout.block_bytes_per_layer * self.layout.num_layers
         handle = LoadHandle(self.layout.num_layers if chunks else 0, nbytes)
         if chunks:
             job = _Job(handle, blocks, [c[1] for c in chunks], beside_long_forward)
+            job.head = self._claim_head(head, job) if head is not None else None
             self._prepare(job)
             if not self._issue_here(job):
                 self._enqueue(self._load_queue, job)
+        elif head is not None:
+            head.drop()
         return handle
+
+    def _claim_head(self, head: "HeadStart", job: _Job) -> "HeadStart | None":
+        """Backend hook: ``head`` for ``job``, or None (and dropped)."""
+        head.drop()
+        return None
 
     def _issue_here(self, job: _Job) -> bool:
         """Backend hook: run ``job`` on the submitting thread instead of the
