@@ -157,8 +157,8 @@ class LlamaStack:
                  out_in: bool = True):
         self.geo = geo
         # projections stored [out, in] and applied by F.linear, as vLLM's
-        # linear layers are (cuBLAS's matrix-vector kernels are faster in
-        # this layout); False: [in, out] applied by ``x @ w`` (before)
+        # linear layers are; False: [in, out] applied by ``x @ w`` (before;
+        # the same GPU time on the H200: bench/RESULTS.md)
         self.out_in = out_in
         self.device = torch.device(device)
         gen = torch.Generator(device=device).manual_seed(seed)

@@ -37,7 +37,7 @@ from worker_env import finished, save  # noqa: E402
 
 pytestmark = [
     pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU; 178 CUDA tests passed on an H200 with commit ce053a9: bench/RESULTS.md (CUDA tests)"),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU; the CUDA tests passed on an H200: bench/RESULTS.md (CUDA tests)"),
 ]
 
 GEO = Geometry(hidden=1024, heads=8, kv_heads=4, head=128, ffn=2048, layers=8, vocab=4096)
