@@ -79,6 +79,32 @@ def plot(path: str) -> str:
     return png
 
 
+def measure_stand_in(kv: dict, out_in: bool, varlen: bool, contexts: list[int],
+                     repeats: int) -> list[dict]:
+    """One row per context: the forward, the pieces alone and the attention
+    alone, for the stand-in with these weights and this attention."""
+    geo, dev = LLAMA3_8B, torch.device("cuda")
+    model = LlamaStack(geo, dev, out_in=out_in)
+    model.varlen = varlen
+    rows = []
+    for context in contexts:
+        batch = Batch.build([([7], context, list(range(context // BLOCK + 1)))], BLOCK, dev)
+        fwd = PiecewiseForward(model, kv, batch)
+
+        def attention_only():
+            for i in range(geo.layers):
+                _, q, kvn = fwd.outputs[i]
+                model.attend(fwd.rows[i], q, kvn, batch, fwd.attn)
+        rows.append({
+            "context": context, "weights": "out_in" if out_in else "in_out",
+            "attention": "varlen" if varlen else "per_request",
+            "forward": host_and_gpu_ms(lambda: fwd(batch), repeats),
+            "pieces_only": host_and_gpu_ms(lambda: [g.replay() for g in fwd.graphs], repeats),
+            "attention_only": host_and_gpu_ms(attention_only, repeats),
+        })
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
@@ -96,28 +122,10 @@ def main() -> None:
     # (weights [out, in] by F.linear, attention as one kernel for the batch):
     # as shipped, then each of the two before
     for out_in, varlen in ((True, True), (False, True), (True, False)):
-        model = LlamaStack(geo, dev, out_in=out_in)
-        model.varlen = varlen
-        for context in args.contexts:
-            table = list(range(context // BLOCK + 1))
-            batch = Batch.build([([7], context, table)], BLOCK, dev)
-            fwd = PiecewiseForward(model, kv, batch)
-            row = {"context": context, "weights": "out_in" if out_in else "in_out",
-                   "attention": "varlen" if varlen else "per_request"}
-            row["forward"] = host_and_gpu_ms(lambda: fwd(batch), args.repeats)
-            row["pieces_only"] = host_and_gpu_ms(
-                lambda: [g.replay() for g in fwd.graphs], args.repeats)
-
-            def attention_only():
-                for i in range(geo.layers):
-                    _, q, kvn = fwd.outputs[i]
-                    model.attend(fwd.rows[i], q, kvn, batch, fwd.attn)
-            row["attention_only"] = host_and_gpu_ms(attention_only, args.repeats)
+        for row in measure_stand_in(kv, out_in, varlen, args.contexts, args.repeats):
             result["rows"].append(row)
             print(json.dumps(row), flush=True)
-            del fwd
-        del model
-        torch.cuda.empty_cache()
+        torch.cuda.empty_cache()  # the last stand-in's weights and graphs are gone
     event = torch.cuda.Event()
     event.record()
     result["stream_waits_32"] = host_and_gpu_ms(
