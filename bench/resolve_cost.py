@@ -38,22 +38,27 @@ def llama8b_format(layerwise: bool, chunk_tokens: int = 256) -> ObjectFormat:
     return ObjectFormat(detect_kv_layout(caches, block), chunk_tokens, layerwise)
 
 
-def store_headers(client, pool: Pool, fmt: ObjectFormat, chunk_keys: list[bytes]) -> None:
-    """Reserve every object, write its slot header as a writer would, commit."""
+def store_headers(client, pool: Pool, fmt: ObjectFormat, chunk_keys: list[bytes],
+                  checksums: bool = False) -> None:
+    """Reserve every object, write its slot header as a writer would (with
+    its payload's checksum when ``checksums``), commit."""
     keys = object_keys(fmt, chunk_keys)
     slots = client.reserve([(k, fmt.object_bytes) for k in keys])
     if None in list(slots):
         raise SystemExit("the pool is too small for these objects; raise --pool-size")
     kind = SlotFormat.LAYERWISE if fmt.layerwise else SlotFormat.CHUNKWISE
     for key, slot in zip(keys, slots):
+        checksum = pool.payload_checksum(slot.offset, fmt.object_bytes) if checksums else None
         pool.write_slot_header(slot.offset, SlotHeader(key, slot.generation, fmt.object_bytes,
-                                                       fmt=kind, layout=fmt.fingerprint))
+                                                       fmt=kind, layout=fmt.fingerprint,
+                                                       checksum=checksum))
     client.commit(keys)
 
 
-def measure(client, pool: Pool, fmt: ObjectFormat, tokens: int, repeats: int) -> dict:
+def measure(client, pool: Pool, fmt: ObjectFormat, tokens: int, repeats: int,
+            verify_payload: bool = False) -> dict:
     chunk_keys = [os.urandom(16) for _ in range(tokens // fmt.chunk_tokens)]
-    store_headers(client, pool, fmt, chunk_keys)
+    store_headers(client, pool, fmt, chunk_keys, checksums=verify_payload)
     per = fmt.blocks_per_chunk
     block_ids = [tuple(range(c * per, (c + 1) * per)) for c in range(len(chunk_keys))]
     rows: dict[str, list[float]] = {"keys": [], "resolve_load": [], "release_pins": []}
@@ -61,7 +66,7 @@ def measure(client, pool: Pool, fmt: ObjectFormat, tokens: int, repeats: int) ->
         t0 = time.perf_counter()
         object_keys(fmt, chunk_keys)
         t1 = time.perf_counter()
-        pinned = resolve_load(client, pool, fmt, chunk_keys, block_ids)
+        pinned = resolve_load(client, pool, fmt, chunk_keys, block_ids, verify_payload=verify_payload)
         t2 = time.perf_counter()
         release_pins(client, pinned)
         t3 = time.perf_counter()
@@ -76,6 +81,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 32768])
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--pool-size", default="16Gi", help="sparse: only slot headers are written")
+    ap.add_argument("--verify-payload", action="store_true",
+                    help="headers record their payload's checksum, and the resolve checks it "
+                         "(maru_verify_payload, on by default on the CPU backend)")
     args = ap.parse_args()
     print(f"# python {platform.python_version()}, {os.cpu_count()} cpus, load average "
           f"{os.getloadavg()[0]:.1f}")
@@ -88,7 +96,7 @@ def main() -> None:
             for layerwise in (False, True):
                 fmt = llama8b_format(layerwise)
                 for tokens in args.tokens:
-                    r = measure(client, pool, fmt, tokens, args.repeats)
+                    r = measure(client, pool, fmt, tokens, args.repeats, args.verify_payload)
                     print(f"| {fmt.name} | {tokens} | {r['objects']} | {r['keys']:.2f} | "
                           f"{r['resolve_load']:.2f} | {r['release_pins']:.2f} |", flush=True)
         finally:

@@ -188,23 +188,33 @@ def _check_headers(pool: Any, keys: bytes, reply: _Reply, fmt: Any, verify_paylo
     # 2,048 objects: checked one by one they cost 11-24 ms of its TTFT); the
     # one-object check only words a failure.
     offsets = reply.offsets.astype(np.int64)
-    ok = SlotHeaderCheck(pool)(keys, offsets, reply.generations, layout=fmt.fingerprint)
+    check = SlotHeaderCheck(pool)
+    _fail_first(pool, keys, reply, offsets, check(keys, offsets, reply.generations, layout=fmt.fingerprint), fmt)
+    if verify_payload:
+        found = np.fromiter(pool.payload_checksums(offsets.tolist(), fmt.object_bytes),
+                            dtype=np.uint64, count=len(offsets))
+        # The headers again, after the hashing, as one batch: the payloads
+        # were hashed under the headers checked here (pinned, they cannot
+        # change; a slot that did is refused all the same).
+        _fail_first(pool, keys, reply, offsets, check(keys, offsets, reply.generations, layout=fmt.fingerprint), fmt)
+        stored = check.stored_checksums(offsets)  # 0: the writer recorded none
+        for i in np.flatnonzero((stored == 0) | (stored != found))[:1]:
+            key = keys[i * KEY_BYTES : (i + 1) * KEY_BYTES]
+            what = "does not match its checksum" if stored[i] else "carries no checksum"
+            raise LoadFailure(  # the metric label of every slot-header check
+                "header_mismatch", f"payload of key {key.hex()} at offset {offsets[i]} {what}"
+            )
+
+
+def _fail_first(pool: Any, keys: bytes, reply: "_Reply", offsets: np.ndarray, ok: np.ndarray, fmt: Any) -> None:
+    """Raise the ``LoadFailure`` of the first object whose header the batch check refused
+    (the one-object check words why)."""
     for i in np.flatnonzero(~ok)[:1]:
         key = keys[i * KEY_BYTES : (i + 1) * KEY_BYTES]
         _header_of(pool, key, int(offsets[i]), int(reply.generations[i]), fmt.fingerprint)
         raise LoadFailure(  # the slot changed between the two reads: not ours either way
             "header_mismatch", f"slot at offset {offsets[i]} changed while it was checked"
         )
-    if verify_payload:
-        found = pool.payload_checksums(offsets.tolist(), fmt.object_bytes)
-        rows = zip(split_keys(keys), offsets.tolist(), reply.generations.tolist(), found)
-        for key, offset, generation, checksum in rows:
-            header = _header_of(pool, key, offset, generation, fmt.fingerprint)
-            if header.checksum is None or header.checksum != checksum:
-                what = "does not match its checksum" if header.checksum else "carries no checksum"
-                raise LoadFailure(  # the metric label of every slot-header check
-                    "header_mismatch", f"payload of key {key.hex()} at offset {offset} {what}"
-                )
 
 
 def _header_of(pool: Any, key: bytes, offset: int, generation: int, layout: int) -> Any:

@@ -3,6 +3,8 @@ layout the writer's worker detected, and the checksum of the payload."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from maru_core.pool.checksum import payload_checksum
@@ -73,6 +75,24 @@ def test_a_flipped_payload_byte_fails_a_verified_load_and_unpins(env):
     release_pins(client, resolve_load(client, env.pool, fmt, keys, spec_blocks(10, 2)))
     env.pool.buffer[loc.offset + 77] ^= 0x10
     release_pins(client, resolve_load(client, env.pool, fmt, keys, spec_blocks(10, 2), verify_payload=True))
+    assert +env.index.pins == {}
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["chunkwise", "layerwise"])
+def test_a_verified_load_refuses_an_object_whose_header_records_no_checksum(env, layerwise):
+    """Only a checksum the writer recorded vouches for a payload: an object
+    whose header records none (an older writer) fails a verified load,
+    whichever of the load's objects it is, and nothing stays pinned."""
+    writer, _, keys = _store(env, maru_use_layerwise=layerwise)
+    fmt = writer._res.engine.fmt
+    last = object_keys(fmt, keys)[-1]
+    offset = env.index.committed[last].offset
+    header = env.pool.read_slot_header(offset)
+    env.pool.write_slot_header(offset, dataclasses.replace(header, checksum=None))
+    client = env.index.client()
+    with pytest.raises(LoadFailure, match=f"payload of key {last.hex()} .* carries no checksum") as info:
+        resolve_load(client, env.pool, fmt, keys, spec_blocks(10, 2), verify_payload=True)
+    assert info.value.reason == "header_mismatch"
     assert +env.index.pins == {}
 
 

@@ -136,3 +136,18 @@ def test_fields_that_disagree_under_a_valid_crc_are_refused_by_both(pool, fields
     generation = int.from_bytes(pool.buffer[entry + 24 : entry + 32], "little")
     assert not reference(pool, header.key, offset, generation, None)
     assert not SlotHeaderCheck(pool)(header.key, np.array([offset]), np.array([generation], dtype=np.uint64))[0]
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batch=st.lists(st.tuples(st.integers(0, PAGES // 4 - 1), headers), min_size=1, max_size=8,
+                      unique_by=lambda row: row[0]))
+def test_stored_checksums_are_what_each_header_records(pool, batch) -> None:
+    """The batch read of recorded payload checksums equals the one-object
+    read, 0 standing for a header that records none."""
+    g = pool.geometry  # objects four pages apart: none overlaps another (3 pages at most)
+    offsets = [g.data_offset + 4 * slot * g.page_size for slot, _ in batch]
+    for offset, (_, header) in zip(offsets, batch):
+        pool.write_slot_header(offset, header)
+    got = SlotHeaderCheck(pool).stored_checksums(np.array(offsets, dtype=np.int64))
+    assert got.dtype == np.uint64
+    assert got.tolist() == [pool.read_slot_header(o).checksum or 0 for o in offsets]

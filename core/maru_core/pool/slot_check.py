@@ -77,10 +77,7 @@ class SlotHeaderCheck:
         offsets = np.asarray(offsets, dtype=np.int64)
         if len(keys) != KEY_BYTES * len(offsets):
             raise ValueError(f"{len(keys)} bytes of keys for {len(offsets)} offsets: keys are {KEY_BYTES} bytes each")
-        pages = offsets - g.data_offset
-        inside = (pages >= 0) & (pages % g.page_size == 0) & (pages < g.num_pages * g.page_size)
-        pages //= g.page_size
-        pages[~inside] = 0
+        inside, pages = self._pages(offsets)
         entries = self._entries(pages)
         words = np.frombuffer(keys, dtype="<u8")
         ok = inside
@@ -102,6 +99,22 @@ class SlotHeaderCheck:
         if ok.any():
             ok[ok] = _crc_ok(entries[ok])
         return ok
+
+    def stored_checksums(self, offsets: np.ndarray) -> np.ndarray:
+        """The payload checksum the slot header at each data ``offset`` records
+        (uint64; 0 where it records none), for offsets this check passed:
+        ``read_slot_header(offset).checksum or 0`` for a whole batch."""
+        _, pages = self._pages(np.asarray(offsets, dtype=np.int64))
+        return self._entries(pages)["checksum"]
+
+    def _pages(self, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(whether each offset starts a data page of the pool, its page index or 0)."""
+        g = self._pool.geometry
+        pages = offsets - g.data_offset
+        inside = (pages >= 0) & (pages % g.page_size == 0) & (pages < g.num_pages * g.page_size)
+        pages //= g.page_size
+        pages[~inside] = 0
+        return inside, pages
 
     def _entries(self, pages: np.ndarray) -> np.ndarray:
         """Copies of the table entries of ``pages`` (the table view is dropped before returning,
