@@ -226,6 +226,7 @@ class LlamaStack:
     # ---- attention (eager, between pieces) --------------------------------
     def attention(self, kv_cache: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
                   batch: Batch, out: torch.Tensor) -> None:
+        """``attend`` over a layer's cache as vLLM allocates it."""
         self.attend(token_rows(kv_cache), q, kv, batch, out)
 
     def attend(self, rows: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
