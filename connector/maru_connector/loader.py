@@ -324,6 +324,8 @@ class AsyncLoader:
         except Exception:
             release_pins(self._client, load.pinned)  # nothing was queued
             raise
+        if getattr(load.handle, "head_start", False):
+            self._stats.record_head_start_load()
         set_listener = getattr(load.handle, "set_listener", None)
         if set_listener is not None:  # else found by the periodic check
             set_listener(self._wake.set)

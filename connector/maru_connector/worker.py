@@ -335,6 +335,8 @@ class MaruWorkerHalf:
         handle = res.engine.submit_load(
             pinned.chunks, beside_long_forward=overlapped and spec.new_tokens >= self.cfg.maru_kv_chunk_tokens,
             head=pinned.head)
+        if getattr(handle, "head_start", False):
+            self.stats.record_head_start_load()
         self._sync_loads.append(_SyncLoad(spec, pinned, handle, overlapped))
 
     def _finish_sync_loads(self, only_whole: bool = False) -> None:

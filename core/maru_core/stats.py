@@ -53,13 +53,14 @@ REGION_SUFFIX = ".region"
 
 COUNTERS = (
     "lookups", "lookup_hit_tokens", "load_bytes", "recomputed_tokens", "store_bytes", "parked_loads",
-    "early_pinned_loads",
+    "early_pinned_loads", "head_start_loads",
 )
 # The counters of the layouts older connectors write, oldest first: a reader
 # maps their slots by name (a slot they lack reads 0), so a sidecar newer than
 # the connector in its pod still exports that connector's metrics.
 PREVIOUS_COUNTERS = (
     ("lookups", "lookup_hit_tokens", "load_bytes", "recomputed_tokens", "store_bytes", "parked_loads"),
+    COUNTERS[:-1],  # before head_start_loads
 )
 GAUGES = ("parked_requests",)
 # Failure reasons are a closed set: they become a label, which must stay bounded.
@@ -100,7 +101,7 @@ _STORE_REASONS_BEFORE_QUARANTINED = STORE_FAILURE_REASONS[:-1]
 # read by name as above.
 PREVIOUS_LAYOUTS = (
     *((counters, _STORE_REASONS_BEFORE_QUARANTINED) for counters in PREVIOUS_COUNTERS),
-    (COUNTERS, _STORE_REASONS_BEFORE_QUARANTINED),
+    (PREVIOUS_COUNTERS[-1], STORE_FAILURE_REASONS),
 )
 
 
@@ -245,6 +246,11 @@ class ConnectorStats:
         """A load that copied under the pins its lookup took, with no retrieve of its own."""
         with self._lock:
             self._add("counter:early_pinned_loads", 1)
+
+    def record_head_start_load(self) -> None:
+        """A load that reused the copies its head start queued before vLLM allocated its blocks."""
+        with self._lock:
+            self._add("counter:head_start_loads", 1)
 
     def set_parked_requests(self, count: int) -> None:
         """The number of requests parked waiting for their KV to load, now."""

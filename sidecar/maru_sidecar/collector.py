@@ -36,6 +36,7 @@ _COUNTER_HELP = {
     "store_bytes": ("maru_store_bytes", "Bytes of KV stored from vLLM's KV cache into the pool."),
     "parked_loads": ("maru_parked_loads", "Hits loaded while their request waited parked, not in the step computing it."),
     "early_pinned_loads": ("maru_early_pinned_loads", "Loads that copied under the pins their lookup took (no retrieve of their own)."),
+    "head_start_loads": ("maru_head_start_loads", "Loads whose first copies started when their lookup answered, before vLLM allocated blocks."),
 }
 _HISTOGRAM_HELP = {
     "load_duration_seconds": "Time of one load, from its start to the completion of its last copy.",

@@ -50,7 +50,9 @@ class HeadStartingEngine:
     def submit_load(self, chunks, head=None, **options):
         claimed = head.claim([c.sources for c in chunks]) if head is not None else None
         self.submitted.append(claimed)
-        return self.real.submit_load(chunks, **options)
+        handle = self.real.submit_load(chunks, **options)
+        handle.head_start = claimed is not None  # as the CUDA engine reports a claim
+        return handle
 
     def __getattr__(self, name):
         return getattr(self.real, name)
@@ -86,6 +88,7 @@ def test_a_hit_s_head_starts_at_its_lookup_and_its_load_claims_it(env, layerwise
     errors, report = step(reader, MaruConnectorMetadata(loads=loads, scheduled_req_ids=frozenset({"r"})))
     assert errors == set() and not report.failed_load_req_ids
     assert engine.submitted == [head] and head.claimed and not head.dropped
+    assert reader.stats.snapshot()["counters"]["head_start_loads"] == 1
     assert blocks_equal(kv_w, range(6), kv_r, range(8, 14))
     wait_unpinned(env)
     half.shutdown()
@@ -102,6 +105,7 @@ def test_a_load_of_fewer_chunks_than_its_head_drops_it(env):
     errors, _ = step(reader, MaruConnectorMetadata(loads=loads, scheduled_req_ids=frozenset({"r"})))
     assert errors == set() and engine.submitted == [None]
     assert engine.heads[0].dropped and not engine.heads[0].claimed
+    assert reader.stats.snapshot()["counters"]["head_start_loads"] == 0
     assert blocks_equal(kv_w, range(4), kv_r, range(8, 12))
     wait_unpinned(env)
     half.shutdown()

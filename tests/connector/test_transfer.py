@@ -400,4 +400,20 @@ def test_the_cpu_backend_starts_no_head_and_drops_one_handed_to_it(engines, make
     head = _RecordedHead()
     loaded = engine.submit_load([ChunkLoad((0, 1), (0,))], head=head)
     assert loaded.wait_all(10) and loaded.error is None
-    assert head.dropped == 1
+    assert head.dropped == 1 and not loaded.head_start
+
+
+def test_a_load_that_claims_its_head_says_so_on_its_handle(engines, make_pool):
+    """``LoadHandle.head_start`` (what the head-start metric counts) is set
+    exactly when the backend claimed the head for the load."""
+    pool = make_pool(1 << 20)
+    kv = make_kv_caches("flash_nhd", layers=2, blocks=8, seed=1)
+    fmt = ObjectFormat(detect_kv_layout(kv), chunk_tokens=32, layerwise=False)
+    engine = engines(pool.buffer, kv, fmt)
+    claimed = []
+    engine._claim_head = lambda head, job: claimed.append(head) or head  # as CUDA's, for matching sources
+    loaded = engine.submit_load([ChunkLoad((0, 1), (0,))], head=_RecordedHead())
+    assert loaded.wait_all(10) and loaded.error is None
+    assert loaded.head_start and len(claimed) == 1
+    plain = engine.submit_load([ChunkLoad((2, 3), (0,))])
+    assert plain.wait_all(10) and not plain.head_start

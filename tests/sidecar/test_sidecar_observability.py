@@ -76,6 +76,7 @@ SIDECAR_SERIES = {
     "maru_parked_requests": {},
     "maru_parked_loads_total": {},
     "maru_early_pinned_loads_total": {},
+    "maru_head_start_loads_total": {},
     "maru_load_bytes_total": {},
     "maru_load_duration_seconds_count": {},
     "maru_load_failures_total": {"reason": "timeout"},

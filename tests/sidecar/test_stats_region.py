@@ -24,6 +24,7 @@ def test_in_memory_counters_and_histograms():
     s.set_parked_requests(3)
     s.record_parked_load()
     s.record_early_pinned_load()
+    s.record_head_start_load()
     s.record_layer_wait(0.00001)  # exactly on a bucket bound: counted in that bucket (le)
     s.record_store(8192, 20.0)  # above the last bound: +Inf
     s.record_store_failure("no_space")
@@ -31,7 +32,7 @@ def test_in_memory_counters_and_histograms():
     assert snap["counters"] == {
         "lookups": 2, "lookup_hit_tokens": 256, "load_bytes": 4096,
         "recomputed_tokens": 160, "store_bytes": 8192, "parked_loads": 1,
-        "early_pinned_loads": 1,
+        "early_pinned_loads": 1, "head_start_loads": 1,
     }  # fmt: skip
     assert snap["gauges"]["parked_requests"] == 3
     assert snap["load_failures"]["short_reply"] == 1 and sum(snap["load_failures"].values()) == 1
@@ -143,7 +144,8 @@ def test_handoff_and_stats_import_without_prometheus_or_vllm():
     assert out.stdout.strip() == "ok", out.stderr
 
 
-@pytest.mark.parametrize("layout", stats.PREVIOUS_LAYOUTS, ids=["before_early_pins", "before_quarantined"])
+@pytest.mark.parametrize("layout", stats.PREVIOUS_LAYOUTS,
+                         ids=["before_early_pins", "before_quarantined", "before_head_starts"])
 def test_a_region_of_an_older_connector_is_read_by_name(tmp_path, layout):
     """A sidecar newer than the connector in its pod: the older layout's slots
     are read by name, and a counter or reason that layout lacks reads 0."""
@@ -167,7 +169,8 @@ def test_a_region_of_an_older_connector_is_read_by_name(tmp_path, layout):
     assert snap["counters"]["load_bytes"] == 4096 and snap["counters"]["parked_loads"] == 3
     assert snap["counters"]["early_pinned_loads"] == (7 if "early_pinned_loads" in counters else 0)
     assert snap["store_failures"]["load_failed"] == 5
-    assert snap["store_failures"]["quarantined"] == 0  # not in either layout
+    assert snap["store_failures"]["quarantined"] == 0  # absent, or never counted
+    assert snap["counters"]["head_start_loads"] == 0  # in none of them
     assert snap["histograms"]["load_duration_seconds"]["count"] == 2
     assert snap["histograms"]["load_duration_seconds"]["sum"] == pytest.approx(0.5)
     path.write_bytes(path.read_bytes()[:-8])  # its size no longer matches its layout

@@ -174,6 +174,7 @@ class TransferEngine(abc.ABC):
         if chunks:
             job = _Job(handle, blocks, [c[1] for c in chunks], beside_long_forward)
             job.head = self._claim_head(head, job) if head is not None else None
+            handle.head_start = job.head is not None
             self._prepare(job)
             if not self._issue_here(job):
                 self._enqueue(self._load_queue, job)

@@ -60,6 +60,7 @@ class LoadHandle:
         # monotonic), on the copy thread or the submitting thread
         self.issue_started_at: float | None = None
         self.issued_at: float | None = None
+        self.head_start = False  # it reused the copies of a head start (CUDA)
         self._marked = [threading.Event() for _ in range(num_layers)]
         self._ok = [False] * num_layers
         self._device_events: list[Any] | None = None
