@@ -5,6 +5,7 @@ that says what to write, and a real engine's copy threads (and its pool
 prefaulter) run pinned, and the load thread at idle priority when asked,
 while their copies stay exact."""
 
+import contextlib
 import os
 import random
 import time
@@ -117,28 +118,36 @@ def settled(read, expected, timeout_s: float = 10.0):
     return value
 
 
-def test_copy_threads_run_pinned_and_their_copies_stay_exact():
-    mine = os.sched_getaffinity(0)
-    cpus = frozenset({max(mine)})
+@contextlib.contextmanager
+def round_tripped(seed: int, **options):
+    """The CPU engines a store-and-load round trip built with ``options`` for
+    ``TransferEngine.create`` (its bytes compared), still open; closed after."""
     pool = ShmPool(1 << 20)
     made = []
 
-    def pinned_engine(*args, **kwargs):
-        made.append(TransferEngine.create(*args, copy_cpus=cpus, **kwargs))
+    def engine_with_options(*args, **kwargs):
+        made.append(TransferEngine.create(*args, **options, **kwargs))
         return made[-1]
 
     try:
-        round_trip(pinned_engine, pool, "cpu", layerwise=False, chunks=3,
-                   rng=random.Random(7), adjacent=False)
+        round_trip(engine_with_options, pool, "cpu", layerwise=False, chunks=3,
+                   rng=random.Random(seed), adjacent=False)
+        yield made
+    finally:
+        for engine in made:
+            engine.close()
+        pool.close()
+
+
+def test_copy_threads_run_pinned_and_their_copies_stay_exact():
+    mine = os.sched_getaffinity(0)
+    cpus = frozenset({max(mine)})
+    with round_tripped(7, copy_cpus=cpus) as made:
         for engine in made:
             assert engine.prefaulter.wait(timeout=30)
         for engine in made:
             assert copy_thread_cpus(engine) == {"maru-load": set(cpus), "maru-store": set(cpus)}
         assert os.sched_getaffinity(0) == mine  # the caller's thread is left alone
-    finally:
-        for engine in made:
-            engine.close()
-        pool.close()
 
 
 def test_the_prefaulter_runs_on_the_copy_cores(monkeypatch):
@@ -213,25 +222,12 @@ def test_the_process_cores_are_not_the_bound_thread_s():
 
 @pytest.mark.parametrize("priority, policy", [("normal", os.SCHED_OTHER), ("idle", os.SCHED_IDLE)])
 def test_the_load_thread_runs_at_the_priority_asked_for_and_copies_stay_exact(priority, policy):
-    pool = ShmPool(1 << 20)
-    made = []
-
-    def engine_at(*args, **kwargs):
-        made.append(TransferEngine.create(*args, copy_priority=priority, **kwargs))
-        return made[-1]
-
-    try:
-        round_trip(engine_at, pool, "cpu", layerwise=False, chunks=3, rng=random.Random(8),
-                   adjacent=False)
+    with round_tripped(8, copy_priority=priority) as made:
         for engine in made:
             # Stores stay at normal priority: nothing waits for them.
             assert {t.name: os.sched_getscheduler(t.native_id) for t in engine._threads} == {
                 "maru-load": policy, "maru-store": os.SCHED_OTHER}
         assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the caller's thread is left alone
-    finally:
-        for engine in made:
-            engine.close()
-        pool.close()
 
 
 @pytest.mark.parametrize("knob, policy", [({}, os.SCHED_IDLE),
