@@ -7,8 +7,11 @@ carries out what the scheduler half planned:
 - synchronous loads in ``start_load_kv`` (before the forward): resolve (pin,
   check reply and slot headers), copy, unpin; with overlap the copies run
   while the forward waits per layer in ``wait_for_layer_load`` and are
-  finished in ``wait_for_save``. The unpin, once the copies are done, runs
-  on a thread of its own: its round trip to the index is no part of the
+  finished by the first of the step's report hooks or ``wait_for_save``,
+  whichever vLLM calls first (with a speculative config it collects the
+  report before ``wait_for_save``: a failure found only there would reach
+  vLLM a step late, after it kept the token and the step's stores). The
+  unpin, once the copies are done, runs on a thread of its own: its round trip to the index is no part of the
   step (early pins are given back on the lookup service's thread the same way);
 - async loads on the :class:`~maru_connector.loader.AsyncLoader` thread;
 - stores in ``wait_for_save`` through the :class:`~maru_connector.store.Storer`,
@@ -255,6 +258,7 @@ class MaruWorkerHalf:
         Also reports, as failures of this step, the released loads that
         failed and whose requests this step's forward computed.
         """
+        self._finish_sync_loads()  # this step's report must hold their failures
         sending = self._storer.finished_requests(meta.held_req_ids) if self._storer else set()
         recving: set[str] = set()
         if self._loader is not None:
@@ -274,11 +278,13 @@ class MaruWorkerHalf:
         return sending, recving
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        self._finish_sync_loads()
         blocks, self._error_blocks = self._error_blocks, set()
         return blocks
 
     def build_worker_meta(self, meta: MaruConnectorMetadata) -> MaruWorkerMetadata:
         """This step's report; sent every step, so the scheduler can judge the step's stores."""
+        self._finish_sync_loads()
         report = MaruWorkerMetadata(meta.step, self._failed_req_ids, self._tainted)
         self._failed_req_ids, self._tainted = set(), False
         return report

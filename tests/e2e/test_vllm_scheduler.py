@@ -38,6 +38,9 @@ MODES = {  # name -> knobs; the "async" modes park every hit, "async-auto" only 
                       "overlap_release_after_layers": 1},
     "async-auto": {"async_load": True, "overlap_load_with_compute": True},
 }
+# vLLM's two call orders: wait_for_save before the step's report, or (with a
+# speculative config) after it (SteppedEngine's defer_finalize).
+ORDERS = {"finalize-in-step": False, "deferred-finalize": True}
 
 
 def _config(index, url=None, **knobs):
@@ -110,6 +113,24 @@ def test_hit_blocks_hold_exactly_the_computed_kv(engines, index, mode, layerwise
     wait_settled(index)
 
 
+@pytest.mark.parametrize("layerwise", [False, True], ids=["chunkwise", "layerwise"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_hits_are_exact_in_the_deferred_finalize_order(engines, index, mode, layerwise):
+    """vLLM's order with a speculative config (the step's report before
+    ``wait_for_save``): every load mode's hit still holds exactly the
+    computed KV, and its stores still commit."""
+    prompt = random_tokens(4 * CHUNK + 5, seed=next(_seeds))
+    _store(engines, index, prompt, layerwise)
+    reader = engines(_config(index, use_layerwise=layerwise, **MODES[mode]), defer_finalize=True)
+    keys = index_keys(index)
+    assert _serve(reader, "r", prompt) == _expected_tokens(prompt, reader.num_layers, 2)
+    assert reader.worker.worker_half.stats.snapshot()["counters"]["load_bytes"] > 0
+    extended = prompt + random_tokens(2 * CHUNK, seed=next(_seeds))  # two new chunks to store
+    assert _serve(reader, "s", extended) == _expected_tokens(extended, reader.num_layers, 2)
+    wait_for_keys(index, keys + 2 * (reader.num_layers if layerwise else 1))
+    wait_settled(index)
+
+
 def test_async_hit_parks_only_beside_another_request(engines, index):
     """A lone hit loads in the step that computes it (parking would add a
     step); one that arrives while another request runs parks. Both hold
@@ -139,14 +160,15 @@ def test_async_hit_parks_only_beside_another_request(engines, index):
     wait_settled(index)
 
 
+@pytest.mark.parametrize("defer_finalize", list(ORDERS.values()), ids=list(ORDERS))
 @pytest.mark.parametrize("mode", ["sync", "sync-overlap"])
-def test_failed_sync_load_stores_nothing_computed_on_it(engines, index, proxy, mode):
+def test_failed_sync_load_stores_nothing_computed_on_it(engines, index, proxy, mode, defer_finalize):
     """The load fails in the step whose forward also computes the rest of the
     prompt: that step's stores must never be committed."""
     prefix = random_tokens(2 * CHUNK, seed=next(_seeds))
     prompt = prefix + random_tokens(2 * CHUNK + 3, seed=next(_seeds))
     _store(engines, index, prefix + [1])
-    failing = engines(_config(index, url=proxy.url, **MODES[mode]))
+    failing = engines(_config(index, url=proxy.url, **MODES[mode]), defer_finalize=defer_finalize)
     proxy.arm("miss", count=1, op="retrieve_prefix")  # the lookup's pin (early pins, as shipped)
     try:
         out = _serve(failing, "b", prompt)
@@ -204,8 +226,9 @@ class _FailAfterRelease:
         return getattr(self.real, name)
 
 
+@pytest.mark.parametrize("defer_finalize", list(ORDERS.values()), ids=list(ORDERS))
 @pytest.mark.parametrize("release_after", [0, 1])
-def test_copy_failing_after_release_is_reported_and_not_stored(engines, index, release_after):
+def test_copy_failing_after_release_is_reported_and_not_stored(engines, index, release_after, defer_finalize):
     """Released after ``release_after`` layers landed (0: once pinned, before
     any copy); the first layer copied after the release fails under the forward."""
     prefix = random_tokens(2 * CHUNK, seed=next(_seeds))
@@ -219,7 +242,7 @@ def test_copy_failing_after_release_is_reported_and_not_stored(engines, index, r
         return resources
 
     knobs = {**MODES["async-overlap"], "overlap_release_after_layers": release_after}
-    failing = engines(_config(index, **knobs), wrap_resources=wrap)
+    failing = engines(_config(index, **knobs), wrap_resources=wrap, defer_finalize=defer_finalize)
     out = _serve(failing, "b", prompt)
     assert wrapped[0].failed == 1
     assert out == _expected_tokens(prompt, failing.num_layers, 2)
@@ -228,6 +251,39 @@ def test_copy_failing_after_release_is_reported_and_not_stored(engines, index, r
     assert reported[0].worker_meta.tainted
     wait_settled(index)
     reader = engines(_config(index))
+    reader.add("c", prompt, max_tokens=2)
+    reader.run(until=lambda: reader.requests["c"].output)
+    assert reader.wrong_positions("c", prompt) == []
+
+
+@pytest.mark.parametrize("defer_finalize", list(ORDERS.values()), ids=list(ORDERS))
+@pytest.mark.parametrize("mode", ["sync-overlap", "async-auto"])
+def test_overlapped_sync_load_failing_under_the_forward_is_in_that_steps_report(
+        engines, index, mode, defer_finalize):
+    """A sync load overlapped with its forward (``async-auto``: a lone async
+    hit loads so) whose copy of a later layer fails under the forward. With a
+    speculative config vLLM collects the step's report before it calls
+    ``wait_for_save``: the failure must still be in that report, so vLLM
+    drops the token sampled from the unloaded blocks and the step's stores."""
+    prefix = random_tokens(2 * CHUNK, seed=next(_seeds))
+    prompt = prefix + random_tokens(2 * CHUNK + 3, seed=next(_seeds))
+    _store(engines, index, prefix + [1])
+    wrapped = []
+
+    def wrap(resources):
+        resources.engine = _FailAfterRelease(resources.engine, ok_layers=1)
+        wrapped.append(resources.engine)
+        return resources
+
+    failing = engines(_config(index, **MODES[mode]), wrap_resources=wrap, defer_finalize=defer_finalize)
+    out = _serve(failing, "b", prompt)
+    assert wrapped[0].failed == 1
+    assert out == _expected_tokens(prompt, failing.num_layers, 2)
+    reported = [r for r in failing.history if r.invalid_block_ids]
+    assert reported and "b" in reported[0].scheduled  # in the step whose forward used the blocks
+    assert reported[0].worker_meta.tainted
+    wait_settled(index)
+    reader = engines(_config(index))  # loads every chunk of the prompt the failing engine stored
     reader.add("c", prompt, max_tokens=2)
     reader.run(until=lambda: reader.requests["c"].output)
     assert reader.wrong_positions("c", prompt) == []

@@ -8,7 +8,12 @@ step it calls the worker connector in the model runner's order
 (``handle_preemptions``, ``start_load_kv``, per layer ``wait_for_layer_load``
 then the layer's compute, ``wait_for_save``, ``get_transfer_results``,
 ``get_block_ids_with_load_errors``, ``build_connector_worker_meta``) and hands
-vLLM's scheduler the output, as ``EngineCore.step`` does.
+vLLM's scheduler the output, as ``EngineCore.step`` does. With
+``defer_finalize`` it plays the order vLLM uses whenever a speculative
+config is set (the runner's ``defer_kv_connector_finalize``, and from vLLM
+0.33 the GPU runner's ``post_forward(defer_finalize=True)``): the step's
+report (transfer results, load errors, worker metadata) is collected first,
+and ``wait_for_save`` runs only after the drafter, i.e. after the report.
 
 The toy model makes wrong KV visible. Every KV entry of layer ``l`` at
 position ``p`` is an exact small integer computed from the *stored* entry of
@@ -79,6 +84,8 @@ class SteppedEngine:
             scheduler settings (small numbers make preemption easy).
         wrap_resources: optional hook ``f(resources) -> resources`` applied to
             the worker half's pool/engine/clients (fault injection).
+        defer_finalize: call ``wait_for_save`` after the step's report, as
+            vLLM does with a speculative config.
     """
 
     def __init__(
@@ -93,6 +100,7 @@ class SteppedEngine:
         num_kv_heads: int = 2,
         head_size: int = 8,
         wrap_resources: Callable[[Any], Any] | None = None,
+        defer_finalize: bool = False,
     ) -> None:
         from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,
                                  SchedulerConfig, VllmConfig)
@@ -107,6 +115,7 @@ class SteppedEngine:
                             max_model_len=4096, skip_tokenizer_init=True)
         self.num_layers = model.get_num_layers(_parallel_config())
         self.block_size = block_size
+        self.defer_finalize = defer_finalize
         self.vllm_config = VllmConfig(
             model_config=model,
             cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=False),
@@ -212,10 +221,13 @@ class SteppedEngine:
                               before[req_id], n, blocks[req_id])
         if not output.has_sync_kv_loads:
             conn.start_load_kv(None)
-        conn.wait_for_save()
+        if not self.defer_finalize:
+            conn.wait_for_save()
         results = conn.get_transfer_results(output.finished_req_ids)
         invalid = conn.get_block_ids_with_load_errors()
         worker_meta = conn.build_connector_worker_meta()
+        if self.defer_finalize:  # the drafter runs here, then finalize_kv_connector
+            conn.wait_for_save()
         conn.clear_connector_metadata()
         req_ids = list(output.num_scheduled_tokens)
         sampled = []
