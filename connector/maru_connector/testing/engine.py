@@ -51,6 +51,9 @@ class EngineSpec:
     # False: EngineCore runs inside the engine process (starts in ~4 s);
     # True: vLLM's usual three processes (caller, EngineCore, worker).
     multiprocessing: bool = False
+    # vLLM's speculative_config (e.g. n-gram): with one, vLLM collects each
+    # step's connector report before it calls wait_for_save.
+    speculative_config: dict[str, Any] | None = None
     env: dict[str, str] = field(default_factory=dict)
 
 

@@ -37,6 +37,8 @@ def _build_engine(spec: dict[str, Any]):
         kwargs["num_gpu_blocks_override"] = spec["num_gpu_blocks_override"]
     if spec["kv_transfer_config"] is not None:
         kwargs["kv_transfer_config"] = spec["kv_transfer_config"]
+    if spec["speculative_config"] is not None:
+        kwargs["speculative_config"] = spec["speculative_config"]
     return LLM(**kwargs)
 
 
