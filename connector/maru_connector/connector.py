@@ -31,7 +31,7 @@ from maru_connector.worker import MaruWorkerHalf
 
 if TYPE_CHECKING:
     import torch
-    from vllm.attention.backends.abstract import AttentionMetadata
+    from vllm.v1.attention.backend import AttentionMetadata
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -152,12 +152,13 @@ class MaruKVConnector(KVConnectorBase_V1):
         self._worker().wait_for_save(self._meta())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        sending, recving = self._worker().get_finished(self._meta())
+        sending, recving, _ = self._worker().get_finished(self._meta())
         return sending or None, recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        sending, recving = self._worker().get_finished(self._meta())
-        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving)
+        sending, recving, failed = self._worker().get_finished(self._meta())
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
+                                          failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker().get_block_ids_with_load_errors()
@@ -182,6 +183,9 @@ class MaruKVConnector(KVConnectorBase_V1):
         self, request: "Request", num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         return self._scheduler().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def may_load_async(self, request: "Request") -> bool:
+        return self._scheduler().may_load_async(request)
 
     def update_state_after_alloc(
         self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int

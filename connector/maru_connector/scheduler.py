@@ -184,6 +184,25 @@ class MaruSchedulerHalf:
             return True
         return len(self._reqs) > 1  # the request itself is tracked since its lookup
 
+    def may_load_async(self, request: "Request") -> bool:
+        """Whether a lookup of ``request`` may answer with a parked load.
+
+        vLLM (0.34 on) asks whenever the request enters its waiting queues,
+        to count it against ``--max-num-inflight-kv-loads`` and let it start
+        loading while the running batch is full; without a yes the parked
+        load sits in the plain queue and can hold the loads behind it. Cheap
+        and free of side effects: no lookup, no state for a new request.
+        """
+        state = self._reqs.get(request.request_id)
+        if state is not None:
+            if state.load_failed or not state.cacheable:
+                return False
+            mode = state.load_mode
+        else:
+            mode = requested_load_mode(request.kv_transfer_params, self.cfg.maru_async_load,
+                                       self.cfg.maru_overlap_load_with_compute)
+        return mode == PARK if mode is not None else self.cfg.maru_async_load
+
     def update_state_after_alloc(
         self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
     ) -> None:

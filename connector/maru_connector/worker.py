@@ -252,8 +252,10 @@ class MaruWorkerHalf:
         for spec in meta.stores:
             self._storer.submit(spec)
 
-    def get_finished(self, meta: MaruConnectorMetadata) -> tuple[set[str], set[str]]:
-        """(held requests whose stores are done, async loads released or failed).
+    def get_finished(self, meta: MaruConnectorMetadata) -> tuple[set[str], set[str], set[str]]:
+        """(held requests whose stores are done, async loads released or
+        failed, those of them that failed while parked: vLLM's
+        ``failed_recving``, which recomputes them whatever their blocks).
 
         Also reports, as failures of this step, the released loads that
         failed and whose requests this step's forward computed.
@@ -261,13 +263,15 @@ class MaruWorkerHalf:
         self._finish_sync_loads()  # this step's report must hold their failures
         sending = self._storer.finished_requests(meta.held_req_ids) if self._storer else set()
         recving: set[str] = set()
+        failed: set[str] = set()
         if self._loader is not None:
             if not meta.scheduled_req_ids:
                 # Every request is parked (or none runs): wait for the loader
                 # here, GIL-free, rather than let the engine spin on empty steps.
                 self._loader.wait_for_results(_IDLE_STEP_MAX_WAIT_S)
             results = self._loader.take_results(meta.scheduled_req_ids)
-            recving = results.released | set(results.failed)
+            failed = set(results.failed)
+            recving = results.released | failed
             for req_id, blocks in results.failed.items():
                 self._record_failure(req_id, blocks)
             for req_id, blocks in results.failed_after_release.items():
@@ -275,7 +279,7 @@ class MaruWorkerHalf:
                 self._record_failure(req_id, blocks)
                 if req_id in meta.scheduled_req_ids:  # this step's forward used the blocks
                     self._tainted = True
-        return sending, recving
+        return sending, recving, failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         self._finish_sync_loads()

@@ -118,9 +118,10 @@ def save(half: MaruWorkerHalf, meta: MaruConnectorMetadata, commit: bool = True)
 
 
 def finished(half: MaruWorkerHalf, held=(), scheduled=()) -> tuple[set[str], set[str]]:
-    """``get_finished`` of a step whose metadata names these held and scheduled requests."""
+    """``get_finished`` of a step whose metadata names these held and scheduled
+    requests: (finished sending, finished receiving)."""
     meta = MaruConnectorMetadata(held_req_ids=set(held), scheduled_req_ids=frozenset(scheduled))
-    return half.get_finished(meta)
+    return half.get_finished(meta)[:2]
 
 
 def report(half: MaruWorkerHalf, step: int = 0):

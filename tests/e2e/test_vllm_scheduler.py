@@ -384,6 +384,52 @@ def test_failed_load_is_recomputed_and_not_tried_again(engines, index, proxy, mo
         proxy.disarm()
     assert proxy.fired == 1  # one failed load, then recompute: no second attempt
     assert sum(bool(r.invalid_block_ids) for r in reader.history) == 1
+    # A parked load that fails is also named in vLLM's failed_recving, which
+    # recomputes it whatever its blocks (and works where block ids do not).
+    assert [r.failed_recving for r in reader.history if r.failed_recving] == ([{"r"}] if mode == "async" else [])
+    wait_settled(index)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async-auto"])
+def test_may_load_async_says_whether_a_lookup_can_park(engines, index, mode):
+    """vLLM asks before any lookup; the answer follows the load mode, the
+    request's own ``maru_load`` and a failed load (a miss from then on)."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    engine = engines(_config(index, **MODES[mode]))
+    connector = engine.scheduler.connector
+
+    def request(req_id, params=None):
+        extra = {"kv_transfer_params": params} if params else None
+        return Request(req_id, [1, 2, 3], SamplingParams(max_tokens=1, extra_args=extra), None)
+
+    assert connector.may_load_async(request("plain")) == (mode == "async-auto")
+    assert not connector.may_load_async(request("asks-sync", {"maru_load": "sync"}))
+    assert connector.may_load_async(request("asks-park", {"maru_load": "park"})) == (mode == "async-auto")
+    assert connector.scheduler_half.num_tracked_requests == 0  # no state for requests never looked up
+
+
+def test_parked_hit_starts_loading_while_the_running_batch_is_full(engines, index):
+    """With vLLM's ``--max-num-inflight-kv-loads`` (0.34 on), a hit the
+    connector says may park loads while the running batch is full instead of
+    waiting in the plain queue behind it."""
+    from vllm.config import SchedulerConfig
+
+    if "max_num_inflight_kv_loads" not in SchedulerConfig.__dataclass_fields__:
+        pytest.skip("this vLLM has no --max-num-inflight-kv-loads; make test runs this against the "
+                    "pinned newest release (scripts/test_vllm_release.sh)")
+    prompt = random_tokens(3 * CHUNK + 5, seed=next(_seeds))
+    _store(engines, index, prompt)
+    engine = engines(_config(index, **MODES["async-auto"]), max_num_seqs=1,
+                     scheduler_options={"max_num_inflight_kv_loads": 2})
+    engine.add("busy", random_tokens(CHUNK + 3, seed=next(_seeds)), max_tokens=40)
+    engine.run(until=lambda: engine.requests["busy"].output)
+    engine.add("hit", prompt, max_tokens=2)
+    engine.run(until=lambda: engine.status("hit") != "WAITING", max_steps=50)
+    assert engine.status("hit") == "WAITING_FOR_REMOTE_KVS" and "busy" in engine.requests
+    engine.run(until=lambda: "hit" in engine.finished)
+    assert engine.finished["hit"].output == _expected_tokens(prompt, engine.num_layers, 2)
     wait_settled(index)
 
 

@@ -28,6 +28,7 @@ byte and the tokens one for one, with no tolerance.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,6 +64,7 @@ class StepRecord:
     finished_recving: set[str]
     finished_sending: set[str]
     worker_meta: Any
+    failed_recving: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -86,6 +88,8 @@ class SteppedEngine:
             the worker half's pool/engine/clients (fault injection).
         defer_finalize: call ``wait_for_save`` after the step's report, as
             vLLM does with a speculative config.
+        scheduler_options: more ``SchedulerConfig`` fields (e.g. vLLM 0.34's
+            ``max_num_inflight_kv_loads``).
     """
 
     def __init__(
@@ -101,9 +105,9 @@ class SteppedEngine:
         head_size: int = 8,
         wrap_resources: Callable[[Any], Any] | None = None,
         defer_finalize: bool = False,
+        scheduler_options: dict[str, Any] | None = None,
     ) -> None:
-        from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,
-                                 SchedulerConfig, VllmConfig)
+        from vllm.config import ModelConfig
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -116,15 +120,9 @@ class SteppedEngine:
         self.num_layers = model.get_num_layers(_parallel_config())
         self.block_size = block_size
         self.defer_finalize = defer_finalize
-        self.vllm_config = VllmConfig(
-            model_config=model,
-            cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=False),
-            scheduler_config=SchedulerConfig(
-                max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                max_model_len=4096, enable_chunked_prefill=True, is_encoder_decoder=False),
-            kv_transfer_config=KVTransferConfig(**kv_transfer_config),
-            device_config=DeviceConfig("cpu"),
-        )
+        with _runs_no_kernel():
+            self.vllm_config = self._make_config(model, block_size, max_num_batched_tokens, max_num_seqs,
+                                                 kv_transfer_config, scheduler_options)
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
         names = [LAYER_NAME.format(i) for i in range(self.num_layers)]
         spec = FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads,
@@ -148,6 +146,22 @@ class SteppedEngine:
         self.requests: dict[str, ToyRequest] = {}
         self.finished: dict[str, ToyRequest] = {}
         self.history: list[StepRecord] = []
+
+    @staticmethod
+    def _make_config(model: Any, block_size: int, max_num_batched_tokens: int, max_num_seqs: int,
+                     kv_transfer_config: dict[str, Any], scheduler_options: dict[str, Any] | None) -> Any:
+        from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, SchedulerConfig, VllmConfig
+
+        return VllmConfig(
+            model_config=model,
+            cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=False),
+            scheduler_config=SchedulerConfig(
+                max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                max_model_len=4096, enable_chunked_prefill=True, is_encoder_decoder=False,
+                **(scheduler_options or {})),
+            kv_transfer_config=KVTransferConfig(**kv_transfer_config),
+            device_config=DeviceConfig("cpu"),
+        )
 
     # ---- requests -----------------------------------------------------------
 
@@ -240,16 +254,17 @@ class SteppedEngine:
             sampled.append([int(self._entry(self.num_layers - 1, end - 1, blocks[req_id])) % VOCAB])
         kv_output = KVConnectorOutput(
             finished_sending=results.finished_sending, finished_recving=results.finished_recving,
-            invalid_block_ids=invalid, kv_connector_worker_meta=worker_meta,
+            failed_recving=results.failed_recving, invalid_block_ids=invalid,
+            kv_connector_worker_meta=worker_meta,
         )
-        runner_output = ModelRunnerOutput(
-            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
-            pooler_output=[], kv_connector_output=kv_output,
-        )
+        fields = dict(req_ids=req_ids, sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
+                      pooler_output=[], kv_connector_output=kv_output)
+        if "req_id_to_index" in _field_names(ModelRunnerOutput):  # vLLM before 0.34
+            fields["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
+        runner_output = ModelRunnerOutput(**fields)
         record = StepRecord(dict(output.num_scheduled_tokens), set(invalid),
                             set(results.finished_recving or ()), set(results.finished_sending or ()),
-                            worker_meta)
+                            worker_meta, set(results.failed_recving or ()))
         return runner_output, record
 
     def _slot(self, pos: int, blocks: list[int]) -> tuple[int, int]:
@@ -290,6 +305,27 @@ class SteppedEngine:
         connector = getattr(self.scheduler, "connector", None)
         if connector is not None:
             connector.shutdown()
+
+
+def _runs_no_kernel():
+    """vLLM 0.34's CPU platform refuses a config on x86 without triton-cpu,
+    which only its model kernels need; this harness runs none, so it lets
+    the config through (a no-op where the check passes or does not exist)."""
+    from unittest import mock
+
+    try:
+        import vllm.triton_utils as triton_utils
+    except ImportError:
+        return contextlib.nullcontext()
+    if getattr(triton_utils, "HAS_TRITON", True):
+        return contextlib.nullcontext()
+    return mock.patch.object(triton_utils, "HAS_TRITON", True)
+
+
+def _field_names(cls: type) -> set[str]:
+    import dataclasses
+
+    return {f.name for f in dataclasses.fields(cls)}
 
 
 def _parallel_config():
