@@ -128,6 +128,13 @@ class MaruKVConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
         self._worker().register_kv_caches(kv_caches)
 
+    def unregister_kv_caches(self) -> None:
+        # vLLM 0.33 on, before sleep mode releases the KV cache.
+        self._worker().unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        self._worker().restore_kv_caches()
+
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if isinstance(kv_connector_metadata, MaruConnectorMetadata):
             self._worker().handle_preemptions(kv_connector_metadata)

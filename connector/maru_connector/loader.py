@@ -222,6 +222,15 @@ class AsyncLoader:
             while not event.wait(0.1):
                 self._check_alive()
 
+    def wait_idle(self, poll_s: float = 0.01) -> None:
+        """Block until no load is in flight: every one submitted so far has
+        been released and its copies finished, or has failed. Their outcomes
+        stay queued for :meth:`take_results`. Sleep mode calls this before
+        vLLM releases the KV cache the copies write into."""
+        while self.num_in_flight:
+            self._check_alive()
+            time.sleep(poll_s)
+
     def _check_alive(self) -> None:
         if self._dead is not None:
             raise RuntimeError("the MaruCache loader thread died; see the log") from self._dead

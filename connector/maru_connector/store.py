@@ -133,6 +133,12 @@ class Storer:
         for event in waits:
             event.wait()
 
+    def drain_all(self) -> None:
+        """:meth:`drain` every live request: no job reads a block afterwards."""
+        with self._lock:
+            live = list(self._jobs)
+        self.drain(live)
+
     def finished_requests(self, held_req_ids: Iterable[str]) -> set[str]:
         """Held requests (finished; vLLM keeps their blocks for us) whose store
         jobs no longer read their blocks: report them as ``finished_sending``.

@@ -15,7 +15,10 @@ carries out what the scheduler half planned:
   step (early pins are given back on the lookup service's thread the same way);
 - async loads on the :class:`~maru_connector.loader.AsyncLoader` thread;
 - stores in ``wait_for_save`` through the :class:`~maru_connector.store.Storer`,
-  committed only once the scheduler half's verdict on their step came back.
+  committed only once the scheduler half's verdict on their step came back;
+- sleep mode (vLLM 0.33 on): ``unregister_kv_caches`` finishes every copy
+  that reads or writes the KV cache before vLLM releases it, and until
+  ``restore_kv_caches`` no load or store touches it (loads fail: recompute).
 
 Failed loads are reported through ``get_block_ids_with_load_errors`` (and to
 the scheduler half as a miss for that request) in the step they are found,
@@ -32,7 +35,7 @@ import os
 import time
 from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from maru_core.stats import ConnectorStats
@@ -169,6 +172,8 @@ class MaruWorkerHalf:
         self._error_blocks: set[int] = set()
         self._failed_req_ids: set[str] = set()
         self._tainted = False  # this step's forward used a load that failed
+        self._asleep = False  # vLLM released the KV cache (sleep mode) until restore
+        self._refused_async: set[str] = set()  # parked loads refused while asleep, to report
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         res = self._res = self._resources_factory(self.cfg, kv_caches, self._block_size)
@@ -212,6 +217,9 @@ class MaruWorkerHalf:
 
     def start_load_kv(self, meta: MaruConnectorMetadata) -> None:
         early = {spec.req_id: self._claim_early_pin(spec) for spec in meta.loads if spec.early_pin}
+        if self._asleep:
+            self._refuse_loads(meta, early)
+            return
         for spec in meta.loads:
             if spec.is_async:
                 if self._loader is None:
@@ -247,6 +255,10 @@ class MaruWorkerHalf:
         self._finish_sync_loads()
         if self._storer is None:
             return
+        if self._asleep:  # the blocks hold nothing: store nothing of them
+            for _ in meta.stores:
+                self.stats.record_store_failure("aborted")
+            meta = replace(meta, stores=[])
         if meta.store_verdicts:
             self._storer.apply_verdicts(meta.store_verdicts)
         for spec in meta.stores:
@@ -270,8 +282,9 @@ class MaruWorkerHalf:
                 # here, GIL-free, rather than let the engine spin on empty steps.
                 self._loader.wait_for_results(_IDLE_STEP_MAX_WAIT_S)
             results = self._loader.take_results(meta.scheduled_req_ids)
-            failed = set(results.failed)
+            failed = set(results.failed) | self._refused_async
             recving = results.released | failed
+            self._refused_async = set()
             for req_id, blocks in results.failed.items():
                 self._record_failure(req_id, blocks)
             for req_id, blocks in results.failed_after_release.items():
@@ -292,6 +305,31 @@ class MaruWorkerHalf:
         report = MaruWorkerMetadata(meta.step, self._failed_req_ids, self._tainted)
         self._failed_req_ids, self._tainted = set(), False
         return report
+
+    # ---- sleep mode ----------------------------------------------------------
+
+    def unregister_kv_caches(self) -> None:
+        """Before vLLM releases the KV cache (sleep): finish every copy into
+        or out of it, and start none until :meth:`restore_kv_caches`.
+
+        Loads in flight land (their outcomes are reported as usual), queued
+        stores are cancelled and copying ones finished. Idempotent.
+        """
+        if self._res is None or self._asleep:
+            return
+        self._asleep = True
+        self._finish_sync_loads()
+        if self._loader is not None:
+            self._loader.wait_idle()
+        if self._storer is not None:
+            self._storer.drain_all()
+        logger.info("KV cache released (sleep mode): no loads or stores until it is restored")
+
+    def restore_kv_caches(self) -> None:
+        """After wake-up: vLLM backs the KV cache again at the same addresses
+        (its views and graphs stay valid), so the transfer plan still holds;
+        loads and stores resume. Idempotent."""
+        self._asleep = False
 
     def shutdown(self) -> None:
         if self._handoff is not None and self._res is not None:
@@ -319,6 +357,14 @@ class MaruWorkerHalf:
         sources = head_sources(locations, num_chunks, res.engine.fmt.objects_per_chunk)
         if sources is not None:
             pin.attach_head(res.engine.start_head(sources))
+
+    def _refuse_loads(self, meta: MaruConnectorMetadata, early: dict[str, EarlyPin | None]) -> None:
+        """While asleep the blocks are not backed: every load fails (recompute)."""
+        for spec in meta.loads:
+            _release(early.get(spec.req_id))
+            self._fail_sync(spec, "aborted", "the KV cache is released (sleep mode)")
+            if spec.is_async:
+                self._refused_async.add(spec.req_id)
 
     def _claim_early_pin(self, spec: LoadSpec) -> EarlyPin | None:
         return self._handoff.claim(spec.early_pin) if self._handoff is not None else None

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from maru_core.pool.slots import SlotHeader
 
 from maru_connector.metadata import LoadSpec, MaruConnectorMetadata
 
-from worker_env import (LAYERS, WorkerEnv, blocks_equal, load_meta, spec_blocks, step, store_meta, tokens,
-                        wait_unpinned)
+from maru_connector.testing.cluster import wait_until
+from worker_env import (LAYERS, WorkerEnv, blocks_equal, finished, load_meta, same_bytes, save, spec_blocks, step,
+                        store_meta, tokens, wait_unpinned)
 
 
 @pytest.fixture
@@ -208,3 +210,69 @@ def test_second_store_of_the_same_chunks_is_skipped(env):
     first = dict(env.index.committed)
     step(writer, store_meta("b", keys, first_block=8))
     assert env.index.committed == first and env.index.reserved == {}
+
+
+class _SlowStores:
+    """A CPU engine whose store copies take ``delay_s`` (to catch a release under them)."""
+
+    def __init__(self, real, delay_s: float):
+        self.real, self.fmt, self.delay_s = real, real.fmt, delay_s
+        self.copying = threading.Event()
+
+    def submit_store(self, chunks, **options):
+        self.copying.set()
+        time.sleep(self.delay_s)
+        return self.real.submit_store(chunks, **options)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def test_sleep_mode_finishes_copies_before_the_cache_goes_and_touches_nothing_until_restored(env):
+    """vLLM's sleep mode releases the KV cache after ``unregister_kv_caches``:
+    a store copying out of it finishes first; until ``restore_kv_caches``
+    loads fail (recompute) and stores are skipped; afterwards both work."""
+    slow = []
+    writer, kv_w = env.worker(seed=1, maru_async_store=True,
+                              wrap_engine=lambda e: slow.append(_SlowStores(e, 0.3)) or slow[0])
+    keys = env.keys(tokens(96))
+    writer.handle_preemptions(store_meta("w", keys, first_block=0))
+    writer.wait_for_save(store_meta("w", keys, first_block=0))
+    assert slow[0].copying.wait(5)
+    started = time.monotonic()
+    writer.unregister_kv_caches()
+    assert time.monotonic() - started > 0.1  # it waited for the copy out of the blocks
+    assert writer._storer.finished_requests(["w"]) == {"w"}  # no job reads a block any more
+
+    reader, kv_r = env.worker(seed=2, maru_async_store=False)
+    save(writer, MaruConnectorMetadata(step=0), commit=True)  # the copied store commits
+    wait_until(lambda: len(env.index.committed) == 3, 5.0, what="the store committed")
+    reader.unregister_kv_caches()
+    before = kv_r["model.layers.0.self_attn.attn"].clone()
+    errors, report_ = step(reader, load_meta("r", keys, first_block=10))
+    assert errors == set(range(10, 16)) and report_.failed_load_req_ids == {"r"}
+    assert same_bytes(kv_r["model.layers.0.self_attn.attn"], before)  # nothing written
+    step(reader, store_meta("s", env.keys(tokens(64, start=500)), first_block=20))
+    assert len(env.index.committed) == 3  # nothing stored
+
+    reader.restore_kv_caches()
+    errors, report_ = step(reader, load_meta("r2", keys, first_block=10))
+    assert errors == set() and blocks_equal(kv_w, range(6), kv_r, range(10, 16))
+    wait_unpinned(env)
+
+
+def test_sleep_mode_lets_a_parked_load_land_and_reports_one_planned_while_asleep(env):
+    writer, kv_w = env.worker(seed=1, maru_async_store=False)
+    reader, kv_r = env.worker(seed=2, maru_async_load=True)
+    keys = env.keys(tokens(96))
+    step(writer, store_meta("w", keys, first_block=0))
+    reader.start_load_kv(load_meta("a", keys, first_block=10, is_async=True))
+    reader.unregister_kv_caches()  # waits for the parked load to land
+    assert blocks_equal(kv_w, range(6), kv_r, range(10, 16))
+    assert finished(reader) == (set(), {"a"})
+    reader.start_load_kv(load_meta("b", keys, first_block=20, is_async=True))
+    meta = MaruConnectorMetadata()
+    _, recving, failed = reader.get_finished(meta)
+    assert recving == failed == {"b"}  # vLLM recomputes it
+    assert reader.get_block_ids_with_load_errors() == set(range(20, 26))
+    wait_unpinned(env)
