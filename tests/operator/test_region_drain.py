@@ -7,6 +7,9 @@ import json
 
 from kube_helpers import Kube, condition, wait_for
 from maru_operator.injection import cache_info, decide
+from maru_operator.ledger import Drain, Region
+from maru_operator.models import CacheRef
+from maru_operator.pods import PodView, pods_mapping
 from maru_operator.testing import OperatorThread
 
 GiB = 1 << 30
@@ -89,3 +92,23 @@ def test_a_region_left_with_no_pod_on_it_is_free_at_once(kube: Kube, options):
         kube.apply_cache("next", {"pool": {"deviceClass": "dax", "size": "2Gi"}}, ns="team-b")
         assert allocation(kube, "next", ns="team-b")["offset"] == 0  # the tightest gap: the old region
         assert not kube.events("RegionDraining")
+
+
+def test_which_pods_map_a_draining_region():
+    drain = Drain(CacheRef("default", "mover", "uid-1"), "dax", Region("cxl-a", 0, 2 * GiB), "digest-old")
+
+    def pod(name, **kw):
+        base = dict(namespace="default", name=name, uid=name, injected=True, skip_reason="", placement="",
+                    cache="mover")
+        return PodView(**{**base, **kw})
+    pods = [
+        pod("by-region", region=f"cxl-a/0/{2 * GiB}"),
+        pod("terminating", region=f"cxl-a/0/{2 * GiB}", terminating=True),  # still runs until gone
+        pod("finished", region=f"cxl-a/0/{2 * GiB}", finished=True),  # its containers have ended
+        pod("current", region=f"cxl-a/{4 * GiB}/{4 * GiB}", placement="digest-old"),  # region wins
+        pod("older-webhook", placement="digest-old"),  # no maru.io/region: the placement it left with
+        pod("older-other-cache", placement="digest-old", cache="other"),
+        pod("older-other-placement", placement="digest-new"),
+        pod("not-injected", injected=False, cache=""),
+    ]
+    assert [p.name for p in pods_mapping(pods, drain)] == ["by-region", "older-webhook", "terminating"]
