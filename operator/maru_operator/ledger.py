@@ -178,7 +178,11 @@ class Ledger:
                 return others._with(Claim(owner, device_class, in_place))
         region = others._best_fit(size, usable)
         if region is None:
-            raise NoSpace(f"every {device_class} device that could hold {size} bytes is full")
+            on = {d.uuid for d in usable}
+            drains = [d for d in others.draining if d.region.device_uuid in on]
+            raise NoSpace(f"every {device_class} device that could hold {size} bytes is full" + (
+                f" ({len(drains)} region(s) left by resized, moved or deleted caches drain until no pod "
+                f"maps them: {', '.join(d.region.text for d in drains[:3])})" if drains else ""))
         return others._with(Claim(owner, device_class, region))
 
     def _with(self, claim: Claim) -> tuple[Ledger, Claim]:

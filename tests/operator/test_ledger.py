@@ -115,8 +115,8 @@ def test_a_moved_cache_leaves_its_old_region_draining_until_no_pod_maps_it():
     assert moved.region == Region("a", 4 * GiB, 4 * GiB)
     assert led.draining == (Drain(ref(1), "dax", old.region, "digest-1"),)
     assert led.free_gaps(devices[0]) == []  # the old region is not free
-    with pytest.raises(NoSpace):  # it is the only gap that fits: no cache of any namespace gets it
-        led.allocate(CacheRef("other", "c3", "uid-3"), "dax", 2 * GiB, devices)
+    with pytest.raises(NoSpace, match=f"drain until no pod maps them: a/0/{2 * GiB}"):  # the only gap that
+        led.allocate(CacheRef("other", "c3", "uid-3"), "dax", 2 * GiB, devices)  # fits: no cache gets it
     still, freed = led.settle(lambda drain: drain.region == old.region)  # a pod still maps it
     assert still is led and freed == ()
     led, freed = led.settle(lambda drain: False)  # its last pod is gone

@@ -57,6 +57,7 @@ def test_a_resized_cache_old_region_is_given_to_no_cache_until_its_last_pod_is_g
         waiting = wait_for(lambda: (c := kube.cache("late", "team-b")) and (condition(c, "DevicesAllocated") or {}).get(
             "reason") == "InsufficientCapacity" and c, what="the new cache waiting")
         assert not (waiting.get("status") or {}).get("allocations")
+        assert f"drain until no pod maps them: cxl-a/0/{2 * GiB}" in condition(waiting, "DevicesAllocated")["message"]
         assert not any(c["offset"] < 2 * GiB and c["device"] == "cxl-a" and c["name"] != "mover"
                        for c in kube.ledger())
 
