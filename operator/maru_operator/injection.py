@@ -36,7 +36,8 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from . import ANNOTATION_CONTAINER, ANNOTATION_INJECTED, ANNOTATION_PLACEMENT, ANNOTATION_REGION, ANNOTATION_SKIPPED
+from . import (ANNOTATION_CONTAINER, ANNOTATION_INJECTED, ANNOTATION_PLACEMENT, ANNOTATION_REGION,
+               ANNOTATION_SKIPPED)
 from .desired import (CONFIG_KEY, CONTAINER_SECURITY, SHM_MOUNT, SOCKET_DIR, SOCKET_PATH, TMP_MOUNT, TMP_VOLUME,
                       TOKEN_DIR, TOKEN_FILE, Placement, config_map_name, fingerprint, index_url, pool_mount,
                       pool_volume, token_volume, with_device, with_node_affinity)

@@ -55,4 +55,5 @@ def test_hello_names_the_served_region_and_a_client_under_another_path_accepts_i
             with pytest.raises(WrongPool, match="another-pool"):
                 client.match_prefix([b"k" * 16])
             assert client.lease_id is None
-        assert index.on_loop(lambda: index.service.server.registry.stats().leases) == 0  # the refused hello ended its lease
+        # the refused hello ended the lease it opened
+        assert index.on_loop(lambda: index.service.server.registry.stats().leases) == 0
