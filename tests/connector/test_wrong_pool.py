@@ -21,6 +21,7 @@ from kv_builders import make_kv_caches
 from maru_connector.config import make_kv_transfer_config, parse_config
 from maru_connector.connector import _make_lookup
 from maru_connector.testing.index_process import IndexProcess, unique_pool_path
+from maru_connector.testing.sidecar_process import SidecarProcess
 from maru_connector.worker import open_resources
 from maru_core.index.client import WrongPool
 from maru_core.pool import Pool, SlotHeader
@@ -134,3 +135,27 @@ def test_an_index_serving_another_region_is_refused_by_every_client(device, inde
         assert any("WrongPool" in r.getMessage() and served_uuid in r.getMessage() for r in caplog.records)
     finally:
         lookup.close()
+
+
+@pytest.mark.parametrize("sidecar_offset, hits", [("32Mi", True), ("0", False)], ids=["same-region", "other-region"])
+def test_the_scheduler_checks_the_region_the_sidecar_hands_over(device, index_at_0, index_at_32mi, tmp_path,
+                                                                 sidecar_offset, hits, caplog):
+    """With a sidecar the scheduler maps no pool: it asks the sidecar which region the workers get."""
+    with Pool.attach(device, offset=OTHER_OFFSET) as served, index_at_32mi.client() as writer:
+        round_trip(writer, served)  # one object committed in the region the index serves
+    sock_dir = tmp_path / "sock"
+    sock_dir.mkdir()
+    with SidecarProcess(device, sock_dir / "maru.sock", index_at_32mi.url, token_file=index_at_32mi.token_file,
+                        pool_offset=sidecar_offset):
+        raw = make_kv_transfer_config(index_at_32mi.url, sidecar_socket=str(sock_dir / "maru.sock"),
+                                      token=index_at_32mi.token, cache_name="c1", lookup_timeout_s=2.0)
+        lookup = _make_lookup(parse_config(raw["kv_connector_extra_config"], BLOCK))
+        try:
+            with caplog.at_level(logging.WARNING, logger="maru_connector.lookup"):
+                assert lookup.match("r", [[b"k" * 16]]) == (1 if hits else 0)
+            refused = [r.getMessage() for r in caplog.records if "WrongPool" in r.getMessage()]
+            assert bool(refused) is not hits, refused
+            if refused:
+                assert "offset 0 of" in refused[0] and f"offset {OTHER_OFFSET} of" in refused[0]
+        finally:
+            lookup.close()
