@@ -104,6 +104,7 @@ class IndexClient:
         self.client_name = client_name or default_client_name()
         self._token = token
         self._pool = pool
+        self._refused_before = False  # an index serving another pool was refused (logged once)
         self._backoff_s = reconnect_backoff_s
         self._lock = threading.Lock()  # guards the channel and the lease fields
         self._channel: Channel | None = None
@@ -320,9 +321,9 @@ class IndexClient:
         if self._pool is not None:
             try:
                 check_served_pool(self._pool, reply, self.url)
-            except WrongPool:
-                log.error("refusing the index at %s: it serves another pool region than this process mapped",
-                          self.url)
+            except WrongPool as exc:
+                (log.debug if self._refused_before else log.error)("%s", exc)  # once per client, not per retry
+                self._refused_before = True
                 self._lease_id = None
                 try:  # end the lease just opened there rather than leave it to lapse
                     channel.call({"op": "bye"}, time.monotonic() + min(self.timeout_s, _BYE_TIMEOUT_S))
