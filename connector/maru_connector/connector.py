@@ -50,19 +50,41 @@ def _tp_rank() -> int:
         return 0
 
 
+def _workers_pool(cfg: Any, token: str | None) -> Any:
+    """The pool region this engine's workers map, found without mapping it: from the
+    sidecar's hand-off (its descriptor closed at once) or from the pool file's header."""
+    from maru_core.pool.pool_identity import PoolIdentity
+
+    if cfg.maru_sidecar_socket is None:
+        return PoolIdentity.read(cfg.maru_pool_path)
+    from maru_core.handoff import fetch_pool
+
+    handoff = fetch_pool(cfg.maru_sidecar_socket, token, cfg.maru_cache_name,
+                         timeout_s=max(1.0, cfg.maru_lookup_timeout_s))
+    os.close(handoff.fd)
+    return handoff.pool_identity()
+
+
 def _make_lookup(cfg: Any) -> LookupService:
     from maru_core.index.client import IndexClient
 
     token = cfg.resolve_token()
-    return LookupService(
-        lambda: IndexClient(
+    pool: list[Any] = []  # found on the first lookup (on the lookup's thread), then kept
+
+    def client() -> IndexClient:
+        # The lookup's hits and early pins name offsets the workers read in their
+        # pool: an index serving another region is refused (WrongPool), as the workers' are.
+        if not pool:
+            pool.append(_workers_pool(cfg, token))
+        return IndexClient(
             cfg.maru_index_url,
             token=token,
             client_name=f"maru-scheduler-{os.getpid()}",
             timeout_s=max(1.0, cfg.maru_lookup_timeout_s),
-        ),
-        timeout_s=cfg.maru_lookup_timeout_s,
-    )
+            pool=pool[0],
+        )
+
+    return LookupService(client, timeout_s=cfg.maru_lookup_timeout_s)
 
 
 class MaruKVConnector(KVConnectorBase_V1):

@@ -117,12 +117,17 @@ def open_resources(cfg: MaruConfig, kv_caches: dict[str, Any], block_size: int) 
                                    copy_cpus=copy_cpus_for(cfg),
                                    copy_priority=cfg.maru_copy_priority)
 
+    from maru_core.pool.pool_identity import PoolIdentity
+
+    mapped = PoolIdentity.of_pool(pool)  # an index serving another region is refused (WrongPool)
+
     def client_factory(role: str) -> Any:
         return IndexClient(
             cfg.maru_index_url,
             token=token,
             client_name=f"maru-worker-{role}-{os.getpid()}",
             timeout_s=cfg.maru_load_timeout_s,
+            pool=mapped,
         )
 
     return WorkerResources(pool, engine, client_factory, stats)

@@ -72,6 +72,14 @@ class PoolHandoff:
     pool_path: str  # the path on the sidecar's side, for messages only
     pool_offset: int = 0  # where the pool starts in the file or device of `fd`
 
+    def pool_identity(self) -> Any:
+        """The region described, as a ``maru_core.pool.pool_identity.PoolIdentity``, without mapping it
+        (a process that only talks to the index checks the index against this)."""
+        from maru_core.pool.pool_identity import PoolIdentity
+
+        return PoolIdentity(str(self.geometry.get("uuid")), int(self.geometry.get("size") or 0),
+                            self.pool_offset, self.pool_path or None)
+
     def open_pool(self) -> Any:
         """Map the pool's region of `fd` (`maru_core.pool.Pool.from_fd`), consuming `fd`.
 

@@ -22,5 +22,6 @@ ANNOTATION_INJECTED = "maru.io/injected"  # on pods: the cache a pod was injecte
 ANNOTATION_SKIPPED = "maru.io/injection-skipped"  # on pods: why injection was skipped
 ANNOTATION_CONTAINER = "maru.io/container"  # on pods: which container runs vLLM
 ANNOTATION_PLACEMENT = "maru.io/placement"  # on pods: digest of the pool placement injected
+ANNOTATION_REGION = "maru.io/region"  # on pods: the region injected, DEVICE/OFFSET/SIZE (the ledger's drains)
 FINALIZER = "maru.io/release-region"
 MANAGED_BY = "marucache-operator"

@@ -28,7 +28,7 @@ from .k8s import ApiError, Conflict, KubeApi, LedgerStore, object_path
 from .ledger import rebuild
 from .metrics import OperatorMetrics
 from .models import CacheRef
-from .pods import PodView, pod_view
+from .pods import PodView, pod_view, pods_mapping
 from .usage import UsageReader
 from .webhook import refusal_event
 
@@ -78,6 +78,11 @@ def _nodes(index: Any) -> Iterable[NodeInfo]:
     return list(index.get("nodes", ())) if index is not None else []
 
 
+def all_pods(index: Any) -> list[PodView]:
+    """Every opted-in pod of the `maru_pods` index (any namespace, any cache)."""
+    return [pod for key in list(index or ()) for pod in list(index.get(key) or ())] if index is not None else []
+
+
 def _available(index: Any, namespace: str, name: str) -> int | None:
     store = index.get((namespace, name)) if index is not None else None
     return max(store) if store else None
@@ -119,7 +124,8 @@ def snapshot(body: Mapping[str, Any]) -> dict[str, Any]:
     return copy.deepcopy(dict(body))
 
 
-async def run_reconcile(ctx: OperatorContext, live_body: kopf.Body, maru_nodes: Any, maru_deployments: Any) -> None:
+async def run_reconcile(ctx: OperatorContext, live_body: kopf.Body, maru_nodes: Any, maru_deployments: Any,
+                        maru_pods: Any = None) -> None:
     body = snapshot(live_body)
     meta = body.get("metadata") or {}
     uid, generation = str(meta.get("uid")), int(meta.get("generation") or 1)
@@ -132,7 +138,8 @@ async def run_reconcile(ctx: OperatorContext, live_body: kopf.Body, maru_nodes: 
             try:
                 outcome = await reconciler.reconcile(
                     ctx.api, ctx.ledger, body, _nodes(maru_nodes),
-                    _available(maru_deployments, str(meta.get("namespace")), str(meta.get("name"))))
+                    _available(maru_deployments, str(meta.get("namespace")), str(meta.get("name"))),
+                    all_pods(maru_pods))
             except Exception:
                 ctx.metrics.reconciles.labels(result="error").inc()
                 raise
@@ -177,7 +184,8 @@ async def run_resync(ctx: OperatorContext, live_body: kopf.Body, maru_nodes: Any
     if meta.get("deletionTimestamp") or ctx.generations.get(uid, 0) < generation or ctx.lock(uid).locked():
         return  # deleted, not yet reconciled by a change handler, or a reconcile is running now
     store = maru_pods.get((meta.get("namespace"), meta.get("name"))) if maru_pods is not None else None
-    await upkeep.check_pods(ctx, body, list(store or ()), write_status)
+    draining = await upkeep.settle_drains(ctx, body, all_pods(maru_pods))
+    await upkeep.check_pods(ctx, body, list(store or ()), write_status, draining)
     await upkeep.refresh_usage(ctx, body, write_status)
     available = _available(maru_deployments, meta.get("namespace"), meta.get("name"))
     if _is_settled(body, available):
@@ -185,7 +193,7 @@ async def run_resync(ctx: OperatorContext, live_body: kopf.Body, maru_nodes: Any
     due = time.monotonic() - ctx.last_full.get(uid, 0.0) >= ctx.full_resync_seconds
     record = ctx.written.get(uid)
     if due or record is None or record.generation != generation or record.result not in ("ready", "progressing"):
-        await run_reconcile(ctx, live_body, maru_nodes, maru_deployments)
+        await run_reconcile(ctx, live_body, maru_nodes, maru_deployments, maru_pods)
         return
     await refresh_availability(ctx, uid, meta, bool(available), lambda: (meta.get("resourceVersion"), generation))
 
@@ -314,27 +322,33 @@ def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
     @kopf.on.resume(*resource, backoff=ctx.resync_seconds, registry=registry)
     @kopf.on.create(*resource, backoff=ctx.resync_seconds, registry=registry)
     @kopf.on.update(*resource, field="spec", backoff=ctx.resync_seconds, registry=registry)
-    async def reconcile(body: kopf.Body, maru_nodes: Any, maru_deployments: Any, **_: Any) -> None:
-        await run_reconcile(ctx, body, maru_nodes, maru_deployments)
+    async def reconcile(body: kopf.Body, maru_nodes: Any, maru_deployments: Any, maru_pods: Any,
+                        **_: Any) -> None:
+        await run_reconcile(ctx, body, maru_nodes, maru_deployments, maru_pods)
 
     @kopf.timer(*resource, interval=ctx.resync_seconds, registry=registry)
     async def resync(body: kopf.Body, maru_nodes: Any, maru_deployments: Any, maru_pods: Any, **_: Any) -> None:
         await run_resync(ctx, body, maru_nodes, maru_deployments, maru_pods)
 
     @kopf.on.delete(*resource, registry=registry)
-    async def release(body: kopf.Body, **_: Any) -> None:
-        uid = str(body.get("metadata", {}).get("uid"))
-        async with ctx.lock(uid):
-            claim = await reconciler.release(ctx.ledger, uid)
-        ctx.forget(uid)
+    async def release(body: kopf.Body, maru_pods: Any, **_: Any) -> None:
         meta = body.get("metadata", {})
+        uid = str(meta.get("uid"))
+        ref = CacheRef(str(meta.get("namespace")), str(meta.get("name")), uid)
+        pods = all_pods(maru_pods)  # its region drains while one of them maps it
+        async with ctx.lock(uid):
+            claim, drain = await reconciler.release(ctx.ledger, uid, reconciler.status_placement(ref, body), pods)
+        ctx.forget(uid)
         for reason in ("old_placement", "not_injected"):
             try:
                 ctx.metrics.stale_pods.remove(meta.get("namespace"), meta.get("name"), reason)
             except KeyError:
                 pass
         ctx.metrics.reconciles.labels(result="released").inc()
-        if claim is not None:
+        if drain is not None:
+            kopf.event(body, type="Normal", reason="RegionDraining",
+                       message=reconciler.draining_message(drain, pods_mapping(pods, drain)))
+        elif claim is not None:
             kopf.event(body, type="Normal", reason="Released",
                        message=f"region of {reconciler.human_bytes(claim.region.size)} at offset "
                                f"{claim.region.offset} of device {claim.region.device_uuid} returned")

@@ -24,7 +24,8 @@ and fail-open: whenever it cannot inject, the pod is admitted unchanged but
 for a `maru.io/injection-skipped` annotation that says why (and the webhook
 posts an Event). Injected pods record their pool's placement
 (`maru.io/placement`), which tells pods left on an old region after a resize
-or move (see `stale`).
+or move (see `pods`), and the region itself (`maru.io/region`), which keeps
+that region draining in the ledger until they are gone.
 """
 
 from __future__ import annotations
@@ -35,10 +36,12 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from . import ANNOTATION_CONTAINER, ANNOTATION_INJECTED, ANNOTATION_PLACEMENT, ANNOTATION_SKIPPED
+from . import (ANNOTATION_CONTAINER, ANNOTATION_INJECTED, ANNOTATION_PLACEMENT, ANNOTATION_REGION,
+               ANNOTATION_SKIPPED)
 from .desired import (CONFIG_KEY, CONTAINER_SECURITY, SHM_MOUNT, SOCKET_DIR, SOCKET_PATH, TMP_MOUNT, TMP_VOLUME,
                       TOKEN_DIR, TOKEN_FILE, Placement, config_map_name, fingerprint, index_url, pool_mount,
                       pool_volume, token_volume, with_device, with_node_affinity)
+from .ledger import Region
 from .models import DEFAULT_UID, CacheRef, CacheSpec, SpecError, parse_cache
 
 SIDECAR_NAME = "maru-sidecar"
@@ -199,8 +202,9 @@ def _inject(pod: Mapping[str, Any], containers: list[dict[str, Any]], index: int
         patch_spec["containers"] = containers
     else:
         patch_spec["containers"] = containers + [sidecar]
+    region = Region(info.placement.device_uuid, info.placement.offset, info.placement.size)
     notes = {ANNOTATION_INJECTED: info.ref.name, ANNOTATION_SKIPPED: None,
-             ANNOTATION_PLACEMENT: fingerprint(info.placement)}
+             ANNOTATION_PLACEMENT: fingerprint(info.placement), ANNOTATION_REGION: region.text}
     if user_config:
         notes[ANNOTATION_USER_CONFIG] = "user-provided: left unchanged"
     return Decision({"metadata": {"annotations": notes}, "spec": patch_spec}, True, "injected")

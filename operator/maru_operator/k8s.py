@@ -276,6 +276,11 @@ class LedgerStore:
         patched = await self.api.merge_patch(self.path, {"metadata": {"resourceVersion": version}, "data": data})
         return patched["metadata"].get("resourceVersion") or ""
 
+    @property
+    def cached(self) -> Ledger | None:
+        """The ledger as this process last read or wrote it (None: not known; the next update reads)."""
+        return self._cached[0] if self._cached is not None else None
+
     def forget(self) -> None:
         """Drop the cached copy (the next update re-reads)."""
         self._cached = None

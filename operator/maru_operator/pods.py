@@ -7,6 +7,10 @@ fixed in place: the pod must be re-created, which for a Deployment is
 `kubectl rollout restart`. The operator surfaces such pods through an Event
 on each, the gauge `maru_operator_stale_pods` and the cache's `PodsCurrent`
 condition, whose message names the command.
+
+Until such pods are gone they still map the old region: the ledger keeps it
+draining (`pods_mapping` tells which pods map a draining region) and the
+condition says so.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ import secrets
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from . import ANNOTATION_INJECTED, ANNOTATION_PLACEMENT, ANNOTATION_SKIPPED
+from . import ANNOTATION_INJECTED, ANNOTATION_PLACEMENT, ANNOTATION_REGION, ANNOTATION_SKIPPED
+from .ledger import Drain
 
 OLD_PLACEMENT = "old_placement"
 NOT_INJECTED = "not_injected"
@@ -40,6 +45,9 @@ class PodView:
     owner_kind: str = ""
     owner_name: str = ""
     terminating: bool = False
+    region: str = ""  # the webhook's maru.io/region, "" when none (not injected, or by an older webhook)
+    cache: str = ""  # the cache it was injected for (maru.io/injected)
+    finished: bool = False  # every container has ended (phase Succeeded or Failed): it maps nothing
 
 
 def pod_view(body: Mapping[str, Any]) -> PodView:
@@ -51,7 +59,26 @@ def pod_view(body: Mapping[str, Any]) -> PodView:
                    skip_reason=str(notes.get(ANNOTATION_SKIPPED) or ""),
                    placement=str(notes.get(ANNOTATION_PLACEMENT) or ""),
                    owner_kind=str(owner.get("kind") or ""), owner_name=str(owner.get("name") or ""),
-                   terminating=bool(meta.get("deletionTimestamp")))
+                   terminating=bool(meta.get("deletionTimestamp")),
+                   region=str(notes.get(ANNOTATION_REGION) or ""), cache=str(notes.get(ANNOTATION_INJECTED) or ""),
+                   finished=(body.get("status") or {}).get("phase") in ("Succeeded", "Failed"))
+
+
+def pods_mapping(pods: Iterable[PodView], drain: Drain) -> list[PodView]:
+    """The pods that may still map `drain`'s region: injected for it (`maru.io/region`), or, injected by
+    an older webhook that recorded no region, for the placement its cache left with. A terminating pod
+    still runs until it is gone; a finished one maps nothing."""
+    text = drain.region.text
+    return [pod for pod in sorted(pods, key=lambda p: (p.namespace, p.name)) if not pod.finished and (
+        pod.region == text if pod.region else
+        pod.injected and bool(drain.placement) and pod.placement == drain.placement
+        and (pod.namespace, pod.cache) == (drain.owner.namespace, drain.owner.name))]
+
+
+def draining_note(drains: Iterable[tuple[Drain, int]]) -> str:
+    """What the PodsCurrent condition adds while regions a cache left still drain: (drain, pods mapping it)."""
+    parts = [f"{n} pod(s) still map its old region {d.region.text}" for d, n in drains if n]
+    return ("; " + "; ".join(parts) + " (draining: no cache gets it until they are gone)") if parts else ""
 
 
 def stale_pods(pods: Iterable[PodView], current: str) -> list[tuple[PodView, str]]:
@@ -85,14 +112,16 @@ def why(reason: str) -> str:
                  "ready")
 
 
-def pods_condition(stale: list[tuple[PodView, str]]) -> tuple[bool, str, str]:
-    """(ok, reason, message) of the PodsCurrent condition."""
-    if not stale:
+def pods_condition(stale: list[tuple[PodView, str]], draining: str = "") -> tuple[bool, str, str]:
+    """(ok, reason, message) of the PodsCurrent condition; `draining` is `draining_note`'s text."""
+    if not stale and not draining:
         return True, "AllCurrent", "every opted-in pod runs with the current pool"
+    if not stale:  # only pods the cache's selector no longer sees (e.g. relabelled) keep its old region
+        return False, "StalePods", f"no opted-in pod is stale{draining}"
     hints = sorted({restart_hint(p) for p, _ in stale})
     names = ", ".join(p.name for p, _ in stale[:5]) + (", ..." if len(stale) > 5 else "")
     return False, "StalePods", (f"{len(stale)} pod(s) do not run with the current pool ({names}); "
-                                f"re-create them: {'; '.join(hints[:3])}")
+                                f"re-create them: {'; '.join(hints[:3])}{draining}")
 
 
 def condition_of(status: Mapping[str, Any], kind: str) -> Mapping[str, Any] | None:

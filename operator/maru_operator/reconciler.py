@@ -17,8 +17,10 @@ from . import desired
 from .conditions import Observation, build, keep_others, now_rfc3339, phase, with_transition_times
 from .inventory import Device, NodeInfo, candidate_devices
 from .k8s import KubeApi, LedgerStore
-from .ledger import AllocationError, Claim, Impossible, Ledger, Region
+from .injection import placement_from_status
+from .ledger import AllocationError, Claim, Drain, Impossible, Ledger, Region
 from .models import CacheRef, CacheSpec, SpecError, parse_cache
+from .pods import PodView, pods_mapping
 
 Event = tuple[str, str, str]  # (type, reason, message)
 
@@ -78,22 +80,25 @@ def unsatisfiable_message(spec: CacheSpec, nodes: list[NodeInfo], error: Impossi
 
 
 async def reconcile(api: KubeApi, ledger: LedgerStore, body: Mapping[str, Any], nodes: Iterable[NodeInfo],
-                    index_available: int | None) -> Outcome:
+                    index_available: int | None, pods: Iterable[PodView] = ()) -> Outcome:
     """Bring one MaruCache's region and children in line with its spec.
 
     `nodes` is the current node inventory; `index_available` the index
-    Deployment's available replicas as last seen (None: not seen yet).
-    Returns the status to store and the Events to post; raises only on API
-    errors (kopf retries the handler).
+    Deployment's available replicas as last seen (None: not seen yet);
+    `pods` every opted-in pod of the cluster (which draining regions they
+    still map). Returns the status to store and the Events to post; raises
+    only on API errors (kopf retries the handler).
     """
-    nodes = list(nodes)
+    nodes, pods = list(nodes), list(pods)
     try:
         ref, spec = parse_cache(body)
     except SpecError as exc:
         return _invalid(body, "InvalidSpec", str(exc))
     devices = candidate_devices(nodes, spec.pool.device_class, spec.pool.node_selector)
+    placement = status_placement(ref, body)
     try:
-        claim, previous = await ledger.update(lambda led: _allocate(led, ref, spec, devices))
+        claim, previous, draining = await ledger.update(
+            lambda led: _allocate(led, ref, spec, devices, placement, pods))
     except Impossible as exc:
         return _invalid(body, "Unsatisfiable", unsatisfiable_message(spec, nodes, exc))
     except AllocationError as exc:
@@ -107,6 +112,10 @@ async def reconcile(api: KubeApi, ledger: LedgerStore, body: Mapping[str, Any], 
         events.append(("Normal", "Allocated", f"region of {human_bytes(claim.region.size)} at offset "
                                               f"{claim.region.offset} of {claim.device_class} device "
                                               f"{claim.region.device_uuid}"))
+    left = next((d for d in draining if previous is not None and d.region == previous.region
+                 and previous.region != claim.region), None)
+    if left is not None:
+        events.append(("Normal", "RegionDraining", draining_message(left, pods_mapping(pods, left))))
     device = next((d for d in devices if d.uuid == claim.region.device_uuid), None)
     if device is None:
         observation = Observation(config=(True, "Valid", "the spec can be served"),
@@ -128,11 +137,30 @@ async def reconcile(api: KubeApi, ledger: LedgerStore, body: Mapping[str, Any], 
     return _finish(body, observation, extra, events, "ready" if index_ok else "progressing")
 
 
-def _allocate(led: Ledger, ref: CacheRef, spec: CacheSpec,
-              devices: list[Device]) -> tuple[Ledger, tuple[Claim, Claim | None]]:
+def _allocate(led: Ledger, ref: CacheRef, spec: CacheSpec, devices: list[Device], placement: str,
+              pods: list[PodView]) -> tuple[Ledger, tuple[Claim, Claim | None, tuple[Drain, ...]]]:
+    """Free the draining regions no pod maps any more, then allocate; a region this cache
+    leaves now drains while a pod maps it. Returns the claim, the one before, and what
+    this cache left that still drains."""
+    led, _ = led.settle(lambda drain: bool(pods_mapping(pods, drain)))
     previous = led.claim_of(ref.uid)
-    new, claim = led.allocate(ref, spec.pool.device_class, spec.pool.size, devices)
-    return new, (claim, previous)
+    new, claim = led.allocate(ref, spec.pool.device_class, spec.pool.size, devices, placement)
+    new, _ = new.settle(lambda drain: bool(pods_mapping(pods, drain)))
+    return new, (claim, previous, new.draining_of(ref.uid))
+
+
+def status_placement(ref: CacheRef, body: Mapping[str, Any]) -> str:
+    """The placement digest the cache's pods were injected with (its status's), "" when none."""
+    allocations = (body.get("status") or {}).get("allocations") or []
+    placement = placement_from_status(ref, allocations[0]) if allocations else None
+    return desired.fingerprint(placement) if placement is not None else ""
+
+
+def draining_message(drain: Drain, pods: list[PodView]) -> str:
+    names = ", ".join(f"{p.namespace}/{p.name}" for p in pods[:5]) + (", ..." if len(pods) > 5 else "")
+    return (f"old region {drain.region.text} ({human_bytes(drain.region.size)} at offset {drain.region.offset} of "
+            f"{drain.device_class} device {drain.region.device_uuid}) draining: {len(pods)} pod(s) still map it "
+            f"({names}); no cache gets it until they are re-created")
 
 
 async def _ensure_children(api: KubeApi, ref: CacheRef, spec: CacheSpec,
@@ -150,9 +178,17 @@ async def _ensure_children(api: KubeApi, ref: CacheRef, spec: CacheSpec,
     return [("Normal", action.capitalize(), ", ".join(names)) for action, names in done.items() if names]
 
 
-async def release(ledger: LedgerStore, uid: str) -> Claim | None:
-    """Return a deleted cache's region to the ledger; the released claim, if any."""
-    return await ledger.update(lambda led: (led.release(uid), led.claim_of(uid)))
+async def release(ledger: LedgerStore, uid: str, placement: str = "",
+                  pods: Iterable[PodView] = ()) -> tuple[Claim | None, Drain | None]:
+    """Return a deleted cache's region to the ledger: the claim released, if any, and its
+    drain while pods (`pods`: every opted-in pod) still map it, else None (free at once)."""
+    pods = list(pods)
+
+    def change(led: Ledger) -> tuple[Ledger, tuple[Claim | None, Drain | None]]:
+        claim = led.claim_of(uid)
+        new, _ = led.retire(uid, placement).settle(lambda drain: bool(pods_mapping(pods, drain)))
+        return new, (claim, next((d for d in new.draining_of(uid) if claim and d.region == claim.region), None))
+    return await ledger.update(change)
 
 
 def claims_from_status(body: Mapping[str, Any]) -> list[Claim]:

@@ -1,4 +1,4 @@
-"""What the resync timer keeps up to date besides the reconcile: stale pods and `status.used`.
+"""What the resync timer keeps up to date besides the reconcile: stale pods, draining regions and `status.used`.
 
 Both write the cache's status under its lock, only what changed, against the
 generation this process last reconciled (`write_status` checks it).
@@ -12,12 +12,15 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from . import API_VERSION, KIND
 from .conditions import now_rfc3339, replace_condition
 from .injection import placement_from_status
 from .desired import fingerprint
 from .k8s import ApiError, object_path
 from .models import CacheRef, SpecError, parse_cache
-from .pods import PODS_CURRENT, REASONS, PodView, condition_of, pods_condition, stale_event, stale_pods
+from .ledger import Drain, Ledger
+from .pods import (PODS_CURRENT, REASONS, PodView, condition_of, core_event, draining_note, pods_condition,
+                   pods_mapping, stale_event, stale_pods)
 from .usage import quantity
 
 if TYPE_CHECKING:
@@ -46,9 +49,40 @@ async def _write(ctx: OperatorContext, write: WriteStatus, body: Mapping[str, An
             ctx.written[uid] = dataclasses.replace(record, status={**record.status, **changes})
 
 
-async def check_pods(ctx: OperatorContext, body: Mapping[str, Any], pods: list[PodView], write: WriteStatus) -> None:
+async def settle_drains(ctx: OperatorContext, body: Mapping[str, Any], pods: list[PodView]) -> str:
+    """Free the draining regions (of any cache) that no pod maps any more, with an Event on the cache
+    that left each; return the PodsCurrent note for the regions this cache left that still drain.
+
+    `pods` is every opted-in pod of the cluster. Nothing is read or written while the ledger this
+    process holds has no draining region.
+    """
+    known = ctx.ledger.cached
+    if known is not None and not known.draining:
+        return ""
+
+    def settle(led: Ledger) -> tuple[Ledger, tuple[tuple[Drain, ...], tuple[Drain, ...]]]:
+        new, freed = led.settle(lambda drain: bool(pods_mapping(pods, drain)))
+        return new, (freed, new.draining)
+    freed, draining = await ctx.ledger.update(settle)
+    for drain in freed:
+        owner = drain.owner
+        message = f"old region {drain.region.text} released: no pod maps it any more"
+        log.info("MaruCache %s/%s: %s", owner.namespace, owner.name, message)
+        involved = {"apiVersion": API_VERSION, "kind": KIND, "name": owner.name, "namespace": owner.namespace,
+                    "uid": owner.uid}
+        try:
+            await ctx.api.create(object_path("v1", "Event", owner.namespace),
+                                 core_event(involved, "Normal", "RegionReleased", message, now_rfc3339()))
+        except ApiError as exc:
+            log.warning("cannot post the Event of a released region: %s", exc)
+    uid = _ref(body).uid
+    return draining_note((d, len(pods_mapping(pods, d))) for d in draining if d.owner.uid == uid)
+
+
+async def check_pods(ctx: OperatorContext, body: Mapping[str, Any], pods: list[PodView], write: WriteStatus,
+                     draining: str = "") -> None:
     """Find the cache's opted-in pods that need re-creating; Event each once, export the gauge, and keep
-    the PodsCurrent condition in step."""
+    the PodsCurrent condition in step (`draining`: `settle_drains`'s note, added to its message)."""
     ref = _ref(body)
     generation = int((body.get("metadata") or {}).get("generation") or 1)
     allocations = (body.get("status") or {}).get("allocations") or []
@@ -70,7 +104,7 @@ async def check_pods(ctx: OperatorContext, body: Mapping[str, Any], pods: list[P
             ctx.stale_reported.add(key)
         except ApiError as exc:
             log.warning("cannot post the Event of stale pod %s/%s: %s", pod.namespace, pod.name, exc)
-    ok, reason, message = pods_condition(stale)
+    ok, reason, message = pods_condition(stale, draining)
     async with ctx.lock(ref.uid):
         base = _base_status(ctx, ref.uid, generation, body)
         have = condition_of(base, PODS_CURRENT)

@@ -67,6 +67,13 @@ class PoolAttacher:
     def attached(self) -> bool:
         return self._offer is not None
 
+    def identity(self) -> Any:
+        """The attached pool's `PoolIdentity` (None before it is attached)."""
+        from maru_core.pool.pool_identity import PoolIdentity
+
+        pool = self._pool
+        return PoolIdentity.of_pool(pool) if pool is not None and self._offer is not None else None
+
     def close(self) -> None:
         if self._thread.ident is not None:
             self._thread.join()
@@ -92,7 +99,8 @@ class Sidecar:
             read_token=config.read_token,
             socket_gid=config.socket_gid,
         )
-        probe = IndexProbe(config.index_url, config.read_token, config.index_timeout_s, f"sidecar@{config.pod}")
+        probe = IndexProbe(config.index_url, config.read_token, config.index_timeout_s, f"sidecar@{config.pod}",
+                           mapped=self.attacher.identity)
         self.index_watch = IndexWatch(probe, INDEX_PROBE_INTERVAL_S, self._stop)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(ConnectorCollector(RegionAggregator(config.stats_dir).scan, config.labels))

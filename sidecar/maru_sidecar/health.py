@@ -15,6 +15,7 @@ import stat
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
@@ -52,9 +53,13 @@ class IndexProbe:
     one short-lived lease per probe, which lapses after the index's lease TTL.
     """
 
-    def __init__(self, url: str, read_token: Callable[[], str | None], timeout_s: float, client_name: str):
+    def __init__(self, url: str, read_token: Callable[[], str | None], timeout_s: float, client_name: str,
+                 mapped: Callable[[], Any] | None = None):
         self._url, self._read_token = url, read_token
         self._timeout_s, self._client_name = timeout_s, client_name
+        # The PoolIdentity of the pool the sidecar attached (None before): an index serving another
+        # region is reported as refused, as the connector refuses it (WrongPool).
+        self._mapped = mapped or (lambda: None)
         self._lock = threading.Lock()  # probes run one at a time
 
     def check(self) -> tuple[bool, str]:
@@ -64,7 +69,7 @@ class IndexProbe:
         with self._lock:
             try:
                 client = IndexClient(self._url, token=self._read_token(), client_name=self._client_name,
-                                     timeout_s=self._timeout_s, heartbeat=False)  # fmt: skip
+                                     timeout_s=self._timeout_s, heartbeat=False, pool=self._mapped())  # fmt: skip
                 try:
                     client.heartbeat()  # connects: hello, then heartbeat
                 finally:

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from maru_operator.inventory import Device
-from maru_operator.ledger import ALIGN, Claim, Impossible, Ledger, NoSpace, Region, rebuild
+from maru_operator.ledger import ALIGN, Claim, Drain, Impossible, Ledger, NoSpace, Region, rebuild
 from maru_operator.models import CacheRef
 
 GiB = 1 << 30
@@ -104,4 +104,72 @@ def test_no_sequence_of_create_resize_delete_overlaps(sequence):
     for claim in led.claims:
         assert claim.region.end <= by_uuid[claim.region.device_uuid].size
     assert len({c.owner.uid for c in led.claims}) == len(led.claims)
+    assert Ledger.from_json(led.to_json()) == led
+
+
+def test_a_moved_cache_leaves_its_old_region_draining_until_no_pod_maps_it():
+    devices = [dev("a", 8 * GiB)]
+    led, old = Ledger().allocate(ref(1), "dax", 2 * GiB, devices)
+    led, _ = led.allocate(ref(2), "dax", 2 * GiB, devices)  # the neighbour: 1 cannot grow in place
+    led, moved = led.allocate(ref(1), "dax", 4 * GiB, devices, placement="digest-1")
+    assert moved.region == Region("a", 4 * GiB, 4 * GiB)
+    assert led.draining == (Drain(ref(1), "dax", old.region, "digest-1"),)
+    assert led.free_gaps(devices[0]) == []  # the old region is not free
+    with pytest.raises(NoSpace, match=f"drain until no pod maps them: a/0/{2 * GiB}"):  # the only gap that
+        led.allocate(CacheRef("other", "c3", "uid-3"), "dax", 2 * GiB, devices)  # fits: no cache gets it
+    still, freed = led.settle(lambda drain: drain.region == old.region)  # a pod still maps it
+    assert still is led and freed == ()
+    led, freed = led.settle(lambda drain: False)  # its last pod is gone
+    assert [d.region for d in freed] == [old.region] and led.draining == ()
+    led, third = led.allocate(CacheRef("other", "c3", "uid-3"), "dax", 2 * GiB, devices)
+    assert third.region == old.region
+
+
+def test_a_cache_grows_in_place_over_its_own_old_region_but_others_wait_for_a_shrunk_tail():
+    devices = [dev("a", 8 * GiB)]
+    led, _ = Ledger().allocate(ref(1), "dax", 4 * GiB, devices)
+    led, shrunk = led.allocate(ref(1), "dax", 2 * GiB, devices)
+    assert shrunk.region == Region("a", 0, 2 * GiB) and led.draining_of("uid-1")[0].region == Region("a", 0, 4 * GiB)
+    assert led.free_gaps(devices[0]) == [(4 * GiB, 8 * GiB)]  # the tail [2, 4) GiB drains too
+    led, grown = led.allocate(ref(1), "dax", 3 * GiB, devices)  # in place, over its own draining region
+    assert grown.region == Region("a", 0, 3 * GiB)
+    assert all(d.owner == ref(1) for d in led.draining)
+
+
+def test_a_deleted_cache_region_drains_and_survives_persistence_and_rebuild():
+    devices = [dev("a", 4 * GiB)]
+    led, claim = Ledger().allocate(ref(1), "dax", 4 * GiB, devices)
+    led = led.retire("uid-1", placement="digest-1")
+    assert led.claims == () and led.draining == (Drain(ref(1), "dax", claim.region, "digest-1"),)
+    assert Ledger.from_json(led.to_json()) == led
+    assert '"draining"' not in Ledger().to_json()  # nothing new in the stored form without a draining region
+    rebuilt, problems = rebuild(led, {"uid-2": ref(2)}, [Claim(ref(2), "dax", Region("a", 0, GiB))],
+                                listed_after=frozenset({"uid-1"}))
+    assert rebuilt.draining == led.draining and rebuilt.claims == ()  # a status claim over it is refused
+    assert len(problems) == 1 and "draining" in problems[0]
+
+
+drain_ops = st.lists(st.tuples(st.sampled_from(["alloc", "delete", "settle"]), st.integers(0, 5),
+                               st.integers(1, 4 * 1024)), max_size=60)
+
+
+@settings(max_examples=300, deadline=None)
+@given(drain_ops)
+def test_no_claim_ever_overlaps_a_region_another_cache_left_while_it_drains(sequence):
+    devices = [dev("a", 8 * GiB), dev("b", 3 * GiB + 5)]
+    led = Ledger()
+    for op, who, mib in sequence:
+        if op == "delete":
+            led = led.retire(f"uid-{who}")
+        elif op == "settle":  # the pods of caches with an even number are gone
+            led, _ = led.settle(lambda drain: int(drain.owner.uid.split("-")[1]) % 2 == 1)
+        else:
+            try:
+                led, _ = led.allocate(ref(who), "dax", mib << 20, devices)
+            except (Impossible, NoSpace):
+                continue
+        for claim in led.claims:
+            clash = [d for d in led.draining if d.owner.uid != claim.owner.uid and d.region.overlaps(claim.region)]
+            assert not clash, (claim, clash)
+    assert not led.overlapping_pairs()
     assert Ledger.from_json(led.to_json()) == led

@@ -68,6 +68,17 @@ def test_a_token_the_index_refuses_is_reported_but_keeps_the_pod_ready(index, so
         wrong.unlink()
 
 
+def test_an_index_serving_another_pool_is_reported_but_keeps_the_pod_ready(index, sock_dir, sidecars):
+    """The sidecar's pool is not the index's (e.g. the cache moved): the connector refuses that index, and
+    the sidecar's probe says why; the hand-off, and so the pod, stays ready."""
+    with IndexProcess(pool_size="16Mi") as other:  # a pool of the same size, another UUID
+        sidecar = sidecars(other.pool_path, sock_dir / "maru.sock", index.url, token_file=index.token_file)
+        sidecar.wait_ready()
+        wait_until(lambda: _index_reachable(sidecar) == 0, 15, what="the index probed")
+        code, body = sidecar.get("/readyz")
+        assert code == 200 and "refused the sidecar" in body and "wrong_pool" in body and "serves pool" in body
+
+
 # Every metric the sidecar and the index export, with the labels a series must carry.
 SIDECAR_LABELS = {"cache": "c1", "namespace": "team-a", "pod": "vllm-0", "job": "sidecar"}
 SIDECAR_SERIES = {

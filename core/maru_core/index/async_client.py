@@ -22,7 +22,9 @@ from maru_core.index.client_ops import (
     IndexRejected,
     IndexUnavailable,
     Keys,
+    WrongPool,
     check_reply,
+    check_served_pool,
     default_client_name,
     hello_request,
     keys_request,
@@ -37,6 +39,7 @@ from maru_core.index.client_ops import (
     rejected_retrieve_pinned,
     request_size,
     reserve_request,
+    while_backing_off as _while_backing_off,
 )
 from maru_core.protocol import (
     KEY_BYTES,
@@ -123,7 +126,8 @@ class AsyncIndexClient:
     """The asyncio twin of ``IndexClient``; every operation is a coroutine.
 
     Create it inside a running loop (its heartbeat is a task of that loop),
-    and ``await close()`` when done.
+    and ``await close()`` when done. ``pool``: as ``IndexClient``'s, the pool
+    region this process mapped, which every ``hello`` checks (``WrongPool``).
     """
 
     def __init__(
@@ -135,6 +139,7 @@ class AsyncIndexClient:
         *,
         heartbeat: bool = True,
         reconnect_backoff_s: float = DEFAULT_RECONNECT_BACKOFF_S,
+        pool: Any = None,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
@@ -143,6 +148,7 @@ class AsyncIndexClient:
         self.timeout_s = timeout_s
         self.client_name = client_name or default_client_name()
         self._token = token
+        self._pool = pool
         self._backoff_s = reconnect_backoff_s
         self._lock = asyncio.Lock()
         self._channel: _AsyncChannel | None = None
@@ -291,7 +297,7 @@ class AsyncIndexClient:
             if self._channel is not None:
                 await self._forget(self._channel)
             if time.monotonic() < self._retry_at and self._last_error is not None:
-                raise IndexUnavailable(f"{self._last_error} (retrying in the background)")
+                raise _while_backing_off(self._last_error)
             try:
                 self._channel = await self._open(deadline)
             except IndexError_ as exc:
@@ -323,7 +329,14 @@ class AsyncIndexClient:
     async def _hello(self, channel: _AsyncChannel, lease_id: str | None, deadline: float) -> None:
         request = hello_request(self.client_name, self._token, lease_id)
         reply = check_reply("hello", await channel.call(request, deadline - time.monotonic()))
-        self._lease_id, self._lease_ttl_s, self.geometry = parse_hello(reply)
+        parsed = parse_hello(reply)
+        if self._pool is not None:
+            try:
+                check_served_pool(self._pool, reply, self.url)
+            except WrongPool:
+                self._lease_id = None  # the lease just opened there lapses by itself
+                raise
+        self._lease_id, self._lease_ttl_s, self.geometry = parsed
 
     async def _drop(self, channel: _AsyncChannel) -> None:
         async with self._lock:

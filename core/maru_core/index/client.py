@@ -31,7 +31,9 @@ from maru_core.index.client_ops import (
     IndexRejected,
     IndexUnavailable,
     Keys,
+    WrongPool,
     check_reply,
+    check_served_pool,
     default_client_name,
     hello_request,
     keys_request,
@@ -46,6 +48,7 @@ from maru_core.index.client_ops import (
     rejected_retrieve_pinned,
     request_size,
     reserve_request,
+    while_backing_off as _while_backing_off,
 )
 from maru_core.protocol import KEY_BYTES, ErrorType, Location, LocationList, Slot, SlotList, parse_url
 
@@ -59,6 +62,7 @@ __all__ = [
     "LocationList",
     "Slot",
     "SlotList",
+    "WrongPool",
 ]
 
 log = logging.getLogger(__name__)
@@ -74,7 +78,11 @@ class IndexClient:
     cache's token (``None`` when the index runs without one); ``timeout_s``
     bounds every call, connecting included. ``heartbeat=False`` leaves lease
     renewal to the caller's own traffic (tests of lease expiry use it).
-    Nothing connects until the first call or ``connect()``.
+    ``pool``, a ``maru_core.pool.pool_identity.PoolIdentity``, is the pool
+    region this process mapped: every ``hello`` checks that the index serves
+    that region and otherwise fails with ``WrongPool`` (``None``: no check,
+    for clients that map no pool). Nothing connects until the first call or
+    ``connect()``.
     """
 
     def __init__(
@@ -86,6 +94,7 @@ class IndexClient:
         *,
         heartbeat: bool = True,
         reconnect_backoff_s: float = DEFAULT_RECONNECT_BACKOFF_S,
+        pool: Any = None,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
@@ -94,6 +103,8 @@ class IndexClient:
         self.timeout_s = timeout_s
         self.client_name = client_name or default_client_name()
         self._token = token
+        self._pool = pool
+        self._refused_before = False  # an index serving another pool was refused (logged once)
         self._backoff_s = reconnect_backoff_s
         self._lock = threading.Lock()  # guards the channel and the lease fields
         self._channel: Channel | None = None
@@ -284,7 +295,7 @@ class IndexClient:
             if self._channel is not None:
                 self._forget(self._channel)
             if time.monotonic() < self._retry_at and self._last_error is not None:
-                raise IndexUnavailable(f"{self._last_error} (retrying in the background)")
+                raise _while_backing_off(self._last_error)
             try:
                 self._channel = self._open(deadline)
             except IndexError_ as exc:
@@ -306,7 +317,20 @@ class IndexClient:
 
     def _hello(self, channel: Channel, lease_id: str | None, deadline: float) -> None:
         reply = check_reply("hello", channel.call(hello_request(self.client_name, self._token, lease_id), deadline))
-        self._lease_id, self._lease_ttl_s, self.geometry = parse_hello(reply)
+        parsed = parse_hello(reply)
+        if self._pool is not None:
+            try:
+                check_served_pool(self._pool, reply, self.url)
+            except WrongPool as exc:
+                (log.debug if self._refused_before else log.error)("%s", exc)  # once per client, not per retry
+                self._refused_before = True
+                self._lease_id = None
+                try:  # end the lease just opened there rather than leave it to lapse
+                    channel.call({"op": "bye"}, time.monotonic() + min(self.timeout_s, _BYE_TIMEOUT_S))
+                except IndexError_:
+                    pass
+                raise
+        self._lease_id, self._lease_ttl_s, self.geometry = parsed
 
     def _reopen_lease(self, channel: Channel, deadline: float) -> None:
         with self._lock:

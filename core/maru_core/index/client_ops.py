@@ -76,6 +76,54 @@ class MalformedReply(IndexRejected):
         self.reply = reply
 
 
+#: ``error_type`` of ``WrongPool``: a refusal made by the client itself, never sent by an index.
+WRONG_POOL = "wrong_pool"
+
+
+class WrongPool(IndexRejected):
+    """The index serves another pool region than the one this client mapped.
+
+    Raised by ``hello``, so every call fails with it until the client is
+    pointed at the right index: a load misses and a store is skipped, as
+    with any index error; nothing is read from or written to the wrong
+    memory. ``expected`` and ``served`` are the two ``PoolIdentity`` values.
+    """
+
+    def __init__(self, message: str, expected: Any, served: Any) -> None:
+        super().__init__(WRONG_POOL, message, "hello")
+        self.expected = expected
+        self.served = served
+
+
+def check_served_pool(expected: Any, reply: dict[str, Any], url: str) -> None:
+    """Raise ``WrongPool`` unless the ``hello`` ``reply`` of the index at ``url``
+    names the pool region ``expected`` (a ``PoolIdentity``) describes."""
+    from maru_core.pool.pool_identity import PoolIdentity
+
+    try:
+        served = PoolIdentity.from_hello(reply)
+    except ValueError as exc:
+        raise _broken("hello", f"the pool it serves: {exc}", reply) from exc
+    differ = expected.mismatch(served)
+    if differ is not None:
+        raise WrongPool(
+            f"the index at {url} serves {served.describe()}, but this process mapped {expected.describe()} "
+            f"({differ} differ): refusing it, so nothing is read from or written to another region. "
+            "The cache was probably moved or resized, or the index URL names another cache's index: "
+            "re-create this pod (e.g. kubectl rollout restart) so it maps the cache's current region",
+            expected,
+            served,
+        )
+
+
+def while_backing_off(last_error: IndexError_) -> IndexError_:
+    """What a call fails with while the client waits to reconnect after ``last_error``:
+    the same refusal for a wrong pool (only another index or pod cures it), else ``IndexUnavailable``."""
+    if isinstance(last_error, WrongPool):
+        return WrongPool(last_error.message, last_error.expected, last_error.served)
+    return IndexUnavailable(f"{last_error} (retrying in the background)")
+
+
 def default_client_name() -> str:
     """A readable client name; identity comes from the lease, not from this."""
     return f"{socket.gethostname()}/{os.getpid()}"

@@ -62,6 +62,7 @@ from maru_core.index.limits import ServerLimits
 from maru_core.index.listen import RateLimitedLog, UnixListenerPath
 from maru_core.index.peers import peer_of
 from maru_core.index.registry import RegistryError
+from maru_core.pool.pool_identity import PoolIdentity
 from maru_core.pool.slot_check import SlotHeaderCheck
 from maru_core.protocol import (
     KEY_BYTES,
@@ -123,6 +124,8 @@ class IndexServer:
         # a key's lookup costs about a quarter of its commit: slices 4x larger
         self._lookup_slice_keys = 4 * slice_keys
         self._verify = SlotHeaderCheck(pool)
+        # What ``hello`` says this index serves: clients refuse an index whose region is not the one they mapped.
+        self._served_pool = PoolIdentity.of_pool(pool)
         self._acceptors: list[Acceptor] = []
         self._handshakes: dict[asyncio.Task, socket.socket] = {}  # accepted sockets becoming connections
         self._peers = self.limits.peer_limiter()
@@ -406,6 +409,7 @@ class IndexServer:
             "lease_id": conn.lease_id,
             "lease_ttl_s": self.registry.lease_ttl_s,
             "geometry": self.pool.geometry.to_dict(),
+            "pool": self._served_pool.to_wire(),
             "protocol": PROTOCOL_VERSION,
         }
 
