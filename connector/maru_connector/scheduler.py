@@ -19,7 +19,13 @@ from maru_core.stats import ConnectorStats
 
 from maru_connector.config import MaruConfig
 from maru_connector.early_pins import PinHandoff
-from maru_connector.identity import RequestKeys, request_is_cacheable, request_keys
+from maru_connector.identity import (
+    AdapterIdentities,
+    AdapterUnreadable,
+    RequestKeys,
+    request_is_cacheable,
+    request_keys,
+)
 from maru_connector.lookup import LookupService
 from maru_connector.metadata import (
     LoadSpec,
@@ -109,6 +115,7 @@ class MaruSchedulerHalf:
         self._awaiting_verdict: set[int] = set()
         self._verdicts: dict[int, bool] = {}
         self._held: set[str] = set()  # finished requests whose blocks vLLM keeps for stores
+        self._adapters = AdapterIdentities()  # LoRA adapters named by their files
 
     # ---- lookup -----------------------------------------------------------
 
@@ -363,17 +370,24 @@ class MaruSchedulerHalf:
         state = self._reqs.get(request.request_id)
         if state is None:
             cacheable, why = request_is_cacheable(request)
+            keys = None
+            if cacheable:  # keys now: a request whose LoRA adapter cannot be named has none
+                try:
+                    keys = request_keys(self._namespaces, request, self._adapters)
+                except AdapterUnreadable as exc:
+                    cacheable, why = False, f"its LoRA adapter cannot be named by its files ({exc})"
             if not cacheable:
                 logger.info("request %s is neither looked up nor stored: %s", request.request_id, why)
             mode = requested_load_mode(request.kv_transfer_params, self.cfg.maru_async_load,
                                        self.cfg.maru_overlap_load_with_compute)
             state = self._reqs[request.request_id] = _RequestState(
-                request, cacheable=cacheable, load_mode=mode, store=requested_store(request.kv_transfer_params))
+                request, cacheable=cacheable, load_mode=mode, store=requested_store(request.kv_transfer_params),
+                keys=keys)
         return state
 
     def _keys(self, state: _RequestState) -> RequestKeys:
-        if state.keys is None:
-            state.keys = request_keys(self._namespaces, state.request)
+        """The keys taken when the request was first seen (only cacheable ones have any)."""
+        assert state.keys is not None, "a request that is not cacheable has no keys"
         return state.keys
 
     def _lookup_keys(self, keys: RequestKeys, first: int) -> list[bytes]:
