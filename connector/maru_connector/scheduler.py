@@ -240,7 +240,9 @@ class MaruSchedulerHalf:
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> MaruConnectorMetadata:
         """This step's loads, the stores of chunks this step completes, the
-        verdicts on earlier steps' stores, and drains."""
+        verdicts on earlier steps' stores, and drains. vLLM calls it once at
+        the end of every ``schedule()``: the lookups' per-pass wait starts over."""
+        self._lookup.end_pass()
         self._step += 1
         meta = MaruConnectorMetadata(
             step=self._step,
