@@ -289,11 +289,14 @@ class AdapterIdentities:
     disk name the weights in memory only until they change: an adapter whose
     files changed since its id was first seen is refused (no lookups, no
     stores) until a request reloads it with ``load_inplace``, or it is served
-    under a new id.
+    under a new id. A reload that changed the weights is reported once by
+    :meth:`take_reloaded`: requests of that id already running go on with
+    the new weights under keys of the old ones.
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._first_seen: dict[int, str] = {}
+        self._reloaded: set[int] = set()
         self._warned_at: dict[str, float] = {}
         self._clock = clock
 
@@ -303,8 +306,9 @@ class AdapterIdentities:
         try:
             fingerprint = adapter_fingerprint(path)
             seen = self._first_seen.setdefault(lora.lora_int_id, fingerprint)
-            if getattr(lora, "load_inplace", False):
+            if getattr(lora, "load_inplace", False) and seen != fingerprint:
                 self._first_seen[lora.lora_int_id] = seen = fingerprint
+                self._reloaded.add(lora.lora_int_id)
             if seen != fingerprint:
                 raise AdapterUnreadable(f"{path!r} changed since adapter id {lora.lora_int_id} was loaded; "
                                         "reload it with load_inplace or serve it under a new id")
@@ -312,6 +316,11 @@ class AdapterIdentities:
             self._warn(path, str(exc))
             raise
         return fingerprint
+
+    def take_reloaded(self) -> set[int]:
+        """Adapter ids whose weights a ``load_inplace`` changed since the last call."""
+        reloaded, self._reloaded = self._reloaded, set()
+        return reloaded
 
     def _warn(self, path: str, why: str) -> None:
         now = self._clock()

@@ -378,6 +378,7 @@ class MaruSchedulerHalf:
                     keys = request_keys(self._namespaces, request, self._adapters)
                 except AdapterUnreadable as exc:
                     cacheable, why = False, f"its LoRA adapter cannot be named by its files ({exc})"
+                self._stop_storing_reloaded_adapters()
             if not cacheable:
                 logger.info("request %s is neither looked up nor stored: %s", request.request_id, why)
             mode = requested_load_mode(request.kv_transfer_params, self.cfg.maru_async_load,
@@ -386,6 +387,20 @@ class MaruSchedulerHalf:
                 request, cacheable=cacheable, load_mode=mode, store=requested_store(request.kv_transfer_params),
                 keys=keys)
         return state
+
+    def _stop_storing_reloaded_adapters(self) -> None:
+        """Requests of an adapter reloaded in place with other weights compute
+        the rest of their KV with the new weights, under keys of the old: they
+        store nothing more."""
+        reloaded = self._adapters.take_reloaded()
+        if not reloaded:
+            return
+        for state in self._reqs.values():
+            lora = state.request.lora_request
+            if lora is not None and lora.lora_int_id in reloaded and state.store:
+                logger.info("request %s stores nothing more: its LoRA adapter was reloaded with other "
+                            "weights", state.request.request_id)
+                state.store = False
 
     def _keys(self, state: _RequestState) -> RequestKeys:
         """The keys taken when the request was first seen (only cacheable ones have any)."""

@@ -326,3 +326,22 @@ def test_a_request_whose_adapter_cannot_be_read_is_neither_looked_up_nor_stored(
     assert index.calls["match_prefix"] + index.calls["retrieve_prefix"] == 1
     stores = half.build_connector_meta(step_output({"found": 100}, {"found": list(range(7))})).stores
     assert [s.req_id for s in stores] == ["found"]
+
+
+def test_requests_running_when_their_adapter_is_reloaded_with_other_weights_store_nothing_more(models, tmp_path):
+    """vLLM swaps the weights under the requests of that adapter id already
+    running: what they compute next is the new weights' KV under the old keys."""
+    from fake_index import FakeIndex
+    from test_scheduler import Geometry, make_half, step_output
+
+    half = make_half(FakeIndex(Geometry()))
+    path = _adapter(tmp_path / "sql", b"old" * 100)
+    tokens = list(range(1, 101))
+    running = _request("running", tokens, lora_request=LoRARequest("sql", 1, str(path)))
+    half.get_num_new_matched_tokens(running, 0)
+    _adapter(path, b"new" * 100)
+    reloading = _request("reloading", tokens, lora_request=LoRARequest("sql", 1, str(path), load_inplace=True))
+    half.get_num_new_matched_tokens(reloading, 0)
+    scheduled = {"running": 64, "reloading": 64}
+    stores = half.build_connector_meta(step_output(scheduled, {r: list(range(7)) for r in scheduled})).stores
+    assert [s.req_id for s in stores] == ["reloading"]
