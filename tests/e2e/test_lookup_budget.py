@@ -102,8 +102,8 @@ def test_twenty_new_requests_against_a_slow_index_hold_a_pass_one_lookup_timeout
         proxy.disarm()
     round_trips = {op: proxy.replies_seen.get(op, 0) - before[op] for op in LOOKUP_OPS}
 
-    # The first pass asked about all twenty and waited for one lookup; no pass waited more.
-    assert clock.passes[0] == max(clock.passes)
+    # The first pass asked about all twenty and waited for one lookup's timeout; no pass waited more.
+    assert clock.passes[0] >= LOOKUP_TIMEOUT_S * 0.9
     assert max(clock.passes) < LOOKUP_TIMEOUT_S + 0.15, clock.passes[:5]
     # All answered: the lone first lookup, then the nineteen queued behind it, in one round trip.
     assert sorted(clock.answered) == sorted(prompts)
