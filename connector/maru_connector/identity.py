@@ -27,6 +27,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -225,6 +226,7 @@ _WARN_EVERY_S = 60.0  # per adapter path: one warning, not one per request
 _Signature = tuple[tuple[str, int, int, int, int], ...]
 _FINGERPRINTS: OrderedDict[tuple[str, _Signature], str | None] = OrderedDict()  # most recent last
 _FINGERPRINTS_KEPT = 64
+_FINGERPRINTS_LOCK = threading.Lock()  # engines of one process may share it
 _RACY_NS = 2_000_000_000  # a file modified this recently may change again within its timestamp's tick
 
 
@@ -236,14 +238,16 @@ def _adapter_fingerprint(adapter_dir: Path, signature: _Signature) -> str | None
     same size, would otherwise leave the signature unchanged (git's "racily
     clean" entries)."""
     key = (str(adapter_dir), signature)
-    if key in _FINGERPRINTS:
-        _FINGERPRINTS.move_to_end(key)
-        return _FINGERPRINTS[key]
+    with _FINGERPRINTS_LOCK:
+        if key in _FINGERPRINTS:
+            _FINGERPRINTS.move_to_end(key)
+            return _FINGERPRINTS[key]
     digest = _fingerprint_of_files(adapter_dir, [adapter_dir / entry[0] for entry in signature])
     if all(time.time_ns() - mtime_ns > _RACY_NS for _, _, mtime_ns, _, _ in signature):
-        _FINGERPRINTS[key] = digest
-        while len(_FINGERPRINTS) > _FINGERPRINTS_KEPT:
-            _FINGERPRINTS.popitem(last=False)
+        with _FINGERPRINTS_LOCK:
+            _FINGERPRINTS[key] = digest
+            while len(_FINGERPRINTS) > _FINGERPRINTS_KEPT:
+                _FINGERPRINTS.popitem(last=False)
     return digest
 
 
@@ -265,7 +269,7 @@ def adapter_fingerprint(lora_path: str) -> str:
 
     The digest is cached by the files' signature (:func:`_files_signature`):
     a request costs a ``stat`` per file, and a file changed in place is hashed
-    again. Only this machine's engine thread uses the cache. Raises :class:`AdapterUnreadable` when the path is no local directory
+    again. Raises :class:`AdapterUnreadable` when the path is no local directory
     (or cached Hugging Face snapshot) holding weight files, or cannot be read.
     """
     try:
