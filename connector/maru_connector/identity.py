@@ -6,7 +6,7 @@ its path), its effective configuration (overrides, rope scaling), weight
 quantization, dtype, kv-cache dtype and spec, the layout both halves know at
 start-up, block size, chunk size, format, TP rank and size, context-parallel
 sizes, the configured salt and, per request, vLLM's ``cache_salt`` and LoRA
-adapter (name and path). What a chunk holds beyond token ids — multimodal
+adapter (a fingerprint of its files, see :func:`adapter_id`). What a chunk holds beyond token ids — multimodal
 inputs, prompt embeddings — goes into its key through the extra keys vLLM's
 own prefix cache hashes. Two engines that differ in any of these never share
 a key.
@@ -27,6 +27,10 @@ import dataclasses
 import hashlib
 import json
 import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,6 +42,7 @@ from maru_connector.config import MaruConfig, MaruConfigError
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig, VllmConfig
+    from vllm.lora.request import LoRARequest
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
@@ -110,13 +115,17 @@ _PIECE_BYTES = 64 << 10
 _PIECES = 32  # spread evenly between the ends
 
 
-def _model_files(model_dir: Path) -> list[Path]:
+_MODEL_CONFIG = "config.json"
+_ADAPTER_CONFIG = "adapter_config.json"  # a PEFT adapter's rank, alpha and target modules
+
+
+def _model_files(model_dir: Path, config_name: str = _MODEL_CONFIG) -> list[Path]:
     files = []
     for path in model_dir.rglob("*"):
         parts = path.relative_to(model_dir).parts
         if any(p.startswith(".") for p in parts) or not path.is_file():
             continue
-        if path.name == "config.json" or path.suffix in _WEIGHT_SUFFIXES:
+        if path.name == config_name or path.suffix in _WEIGHT_SUFFIXES:
             files.append(path)
     return sorted(files, key=lambda p: p.relative_to(model_dir).as_posix())
 
@@ -128,12 +137,16 @@ def _sample_offsets(size: int) -> list[tuple[int, int]]:
     return [(0, _EDGE_BYTES), *((o, _PIECE_BYTES) for o in middle), (size - _EDGE_BYTES, _EDGE_BYTES)]
 
 
-def weights_fingerprint(model_dir: Path) -> str | None:
+def weights_fingerprint(model_dir: Path, config_name: str = _MODEL_CONFIG) -> str | None:
     """A digest of the model's files as they lie on disk: each weight file's name,
-    size and bytes sampled at both ends and at 32 points between, and config.json
-    whole. The same files give the same digest on every machine, wherever they are
+    size and bytes sampled at both ends and at 32 points between, and its
+    ``config_name`` (``config.json``; an adapter's ``adapter_config.json``) whole.
+    The same files give the same digest on every machine, wherever they are
     mounted; ``None`` when the directory holds no weight file."""
-    files = _model_files(model_dir)
+    return _fingerprint_of_files(model_dir, _model_files(model_dir, config_name))
+
+
+def _fingerprint_of_files(model_dir: Path, files: list[Path]) -> str | None:
     if not any(f.suffix in _WEIGHT_SUFFIXES for f in files):
         return None
     digest = hashlib.blake2b(digest_size=16, person=b"maru.weights")
@@ -149,13 +162,19 @@ def weights_fingerprint(model_dir: Path) -> str | None:
 
 def _model_dir(model_config: "ModelConfig") -> Path | None:
     """Where the model's files are: its path, or its snapshot in the Hugging Face cache."""
-    path = Path(str(model_config.model))
+    return _local_dir(str(model_config.model), _MODEL_CONFIG, model_config.revision)
+
+
+def _local_dir(name_or_path: str, config_name: str, revision: str | None = None) -> Path | None:
+    """A directory on this machine, or a repo's snapshot already in the Hugging
+    Face cache (never downloaded: this runs on the engine thread)."""
+    path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path
     try:
         from huggingface_hub import try_to_load_from_cache
 
-        found = try_to_load_from_cache(str(model_config.model), "config.json", revision=model_config.revision)
+        found = try_to_load_from_cache(name_or_path, config_name, revision=revision)
     except Exception:  # not a repo id, or no cache: fall back to the name
         return None
     return Path(found).parent if isinstance(found, str) else None
@@ -190,6 +209,131 @@ def model_identity(model_config: "ModelConfig", cfg: MaruConfig) -> dict[str, st
         "model_config": config_digest(model_config),
         "quantization": str(model_config.quantization or ""),
     }
+
+
+# ---------------------------------------------------------------- LoRA adapters
+
+
+class AdapterUnreadable(Exception):
+    """A request's LoRA adapter has no files this engine can fingerprint, or files
+    that changed under an adapter vLLM may still hold: its KV is neither looked
+    up nor stored (a guessed key could name another adapter's KV)."""
+
+
+_WARN_EVERY_S = 60.0  # per adapter path: one warning, not one per request
+
+
+_Signature = tuple[tuple[str, int, int, int, int], ...]
+_FINGERPRINTS: OrderedDict[tuple[str, _Signature], str | None] = OrderedDict()  # most recent last
+_FINGERPRINTS_KEPT = 64
+_FINGERPRINTS_LOCK = threading.Lock()  # engines of one process may share it
+_RACY_NS = 2_000_000_000  # a file modified this recently may change again within its timestamp's tick
+
+
+def _adapter_fingerprint(adapter_dir: Path, signature: _Signature) -> str | None:
+    """The adapter's fingerprint, hashed once per signature of its files.
+
+    A file modified in the last two seconds is hashed again at the next
+    lookup: a second write within the file system's timestamp tick, of the
+    same size, would otherwise leave the signature unchanged (git's "racily
+    clean" entries)."""
+    key = (str(adapter_dir), signature)
+    with _FINGERPRINTS_LOCK:
+        if key in _FINGERPRINTS:
+            _FINGERPRINTS.move_to_end(key)
+            return _FINGERPRINTS[key]
+    digest = _fingerprint_of_files(adapter_dir, [adapter_dir / entry[0] for entry in signature])
+    if all(time.time_ns() - mtime_ns > _RACY_NS for _, _, mtime_ns, _, _ in signature):
+        with _FINGERPRINTS_LOCK:
+            _FINGERPRINTS[key] = digest
+            while len(_FINGERPRINTS) > _FINGERPRINTS_KEPT:
+                _FINGERPRINTS.popitem(last=False)
+    return digest
+
+
+def _files_signature(adapter_dir: Path) -> _Signature:
+    """Each fingerprinted file's name, size, mtime, ctime and inode: a file written
+    (ctime moves even when a copy keeps the mtime) or replaced changes it."""
+    signature = []
+    for path in _model_files(adapter_dir, _ADAPTER_CONFIG):
+        st = path.stat()
+        signature.append((path.relative_to(adapter_dir).as_posix(), st.st_size, st.st_mtime_ns,
+                          st.st_ctime_ns, st.st_ino))
+    return tuple(signature)
+
+
+def adapter_fingerprint(lora_path: str) -> str:
+    """``files:<digest>`` of a LoRA adapter's files: :func:`weights_fingerprint`
+    of its weight files and ``adapter_config.json``, so two adapters share KV
+    exactly when their files are the same, whatever their name or path.
+
+    The digest is cached by the files' signature (:func:`_files_signature`):
+    a request costs a ``stat`` per file, and a file changed in place is hashed
+    again. Raises :class:`AdapterUnreadable` when the path is no local directory
+    (or cached Hugging Face snapshot) holding weight files, or cannot be read.
+    """
+    try:
+        adapter_dir = _local_dir(lora_path, _ADAPTER_CONFIG) if lora_path else None
+        if adapter_dir is None:
+            raise AdapterUnreadable(f"{lora_path!r} is no directory here nor a cached snapshot")
+        adapter_dir = adapter_dir.resolve()
+        digest = _adapter_fingerprint(adapter_dir, _files_signature(adapter_dir))
+    except OSError as exc:
+        raise AdapterUnreadable(f"{lora_path!r}: {type(exc).__name__}: {exc}") from None
+    if digest is None:
+        raise AdapterUnreadable(f"{lora_path!r} holds no weight file")
+    return f"files:{digest}"
+
+
+class AdapterIdentities:
+    """The fingerprint of each LoRA adapter this engine serves, by vLLM's adapter id.
+
+    vLLM keeps an adapter's weights loaded under its id and reads its files
+    again only with ``load_inplace`` (or after evicting it), so the files on
+    disk name the weights in memory only until they change: an adapter whose
+    files changed since its id was first seen is refused (no lookups, no
+    stores) until a request reloads it with ``load_inplace``, or it is served
+    under a new id. A reload that changed the weights is reported once by
+    :meth:`take_reloaded`: requests of that id already running go on with
+    the new weights under keys of the old ones.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._first_seen: dict[int, str] = {}
+        self._reloaded: set[int] = set()
+        self._warned_at: dict[str, float] = {}
+        self._clock = clock
+
+    def of(self, lora: "LoRARequest") -> str:
+        """The adapter's namespace field; raises :class:`AdapterUnreadable`."""
+        path = str(getattr(lora, "lora_path", "") or "")
+        try:
+            fingerprint = adapter_fingerprint(path)
+            seen = self._first_seen.setdefault(lora.lora_int_id, fingerprint)
+            if getattr(lora, "load_inplace", False) and seen != fingerprint:
+                self._first_seen[lora.lora_int_id] = seen = fingerprint
+                self._reloaded.add(lora.lora_int_id)
+            if seen != fingerprint:
+                raise AdapterUnreadable(f"{path!r} changed since adapter id {lora.lora_int_id} was loaded; "
+                                        "reload it with load_inplace or serve it under a new id")
+        except AdapterUnreadable as exc:
+            self._warn(path, str(exc))
+            raise
+        return fingerprint
+
+    def take_reloaded(self) -> set[int]:
+        """Adapter ids whose weights a ``load_inplace`` changed since the last call."""
+        reloaded, self._reloaded = self._reloaded, set()
+        return reloaded
+
+    def _warn(self, path: str, why: str) -> None:
+        now = self._clock()
+        if now - self._warned_at.get(path, -_WARN_EVERY_S) >= _WARN_EVERY_S:
+            if len(self._warned_at) > 1024:  # paths come from requests: keep this bounded
+                self._warned_at.clear()
+            self._warned_at[path] = now
+            logger.warning("MaruCache neither looks up nor stores the KV of requests with LoRA adapter %s",
+                           why)
 
 
 # ---------------------------------------------------------------- namespaces
@@ -304,21 +448,28 @@ def chunk_extras(request: "Request", num_chunks: int, chunk_tokens: int) -> list
     return extras
 
 
-def _request_namespace(ns: KeyNamespace, request: "Request") -> KeyNamespace:
+def _request_namespace(ns: KeyNamespace, request: "Request", lora_id: str) -> KeyNamespace:
     salt = request.cache_salt or ""
-    lora = request.lora_request
-    # The adapter's path too: a name re-pointed at another adapter must not reuse KV.
-    lora_id = f"{lora.lora_name}|{getattr(lora, 'lora_path', '')}" if lora is not None else ""
     if not salt and not lora_id:
         return ns
     joined = f"{ns.cache_salt}|{salt}" if salt else ns.cache_salt
     return dataclasses.replace(ns, cache_salt=joined, lora=lora_id)
 
 
-def request_keys(namespaces: tuple[KeyNamespace, ...], request: "Request") -> RequestKeys:
-    """Chunk keys of every full chunk of the request's prompt, for every rank."""
+def request_keys(namespaces: tuple[KeyNamespace, ...], request: "Request",
+                 adapters: AdapterIdentities | None = None) -> RequestKeys:
+    """Chunk keys of every full chunk of the request's prompt, for every rank.
+
+    A LoRA adapter is named by its files (``adapters``: the engine's
+    :class:`AdapterIdentities`; a fresh one when None). Raises
+    :class:`AdapterUnreadable` when they cannot name it: the request then has
+    no keys at all, never a guessed one.
+    """
+    lora = request.lora_request
+    lora_id = (adapters or AdapterIdentities()).of(lora) if lora is not None else ""
     tokens = list(request.prompt_token_ids or ())
     chunk = namespaces[0].chunk_tokens
     extras = chunk_extras(request, len(tokens) // chunk, chunk)
-    per_rank = chunk_keys_of_namespaces([_request_namespace(ns, request) for ns in namespaces], tokens, extras)
+    per_rank = chunk_keys_of_namespaces([_request_namespace(ns, request, lora_id) for ns in namespaces],
+                                        tokens, extras)
     return RequestKeys(tuple(tuple(keys) for keys in per_rank))

@@ -1,32 +1,47 @@
 """Scheduler-side prefix lookups that never hold the engine thread for long.
 
 ``get_num_new_matched_tokens`` runs on the engine's scheduling thread. A
-lookup is one batched ``match_prefix`` on a helper thread; the engine waits at
-most ``maru_lookup_timeout_s`` for it and otherwise answers vLLM's "ask me
-again later" (``None``) until the reply lands. A lookup that takes longer than
-``give_up_s`` or fails counts as a miss, and the index is then treated as
-down for ``retry_after_s``: lookups answer "miss" at once instead of queueing
-behind a dead connection. After that the next lookup tries again (the client
+lookup runs on a helper thread; the engine waits for replies at most
+``maru_lookup_timeout_s`` *in total per scheduling pass* (vLLM's
+``schedule()``, which ends with ``build_connector_meta``: :meth:`end_pass`).
+A lookup not answered within what is left of the pass's wait answers vLLM's
+"ask me again later" (``None``); vLLM asks again at its next pass, which
+reads the reply without waiting once it landed. So a pass costs the engine
+one lookup timeout at most, however many requests arrive in it.
+
+The helper thread sends each lookup that finds it idle at once (a lone
+lookup against a healthy index is answered in the pass that asked), and
+every lookup queued while it was busy in one ``match_prefixes`` round trip
+(all their key lists, one count each). An index older than that op gets one
+``match_prefix`` per list, as before.
+
+A lookup that takes longer than ``give_up_s`` (from when it was queued) or
+fails counts as a miss, and the index is then treated as down for
+``retry_after_s``: lookups answer "miss" at once instead of queueing behind
+a dead connection. After that the next lookup tries again (the client
 reconnects by itself), so hits resume without a restart.
 
 Asked to (``pin_group``), the service also pins what a lookup matched: an
 early pin (``early_pins.py``) that the scheduler half hands to a worker half
-in the same process, which then copies without a retrieve of its own. The
-lookup and the pin are one round trip, the index's ``retrieve_prefix``
-(match, then pin the matched whole chunks), so the pin is back with the
-answer. An index that does not know that op (an older version) gets a
-``match_prefix`` and then a ``retrieve`` on the pins' thread, as before.
-Unpins run on that thread too, sharing the lookup's client (and lease): a
-lookup never queues behind another request's unpin. The service owns a pin
-until ``take_early_pin`` and releases it when the request looks up again or
-is forgotten.
+in the same process, which then copies without a retrieve of its own. A
+lookup sent alone and its pin are one round trip, the index's
+``retrieve_prefix`` (match, then pin the matched whole chunks), so the pin is
+back with the answer. A lookup answered by a batched ``match_prefixes``, or
+asked of an index that does not know ``retrieve_prefix`` (an older version),
+gets its pin from a ``retrieve`` on the pins' thread, after the engine has
+its answer. Unpins run on that thread too, sharing the lookup's client (and
+lease): a lookup never queues behind another request's unpin. The service
+owns a pin until ``take_early_pin`` and releases it when the request looks
+up again or is forgotten.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -41,13 +56,25 @@ from maru_connector.resolve import hold, misses_in, unpin_hidden
 logger = logging.getLogger(__name__)
 
 
+@dataclass(eq=False)
+class _Lookup:
+    """One request's lookup, from the engine thread to the lookup thread."""
+
+    req_id: str
+    key_lists: list[bytes | list[bytes]]
+    pin_group: int
+    queued_at: float
+    future: "Future[_Answer]" = field(default_factory=Future)
+
+
 class LookupService:
-    """Batched, time-bounded ``match_prefix`` with at most one lookup per request.
+    """Batched, time-bounded prefix lookups with at most one lookup per request.
 
     Args:
         client_factory: builds the index client, called on the lookup thread
             (and again after a failure, so a dead connection is replaced).
-        timeout_s: how long the engine thread waits for a reply.
+        timeout_s: how long the engine thread waits for replies, in total,
+            per scheduling pass.
         give_up_s: after this long a pending lookup counts as a miss.
         retry_after_s: how long lookups answer "miss" after a failure.
         one_round_trip: pin early with ``retrieve_prefix`` (``False``: always
@@ -73,10 +100,15 @@ class LookupService:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="maru-lookup")
         self._pinner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="maru-early-pins")
         # One entry per live request at most; dropped by forget() at request end.
-        self._pending: dict[str, tuple[Future[_Answer], float]] = {}
+        self._pending: dict[str, _Lookup] = {}
         self._early: dict[str, EarlyPin] = {}  # early pins not yet taken
         self._down_until = 0.0
         self._one_round_trip = one_round_trip
+        self._batched = True  # False once the index said it knows no match_prefixes
+        self._waited_s = 0.0  # the engine thread's wait in this scheduling pass
+        self._queue_lock = threading.Lock()
+        self._queue: list[_Lookup] = []  # lookups the lookup thread has not taken yet
+        self._draining = False  # a drain of the queue is submitted and not finished
 
     def match(self, req_id: str, key_lists: Sequence[bytes | Sequence[bytes]],
               pin_group: int = 0) -> int | None:
@@ -87,17 +119,17 @@ class LookupService:
         in whole groups of that many (a chunk's objects), as an early pin for
         ``take_early_pin``; a new lookup releases the request's last one.
 
-        Returns the count, or ``None`` while the lookup is still in flight.
-        An unreachable or failing index yields 0 (a miss).
+        Returns the count, or ``None`` while the lookup is still in flight
+        (it waited what was left of this pass's ``timeout_s``, or was already
+        pending). An unreachable or failing index yields 0 (a miss).
         """
         now = self._clock()
         pending = self._pending.get(req_id)
         if pending is not None:
-            future, started = pending
-            if future.done():
+            if pending.future.done():
                 del self._pending[req_id]
-                return self._result(req_id, future)
-            if now - started > self._give_up_s:
+                return self._result(req_id, pending.future)
+            if now - pending.queued_at > self._give_up_s:
                 self._drop_pending(req_id)
                 self._mark_down(f"lookup took longer than {self._give_up_s}s")
                 return 0
@@ -106,16 +138,15 @@ class LookupService:
         if now < self._down_until:
             return 0
         lists = [k if type(k) is bytes else list(k) for k in key_lists]  # a snapshot
-        group = pin_group if len(lists) == 1 else 0
-        future = self._executor.submit(self._match_all, lists, group)
-        try:
-            future.result(timeout=self._timeout_s)
-        except FutureTimeout:
-            self._pending[req_id] = (future, now)
+        lookup = self._submit(_Lookup(req_id, lists, pin_group if len(lists) == 1 else 0, now))
+        if not self._wait(lookup.future):
+            self._pending[req_id] = lookup
             return None
-        except Exception:  # reported by _result below
-            pass
-        return self._result(req_id, future)
+        return self._result(req_id, lookup.future)
+
+    def end_pass(self) -> None:
+        """A scheduling pass ended: the next one may wait ``timeout_s`` again."""
+        self._waited_s = 0.0
 
     def early_pin(self, req_id: str) -> EarlyPin | None:
         """The request's early pin, still the service's."""
@@ -147,10 +178,86 @@ class LookupService:
         if client is not None:
             client.close()
 
-    def _match_all(self, key_lists: list[bytes | list[bytes]], pin_group: int) -> "_Answer":
-        if self._client is None:
-            self._client = self._client_factory()
-        client = self._client
+    # ---- the engine thread's side ------------------------------------------
+
+    def _submit(self, lookup: _Lookup) -> _Lookup:
+        """Queue the lookup; start a drain unless one is running (it takes this one too)."""
+        with self._queue_lock:
+            self._queue.append(lookup)
+            start, self._draining = not self._draining, True
+        if start:
+            self._executor.submit(self._drain)
+        return lookup
+
+    def _wait(self, future: "Future[_Answer]") -> bool:
+        """Wait for the reply within what is left of this pass's budget; whether it came."""
+        left = self._timeout_s - self._waited_s
+        if left <= 0:
+            return future.done()
+        started = time.monotonic()
+        try:
+            future.result(timeout=left)
+        except FutureTimeout:
+            pass
+        except Exception:  # reported by _result
+            pass
+        self._waited_s += time.monotonic() - started
+        return future.done()
+
+    # ---- the lookup thread -------------------------------------------------
+
+    def _drain(self) -> None:
+        """Answer every queued lookup: those queued while a round trip was out go together."""
+        while True:
+            with self._queue_lock:
+                queued, self._queue = self._queue, []
+                if not queued:
+                    self._draining = False
+                    return
+            batch = [q for q in queued if q.future.set_running_or_notify_cancel()]  # forgotten: skipped
+            if batch:
+                self._answer(batch)
+
+    def _answer(self, batch: list[_Lookup]) -> None:
+        try:
+            if self._client is None:
+                self._client = self._client_factory()
+            if len(batch) == 1:
+                answers = [self._match_all(self._client, batch[0].key_lists, batch[0].pin_group)]
+            else:
+                answers = self._match_batch(self._client, batch)
+        except Exception as exc:  # the index failed them all: each counts as a miss
+            for lookup in batch:
+                lookup.future.set_exception(exc)
+            return
+        for lookup, answer in zip(batch, answers):
+            lookup.future.set_result(answer)
+
+    def _match_batch(self, client: Any, batch: list[_Lookup]) -> list["_Answer"]:
+        """Several requests' lookups in one ``match_prefixes``; their early pins follow
+        on the pins' thread."""
+        counts = iter(self._match_lists(client, [keys for q in batch for keys in q.key_lists]))
+        answers = []
+        for lookup in batch:
+            matched = min((next(counts) for _ in lookup.key_lists), default=0)
+            answers.append(self._pin_after_match(client, lookup.key_lists[0] if lookup.key_lists else b"",
+                                                 lookup.pin_group, max(0, matched)))
+        return answers
+
+    def _match_lists(self, client: Any, key_lists: list[bytes | list[bytes]]) -> list[int]:
+        if self._batched:
+            try:
+                return client.match_prefixes(key_lists)
+            except IndexRejected as exc:
+                if exc.error_type != ErrorType.UNKNOWN_OP.value:
+                    raise
+                logger.info("the index has no match_prefixes (an older version); queued lookups "
+                            "take a match_prefix each")
+                self._batched = False
+        return [client.match_prefix(keys) if keys else 0 for keys in key_lists]
+
+    def _match_all(self, client: Any, key_lists: list[bytes | list[bytes]], pin_group: int) -> "_Answer":
+        """One request's lookup, sent alone: with an early pin, one ``retrieve_prefix``."""
         if pin_group and self._one_round_trip and key_lists[0]:
             try:
                 return self._match_and_pin(client, key_lists[0], pin_group)
@@ -161,10 +268,15 @@ class LookupService:
                             "take a match_prefix and a retrieve")
                 self._one_round_trip = False
         matched = max(0, int(min((client.match_prefix(keys) if keys else 0) for keys in key_lists)))
+        return self._pin_after_match(client, key_lists[0], pin_group, matched)
+
+    def _pin_after_match(self, client: Any, keys: bytes | list[bytes], pin_group: int,
+                         matched: int) -> "_Answer":
+        """The early pin of ``matched`` keys, taken by a ``retrieve`` on the pins' thread."""
         pinned = matched - matched % pin_group if pin_group else 0
         if not pinned:
             return matched, None
-        pin = self._early_pin(client, key_lists[0], pinned)
+        pin = self._early_pin(client, keys, pinned)
         # The engine has its answer now and allocates blocks while the pins are taken.
         pin.start(self._pinner.submit(self._retrieve_early, client, pin))
         return matched, pin
@@ -225,10 +337,11 @@ class LookupService:
         return 0
 
     def _drop_pending(self, req_id: str) -> None:
-        """Nobody will read this lookup: its early pin, if any, goes when it lands."""
+        """Nobody will read this lookup: not sent yet, it never is; else its
+        early pin, if any, goes when it lands."""
         pending = self._pending.pop(req_id, None)
-        if pending is not None:
-            pending[0].add_done_callback(_release_answer)
+        if pending is not None and not pending.future.cancel():
+            pending.future.add_done_callback(_release_answer)
 
     def _release_early(self, req_id: str) -> None:
         pin = self._early.pop(req_id, None)

@@ -19,7 +19,13 @@ from maru_core.stats import ConnectorStats
 
 from maru_connector.config import MaruConfig
 from maru_connector.early_pins import PinHandoff
-from maru_connector.identity import RequestKeys, request_is_cacheable, request_keys
+from maru_connector.identity import (
+    AdapterIdentities,
+    AdapterUnreadable,
+    RequestKeys,
+    request_is_cacheable,
+    request_keys,
+)
 from maru_connector.lookup import LookupService
 from maru_connector.metadata import (
     LoadSpec,
@@ -109,6 +115,7 @@ class MaruSchedulerHalf:
         self._awaiting_verdict: set[int] = set()
         self._verdicts: dict[int, bool] = {}
         self._held: set[str] = set()  # finished requests whose blocks vLLM keeps for stores
+        self._adapters = AdapterIdentities()  # LoRA adapters named by their files
 
     # ---- lookup -----------------------------------------------------------
 
@@ -252,7 +259,9 @@ class MaruSchedulerHalf:
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> MaruConnectorMetadata:
         """This step's loads, the stores of chunks this step completes, the
-        verdicts on earlier steps' stores, and drains."""
+        verdicts on earlier steps' stores, and drains. vLLM calls it once at
+        the end of every ``schedule()``: the lookups' per-pass wait starts over."""
+        self._lookup.end_pass()
         self._step += 1
         meta = MaruConnectorMetadata(
             step=self._step,
@@ -382,17 +391,39 @@ class MaruSchedulerHalf:
         state = self._reqs.get(request.request_id)
         if state is None:
             cacheable, why = request_is_cacheable(request)
+            keys = None
+            if cacheable:  # keys now: a request whose LoRA adapter cannot be named has none
+                try:
+                    keys = request_keys(self._namespaces, request, self._adapters)
+                except AdapterUnreadable as exc:
+                    cacheable, why = False, f"its LoRA adapter cannot be named by its files ({exc})"
+                self._stop_storing_reloaded_adapters()
             if not cacheable:
                 logger.info("request %s is neither looked up nor stored: %s", request.request_id, why)
             mode = requested_load_mode(request.kv_transfer_params, self.cfg.maru_async_load,
                                        self.cfg.maru_overlap_load_with_compute)
             state = self._reqs[request.request_id] = _RequestState(
-                request, cacheable=cacheable, load_mode=mode, store=requested_store(request.kv_transfer_params))
+                request, cacheable=cacheable, load_mode=mode, store=requested_store(request.kv_transfer_params),
+                keys=keys)
         return state
 
+    def _stop_storing_reloaded_adapters(self) -> None:
+        """Requests of an adapter reloaded in place with other weights compute
+        the rest of their KV with the new weights, under keys of the old: they
+        store nothing more."""
+        reloaded = self._adapters.take_reloaded()
+        if not reloaded:
+            return
+        for state in self._reqs.values():
+            lora = state.request.lora_request
+            if lora is not None and lora.lora_int_id in reloaded and state.store:
+                logger.info("request %s stores nothing more: its LoRA adapter was reloaded with other "
+                            "weights", state.request.request_id)
+                state.store = False
+
     def _keys(self, state: _RequestState) -> RequestKeys:
-        if state.keys is None:
-            state.keys = request_keys(self._namespaces, state.request)
+        """The keys taken when the request was first seen (only cacheable ones have any)."""
+        assert state.keys is not None, "a request that is not cacheable has no keys"
         return state.keys
 
     def _lookup_keys(self, keys: RequestKeys, first: int) -> list[bytes]:

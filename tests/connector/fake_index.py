@@ -41,6 +41,7 @@ class FakeIndex:
         self.delay_s = 0.0
         self.retrieve_hook = None  # locations -> locations (fault injection), retrieve_prefix's too
         self.knows_retrieve_prefix = True  # False: answers it as an older index would (unknown op)
+        self.knows_match_prefixes = True  # likewise
         self.quarantined = False  # True: refuses reserves as a restarted index does
         self.unpin_gate: threading.Event | None = None  # unpins wait until it is set (10 s at most)
 
@@ -78,6 +79,13 @@ class FakeClient:
         self._ix._enter("match_prefix")
         with self._ix.lock:
             return self._leading_committed(_keys(keys))
+
+    def match_prefixes(self, key_lists: list[Any], **_: Any) -> list[int]:
+        self._ix._enter("match_prefixes")
+        if not self._ix.knows_match_prefixes:
+            raise IndexRejected(ErrorType.UNKNOWN_OP.value, "unknown op 'match_prefixes'", "match_prefixes")
+        with self._ix.lock:
+            return [self._leading_committed(_keys(keys)) for keys in key_lists]
 
     def _leading_committed(self, keys: list[bytes]) -> int:
         """How many leading ``keys`` are committed (the caller holds the lock)."""

@@ -7,7 +7,9 @@ config around them is a plain namespace holding what the connector reads.
 
 from __future__ import annotations
 
+import os
 import shutil
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -26,7 +28,10 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.request import Request
 
 from maru_connector.config import MaruConfigError, parse_config
+from maru_connector import identity
 from maru_connector.identity import (
+    AdapterIdentities,
+    AdapterUnreadable,
     base_namespaces,
     check_engine_supported,
     request_is_cacheable,
@@ -202,12 +207,95 @@ def test_prompt_embeddings_are_covered(models):
     assert not set(a.by_rank[0]) & set(b.by_rank[0])
 
 
-def test_a_lora_name_re_pointed_at_another_adapter_gets_other_keys(models):
+def _adapter(path, weights: bytes, rank=8):
+    """A PEFT adapter's files: what vLLM reads from ``lora_path``."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "adapter_config.json").write_text(f'{{"r": {rank}, "lora_alpha": 16}}')
+    (path / "adapter_model.safetensors").write_bytes(weights)
+    return path
+
+
+def _age(path, seconds=60):
+    """Date the adapter's files back, as files written before the engine started are."""
+    for f in path.iterdir():
+        stamp = time.time() - seconds
+        os.utime(f, (stamp, stamp))
+
+
+def _lora_keys(ns, path, adapters=None, name="sql", int_id=1, **kwargs):
+    request = _request(f"r{time.monotonic_ns()}", range(64),
+                       lora_request=LoRARequest(name, int_id, str(path), **kwargs))
+    return set(request_keys(ns, request, adapters).by_rank[0])
+
+
+def test_a_lora_name_re_pointed_at_another_adapter_gets_other_keys(models, tmp_path):
     ns = _namespaces(models)
-    tokens = list(range(64))
-    v1 = request_keys(ns, _request("a", tokens, lora_request=LoRARequest("sql", 1, "/adapters/sql-v1")))
-    v2 = request_keys(ns, _request("b", tokens, lora_request=LoRARequest("sql", 1, "/adapters/sql-v2")))
-    assert not set(v1.by_rank[0]) & set(v2.by_rank[0])
+    v1 = _lora_keys(ns, _adapter(tmp_path / "sql-v1", b"v1" * 100))
+    v2 = _lora_keys(ns, _adapter(tmp_path / "sql-v2", b"v2" * 100))
+    assert not v1 & v2
+
+
+def test_adapters_of_one_name_and_path_are_told_apart_by_their_bytes(models, tmp_path):
+    """Two pods mount other weights at the same path (here: one path, rewritten
+    between two engines): other bytes, other keys; the same bytes elsewhere under
+    another name, the same keys."""
+    ns = _namespaces(models)
+    path = _adapter(tmp_path / "sql", b"a" * 4096)
+    pod_a = _lora_keys(ns, path)
+    _adapter(path, b"b" * 4096)  # same name, path and size
+    pod_b = _lora_keys(ns, path)
+    assert not pod_a & pod_b
+    copy = shutil.copytree(path, tmp_path / "elsewhere" / "other-name")
+    assert _lora_keys(ns, copy, name="other-name", int_id=7) == pod_b
+    assert _lora_keys(ns, path) == pod_b
+
+
+def test_an_adapter_changed_in_place_gets_new_keys_once_reloaded(models, tmp_path):
+    """vLLM keeps an adapter loaded under its id: files changed under it give no
+    keys until a request reloads it (``load_inplace``) or it comes under a new id."""
+    ns = _namespaces(models)
+    adapters = AdapterIdentities()
+    path = _adapter(tmp_path / "sql", b"old" * 1000)
+    old = _lora_keys(ns, path, adapters)
+    assert _lora_keys(ns, path, adapters) == old
+    _adapter(path, b"new" * 1000)
+    with pytest.raises(AdapterUnreadable, match="changed since adapter id 1 was loaded"):
+        _lora_keys(ns, path, adapters)
+    reloaded = _lora_keys(ns, path, adapters, load_inplace=True)
+    assert not reloaded & old
+    assert _lora_keys(ns, path, adapters) == reloaded
+    assert _lora_keys(ns, path, AdapterIdentities(), int_id=2) == reloaded  # a restarted engine
+
+
+def test_an_adapter_is_hashed_once_until_a_file_changes(models, tmp_path, monkeypatch):
+    ns = _namespaces(models)
+    path = _adapter(tmp_path / "sql", b"w" * 10000)
+    _age(path)
+    hashed = []
+    real = identity._fingerprint_of_files
+    monkeypatch.setattr(identity, "_fingerprint_of_files", lambda *a: hashed.append(a) or real(*a))
+    adapters = AdapterIdentities()
+    first = _lora_keys(ns, path, adapters)
+    for _ in range(5):
+        assert _lora_keys(ns, path, adapters) == first
+    assert len(hashed) == 1
+    _adapter(path, b"x" * 10000)  # just written: hashed at every request until it is older
+    assert _lora_keys(ns, path, AdapterIdentities()) != first
+    assert _lora_keys(ns, path, AdapterIdentities()) != first
+    assert len(hashed) == 3
+
+
+def test_an_unreadable_adapter_gives_no_keys_and_one_warning(models, tmp_path, caplog):
+    ns = _namespaces(models)
+    adapters = AdapterIdentities()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for path, why in ((tmp_path / "missing", "is no directory here"), (empty, "holds no weight file")):
+        with caplog.at_level("WARNING", logger="maru_connector.identity"):
+            for _ in range(3):
+                with pytest.raises(AdapterUnreadable, match=why):
+                    _lora_keys(ns, path, adapters)
+        assert len([r for r in caplog.records if why in r.getMessage()]) == 1
 
 
 def test_requests_whose_kv_cannot_be_keyed_are_not_cacheable():
@@ -216,3 +304,44 @@ def test_requests_whose_kv_cannot_be_keyed_are_not_cacheable():
     assert request_is_cacheable(no_hash) == (False, "a multimodal input has no hash")
     embeds_only = Request("e", None, SamplingParams(max_tokens=1), None, prompt_embeds=torch.zeros(64, 8))
     assert request_is_cacheable(embeds_only) == (False, "the prompt has no token ids")
+
+
+def test_a_request_whose_adapter_cannot_be_read_is_neither_looked_up_nor_stored(models, tmp_path):
+    """The scheduler half with an index that counts its calls: the request with
+    an unreadable adapter asks nothing and stores nothing; one beside it with a
+    readable adapter does both."""
+    from fake_index import FakeIndex
+    from test_scheduler import Geometry, make_half, step_output
+
+    index = FakeIndex(Geometry())
+    half = make_half(index)
+    tokens = list(range(1, 101))
+    lost = _request("lost", tokens, lora_request=LoRARequest("sql", 1, str(tmp_path / "missing")))
+    assert half.get_num_new_matched_tokens(lost, 0) == (0, False)
+    assert sum(index.calls.values()) == 0
+    stores = half.build_connector_meta(step_output({"lost": 100}, {"lost": list(range(7))})).stores
+    assert stores == []
+    found = _request("found", tokens, lora_request=LoRARequest("sql", 1, str(_adapter(tmp_path / "sql", b"s" * 64))))
+    assert half.get_num_new_matched_tokens(found, 0) == (0, False)
+    assert index.calls["match_prefix"] + index.calls["retrieve_prefix"] == 1
+    stores = half.build_connector_meta(step_output({"found": 100}, {"found": list(range(7))})).stores
+    assert [s.req_id for s in stores] == ["found"]
+
+
+def test_requests_running_when_their_adapter_is_reloaded_with_other_weights_store_nothing_more(models, tmp_path):
+    """vLLM swaps the weights under the requests of that adapter id already
+    running: what they compute next is the new weights' KV under the old keys."""
+    from fake_index import FakeIndex
+    from test_scheduler import Geometry, make_half, step_output
+
+    half = make_half(FakeIndex(Geometry()))
+    path = _adapter(tmp_path / "sql", b"old" * 100)
+    tokens = list(range(1, 101))
+    running = _request("running", tokens, lora_request=LoRARequest("sql", 1, str(path)))
+    half.get_num_new_matched_tokens(running, 0)
+    _adapter(path, b"new" * 100)
+    reloading = _request("reloading", tokens, lora_request=LoRARequest("sql", 1, str(path), load_inplace=True))
+    half.get_num_new_matched_tokens(reloading, 0)
+    scheduled = {"running": 64, "reloading": 64}
+    stores = half.build_connector_meta(step_output(scheduled, {r: list(range(7)) for r in scheduled})).stores
+    assert [s.req_id for s in stores] == ["reloading"]

@@ -92,6 +92,30 @@ def test_retrieve_prefix_matches_and_pins_the_whole_groups_in_one_round_trip(cli
         client.retrieve_prefix(keys, 0)
 
 
+def test_match_prefixes_answers_several_lists_in_one_round_trip(client, pool, index, monkeypatch):
+    keys = [key(i) for i in range(10)]
+    store(client, pool, keys)
+    calls = []
+    real_call = client._call
+    monkeypatch.setattr(client, "_call", lambda request, *a: calls.append(request["op"]) or real_call(request, *a))
+    lists = [keys, keys[:3] + [key(50)] + keys, [], [key(50)] + keys, b"".join(keys[:7])]
+    assert client.match_prefixes(lists) == [10, 3, 0, 0, 7]
+    assert calls == ["match_prefixes"] and pinned(index) == 0
+    with monkeypatch.context() as m:  # more keys than one request may carry: split, in order
+        m.setattr("maru_core.index.client_ops.MAX_BATCH_KEYS", 12)
+        assert client.match_prefixes([keys, keys[:5], keys[:9]]) == [10, 5, 9]
+    assert calls.count("match_prefixes") == 4
+
+
+def test_the_index_names_a_bad_match_prefixes_request(client):
+    client.connect()
+    for counts, message in (([2], "got 1 keys but counts adding up to 2"), (b"\x01", "key counts"),
+                            ([-1], "key counts from 0")):
+        with pytest.raises(IndexRejected, match=message) as info:
+            client._call({"op": "match_prefixes", "keys": key(1), "counts": counts})
+        assert info.value.error_type == "bad_request"
+
+
 def test_the_index_names_a_bad_retrieve_prefix_group(client):
     client.connect()
     request = {"op": "retrieve_prefix", "keys": key(1), "group": 0}

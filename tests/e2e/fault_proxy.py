@@ -17,8 +17,10 @@ writer would:
   had been reused between retrieve and copy;
 - `drop`: the connection is closed instead of answering.
 
-Each fault is armed for `count` retrieve replies; `fired` counts how many
-replies were tampered with, so a test can check that its fault really hit.
+Each fault is armed for `count` retrieve replies (or those of `op`: one op,
+or a tuple of ops); `fired` counts how many replies were tampered with, so a
+test can check that its fault really hit. `replies_seen` counts the replies
+of each op: the round trips the index answered.
 The proxy runs its own asyncio loop in a thread of the test process.
 """
 
@@ -41,7 +43,10 @@ class Fault:
     count: int = 1
     position: int | None = None  # None: the middle of the reply
     delay_s: float = 0.0
-    op: str = "retrieve"
+    op: str | tuple[str, ...] = "retrieve"
+
+    def applies_to(self, op: str) -> bool:
+        return op == self.op if isinstance(self.op, str) else op in self.op
 
 
 class FaultProxy:
@@ -71,7 +76,8 @@ class FaultProxy:
         self.url = f"tcp://127.0.0.1:{self.port}"
         return self
 
-    def arm(self, kind: str, count: int = 1, position: int | None = None, delay_s: float = 0.0, op: str = "retrieve") -> None:
+    def arm(self, kind: str, count: int = 1, position: int | None = None, delay_s: float = 0.0,
+            op: str | tuple[str, ...] = "retrieve") -> None:
         if kind not in FAULT_KINDS:
             raise ValueError(f"unknown fault {kind!r}; one of {FAULT_KINDS}")
         with self._lock:
@@ -175,7 +181,7 @@ class FaultProxy:
     def _take_request_fault(self, op: str) -> Fault | None:
         with self._lock:
             fault = self._fault
-            if fault is None or fault.op != op or fault.kind != "hold_request":
+            if fault is None or not fault.applies_to(op) or fault.kind != "hold_request":
                 return None
             return self._consume(fault)
 
@@ -189,7 +195,7 @@ class FaultProxy:
     def _take_fault(self, op: str, message: dict) -> Fault | None:
         with self._lock:
             fault = self._fault
-            if fault is None or fault.kind == "hold_request" or fault.op != op or not message.get("ok"):
+            if fault is None or fault.kind == "hold_request" or not fault.applies_to(op) or not message.get("ok"):
                 return None
             if op in ("retrieve", "retrieve_prefix") and not message.get("locations"):
                 return None

@@ -6,9 +6,13 @@ combination serves them and must have really hit, with two oracles:
 - the KV: right after the prefill, the blocks the reading engine holds for
   the loaded prefix are byte-identical to the KV the writer computed (both
   dumped from the engine processes), one request at a time and three at once;
-- the tokens: equal to those of an engine without the connector. The test
+- the tokens: equal to those of an engine without the connector, where
+  both engines ran the same batches (a request served alone). The test
   model is float32, where a split prefill and a whole one agree except on
   true ties (bf16 near-ties flip with batching, so bf16 tokens are no oracle).
+  Requests served at once are batched as their lookups and parked loads
+  fall, which the reference engine does not repeat: their tokens are no
+  oracle either, and their KV is.
 
 With async load the lone request loads in the step that computes it and the
 three served at once park (at least one of them): both paths are checked.
@@ -74,7 +78,7 @@ def _check_hits(farm, index, layerwise, async_load, overlap, release_after, seed
         assert_same_prefix_kv(wrote.prompt_kv, read.prompt_kv, len(prompt), len(prompt) // CHUNK_TOKENS * CHUNK_TOKENS)
     reference = farm.get("reference-a", None)
     assert [r.token_ids for r in alone] == reference.outputs(prompts[:1], MAX_TOKENS)
-    assert [r.token_ids for r in together] == reference.outputs(prompts[1:], MAX_TOKENS, concurrent=True)
+    _assert_all_tokens(together)
     hit = after["maru_lookup_hit_tokens_total"] - before["maru_lookup_hit_tokens_total"]
     assert hit == sum(len(p) // CHUNK_TOKENS * CHUNK_TOKENS for p in prompts)
     assert after["maru_load_bytes_total"] > before["maru_load_bytes_total"]
@@ -113,8 +117,21 @@ def test_each_request_s_own_load_mode_hit_equals_recompute(farm, index):
     for prompt, wrote, read in zip(prompts, written, served):
         assert_same_prefix_kv(wrote.prompt_kv, read.prompt_kv, len(prompt), len(prompt) // CHUNK_TOKENS * CHUNK_TOKENS)
     reference = farm.get("reference-a", None)
-    assert [r.token_ids for r in served[:2]] == reference.outputs(prompts[:2], MAX_TOKENS)
-    assert [r.token_ids for r in served[2:]] == reference.outputs(prompts[2:], MAX_TOKENS, concurrent=True)
+    assert [r.token_ids for r in served[:2]] == reference.outputs(prompts[:2], MAX_TOKENS)  # one at a time
+    _assert_all_tokens(served[2:])
+
+
+def _assert_all_tokens(served_together) -> None:
+    """The tokens of requests served at once: all there, not compared.
+
+    They are batched as their lookups and loads fall (a parked hit joins a
+    step later), the reference engine's otherwise; another batch may reduce
+    a step's float32 matmuls in another order, so a near-tie can flip a
+    later greedy token (seen: 592 vs 745 at the 6th) with the loaded KV
+    exact. Their verdict is the KV check; tokens are compared where the
+    batches are the same, for the requests served alone.
+    """
+    assert [len(r.token_ids) for r in served_together] == [MAX_TOKENS] * len(served_together)
 
 
 def test_a_request_asked_not_to_be_stored_still_hits_and_stores_nothing(farm, index):

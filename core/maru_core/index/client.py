@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from maru_core.index.async_client import AsyncIndexClient
 from maru_core.index.channel import Channel, open_socket
@@ -42,8 +42,10 @@ from maru_core.index.client_ops import (
     parse_hello,
     parse_locations,
     parse_prefix,
+    parse_prefixes,
     parse_slots,
     prefix_request,
+    prefixes_requests,
     rejected_prefix_pinned,
     rejected_retrieve_pinned,
     request_size,
@@ -141,6 +143,17 @@ class IndexClient:
         """How many leading ``keys`` are committed (pins nothing)."""
         request = keys_request("match_prefix", keys)
         return parse_count("match_prefix", self._call(request, timeout_s), "matched", request_size(request))
+
+    def match_prefixes(self, key_lists: Sequence[Keys], *, timeout_s: float | None = None) -> list[int]:
+        """``match_prefix`` of each list, in one round trip (pins nothing).
+
+        An index older than this op raises ``IndexRejected`` with
+        ``error_type == "unknown_op"``: ask ``match_prefix`` per list instead.
+        """
+        matched: list[int] = []
+        for request in prefixes_requests(key_lists):
+            matched += parse_prefixes(self._call(request, timeout_s), request)
+        return matched
 
     def retrieve(self, keys: Keys, *, timeout_s: float | None = None) -> LocationList:
         """One ``Location`` or ``None`` per key, in order, as a ``LocationList``.

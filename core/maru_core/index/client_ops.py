@@ -12,12 +12,16 @@ import os
 import socket
 from typing import Any, Iterable, Sequence
 
+import numpy as np
+
 from maru_core.protocol import (
     KEY_BYTES,
     PROTOCOL_VERSION,
     ErrorType,
     LocationList,
+    MAX_BATCH_KEYS,
     SlotList,
+    pack_counts,
     pack_keys,
     pack_lengths,
 )
@@ -150,6 +154,34 @@ def prefix_request(keys: Keys, group: int) -> dict[str, Any]:
     if type(group) is not int or group < 1:
         raise ValueError(f"group must be a positive int, got {group!r}")
     return {"op": "retrieve_prefix", "keys": pack_keys(keys), "group": group}
+
+
+def prefixes_requests(key_lists: Sequence[Keys]) -> list[dict[str, Any]]:
+    """``match_prefixes`` requests for ``key_lists``: one, or as many as keep
+    each within ``MAX_BATCH_KEYS`` keys (a list alone larger than that is
+    still sent alone: the index names the limit)."""
+    requests, packed, counts, total = [], [], [], 0
+    for keys in key_lists:
+        keys = pack_keys(keys)
+        if counts and total + len(keys) // KEY_BYTES > MAX_BATCH_KEYS:
+            requests.append({"op": "match_prefixes", "keys": b"".join(packed), "counts": pack_counts(counts)})
+            packed, counts, total = [], [], 0
+        packed.append(keys)
+        counts.append(len(keys) // KEY_BYTES)
+        total += counts[-1]
+    if counts:
+        requests.append({"op": "match_prefixes", "keys": b"".join(packed), "counts": pack_counts(counts)})
+    return requests
+
+
+def parse_prefixes(reply: dict, request: dict[str, Any]) -> list[int]:
+    """A ``match_prefixes`` reply: one count per list asked, none above its list's length."""
+    op = "match_prefixes"
+    counts = np.frombuffer(request["counts"], dtype="<i8").tolist()
+    matched = _field(op, reply, "matched", list)
+    if len(matched) != len(counts) or any(type(m) is not int or not 0 <= m <= c for m, c in zip(matched, counts)):
+        raise _broken(op, f"matched={str(matched)[:100]} for lists of {str(counts)[:100]} keys", reply)
+    return matched
 
 
 def reserve_request(items: Iterable[tuple[bytes, int]]) -> dict[str, Any]:

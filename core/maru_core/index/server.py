@@ -83,6 +83,8 @@ from maru_core.protocol import (
 
 log = logging.getLogger(__name__)
 
+_ALWAYS_SLICED = frozenset({"unpin", "bye", "match_prefixes"})  # run as jobs whatever their size
+
 #: Keys per slice of a large ``commit`` or ``abort`` (a slice is about a millisecond of work).
 SLICE_KEYS = 2048
 #: SO_LINGER on, zero seconds: close() resets the connection.
@@ -149,9 +151,10 @@ class IndexServer:
             "stats": self._stats,
         }
         # Ops that may run in slices: commit, abort, reserve, the retrieves and
-        # match_prefix when large, unpin and bye always.
+        # match_prefix when large; unpin, bye and match_prefixes always.
         self._sliced: dict[str, Callable[[Connection, dict], Generator[None, None, dict]]] = {
             "match_prefix": self._match_prefix_sliced,
+            "match_prefixes": self._match_prefixes_sliced,
             "retrieve": self._retrieve_sliced,
             "retrieve_prefix": self._retrieve_prefix_sliced,
             "commit": self._commit_sliced,
@@ -339,7 +342,7 @@ class IndexServer:
             op = request.op
             if op != "hello" and conn.lease_id is None:
                 raise ProtocolError(ErrorType.NO_LEASE, "no lease on this connection: send hello first")
-            if op in self._sliced and (op in ("unpin", "bye") or len(request.args["keys"]) > self._slice_bytes):
+            if op in self._sliced and (op in _ALWAYS_SLICED or len(request.args["keys"]) > self._slice_bytes):
                 job = self._job(conn, request, started)
                 try:
                     next(job)
@@ -459,6 +462,20 @@ class IndexServer:
     def _match_prefix_sliced(self, conn: Connection, args: dict) -> Generator[None, None, dict]:
         self._renewed(conn)
         matched = yield from self.registry.match_prefix_sliced(args["keys"], self._lookup_slice_keys)
+        return {"matched": matched}
+
+    def _match_prefixes_sliced(self, conn: Connection, args: dict) -> Generator[None, None, dict]:
+        """Several lists' ``match_prefix`` in one request (a scheduler's queued
+        lookups), each list looked up as ``match_prefix`` looks up its keys,
+        with other connections let in between lists and large lists' slices."""
+        self._renewed(conn)
+        keys, matched, start = args["keys"], [], 0
+        for i, count in enumerate(args["counts"]):
+            if i:
+                yield
+            end = start + count * KEY_BYTES
+            matched.append((yield from self.registry.match_prefix_sliced(keys[start:end], self._lookup_slice_keys)))
+            start = end
         return {"matched": matched}
 
     def _retrieve_sliced(self, conn: Connection, args: dict) -> Generator[None, None, dict]:

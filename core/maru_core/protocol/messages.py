@@ -44,6 +44,7 @@ OPS = (
     "hello",
     "heartbeat",
     "match_prefix",
+    "match_prefixes",
     "retrieve",
     "retrieve_prefix",
     "unpin",
@@ -175,6 +176,32 @@ def _check_lengths(field: str, value: Any) -> np.ndarray:
     return np.array(value, dtype=np.int64)
 
 
+def pack_counts(counts: Any) -> bytes:
+    """Key counts (``match_prefixes``: keys per list) as one bin of little-endian u64 words."""
+    try:
+        words = np.asarray(counts, dtype="<i8")
+    except (OverflowError, TypeError, ValueError):
+        raise ValueError("key counts must be integers from 0 to 2**63-1") from None
+    if words.ndim != 1 or (len(words) and words.min() < 0):
+        raise ValueError("key counts must be integers from 0 to 2**63-1")
+    return words.tobytes()
+
+
+def _check_counts(field: str, value: Any) -> list[int]:
+    """Keys per list (``match_prefixes``), one bin of u64 words or an array of ints."""
+    if type(value) is bytes and len(value) % 8 == 0:
+        counts = np.frombuffer(value, dtype="<i8").tolist()  # read as signed: >= 2**63 turns negative
+    elif type(value) is list and set(map(type, value)) <= {int}:
+        counts = value
+    else:
+        raise _bad(field, "an array of key counts or one bin of u64 words", value)
+    if len(counts) > MAX_BATCH_KEYS:
+        raise _too_many(len(counts))
+    if counts and (min(counts) < 0 or max(counts) > MAX_BATCH_KEYS):
+        raise ProtocolError(ErrorType.BAD_REQUEST, f"field {field!r} must hold key counts from 0 to {MAX_BATCH_KEYS}")
+    return counts
+
+
 def _check_int(field: str, value: Any) -> int:
     if type(value) is not int or not 0 <= value <= _U63:
         raise _bad(field, "a non-negative integer", value)
@@ -226,6 +253,7 @@ SCHEMAS: dict[str, dict[str, _Field]] = {
     },
     "heartbeat": {},
     "match_prefix": _KEYS,
+    "match_prefixes": {"keys": (_check_keys, True), "counts": (_check_counts, True)},
     "retrieve": _KEYS,
     "retrieve_prefix": {"keys": (_check_keys, True), "group": (_check_group, True)},
     "unpin": _KEYS,
@@ -284,6 +312,11 @@ def parse_request(message: Any) -> Request:
         raise ProtocolError(
             ErrorType.BAD_REQUEST,
             f"reserve got {len(args['keys']) // KEY_BYTES} keys but {len(args['lengths'])} lengths",
+        )
+    if op == "match_prefixes" and len(args["keys"]) != KEY_BYTES * sum(args["counts"]):
+        raise ProtocolError(
+            ErrorType.BAD_REQUEST,
+            f"match_prefixes got {len(args['keys']) // KEY_BYTES} keys but counts adding up to {sum(args['counts'])}",
         )
     return Request(rid, op, args)
 
