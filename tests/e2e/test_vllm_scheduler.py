@@ -22,6 +22,7 @@ import time
 import pytest
 
 from maru_connector.config import make_kv_transfer_config
+from maru_connector.testing.cluster import wait_until
 from maru_connector.testing.stepper import SteppedEngine, expected_next_token
 from maru_connector.testing.workload import random_tokens
 from maru_connector.transfer.handles import LoadHandle, TransferError
@@ -87,6 +88,15 @@ def _store(engines, index, prompt, layerwise=False):
     return writer
 
 
+def _wait_loaded(engine, more_than=0):
+    """The worker's counters once it has counted a load beyond ``more_than``
+    bytes: an async load is counted when its copies end, which can come
+    after its request finished."""
+    stats = engine.worker.worker_half.stats
+    wait_until(lambda: stats.snapshot()["counters"]["load_bytes"] > more_than, 10.0, what="a load counted")
+    return stats.snapshot()["counters"]
+
+
 _seeds = itertools.count(7000)
 
 
@@ -107,8 +117,7 @@ def test_hit_blocks_hold_exactly_the_computed_kv(engines, index, mode, layerwise
     assert reader.wrong_positions("r", prompt) == []  # loaded prefix and computed tail
     reader.run(until=lambda: "r" in reader.finished)
     assert reader.finished["r"].output == _expected_tokens(prompt, reader.num_layers, 2)
-    counters = stats.snapshot()["counters"]
-    assert counters["load_bytes"] > hit_before
+    counters = _wait_loaded(reader, more_than=hit_before)
     assert counters["early_pinned_loads"] == (1 if early_pins else 0)
     wait_settled(index)
 
@@ -124,7 +133,7 @@ def test_hits_are_exact_in_the_deferred_finalize_order(engines, index, mode, lay
     reader = engines(_config(index, use_layerwise=layerwise, **MODES[mode]), defer_finalize=True)
     keys = index_keys(index)
     assert _serve(reader, "r", prompt) == _expected_tokens(prompt, reader.num_layers, 2)
-    assert reader.worker.worker_half.stats.snapshot()["counters"]["load_bytes"] > 0
+    _wait_loaded(reader)
     extended = prompt + random_tokens(2 * CHUNK, seed=next(_seeds))  # two new chunks to store
     assert _serve(reader, "s", extended) == _expected_tokens(extended, reader.num_layers, 2)
     wait_for_keys(index, keys + 2 * (reader.num_layers if layerwise else 1))
