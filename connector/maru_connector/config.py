@@ -54,7 +54,7 @@ class MaruConfig:
     maru_model_id: str | None = None
     maru_cache_salt: str = ""
     maru_stats_dir: str | None = None
-    # None: on where it costs a hit little (the CPU backend), see verify_payload().
+    # None: on (both backends), see verify_payload().
     maru_verify_payload: bool | None = None
     # CPU backend: map the pool's pages in the background at start, so hits
     # and stores take no page fault per page they touch (transfer/prefault.py).
@@ -75,16 +75,18 @@ class MaruConfig:
         return "layerwise" if self.maru_use_layerwise else "chunkwise"
 
     def verify_payload(self, device_type: str) -> bool:
-        """Whether loads check each object's payload checksum before copying it.
+        """Whether loads check the bytes they receive against each object's payload
+        checksum before the forward may use them.
 
-        ``maru_verify_payload`` decides when set. Unset, it is on for the CPU
-        backend, where the check costs a small part of a hit (bench/RESULTS.md),
-        and off on the GPU, where a CPU pass over the pool costs more than the
-        55 GB/s copy it guards until that is measured there.
+        ``maru_verify_payload`` decides when set; unset, it is on for both
+        backends: the checksum is summed where the bytes land (the CPU engine's
+        copy thread; on CUDA a kernel over the device staging at HBM speed),
+        a small part of a hit on either (docs/architecture.md, "Payload
+        checksums"). ``device_type`` is kept for callers that pass it.
         """
         if self.maru_verify_payload is not None:
             return self.maru_verify_payload
-        return device_type == "cpu"
+        return True
 
     def prefault_pool(self, pool_bytes: int) -> bool:
         """Whether the CPU backend maps the pool's pages at start.

@@ -38,7 +38,14 @@ from maru_connector.config import MaruConfig, MaruConfigError
 from maru_connector.early_pins import EarlyPin, PinHandoff
 from maru_connector.loader import AsyncLoader, wait_done
 from maru_connector.metadata import LoadSpec, MaruConnectorMetadata, MaruWorkerMetadata
-from maru_connector.resolve import LoadFailure, PinnedLoad, head_sources, release_pins, resolve_load
+from maru_connector.resolve import (
+    LoadFailure,
+    PinnedLoad,
+    copy_failure_reason,
+    head_sources,
+    release_pins,
+    resolve_load,
+)
 from maru_connector.stats import open_stats
 from maru_connector.store import Storer
 
@@ -334,7 +341,7 @@ class MaruWorkerHalf:
         overlapped = self.cfg.maru_overlap_load_with_compute and not spec.wait_whole
         handle = res.engine.submit_load(
             pinned.chunks, beside_long_forward=overlapped and spec.new_tokens >= self.cfg.maru_kv_chunk_tokens,
-            head=pinned.head)
+            head=pinned.head, check=pinned.check)
         if getattr(handle, "head_start", False):
             self.stats.record_head_start_load()
         self._sync_loads.append(_SyncLoad(spec, pinned, handle, overlapped))
@@ -353,7 +360,7 @@ class MaruWorkerHalf:
             wait_done(load.handle)
             self._release_later(load.pinned)
             if load.handle.error is not None:
-                self._fail_sync(load.spec, "copy_error", repr(load.handle.error))
+                self._fail_sync(load.spec, copy_failure_reason(load.handle.error), repr(load.handle.error))
                 continue
             self.stats.record_load(load.handle.nbytes, time.monotonic() - started)
 
