@@ -43,8 +43,8 @@ class PayloadCheck:
 
     @classmethod
     def of(cls, expected, verify=None) -> "PayloadCheck":
-        expected = np.asarray(expected, dtype=np.uint64)
-        verify = np.ones(len(expected), dtype=bool) if verify is None else np.asarray(verify, dtype=bool)
+        expected = np.ascontiguousarray(expected, dtype=np.uint64)  # a header field read is strided
+        verify = np.ones(len(expected), dtype=bool) if verify is None else np.ascontiguousarray(verify, dtype=bool)
         if verify.shape != expected.shape:
             raise ValueError(f"{len(verify)} verify flags for {len(expected)} checksums")
         return cls(expected, verify)
