@@ -49,6 +49,15 @@ import numpy as np  # noqa: E402
 
 from maru_core.pool.checksum import position_sum, position_sum_rows  # noqa: E402
 
+# The compiled pass where numba is installed, and numpy's blocks always.
+CPU_BACKENDS = ["numpy"] + (["numba"] if checksum.CPU_BACKEND == "numba" else [])
+
+
+@pytest.fixture(params=CPU_BACKENDS)
+def cpu_backend(request, monkeypatch):
+    monkeypatch.setattr(checksum, "CPU_BACKEND", request.param)
+    return request.param
+
 
 def reference_position_sum(data: bytes, base_words: int = 0) -> int:
     """The definition, word by word: sum_j (base + j + 1) * w_j mod 2**64 over
@@ -60,9 +69,11 @@ def reference_position_sum(data: bytes, base_words: int = 0) -> int:
     return total % 2**64
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(data=st.binary(max_size=20_000), base=st.integers(0, 2**64 - 1), cut=st.integers(0, 5_000))
-def test_the_numpy_sum_equals_the_definition_and_splits_at_any_word(data: bytes, base: int, cut: int) -> None:
+def test_the_cpu_sum_equals_the_definition_and_splits_at_any_word(cpu_backend, data: bytes, base: int,
+                                                                  cut: int) -> None:
     assert position_sum(data, base) == reference_position_sum(data, base)
     # A piece starting at word w contributes the sum with base w: the pieces add up.
     cut = min(cut, len(data) // 4) * 4
@@ -70,24 +81,24 @@ def test_the_numpy_sum_equals_the_definition_and_splits_at_any_word(data: bytes,
     assert (position_sum(head) + position_sum(tail, cut // 4)) % 2**64 == position_sum(data)
 
 
-@settings(max_examples=100, deadline=None)
-@given(rows=st.integers(1, 40), words=st.integers(1, 300), gap=st.integers(0, 9), base=st.integers(0, 2**40),
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=st.integers(1, 40), words=st.integers(1, 300), gap=st.integers(0, 9), base=st.integers(0, 2**64 - 1),
        seed=st.integers(0, 2**32 - 1))
-def test_rows_at_any_stride_sum_as_their_bytes_end_to_end(rows: int, words: int, gap: int, base: int,
+def test_rows_at_any_stride_sum_as_their_bytes_end_to_end(cpu_backend, rows: int, words: int, gap: int, base: int,
                                                           seed: int) -> None:
     backing = np.random.default_rng(seed).integers(0, 256, rows * (words + gap) * 4, dtype=np.uint8)
     strided = backing.reshape(rows, (words + gap) * 4)[:, : words * 4]  # rows of blocks in a larger cache
     assert position_sum_rows(strided, base) == reference_position_sum(strided.tobytes(), base)
 
 
-def test_a_large_object_crosses_the_numpy_blocks_exactly() -> None:
+def test_a_large_object_crosses_the_numpy_blocks_exactly(cpu_backend) -> None:
     data = os.urandom((3 << 20) + 10)  # three 1 MiB blocks and a ragged tail
     words = np.frombuffer(data + bytes(2), dtype="<u4").astype(object)
     want = int(sum((np.arange(1, words.size + 1, dtype=object) * words).tolist())) % 2**64
     assert position_sum(data) == want
 
 
-def test_one_changed_word_anywhere_changes_the_sum() -> None:
+def test_one_changed_word_anywhere_changes_the_sum(cpu_backend) -> None:
     data = bytearray(os.urandom(1 << 16))
     before = position_sum(data)
     for at in (0, 1, 4095, 40_000, len(data) - 1):

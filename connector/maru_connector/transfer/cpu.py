@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from maru_core.pool.checksum import position_sum, position_sum_rows
+from maru_core.pool.checksum import position_sum, position_sum_rows, warm_up
 
 from .checks import checkable, describe, objects_due, piece_of
 from .copy_cpus import idle_this_thread, pin_this_thread
@@ -41,6 +41,7 @@ class CpuTransferEngine(TransferEngine):
         core is otherwise idle (``copy_cpus.idle_this_thread``), ``"normal"``
         as any other thread."""
         super().__init__(pool_buffer, kv_caches, fmt)
+        warm_up()  # the checksums' compiled pass (stores always sum, verified loads too)
         self.copy_cpus = copy_cpus
         self.copy_priority = copy_priority
         self.prefaulter = (PoolPrefaulter(self.pool.data_ptr(), self.pool_size, cpus=copy_cpus)

@@ -25,11 +25,14 @@ pool could write a matching header as well): it guards against accidents and
 late writers. 0 is a valid value of this kind (the kind byte says whether a
 checksum is there).
 
-numpy computes it in blocks of 256 Ki words (1 MiB) through a reused 64-bit
-buffer that stays in the cache: a block as a matrix ``[rows, 1024]`` needs
-its row sums and its column sums only, ``S = sum_r (o + 1024 r) * rowsum_r
-+ sum_c (c + 1) * colsum_c`` (with ``o`` the block's first word, the ``+1``
-folded into the columns), about 6 GB/s on one core of the development VM.
+On the CPU the words are read as a matrix ``[rows, C]`` (1024 columns, or
+one row per block of a KV cache), for which only the row sums and the column
+sums are needed: ``S = sum_r (o + C r) * rowsum_r + sum_c (c + 1) *
+colsum_c`` (``o`` the first word). Where numba is installed (vLLM brings it)
+one compiled pass does that at memory speed (about 22 GB/s on one core of
+the development VM, faster than XXH3's 11 GB/s there), without the GIL;
+otherwise numpy does it in blocks of 1 MiB through a reused 64-bit buffer
+that stays in the cache (about 4-6 GB/s).
 
 Entries written by older writers carry ``ChecksumKind.XXH3_64`` (XXH3-64 of
 the payload as it lay in the pool); they are still checked, over the pool,
@@ -47,11 +50,13 @@ import numpy as np
 
 __all__ = [
     "CHECKSUM_NAME",
+    "CPU_BACKEND",
     "checksum_threads",
     "payload_checksum",
     "payload_checksums",
     "position_sum",
     "position_sum_rows",
+    "warm_up",
     "xxh3_checksum",
 ]
 
@@ -84,9 +89,70 @@ def _words(data) -> np.ndarray:
     return raw.view("<u4")
 
 
+try:  # pragma: no cover - depends on the environment
+    import numba
+except ImportError:  # pragma: no cover
+    numba = None
+
+
+def _matrix_sum_loops(m, base):  # pragma: no cover - compiled by numba
+    rows, cols = m.shape
+    col = np.zeros(cols, dtype=np.uint64)
+    weighted = np.uint64(0)
+    total = np.uint64(0)
+    for r in range(rows):
+        row_sum = np.uint64(0)
+        for c in range(cols):
+            x = np.uint64(m[r, c])
+            col[c] += x
+            row_sum += x
+        weighted += np.uint64(r) * row_sum
+        total += row_sum
+    acc = np.uint64(cols) * weighted + base * total
+    for c in range(cols):
+        acc += np.uint64(c + 1) * col[c]
+    return acc
+
+
+#: What computes the sums on the CPU: "numba" or "numpy".
+CPU_BACKEND = "numba" if numba is not None else "numpy"
+_compiled: dict[bool, object] = {}
+_compile_lock = threading.Lock()
+
+
+def _compiled_sum(contiguous: bool):
+    """The compiled pass for C-contiguous matrices or any with contiguous rows: one
+    signature each (read-only arrays, which writable ones convert to), compiled at
+    the first use, so importing this module costs nothing."""
+    fn = _compiled.get(contiguous)
+    if fn is None:
+        with _compile_lock:
+            fn = _compiled.get(contiguous)
+            if fn is None:
+                t = numba.types
+                array = t.Array(t.uint32, 2, "C" if contiguous else "A", readonly=True)
+                fn = numba.njit(t.uint64(array, t.uint64), nogil=True, boundscheck=False)(_matrix_sum_loops)
+                _compiled[contiguous] = fn
+    return fn
+
+
+def warm_up() -> None:
+    """Compile the CPU pass now (about two seconds, once per process), not in a hit."""
+    if CPU_BACKEND == "numba":
+        _compiled_sum(True)
+        _compiled_sum(False)
+
+
 def _matrix_sum(m: np.ndarray, base: int) -> int:
     """``sum_{r,c} (base + r*C + c + 1) * m[r, c]`` mod 2**64 for a uint32 matrix
-    ``[rows, C]`` (rows contiguous, any row stride), through the scratch buffer."""
+    ``[rows, C]`` (rows contiguous, any row stride)."""
+    if CPU_BACKEND == "numba":
+        return int(_compiled_sum(m.flags.c_contiguous)(m, np.uint64(base & _MASK)))
+    return _matrix_sum_numpy(m, base)
+
+
+def _matrix_sum_numpy(m: np.ndarray, base: int) -> int:
+    """``_matrix_sum`` with numpy, block by block through the scratch buffer."""
     rows, cols = m.shape
     total = 0
     step = max(1, (_BLOCK_ROWS * _COLS) // max(cols, 1))
