@@ -16,7 +16,13 @@ work per layer is kept to a few raw runtime calls, and layers under 8 MiB
 go in groups (1, 2, 4, ... layers: one copy where their extents sit side by
 side in the pool, one scatter into all of them through their common stride,
 one event): for a small hit (a few MiB per layer) the copy thread, not PCIe,
-would otherwise set the pace."""
+would otherwise set the pace.
+
+A verified load (``check``) sums each fill in staging on the scatter stream,
+right before its scatter (one kernel launch, ``device_checksum.py``), and
+compares the objects due once a fill completes its layers into a pinned
+host flag; the layers carry that check, which every wait reads first. A
+store sums its staging the same way before copying it out."""
 
 from __future__ import annotations
 
