@@ -29,7 +29,7 @@ import numpy as np
 
 from ..object_format import ObjectFormat
 
-__all__ = ["PayloadCheck", "checkable", "objects_due", "piece_of"]
+__all__ = ["PayloadCheck", "checkable", "describe", "objects_due", "piece_of"]
 
 
 @dataclass(frozen=True, eq=False)
