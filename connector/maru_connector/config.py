@@ -74,7 +74,7 @@ class MaruConfig:
         """The storage format as it appears in the key namespace."""
         return "layerwise" if self.maru_use_layerwise else "chunkwise"
 
-    def verify_payload(self, device_type: str) -> bool:
+    def verify_payload(self, device_type: str, fmt: Any = None) -> bool:
         """Whether loads check the bytes they receive against each object's payload
         checksum before the forward may use them.
 
@@ -83,10 +83,21 @@ class MaruConfig:
         copy thread; on CUDA a kernel over the device staging at HBM speed),
         a small part of a hit on either (docs/architecture.md, "Payload
         checksums"). ``device_type`` is kept for callers that pass it.
+        ``fmt`` (the worker's object format): a layout whose blocks are not
+        whole 32-bit words cannot be summed: off then, with a warning when
+        unset, a ``MaruConfigError`` when set to true.
         """
-        if self.maru_verify_payload is not None:
-            return self.maru_verify_payload
-        return True
+        wanted = True if self.maru_verify_payload is None else self.maru_verify_payload
+        if wanted and fmt is not None:
+            from maru_connector.transfer.checks import checkable
+
+            if not checkable(fmt):
+                where = f"layout {fmt.layout.kind} has segments of {fmt.layout.segment_bytes} bytes"
+                if self.maru_verify_payload:
+                    raise MaruConfigError(f"maru_verify_payload: {where}, not whole 32-bit words; set it to false")
+                logger.warning("payload checks are off: %s, not whole 32-bit words", where)
+                return False
+        return wanted
 
     def prefault_pool(self, pool_bytes: int) -> bool:
         """Whether the CPU backend maps the pool's pages at start.

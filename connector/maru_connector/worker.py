@@ -48,7 +48,6 @@ from maru_connector.resolve import (
 )
 from maru_connector.stats import open_stats
 from maru_connector.store import Storer
-from maru_connector.transfer.checks import checkable
 
 logger = logging.getLogger(__name__)
 
@@ -179,7 +178,7 @@ class MaruWorkerHalf:
         res = self._res = self._resources_factory(self.cfg, kv_caches, self._block_size)
         self.stats = res.stats
         self._layout = res.engine.fmt.layout
-        self._verify_payload = self._payload_checks(res.engine.fmt, res.engine.backend)
+        self._verify_payload = self.cfg.verify_payload(res.engine.backend, res.engine.fmt)
         if self.cfg.maru_async_load:
             release_after = (
                 self.cfg.maru_overlap_release_after_layers
@@ -205,18 +204,6 @@ class MaruWorkerHalf:
         )
         if self._handoff is not None:
             self._handoff.attach_worker(head_start=self._start_head)
-
-    def _payload_checks(self, fmt: Any, backend: str) -> bool:
-        """Whether loads verify the bytes they receive (``maru_verify_payload``);
-        a layout whose blocks are not whole 32-bit words cannot be summed."""
-        wanted = self.cfg.verify_payload(backend)
-        if wanted and not checkable(fmt):
-            if self.cfg.maru_verify_payload:
-                raise MaruConfigError(f"maru_verify_payload: layout {fmt.layout.kind} has segments of "
-                                      f"{fmt.layout.segment_bytes} bytes, not whole 32-bit words; set it to false")
-            logger.warning("payload checks are off: layout %s is not whole 32-bit words", fmt.layout.kind)
-            return False
-        return wanted
 
     # ---- before / during the forward -------------------------------------
 

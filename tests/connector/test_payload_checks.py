@@ -208,3 +208,18 @@ def test_payload_verification_is_on_by_default_on_both_backends():
                         "maru_verify_payload": False}, BLOCK)
     assert not off.verify_payload("cpu") and not off.verify_payload("cuda")
     assert CHUNK % BLOCK == 0
+
+
+def test_a_layout_of_odd_segments_turns_the_check_off_or_refuses_to_start():
+    """Blocks that are not whole 32-bit words cannot be summed: unset, the check is
+    off (with a warning); asked for, the worker refuses to start, naming the knob."""
+    from types import SimpleNamespace
+
+    from maru_connector.config import MaruConfigError
+
+    odd = SimpleNamespace(layout=SimpleNamespace(kind="cpu", segment_bytes=6, block_bytes_per_layer=6))
+    base = {"maru_index_url": "tcp://h:1", "maru_pool_path": "/p"}
+    assert not parse_config(base, BLOCK).verify_payload("cpu", odd)
+    with pytest.raises(MaruConfigError, match="maru_verify_payload"):
+        parse_config({**base, "maru_verify_payload": True}, BLOCK).verify_payload("cuda", odd)
+    assert not parse_config({**base, "maru_verify_payload": False}, BLOCK).verify_payload("cpu", odd)
