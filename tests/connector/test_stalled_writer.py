@@ -98,6 +98,9 @@ class Cluster:
     def fenced_pages(self) -> int:
         return self.index.on_loop(lambda: self.index.service.server.registry.fenced_pages)
 
+    def reservation(self, key: bytes):
+        return self.index.on_loop(lambda: self.index.service.server.registry.describe(key))
+
     def close(self) -> None:
         for half in self.workers:
             half.shutdown()
@@ -169,8 +172,8 @@ def test_a_writer_frozen_past_its_lease_and_grace_cannot_get_its_late_copy_serve
     try:
         stalled.freeze()  # its heartbeats stop with it
         # Its reservation lapses (its pages fenced), then its lease, then the grace.
-        _wait_for(lambda: cluster.fenced_pages() > 0, "the stalled writer's reservation to lapse")
-        _wait_for(lambda: cluster.fenced_pages() == 0, "the fence to release the stalled writer's pages")
+        _wait_for(lambda: cluster.reservation(b"S" * 16) is None and cluster.fenced_pages() == 0,
+                  "the fence to release the stalled writer's pages")
         # Lease lapsed, grace over: its pages go to the next writer, which stores and commits.
         writer, _ = cluster.worker(seed=1, maru_use_layerwise=layerwise)
         keys = chunk_keys(NAMESPACE, tokens(64))
