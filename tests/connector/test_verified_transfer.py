@@ -11,6 +11,7 @@ Triton's interpreter)."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import random
 import subprocess
@@ -229,3 +230,69 @@ def test_the_triton_kernel_s_arithmetic_equals_numpy_in_triton_s_interpreter():
            "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "same" in done.stdout, done.stderr[-3000:]
+
+
+class _HostCopies:
+    """The CUDA engine's copy calls done with memmove on host memory."""
+
+    @staticmethod
+    def memcpy(dst, src, nbytes, kind, stream):
+        ctypes.memmove(dst, src, nbytes)
+
+    @staticmethod
+    def memcpy2d(dst, dpitch, src, spitch, width, height, kind, stream):
+        for r in range(height):
+            ctypes.memmove(dst + r * dpitch, src + r * spitch, width)
+
+
+def _fills_engine(pool, fmt, rows_cap: int, copy_2d: bool):
+    """A CUDA engine's planning and staging, on host memory: its fills (``_units``)
+    copied by ``_copy_unit`` as on the GPU, so ``_sum_fill``'s reading of a fill's
+    rows can be checked without one."""
+    from types import SimpleNamespace
+
+    from maru_connector.transfer.cuda import CudaTransferEngine
+
+    engine = object.__new__(CudaTransferEngine)
+    engine.fmt, engine.layout = fmt, fmt.layout
+    engine.pool = torch.frombuffer(pool.buffer, dtype=torch.uint8)
+    engine.pool_size, engine._pool_ptr = engine.pool.numel(), engine.pool.data_ptr()
+    engine._rows_cap, engine._stacked = rows_cap, {}
+    engine._memcpy, engine._memcpy2d = _HostCopies.memcpy, _HostCopies.memcpy2d if copy_2d else None
+    engine._event = lambda: SimpleNamespace(record=lambda stream: None)
+    engine.load_stream = SimpleNamespace(cuda_stream=0)
+    return engine
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["chunkwise", "layerwise"])
+@pytest.mark.parametrize("adjacent", [True, False], ids=["adjacent", "scattered"])
+@pytest.mark.parametrize("rows_cap", [1, 3, 64])
+@pytest.mark.parametrize("copy_2d", [True, False], ids=["2d", "rows"])
+def test_the_cuda_engine_s_fills_sum_to_each_object_s_checksum(pool, layerwise, adjacent, rows_cap, copy_2d):
+    """Every way the CUDA engine stages a load (one layer or a group of layers a
+    fill, layer-major or as wide chunk-major rows, a layer over several fills)
+    read by ``_sum_fill`` as rows of (chunk, layer): the sums are each object's
+    checksum in the pool. Staged on the host, summed with torch."""
+    from types import SimpleNamespace
+
+    from maru_connector.transfer.plan import layer_pieces
+
+    layout = detect_kv_layout(make_kv_caches("flash_hnd", layers=5, blocks=24))
+    fmt = ObjectFormat(layout, BPC * layout.block_size, layerwise)
+    chunks, per, size = 6, fmt.objects_per_chunk, fmt.object_bytes
+    rng = random.Random(f"{layerwise}{adjacent}{rows_cap}")
+    slots = list(range(chunks * per)) if adjacent else rng.sample(range(pool.map.size() // size - 1), chunks * per)
+    offsets = [tuple(slots[c * per + i] * size for i in range(per)) for c in range(chunks)]
+    pool.buffer[: chunks * per * size if adjacent else pool.map.size()] = os.urandom(
+        chunks * per * size if adjacent else pool.map.size())
+    engine = _fills_engine(pool, fmt, rows_cap, copy_2d)
+    staging = torch.empty(64 * fmt.layer_bytes * fmt.num_layers, dtype=torch.uint8)
+    sums = torch.zeros(chunks * per, dtype=torch.int64)
+    job = SimpleNamespace(check_state=[sums, None, None, None, 0])
+    kinds = set()
+    for unit in engine._units(layer_pieces(fmt, offsets, rows_cap)):
+        copied = engine._copy_unit(unit, 0, staging)
+        kinds.add(("wide" if copied[3] else "rows", len(unit[0])))
+        engine._sum_fill(job, unit, copied)
+    want = [position_sum(pool.buffer[o:o + size]) for chunk in offsets for o in chunk]
+    assert device_checksum.as_uint64(sums) == want, kinds
