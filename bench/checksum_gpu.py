@@ -8,6 +8,7 @@ torch fallback, against the pinned host-to-device copy of the same bytes,
 and checks the sums bit for bit against numpy on a sample of the rows.
 
     python3 bench/checksum_gpu.py --gib 2 --out OUT.json
+    python3 bench/checksum_gpu.py --device cpu --gib 0.125   # a dry run of the script (torch sums)
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 
 import numpy as np
 import torch
@@ -25,10 +27,15 @@ from maru_connector.transfer import device_checksum
 GB = 1e9
 
 
-def timed(fn, repeats: int) -> float:
-    """Median seconds of ``fn`` on the GPU (CUDA events)."""
+def timed(fn, repeats: int, device: torch.device) -> float:
+    """Median seconds of ``fn`` (on the GPU: between CUDA events)."""
     times = []
     for _ in range(repeats + 1):
+        if device.type != "cuda":
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+            continue
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -44,6 +51,7 @@ def main() -> None:
     parser.add_argument("--row-mib", type=float, default=1.0, help="one layer of one chunk")
     parser.add_argument("--fill-mib", type=int, default=64, help="one staging fill")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of this script")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     row = int(args.row_mib * (1 << 20))
@@ -51,10 +59,12 @@ def main() -> None:
     rows_per_fill = fill // row
     fills = max(1, int(args.gib * (1 << 30)) // fill)
     nbytes = fills * fill
-    device = torch.device("cuda")
+    device = torch.device(args.device)
     staging = torch.randint(0, 256, (fill,), dtype=torch.uint8, device=device)
     sums = torch.zeros(rows_per_fill * fills, dtype=torch.int64, device=device)
-    device_checksum.warm_up(device, layerwise=False)
+    on_gpu = device.type == "cuda"
+    if on_gpu:
+        device_checksum.warm_up(device, layerwise=False)
 
     def sum_all(backend: str) -> None:
         for f in range(fills):  # chunkwise rows: chunk r, layer f (global position weights)
@@ -62,14 +72,14 @@ def main() -> None:
                                          first_layer=f, n_layers=1, chunk_major=False, layerwise=False,
                                          total_layers=fills, backend=backend)
 
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+    result = {"device": torch.cuda.get_device_name() if on_gpu else "cpu", "torch_version": torch.__version__,
               "backend": device_checksum.BACKEND, "bytes": nbytes, "row_bytes": row, "fill_bytes": fill}
-    for backend in ("triton", "torch") if device_checksum.BACKEND == "triton" else ("torch",):
-        seconds = timed(lambda: sum_all(backend), args.repeats)
+    for backend in ("triton", "torch") if on_gpu and device_checksum.BACKEND == "triton" else ("torch",):
+        seconds = timed(lambda: sum_all(backend), args.repeats, device)
         result[backend] = {"ms": round(seconds * 1e3, 3), "gb_per_s": round(nbytes / seconds / GB, 1),
                            "ms_per_gb": round(seconds * 1e3 / (nbytes / GB), 3)}
-    host = torch.empty(fill, dtype=torch.uint8, pin_memory=True)
-    copy_s = timed(lambda: [staging.copy_(host, non_blocking=True) for _ in range(fills)], args.repeats)
+    host = torch.empty(fill, dtype=torch.uint8, pin_memory=on_gpu)
+    copy_s = timed(lambda: [staging.copy_(host, non_blocking=True) for _ in range(fills)], args.repeats, device)
     result["h2d_copy"] = {"ms": round(copy_s * 1e3, 3), "gb_per_s": round(nbytes / copy_s / GB, 1)}
     for backend in ("triton", "torch"):
         if backend in result:

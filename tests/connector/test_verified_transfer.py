@@ -296,3 +296,36 @@ def test_the_cuda_engine_s_fills_sum_to_each_object_s_checksum(pool, layerwise, 
         engine._sum_fill(job, unit, copied)
     want = [position_sum(pool.buffer[o:o + size]) for chunk in offsets for o in chunk]
     assert device_checksum.as_uint64(sums) == want, kinds
+
+
+class _Event:
+    """A device event, as a handle waits for it: done or not yet."""
+
+    def __init__(self, done: bool) -> None:
+        self.done, self.synchronized = done, 0
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.synchronized += 1
+        self.done = True
+
+
+def test_a_wait_reads_a_layer_s_device_check_before_it_returns_the_layer():
+    """The handle's side of a CUDA check, with stand-in events: a layer whose
+    check is still running is not ready, a wait waits for the check, and a
+    flag that says mismatch fails the load instead of returning the layer."""
+    from maru_connector.transfer import LoadHandle
+
+    handle = LoadHandle(3, 300)
+    flags = torch.tensor([0, 1], dtype=torch.int32)
+    running, failed = _Event(False), _Event(True)
+    handle._mark_layer(0, None, (running, flags, 0, "layer 0"))
+    handle._mark_layer(1, None, (failed, flags, 1, "layer 1"))
+    handle._mark_layer(2)
+    assert not handle.layer_ready(0) and handle.error is None  # its check is still running
+    assert handle.wait_layer_on_device(0) and running.synchronized == 1
+    assert not handle.wait_layer_on_device(1)
+    assert isinstance(handle.error, ChecksumMismatch) and "layer 1" in str(handle.error)
+    assert handle.done() and not handle.wait_all(1)
