@@ -55,8 +55,21 @@ CPU_BACKENDS = ["numpy"] + (["numba"] if checksum.CPU_BACKEND == "numba" else []
 
 @pytest.fixture(params=CPU_BACKENDS)
 def cpu_backend(request, monkeypatch):
+    if request.param == "numba":
+        checksum.warm_up()
     monkeypatch.setattr(checksum, "CPU_BACKEND", request.param)
     return request.param
+
+
+def test_a_first_checksum_never_waits_for_the_compiler(monkeypatch) -> None:
+    """Before ``warm_up`` the sums run on numpy; after it, on the compiled pass."""
+    monkeypatch.setattr(checksum, "_compiled", {})
+    data = os.urandom(1 << 16)
+    want = checksum.position_sum(data)
+    assert checksum._compiled == {}
+    if checksum.CPU_BACKEND == "numba":
+        checksum.warm_up()
+        assert set(checksum._compiled) == {True, False} and checksum.position_sum(data) == want
 
 
 def reference_position_sum(data: bytes, base_words: int = 0) -> int:

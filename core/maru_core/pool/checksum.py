@@ -29,7 +29,7 @@ On the CPU the words are read as a matrix ``[rows, C]`` (1024 columns, or
 one row per block of a KV cache), for which only the row sums and the column
 sums are needed: ``S = sum_r (o + C r) * rowsum_r + sum_c (c + 1) *
 colsum_c`` (``o`` the first word). Where numba is installed (vLLM brings it)
-one compiled pass does that at memory speed (about 22 GB/s on one core of
+and ``warm_up`` has compiled it, one pass does that at memory speed (about 22 GB/s on one core of
 the development VM, faster than XXH3's 11 GB/s there), without the GIL;
 otherwise numpy does it in blocks of 1 MiB through a reused 64-bit buffer
 that stays in the cache (about 4-6 GB/s).
@@ -120,34 +120,34 @@ _compiled: dict[bool, object] = {}
 _compile_lock = threading.Lock()
 
 
-def _compiled_sum(contiguous: bool):
+def _compile(contiguous: bool):
     """The compiled pass for C-contiguous matrices or any with contiguous rows: one
-    signature each (read-only arrays, which writable ones convert to), compiled at
-    the first use, so importing this module costs nothing."""
-    fn = _compiled.get(contiguous)
-    if fn is None:
-        with _compile_lock:
-            fn = _compiled.get(contiguous)
-            if fn is None:
-                t = numba.types
-                array = t.Array(t.uint32, 2, "C" if contiguous else "A", readonly=True)
-                fn = numba.njit(t.uint64(array, t.uint64), nogil=True, boundscheck=False)(_matrix_sum_loops)
-                _compiled[contiguous] = fn
+    signature each (read-only arrays, which writable ones convert to)."""
+    with _compile_lock:
+        fn = _compiled.get(contiguous)
+        if fn is None:
+            t = numba.types
+            array = t.Array(t.uint32, 2, "C" if contiguous else "A", readonly=True)
+            fn = numba.njit(t.uint64(array, t.uint64), nogil=True, boundscheck=False)(_matrix_sum_loops)
+            _compiled[contiguous] = fn
     return fn
 
 
 def warm_up() -> None:
-    """Compile the CPU pass now (about two seconds, once per process), not in a hit."""
+    """Compile the CPU pass now (about a second, once per process). Until a process
+    has called it, sums run on numpy: a first checksum never waits for a compiler
+    (the engines call it when they start)."""
     if CPU_BACKEND == "numba":
-        _compiled_sum(True)
-        _compiled_sum(False)
+        _compile(True)
+        _compile(False)
 
 
 def _matrix_sum(m: np.ndarray, base: int) -> int:
     """``sum_{r,c} (base + r*C + c + 1) * m[r, c]`` mod 2**64 for a uint32 matrix
     ``[rows, C]`` (rows contiguous, any row stride)."""
-    if CPU_BACKEND == "numba":
-        return int(_compiled_sum(m.flags.c_contiguous)(m, np.uint64(base & _MASK)))
+    fn = _compiled.get(bool(m.flags.c_contiguous)) if CPU_BACKEND == "numba" else None
+    if fn is not None:
+        return int(fn(m, np.uint64(base & _MASK)))
     return _matrix_sum_numpy(m, base)
 
 
