@@ -329,3 +329,39 @@ def test_a_wait_reads_a_layer_s_device_check_before_it_returns_the_layer():
     assert not handle.wait_layer_on_device(1)
     assert isinstance(handle.error, ChecksumMismatch) and "layer 1" in str(handle.error)
     assert handle.done() and not handle.wait_all(1)
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["chunkwise", "layerwise"])
+def test_the_cuda_engine_compares_exactly_the_objects_due_at_each_fill(pool, layerwise):
+    """``_compare`` (on host tensors): after a fill that completes layers, the
+    objects of those layers (layerwise) or, after the last layer, every object
+    (chunkwise); a wrong checksum raises the flag of that check only, and an
+    object the engine is told not to check raises none."""
+    from types import SimpleNamespace
+
+    layout = detect_kv_layout(make_kv_caches("flash_hnd", layers=4, blocks=24))
+    fmt = ObjectFormat(layout, BPC * layout.block_size, layerwise)
+    engine = _fills_engine(pool, fmt, 64, True)
+    engine.scatter_stream = SimpleNamespace(cuda_stream=0)
+    chunks, nl = 3, fmt.num_layers
+    objects = chunks * fmt.objects_per_chunk
+    sums = torch.arange(objects, dtype=torch.int64) * 7 + 1
+    wrong = 2 * nl + 1 if layerwise else 2  # chunk 2 (layer 1, layerwise)
+    expected = sums.clone()
+    expected[wrong] += 1
+    verify = torch.ones(objects, dtype=torch.bool)
+
+    def flags_after(layer_groups, verify):
+        flags = torch.zeros(nl, dtype=torch.int32)
+        job = SimpleNamespace(check_state=[sums, expected, verify, flags, 0])
+        checks = [engine._compare(job, layers) for layers in layer_groups]
+        return [None if c is None else int(c[1][c[2]]) for c in checks]
+
+    groups = [[0], [1, 2], [3]]
+    if layerwise:
+        assert flags_after(groups, verify) == [0, 1, 0]  # layer 1's objects are checked with layer 2's
+    else:
+        assert flags_after(groups, verify) == [None, None, 1]  # whole objects, once the last layer is in
+    skip = verify.clone()
+    skip[wrong] = False
+    assert all(f in (None, 0) for f in flags_after(groups, skip))
