@@ -82,8 +82,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--pool-size", default="16Gi", help="sparse: only slot headers are written")
     ap.add_argument("--verify-payload", action="store_true",
-                    help="headers record their payload's checksum, and the resolve checks it "
-                         "(maru_verify_payload, on by default on the CPU backend)")
+                    help="headers record their payload's checksum, and the resolve reads it for the engine "
+                         "(maru_verify_payload, on by default)")
     args = ap.parse_args()
     print(f"# python {platform.python_version()}, {os.cpu_count()} cpus, load average "
           f"{os.getloadavg()[0]:.1f}")

@@ -31,7 +31,8 @@ for stage in $stages; do
     cuda-tests)
         run cuda_tests 180 python3 -m pytest --noconftest -p no:cacheprovider -m cuda -q \
             tests/connector/test_transfer_cuda.py tests/connector/test_head_start_cuda.py \
-            tests/connector/test_graph_pieces_cuda.py tests/connector/test_llama_layer.py
+            tests/connector/test_graph_pieces_cuda.py tests/connector/test_llama_layer.py \
+            tests/connector/test_verified_transfer.py
         tail -1 "$out/cuda_tests.txt" ;;
     transfer)
         for shape in "1024 32" "1024 80" "4096 32" "16384 32"; do

@@ -81,6 +81,9 @@ def parse(argv=None):
     p.add_argument("--two-round-trip-pins", action="store_true",
                    help="early pins as an index without retrieve_prefix takes them: a "
                         "match_prefix, then a retrieve")
+    p.add_argument("--verify-payload", choices=["on", "off"], default=None,
+                   help="maru_verify_payload for every mode that does not set it (its *_unverified "
+                        "and *_verify variants do); default: the connector's default (on)")
     p.add_argument("--no-early-pins", action="store_true",
                    help="A/B: the worker retrieves (pins) each load itself instead of copying under "
                         "the pins its lookup took (maru_early_pins=false)")

@@ -35,8 +35,13 @@ MODES = {
     # the default async choice: park a hit only beside other live requests
     "async_auto": ({"maru_async_load": True, **OVERLAP}, {}, False),
     "async_auto_graphs": ({"maru_async_load": True, **OVERLAP}, {}, True),
-    # loads that check every object's payload checksum on the CPU first
+    # Loads check the bytes they receive against the writers' checksums by
+    # default (maru_verify_payload); these modes say so, or turn it off.
     "sync_overlap_verify": ({**SYNC, **OVERLAP, "maru_verify_payload": True}, {}, False),
+    "sync_unverified": ({**SYNC, **WHOLE, "maru_verify_payload": False}, {}, False),
+    "sync_overlap_unverified": ({**SYNC, **OVERLAP, "maru_verify_payload": False}, {}, False),
+    "async_overlap_unverified": ({**PARKED, **OVERLAP, "maru_verify_payload": False}, {}, False),
+    "sync_overlap_graphs_unverified": ({**SYNC, **OVERLAP, "maru_verify_payload": False}, {}, True),
     # the load and scatter streams at the default priority, as before
     "sync_overlap_prio0": ({**SYNC, **OVERLAP}, {"load_priority": 0}, False),
 }
@@ -94,6 +99,8 @@ class Cluster:
                "maru_kv_chunk_tokens": args.chunk_tokens,
                "maru_use_layerwise": fmt == "layerwise",
                "maru_early_pins": not getattr(args, "no_early_pins", False), **knobs}
+        if getattr(args, "verify_payload", None) is not None and "maru_verify_payload" not in knobs:
+            raw["maru_verify_payload"] = args.verify_payload == "on"  # --verify-payload: every other mode
         cfg = parse_config(raw, args.block_size)
         device = self.model.device.type
         ns = self.namespace(cfg.fmt_name)

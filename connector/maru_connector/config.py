@@ -54,7 +54,7 @@ class MaruConfig:
     maru_model_id: str | None = None
     maru_cache_salt: str = ""
     maru_stats_dir: str | None = None
-    # None: on where it costs a hit little (the CPU backend), see verify_payload().
+    # None: on (both backends), see verify_payload().
     maru_verify_payload: bool | None = None
     # CPU backend: map the pool's pages in the background at start, so hits
     # and stores take no page fault per page they touch (transfer/prefault.py).
@@ -74,17 +74,30 @@ class MaruConfig:
         """The storage format as it appears in the key namespace."""
         return "layerwise" if self.maru_use_layerwise else "chunkwise"
 
-    def verify_payload(self, device_type: str) -> bool:
-        """Whether loads check each object's payload checksum before copying it.
+    def verify_payload(self, device_type: str, fmt: Any = None) -> bool:
+        """Whether loads check the bytes they receive against each object's payload
+        checksum before the forward may use them.
 
-        ``maru_verify_payload`` decides when set. Unset, it is on for the CPU
-        backend, where the check costs a small part of a hit (bench/RESULTS.md),
-        and off on the GPU, where a CPU pass over the pool costs more than the
-        55 GB/s copy it guards until that is measured there.
+        ``maru_verify_payload`` decides when set; unset, it is on for both
+        backends: the checksum is summed where the bytes land (the CPU engine's
+        copy thread; on CUDA a kernel over the device staging at HBM speed),
+        a small part of a hit on either (docs/architecture.md, "Payload
+        checksums"). ``device_type`` is kept for callers that pass it.
+        ``fmt`` (the worker's object format): a layout whose blocks are not
+        whole 32-bit words cannot be summed: off then, with a warning when
+        unset, a ``MaruConfigError`` when set to true.
         """
-        if self.maru_verify_payload is not None:
-            return self.maru_verify_payload
-        return device_type == "cpu"
+        wanted = True if self.maru_verify_payload is None else self.maru_verify_payload
+        if wanted and fmt is not None:
+            from maru_connector.transfer.checks import checkable
+
+            if not checkable(fmt):
+                where = f"layout {fmt.layout.kind} has segments of {fmt.layout.segment_bytes} bytes"
+                if self.maru_verify_payload:
+                    raise MaruConfigError(f"maru_verify_payload: {where}, not whole 32-bit words; set it to false")
+                logger.warning("payload checks are off: %s, not whole 32-bit words", where)
+                return False
+        return wanted
 
     def prefault_pool(self, pool_bytes: int) -> bool:
         """Whether the CPU backend maps the pool's pages at start.

@@ -43,7 +43,7 @@ from typing import Any
 from maru_core.stats import ConnectorStats
 
 from maru_connector.metadata import LoadSpec
-from maru_connector.resolve import LoadFailure, PinnedLoad, release_pins, resolve_load
+from maru_connector.resolve import LoadFailure, PinnedLoad, copy_failure_reason, release_pins, resolve_load
 
 logger = logging.getLogger(__name__)
 
@@ -196,8 +196,8 @@ class AsyncLoader:
             if not load.handle.wait_layer_on_device(position):
                 failed.append(load)
         waited = time.perf_counter() - start
-        for load in failed:
-            self._record_late_failure(load)
+        for load in failed:  # counted once, whoever sees it first
+            self._late_failure(load, copy_failure_reason(load.handle.error))
         return waited
 
     def drain(self, req_ids: Iterable[str]) -> None:
@@ -329,7 +329,8 @@ class AsyncLoader:
         if load.pinned.early is not None:
             self._stats.record_early_pinned_load()
         try:
-            load.handle = self._engine.submit_load(load.pinned.chunks, head=load.pinned.head)
+            load.handle = self._engine.submit_load(load.pinned.chunks, head=load.pinned.head,
+                                                   check=load.pinned.check)
         except Exception:
             release_pins(self._client, load.pinned)  # nothing was queued
             raise
@@ -349,7 +350,7 @@ class AsyncLoader:
                 if not handle.done():
                     return False
                 release_pins(self._client, load.pinned)
-                self._fail(load, "copy_error", repr(handle.error))
+                self._fail(load, copy_failure_reason(handle.error), repr(handle.error))
                 return True
             need = self._num_layers if load.aborted else self._release_after
             if not all(handle.layer_ready(i) for i in range(need)):
@@ -358,7 +359,7 @@ class AsyncLoader:
         if not handle.done():
             return False
         if handle.error is not None:
-            self._late_failure(load, "copy_error")
+            self._late_failure(load, copy_failure_reason(handle.error))
         self._finish(load)
         return True
 

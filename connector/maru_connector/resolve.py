@@ -3,8 +3,9 @@
 Used by the synchronous load path and by the async loader alike. Nothing here
 touches a vLLM block: a load only starts copying once :func:`resolve_load`
 has returned, that is once every (chunk, layer) key resolved to a pinned slot
-whose header names that key and generation (and, when asked, whose payload
-matches the checksum in that header). Any failure unpins what was
+whose header names that key and generation (and, when asked, records a
+payload checksum, which the transfer engine then checks over the bytes it
+received). Any failure unpins what was
 pinned (never a pin another load of the same lease holds) and raises
 :class:`LoadFailure` with a bounded ``reason``.
 """
@@ -21,9 +22,10 @@ from typing import Any
 import numpy as np
 from maru_core.keys import KEY_BYTES, packed_layer_keys, split_keys
 from maru_core.pool.slot_check import SlotHeaderCheck
+from maru_core.pool.slots import ChecksumKind
 from maru_core.protocol import LocationList
 
-from maru_connector.transfer import ChunkLoad
+from maru_connector.transfer import ChecksumMismatch, ChunkLoad, PayloadCheck
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,7 @@ class PinnedLoad:
     chunks: list[ChunkLoad]
     object_keys: bytes
     early: Any = None
+    check: PayloadCheck | None = None  # what the copies' bytes are verified against
 
     @property
     def num_objects(self) -> int:
@@ -71,6 +74,12 @@ def packed_object_keys(fmt: Any, chunk_keys: Sequence[bytes]) -> bytes:
 def object_keys(fmt: Any, chunk_keys: Sequence[bytes]) -> list[bytes]:
     """``packed_object_keys`` as a list of keys."""
     return split_keys(packed_object_keys(fmt, chunk_keys))
+
+
+def copy_failure_reason(error: BaseException | None) -> str:
+    """The metric label of a load whose copies failed: a payload that did not match
+    its checksum counts with the other slot checks (``header_mismatch``)."""
+    return "header_mismatch" if isinstance(error, ChecksumMismatch) else "copy_error"
 
 
 def index_failure(exc: BaseException) -> LoadFailure:
@@ -183,27 +192,47 @@ def _check_reply(count: int, reply: _Reply, object_bytes: int) -> None:
         )
 
 
-def _check_headers(pool: Any, keys: bytes, reply: _Reply, fmt: Any, verify_payload: bool) -> None:
+def _check_headers(pool: Any, keys: bytes, reply: _Reply, fmt: Any, verify_payload: bool) -> PayloadCheck | None:
+    """Check every slot header; with ``verify_payload``, what the transfer engine
+    is to check the bytes it receives against (``PayloadCheck``)."""
     # One vectorised pass over the whole batch (a layerwise 16k-token hit has
     # 2,048 objects: checked one by one they cost 11-24 ms of its TTFT); the
     # one-object check only words a failure.
     offsets = reply.offsets.astype(np.int64)
     check = SlotHeaderCheck(pool)
     _fail_first(pool, keys, reply, offsets, check(keys, offsets, reply.generations, layout=fmt.fingerprint), fmt)
-    if verify_payload:
-        found = np.fromiter(pool.payload_checksums(offsets.tolist(), fmt.object_bytes),
-                            dtype=np.uint64, count=len(offsets))
-        # The headers again, after the hashing, as one batch: the payloads
-        # were hashed under the headers checked here (pinned, they cannot
-        # change; a slot that did is refused all the same).
-        _fail_first(pool, keys, reply, offsets, check(keys, offsets, reply.generations, layout=fmt.fingerprint), fmt)
-        stored = check.stored_checksums(offsets)  # 0: the writer recorded none
-        for i in np.flatnonzero((stored == 0) | (stored != found))[:1]:
-            key = keys[i * KEY_BYTES : (i + 1) * KEY_BYTES]
-            what = "does not match its checksum" if stored[i] else "carries no checksum"
-            raise LoadFailure(  # the metric label of every slot-header check
-                "header_mismatch", f"payload of key {key.hex()} at offset {offsets[i]} {what}"
-            )
+    if not verify_payload:
+        return None
+    stored, kinds = check.stored_checksums_and_kinds(offsets)
+    for i in np.flatnonzero(kinds == ChecksumKind.NONE)[:1]:
+        _fail_payload(keys, offsets, i, "carries no checksum")
+    older = np.flatnonzero(kinds == ChecksumKind.XXH3_64)
+    if older.size:
+        _check_older_payloads(pool, keys, reply, offsets, older, stored, fmt, check)
+    return PayloadCheck.of(stored, kinds == ChecksumKind.POSITION_SUM)
+
+
+def _check_older_payloads(pool: Any, keys: bytes, reply: _Reply, offsets: np.ndarray, older: np.ndarray,
+                          stored: np.ndarray, fmt: Any, check: SlotHeaderCheck) -> None:
+    """Objects of older writers (XXH3-64 of the bytes as they lay in the pool) are
+    checked the old way: hashed in the pool, once pinned and before any copy."""
+    try:
+        found = pool.payload_checksums(offsets[older].tolist(), fmt.object_bytes, kind=ChecksumKind.XXH3_64)
+    except ImportError as exc:  # xxhash is not installed here
+        _fail_payload(keys, offsets, int(older[0]), f"carries an XXH3 checksum, which cannot be checked here ({exc})")
+    # The headers again, after the hashing, as one batch: the payloads were
+    # hashed under the headers checked here (pinned, they cannot change; a
+    # slot that did is refused all the same).
+    _fail_first(pool, keys, reply, offsets, check(keys, offsets, reply.generations, layout=fmt.fingerprint), fmt)
+    for j in np.flatnonzero(stored[older] != np.asarray(found, dtype=np.uint64))[:1]:
+        _fail_payload(keys, offsets, int(older[j]), "does not match its checksum")
+
+
+def _fail_payload(keys: bytes, offsets: np.ndarray, i: int, what: str) -> None:
+    key = keys[i * KEY_BYTES : (i + 1) * KEY_BYTES]
+    raise LoadFailure(  # the metric label of every slot-header check
+        "header_mismatch", f"payload of key {key.hex()} at offset {offsets[i]} {what}"
+    )
 
 
 def _fail_first(pool: Any, keys: bytes, reply: "_Reply", offsets: np.ndarray, ok: np.ndarray, fmt: Any) -> None:
@@ -247,10 +276,12 @@ def resolve_load(
 ) -> PinnedLoad:
     """Pin the objects of ``chunk_keys`` and plan their copies into ``block_ids``.
 
-    With ``verify_payload`` (``MaruConfig.verify_payload``), every object's
-    payload is checked against the checksum in its slot header, once pinned
-    and before any copy: the request is released only over bytes the writer
-    vouched for.
+    With ``verify_payload`` (``MaruConfig.verify_payload``), an object whose
+    header records no checksum fails here; the returned ``check`` holds the
+    checksum each header records, for the transfer engine to verify the
+    bytes it receives (``submit_load(..., check=pinned.check)``) before any
+    layer is used (``transfer/checks.py``). Objects of older writers
+    (XXH3-64) are hashed in the pool here, once pinned and before any copy.
 
     ``early``: the request's :class:`~maru_connector.early_pins.EarlyPin`,
     now the caller's. When it covers these objects its pins are used (checked
@@ -260,19 +291,20 @@ def resolve_load(
     Raises:
         LoadFailure: the index failed or timed out, the reply was short, long
             or had a miss, a slot header does not name its key and
-            generation, or (``verify_payload``) a payload does not match its
-            checksum. Nothing stays pinned in that case.
+            generation, or (``verify_payload``) a header records no checksum
+            or an older writer's payload does not match its XXH3 checksum.
+            Nothing stays pinned in that case.
     """
     keys = packed_object_keys(fmt, chunk_keys)
     if early is not None:
         reply = _early_reply(early, keys, getattr(client, "timeout_s", 1.0), fmt.object_bytes)
         if reply is not None:
             try:
-                _check_headers(pool, keys, reply, fmt, verify_payload)
+                check = _check_headers(pool, keys, reply, fmt, verify_payload)
             except LoadFailure:
                 early.release()
                 raise
-            return PinnedLoad(_plan(reply, block_ids, fmt.objects_per_chunk), keys, early=early)
+            return PinnedLoad(_plan(reply, block_ids, fmt.objects_per_chunk), keys, early=early, check=check)
     try:
         # A failed retrieve leaves nothing pinned: the index client unpins what
         # a reply it rejects shows pinned (else lets that lease lapse), and a
@@ -282,14 +314,14 @@ def resolve_load(
         raise index_failure(exc) from exc
     try:
         _check_reply(len(keys) // KEY_BYTES, reply, fmt.object_bytes)
-        _check_headers(pool, keys, reply, fmt, verify_payload)
+        check = _check_headers(pool, keys, reply, fmt, verify_payload)
     except LoadFailure:
         if not reply.misses():  # every key hit, so this retrieve pinned every key
             unpin_quietly(client, keys)
         else:
             unpin_hidden(client, keys)
         raise
-    pinned = PinnedLoad(_plan(reply, block_ids, fmt.objects_per_chunk), keys)
+    pinned = PinnedLoad(_plan(reply, block_ids, fmt.objects_per_chunk), keys, check=check)
     _HELD.add(client, pinned)
     return pinned
 

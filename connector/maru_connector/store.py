@@ -220,8 +220,11 @@ class Storer:
         handle = self._engine.submit_store(chunks)
         if not handle.wait():
             raise StoreFailure("copy_error", repr(handle.error))
-        # The checksums of the bytes as they lie in the pool, which is what readers check.
-        checksums = self._pool.payload_checksums([slot.offset for _, slot in chunk_keys], self._fmt.object_bytes)
+        # The engine's checksums of the bytes it copied out (on CUDA summed on
+        # the device over its staging), else over the bytes in the pool.
+        checksums = handle.checksums
+        if checksums is None:
+            checksums = self._pool.payload_checksums([slot.offset for _, slot in chunk_keys], self._fmt.object_bytes)
         for (key, slot), checksum in zip(chunk_keys, checksums):
             header = SlotHeader(key, slot.generation, self._fmt.object_bytes, self._slot_fmt, checksum,
                                 self._fmt.fingerprint)  # fmt: skip

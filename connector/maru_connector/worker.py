@@ -44,7 +44,14 @@ from maru_connector.config import MaruConfig, MaruConfigError
 from maru_connector.early_pins import EarlyPin, PinHandoff
 from maru_connector.loader import AsyncLoader, wait_done
 from maru_connector.metadata import LoadSpec, MaruConnectorMetadata, MaruWorkerMetadata
-from maru_connector.resolve import LoadFailure, PinnedLoad, head_sources, release_pins, resolve_load
+from maru_connector.resolve import (
+    LoadFailure,
+    PinnedLoad,
+    copy_failure_reason,
+    head_sources,
+    release_pins,
+    resolve_load,
+)
 from maru_connector.stats import open_stats
 from maru_connector.store import Storer
 
@@ -184,7 +191,7 @@ class MaruWorkerHalf:
         res = self._res = self._resources_factory(self.cfg, kv_caches, self._block_size)
         self.stats = res.stats
         self._layout = res.engine.fmt.layout
-        self._verify_payload = self.cfg.verify_payload(res.engine.backend)
+        self._verify_payload = self.cfg.verify_payload(res.engine.backend, res.engine.fmt)
         if self.cfg.maru_async_load:
             release_after = (
                 self.cfg.maru_overlap_release_after_layers
@@ -395,7 +402,7 @@ class MaruWorkerHalf:
         overlapped = self.cfg.maru_overlap_load_with_compute and not spec.wait_whole
         handle = res.engine.submit_load(
             pinned.chunks, beside_long_forward=overlapped and spec.new_tokens >= self.cfg.maru_kv_chunk_tokens,
-            head=pinned.head)
+            head=pinned.head, check=pinned.check)
         if getattr(handle, "head_start", False):
             self.stats.record_head_start_load()
         self._sync_loads.append(_SyncLoad(spec, pinned, handle, overlapped))
@@ -414,7 +421,7 @@ class MaruWorkerHalf:
             wait_done(load.handle)
             self._release_later(load.pinned)
             if load.handle.error is not None:
-                self._fail_sync(load.spec, "copy_error", repr(load.handle.error))
+                self._fail_sync(load.spec, copy_failure_reason(load.handle.error), repr(load.handle.error))
                 continue
             self.stats.record_load(load.handle.nbytes, time.monotonic() - started)
 

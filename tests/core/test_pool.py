@@ -13,6 +13,7 @@ import zlib
 import pytest
 
 from maru_core.pool import (
+    ChecksumKind,
     DEFAULT_PAGE_SIZE,
     Backing,
     Pool,
@@ -473,7 +474,32 @@ def test_a_checksum_kind_without_a_checksum_is_not_a_valid_head(pool: Pool) -> N
     assert pool.read_slot_header(offset) is None
 
 
-@pytest.mark.parametrize("bad", [0, -1, 2**64, "1"])
-def test_slot_header_checks_its_checksum(bad) -> None:
+@pytest.mark.parametrize("bad", [-1, 2**64, "1"])
+@pytest.mark.parametrize("kind", [ChecksumKind.POSITION_SUM, ChecksumKind.XXH3_64])
+def test_slot_header_checks_its_checksum(bad, kind) -> None:
     with pytest.raises(ValueError, match="checksum"):
-        SlotHeader(key=b"K" * 16, generation=1, length=1, checksum=bad)
+        SlotHeader(key=b"K" * 16, generation=1, length=1, checksum=bad, checksum_kind=kind)
+
+
+def test_a_position_sum_may_be_zero_an_xxh3_checksum_may_not(pool: Pool) -> None:
+    offset = pool.geometry.page_offset(2)
+    header = SlotHeader(key=b"K" * 16, generation=1, length=100, checksum=0)
+    assert header.checksum_kind == ChecksumKind.POSITION_SUM
+    pool.write_slot_header(offset, header)
+    assert pool.read_slot_header(offset) == header
+    with pytest.raises(ValueError, match="checksum"):
+        SlotHeader(key=b"K" * 16, generation=1, length=1, checksum=0, checksum_kind=ChecksumKind.XXH3_64)
+
+
+def test_an_xxh3_entry_of_an_older_writer_is_still_checked_the_old_way(pool: Pool) -> None:
+    pytest.importorskip("xxhash")
+    offset = pool.geometry.page_offset(3)
+    pool.view(offset, 2 * PAGE)[:] = os.urandom(2 * PAGE)
+    old = pool.payload_checksum(offset, 2 * PAGE, ChecksumKind.XXH3_64)
+    header = SlotHeader(b"X" * 16, 3, 2 * PAGE, checksum=old, checksum_kind=ChecksumKind.XXH3_64)
+    pool.write_slot_header(offset, header)
+    read = pool.read_slot_header(offset)
+    assert read == header and read.checksum_kind == ChecksumKind.XXH3_64
+    assert pool.payload_matches(offset, read)
+    pool.buffer[offset + PAGE + 1] ^= 0x04
+    assert not pool.payload_matches(offset, read)

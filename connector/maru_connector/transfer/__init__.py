@@ -6,13 +6,16 @@ the KV cache's device; both behave the same behind this interface.
 """
 
 from .engine import TransferEngine
-from .handles import LoadHandle, StoreHandle, TransferError
+from .checks import PayloadCheck
+from .handles import ChecksumMismatch, LoadHandle, StoreHandle, TransferError
 from .plan import ChunkLoad, ChunkStore, TransferRequestError
 
 __all__ = [
+    "ChecksumMismatch",
     "ChunkLoad",
     "ChunkStore",
     "LoadHandle",
+    "PayloadCheck",
     "StoreHandle",
     "TransferEngine",
     "TransferError",

@@ -17,8 +17,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from maru_core.pool.checksum import position_sum, position_sum_rows, warm_up
+
+from .checks import checkable, describe, objects_due, piece_of
 from .copy_cpus import idle_this_thread, pin_this_thread
 from .engine import TransferEngine, _Job
+from .handles import ChecksumMismatch
 from .plan import Run
 from .prefault import PoolPrefaulter
 
@@ -37,6 +41,7 @@ class CpuTransferEngine(TransferEngine):
         core is otherwise idle (``copy_cpus.idle_this_thread``), ``"normal"``
         as any other thread."""
         super().__init__(pool_buffer, kv_caches, fmt)
+        warm_up()  # the checksums' compiled pass (stores always sum, verified loads too)
         self.copy_cpus = copy_cpus
         self.copy_priority = copy_priority
         self.prefaulter = (PoolPrefaulter(self.pool.data_ptr(), self.pool_size, cpus=copy_cpus)
@@ -79,7 +84,11 @@ class CpuTransferEngine(TransferEngine):
 
     def _run_load(self, job: _Job) -> None:
         # One copy per run of consecutive block ids: a byte-wise index_copy_
-        # moves about 0.1 GB/s on the CPU, a copy of whole blocks GB/s.
+        # moves about 0.1 GB/s on the CPU, a copy of whole blocks GB/s. A
+        # verified load sums each run's blocks as they lie in the KV cache
+        # right after copying them (the bytes the forward will read), and a
+        # layer is marked only once the objects due at it matched.
+        sums = [0] * len(job.check) if job.check is not None else None
         for layer in range(self.layout.num_layers):
             dst = self.block_views[layer]
             for run in self._runs(job, layer):
@@ -87,7 +96,32 @@ class CpuTransferEngine(TransferEngine):
                 for src, a, b in self._block_ranges(run, views):
                     for first, n, offset in _consecutive(job.block_ids, a, b):
                         _copy(dst[first:first + n], src[offset:offset + n])
+                        if sums is not None:
+                            self._sum_blocks(sums, layer, dst, first, n, a + offset)
+            if sums is not None:
+                self._verify(job, sums, layer)
             job.handle._mark_layer(layer)
+
+    def _sum_blocks(self, sums: list[int], layer: int, dst: torch.Tensor, first: int, n: int,
+                    position: int) -> None:
+        """Add the ``n`` blocks at ``dst[first:]`` (the load's blocks ``position``
+        on, consecutive ids) to the sums of the objects they belong to."""
+        bpc = self.fmt.blocks_per_chunk
+        block_words = self.layout.block_bytes_per_layer // 4
+        segment = self.layout.segment_bytes
+        while n:
+            chunk, k = divmod(position, bpc)
+            take = min(n, bpc - k)  # a run may go on into the next chunk's object
+            obj, base = piece_of(self.fmt, chunk, layer)
+            rows = dst[first:first + take].numpy().reshape(-1, segment)
+            sums[obj] += position_sum_rows(rows, base + k * block_words)
+            first, n, position = first + take, n - take, position + take
+
+    def _verify(self, job: _Job, sums: list[int], layer: int) -> None:
+        check = job.check
+        for obj in objects_due(self.fmt, len(job.offsets), layer).tolist():
+            if check.verify[obj] and sums[obj] % 2**64 != int(check.expected[obj]):
+                raise ChecksumMismatch(f"{describe(self.fmt, obj)} does not match the checksum its writer recorded")
 
     def _run_store(self, job: _Job) -> None:
         # A gather on one thread, like the loads' copies (see _copy); the ids
@@ -100,6 +134,10 @@ class CpuTransferEngine(TransferEngine):
                 views = self._rows(run)
                 for dst, a, b in self._block_ranges(run, views):
                     np.take(src, ids[a:b], axis=0, out=dst.numpy(), mode="clip")
+        if checkable(self.fmt):  # over the bytes it wrote, as they lie in the pool
+            size = self.fmt.object_bytes
+            job.handle.checksums = [position_sum(self.pool[o:o + size].numpy())
+                                    for chunk in job.offsets for o in chunk]
         job.handle._finish()
 
 

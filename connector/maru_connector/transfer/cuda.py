@@ -16,7 +16,13 @@ work per layer is kept to a few raw runtime calls, and layers under 8 MiB
 go in groups (1, 2, 4, ... layers: one copy where their extents sit side by
 side in the pool, one scatter into all of them through their common stride,
 one event): for a small hit (a few MiB per layer) the copy thread, not PCIe,
-would otherwise set the pace."""
+would otherwise set the pace.
+
+A verified load (``check``) sums each fill in staging on the scatter stream,
+right before its scatter (one kernel launch, ``device_checksum.py``), and
+compares the objects due once a fill completes its layers into a pinned
+host flag; the layers carry that check, which every wait reads first. A
+store sums its staging the same way before copying it out."""
 
 from __future__ import annotations
 
@@ -26,6 +32,8 @@ from collections import deque
 
 import torch
 
+from . import device_checksum
+from .checks import checkable
 from .cudart import D2H, H2D, find_memcpy, find_memcpy2d, register_host, unregister_host
 from .engine import HeadStart, TransferEngine, _Job
 from .handles import TransferError
@@ -205,6 +213,8 @@ class CudaTransferEngine(TransferEngine):
                                 and register_host(self._pool_ptr, self.pool_size))
             try:
                 self._setup(fmt, staging_bytes, copy_2d, load_priority)
+                if checkable(fmt):  # compile the checksum kernel now, not in the first hit
+                    device_checksum.warm_up(self.device, fmt.layerwise)
             except BaseException:
                 self._release()
                 raise
@@ -624,6 +634,8 @@ class CudaTransferEngine(TransferEngine):
         layers, pieces, completes = unit
         offset, used, filled, interleaved, staging = copied
         self.scatter_stream.wait_event(filled)
+        if job.check is not None:  # the bytes as they landed, before anything reads them
+            self._sum_fill(job, unit, copied)
         count = len(layers)
         blocks = used // count // self.layout.block_bytes_per_layer
         first = pieces[0][0].first_block  # the same for every layer of a group
@@ -646,8 +658,65 @@ class CudaTransferEngine(TransferEngine):
         else:
             self._staging.freed(offset, freed)
         if completes:
+            check = self._compare(job, layers) if job.check is not None else None
             for layer in layers:
-                job.handle._mark_layer(layer, freed)
+                job.handle._mark_layer(layer, freed, check)
+
+    # ------------------------------------------------------------ checksums
+    def _check_state(self, job: _Job) -> tuple:
+        """A verified load's device state, made at its first fill on the scatter
+        stream: (sums, expected, verify mask, pinned flags, checks so far)."""
+        state = getattr(job, "check_state", None)
+        if state is None:
+            check, device = job.check, self.device
+            sums = torch.zeros(len(check), dtype=torch.int64, device=device)
+            expected = torch.from_numpy(check.expected.view("int64")).to(device, non_blocking=True)
+            verify = torch.from_numpy(check.verify).to(device, non_blocking=True)
+            flags = torch.zeros(self.layout.num_layers, dtype=torch.int32, pin_memory=True)
+            state = job.check_state = [sums, expected, verify, flags, 0]
+        return state
+
+    def _sum_fill(self, job: _Job, unit, copied) -> None:
+        """Add one fill's rows to its objects' sums, on the scatter stream (one launch)."""
+        layers, pieces, _ = unit
+        offset, used, _, interleaved, staging = copied
+        bpc, row = self.fmt.blocks_per_chunk, self.fmt.layer_bytes
+        first_chunk = pieces[0][0].first_block // bpc
+        n_chunks = interleaved or sum(run.rows for run in pieces[0])
+        for piece in pieces:  # each piece: consecutive chunks from first_chunk, as staged
+            expect = first_chunk * bpc
+            for run in piece:
+                if run.first_block != expect:
+                    raise AssertionError("a fill's rows are not consecutive chunks")
+                expect += run.rows * bpc
+        if used != n_chunks * len(layers) * row:
+            raise AssertionError("a fill's bytes are not its rows")
+        sums = self._check_state(job)[0]
+        device_checksum.add_row_sums(
+            sums, staging, offset, row, first_chunk=first_chunk, n_chunks=n_chunks, first_layer=layers[0],
+            n_layers=len(layers), chunk_major=bool(interleaved), layerwise=self.fmt.layerwise,
+            total_layers=self.layout.num_layers)
+
+    def _compare(self, job: _Job, layers: list[int]) -> tuple | None:
+        """Compare the objects due once ``layers`` landed (``checks.objects_due``) on
+        the scatter stream, the answer into a pinned host flag: the layers' check
+        (event, flags, index, what), or None when none is due."""
+        sums, expected, verify, flags, index = state = self._check_state(job)
+        nl = self.layout.num_layers
+        if self.fmt.layerwise:
+            pick = (slice(None), slice(layers[0], layers[-1] + 1))
+            what = f"a payload of layer {layers[0]}" + (f"-{layers[-1]}" if len(layers) > 1 else "")
+            sums, expected, verify = (t.view(-1, nl)[pick] for t in (sums, expected, verify))
+        elif nl - 1 not in layers:
+            return None
+        else:
+            what = "a chunkwise payload"
+        bad = ((sums != expected) & verify).any().to(torch.int32).view(1)
+        flags[index:index + 1].copy_(bad, non_blocking=True)  # pinned: no host wait here
+        done = self._event()
+        done.record(self.scatter_stream)
+        state[4] = index + 1
+        return done, flags, index, what
 
     def _stacked_view(self, layer0: int, count: int) -> torch.Tensor:
         """Layers ``layer0 .. layer0 + count - 1`` as one view
@@ -675,6 +744,9 @@ class CudaTransferEngine(TransferEngine):
         stream.wait_event(job.ready)
         torch.cuda.set_stream(stream)
         pieces_of = layer_pieces(self.fmt, job.offsets, self._rows_cap)
+        bpc = self.fmt.blocks_per_chunk
+        sums = (torch.zeros(len(job.offsets) * self.fmt.objects_per_chunk, dtype=torch.int64, device=self.device)
+                if checkable(self.fmt) else None)
         for layer, pieces in enumerate(pieces_of):
             self._check(pieces, layer)
             view = self._wide_views[layer]
@@ -683,6 +755,11 @@ class CudaTransferEngine(TransferEngine):
                 first = piece[0].first_block
                 torch.index_select(view, 0, ids[first:first + blocks],
                                    out=self._piece_view(staging, 0, blocks))
+                if sums is not None:  # the bytes it copies out, on the store stream
+                    device_checksum.add_row_sums(
+                        sums, staging, 0, row, first_chunk=first // bpc, n_chunks=blocks // bpc,
+                        first_layer=layer, n_layers=1, chunk_major=False, layerwise=self.fmt.layerwise,
+                        total_layers=self.layout.num_layers)
                 pos = 0
                 for run in piece:
                     self._copy(run, staging.data_ptr() + pos, row, D2H, stream)
@@ -690,6 +767,8 @@ class CudaTransferEngine(TransferEngine):
         done = self._event()
         done.record(stream)
         done.synchronize()
+        if sums is not None:
+            job.handle.checksums = device_checksum.as_uint64(sums.cpu())
         job.handle._finish()
 
     # ------------------------------------------------------------------ close

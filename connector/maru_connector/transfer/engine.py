@@ -19,8 +19,9 @@ import torch
 
 from ..kv_layout import KVCacheLayout, detect_kv_layout
 from ..object_format import ObjectFormat
+from .checks import PayloadCheck, checkable
 from .handles import LoadHandle, StoreHandle, TransferError
-from .plan import ChunkLoad, ChunkStore, Run, check_chunks, layer_runs
+from .plan import ChunkLoad, ChunkStore, Run, TransferRequestError, check_chunks, layer_runs
 
 __all__ = ["HeadStart", "TransferEngine"]
 
@@ -40,6 +41,7 @@ class _Job:
         # thread leaves the rest here for the copy thread.
         self.rest = None
         self.head = None  # the load's head start, when it uses one (CUDA)
+        self.check: PayloadCheck | None = None  # a verified load's checksums
 
 
 class HeadStart(abc.ABC):
@@ -148,7 +150,7 @@ class TransferEngine(abc.ABC):
         return None
 
     def submit_load(self, chunks: Sequence[ChunkLoad], beside_long_forward: bool = False,
-                    head: "HeadStart | None" = None) -> LoadHandle:
+                    head: "HeadStart | None" = None, check: PayloadCheck | None = None) -> LoadHandle:
         """Queue copies pool -> KV cache for ``chunks``; returns at once.
 
         On CUDA the writes into the blocks are ordered after the work queued
@@ -162,9 +164,14 @@ class TransferEngine(abc.ABC):
         Problems found while copying (e.g. an offset outside the pool) end
         in ``handle.error`` instead. ``head``: this load's ``start_head``,
         whose copies it then reuses when the sources match (else dropped).
+        ``check``: verify the bytes received against these checksums, one
+        per object (``checks.py`` says when each is due); a mismatch fails
+        the load with ``ChecksumMismatch``.
         """
         try:
             blocks = check_chunks(self.fmt, chunks, "load")
+            if check is not None:
+                self._check_request(check, len(chunks))
         except BaseException:
             if head is not None:
                 head.drop()
@@ -173,6 +180,7 @@ class TransferEngine(abc.ABC):
         handle = LoadHandle(self.layout.num_layers if chunks else 0, nbytes)
         if chunks:
             job = _Job(handle, blocks, [c[1] for c in chunks], beside_long_forward)
+            job.check = check if check is not None and check.verify.any() else None
             job.head = self._claim_head(head, job) if head is not None else None
             handle.head_start = job.head is not None
             self._prepare(job)
@@ -181,6 +189,15 @@ class TransferEngine(abc.ABC):
         elif head is not None:
             head.drop()
         return handle
+
+    def _check_request(self, check: PayloadCheck, num_chunks: int) -> None:
+        objects = num_chunks * self.fmt.objects_per_chunk
+        if len(check) != objects:
+            raise TransferRequestError(f"{len(check)} checksums for a load of {objects} objects")
+        if not checkable(self.fmt):
+            raise TransferRequestError(
+                f"layout {self.layout.kind} has segments of {self.layout.segment_bytes} bytes: payload "
+                "checksums need whole 32-bit words; set maru_verify_payload: false for this model")
 
     def _claim_head(self, head: "HeadStart", job: _Job) -> "HeadStart | None":
         """Backend hook: ``head`` for ``job``, or None (and dropped)."""
@@ -196,7 +213,9 @@ class TransferEngine(abc.ABC):
         """Queue copies KV cache -> pool for ``chunks``; returns at once.
 
         On CUDA the store is ordered after all work queued so far on the
-        caller's current stream (the forward that wrote the KV).
+        caller's current stream (the forward that wrote the KV). Once done,
+        ``handle.checksums`` holds each object's checksum, computed over the
+        bytes the engine copied out (where the layout allows, ``checkable``).
         """
         blocks = check_chunks(self.fmt, chunks, "store")
         nbytes = len(blocks) * self.layout.block_bytes_per_layer * self.layout.num_layers

@@ -9,6 +9,15 @@ them; ``wait_layer`` then waits for that event on the host, and
 A failed copy sets ``error`` and completes every layer not yet landed, so no
 waiter ever hangs; waits then return ``False``.
 
+A verified load (``submit_load(..., check=...)``) fails with
+``ChecksumMismatch`` when the bytes it received do not sum to the checksum
+their writer recorded. The CPU engine checks before it marks a layer; on
+CUDA a layer may carry a *check*: an event recorded after the comparison on
+the device, and a pinned host flag it wrote. Every wait for such a layer
+(``wait_layer``, ``wait_layer_on_device``, ``layer_ready``, ``wait_all``)
+waits for that event on the host and reads the flag before it answers, so
+no wait returns a layer whose check is not known to have passed.
+
 A listener (``LoadHandle.set_listener``) is called on the copy thread each
 time a layer completes or the load fails, so a thread that serves several
 loads can sleep until one of them moves instead of polling them.
@@ -21,13 +30,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["LoadHandle", "StoreHandle", "TransferError"]
+__all__ = ["ChecksumMismatch", "LoadHandle", "StoreHandle", "TransferError"]
 
 _POLL_S = 0.0002
 
 
 class TransferError(RuntimeError):
     """A copy between the pool and the KV cache failed."""
+
+
+class ChecksumMismatch(TransferError):
+    """The bytes a verified load received do not match their writer's checksum."""
 
 
 def _remaining(deadline: float | None) -> float | None:
@@ -64,6 +77,8 @@ class LoadHandle:
         self._marked = [threading.Event() for _ in range(num_layers)]
         self._ok = [False] * num_layers
         self._device_events: list[Any] | None = None
+        # per layer, (event, pinned flags, index, what) of its check on the device (CUDA)
+        self._checks: list[Any] | None = None
         self._device_start: Any = None  # timing event recorded at submit (CUDA)
         self._lock = threading.Lock()
         self._all_marked = threading.Event()
@@ -74,7 +89,11 @@ class LoadHandle:
             self.finished_at = self.submitted_at
 
     # -- called by the copy thread -------------------------------------------
-    def _mark_layer(self, layer: int, device_event: Any = None) -> None:
+    def _mark_layer(self, layer: int, device_event: Any = None, check: Any = None) -> None:
+        if check is not None:
+            if self._checks is None:
+                self._checks = [None] * self.num_layers
+            self._checks[layer] = check
         if device_event is not None:
             if self._device_events is None:
                 self._device_events = [None] * self.num_layers
@@ -107,6 +126,22 @@ class LoadHandle:
     def _device_event(self, layer: int) -> Any:
         return self._device_events[layer] if self._device_events else None
 
+    def _check_passed(self, layer: int, deadline: float | None, block: bool = True) -> bool:
+        """Whether layer ``layer``'s device check (if any) passed: waits for it on
+        the host (unless not ``block``: False while it runs); a mismatch fails the load."""
+        check = self._checks[layer] if self._checks else None
+        if check is None:
+            return True
+        event, flags, index, what = check
+        if not block and not event.query():
+            return False
+        if block and not _wait_device_event(event, deadline):
+            return False
+        if int(flags[index]):
+            self._fail(ChecksumMismatch(f"{what} does not match the checksum its writer recorded"))
+            return False
+        return True
+
     # -- public ----------------------------------------------------------------
     def set_listener(self, listener: Callable[[], None]) -> None:
         """Call ``listener()`` (on the copy thread, so it must be quick and
@@ -120,7 +155,7 @@ class LoadHandle:
         if not (self._marked[layer].is_set() and self._ok[layer]):
             return False
         event = self._device_event(layer)
-        return event is None or bool(event.query())
+        return (event is None or bool(event.query())) and self._check_passed(layer, None, block=False)
 
     def wait_layer(self, layer: int, timeout: float | None = None) -> bool:
         """Block until layer ``layer`` landed; False on timeout or failure."""
@@ -130,13 +165,20 @@ class LoadHandle:
         if not self._ok[layer]:
             return False
         event = self._device_event(layer)
-        return event is None or _wait_device_event(event, deadline)
+        if event is not None and not _wait_device_event(event, deadline):
+            return False
+        return self._check_passed(layer, deadline)
 
     def wait_layer_on_device(self, layer: int, timeout: float | None = None) -> bool:
         """Order the caller's current device stream after layer ``layer``'s
         copy, without waiting for it on the host (CUDA); same as
-        ``wait_layer`` on the CPU. False on timeout or failure."""
+        ``wait_layer`` on the CPU. False on timeout or failure. A layer
+        with a check (a verified load) is waited for on the host until its
+        check is done: the forward never gets a layer whose check may fail."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         if not self._marked[layer].wait(timeout) or not self._ok[layer]:
+            return False
+        if not self._check_passed(layer, deadline):
             return False
         event = self._device_event(layer)
         if event is None:
@@ -158,6 +200,8 @@ class LoadHandle:
                 if not _wait_device_event(event, deadline):
                     return False
                 waited = event
+            if not self._check_passed(layer, deadline):
+                return False
         if self.finished_at is None:
             self.finished_at = time.monotonic()
         return True
@@ -189,10 +233,14 @@ class LoadHandle:
 
 
 class StoreHandle:
-    """Progress of one ``submit_store``: done once every byte is in the pool."""
+    """Progress of one ``submit_store``: done once every byte is in the pool.
+    ``checksums``: once done, the checksum (``maru_core.pool.checksum``) of
+    each object written, in the order of the chunks' destinations, computed by
+    the engine over the bytes it copied out (None: not computed)."""
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes  # bytes this store writes into the pool
+        self.checksums: list[int] | None = None
         self.error: BaseException | None = None
         self.submitted_at = time.monotonic()
         self.finished_at: float | None = None

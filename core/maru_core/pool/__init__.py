@@ -27,12 +27,13 @@ from maru_core.pool.errors import (
 from maru_core.pool.geometry import DEFAULT_PAGE_SIZE, PoolGeometry, check_region_offset
 from maru_core.pool.header import PoolHeader
 from maru_core.pool.pool import Pool
-from maru_core.pool.slots import SlotFormat, SlotHeader
+from maru_core.pool.slots import ChecksumKind, SlotFormat, SlotHeader
 
 __all__ = [
     "DEFAULT_PAGE_SIZE",
     "Backing",
     "Pool",
+    "ChecksumKind",
     "PoolCorrupt",
     "PoolError",
     "PoolExists",

@@ -23,7 +23,7 @@ import uuid as uuid_module
 import weakref
 from collections.abc import Iterator, Sequence
 
-from maru_core.pool.checksum import payload_checksum, payload_checksums
+from maru_core.pool.checksum import payload_checksum, payload_checksums, xxh3_checksum
 from maru_core.pool.device import SYSFS_ROOT, Backing, backing_size, open_rw
 from maru_core.pool.errors import (
     PoolError,
@@ -45,7 +45,15 @@ from maru_core.pool.geometry import (
 )
 from maru_core.pool.header import PoolHeader, parse_header
 from maru_core.pool.region import check_region, locate, map_region
-from maru_core.pool.slots import SLOT_MAGIC, SlotHeader, SlotState, continuation_of, pack_entry, unpack_head
+from maru_core.pool.slots import (
+    SLOT_MAGIC,
+    ChecksumKind,
+    SlotHeader,
+    SlotState,
+    continuation_of,
+    pack_entry,
+    unpack_head,
+)
 
 _HEAD_PATTERN = re.compile(re.escape(SLOT_MAGIC + bytes([SlotState.HEAD])))
 _ZERO_CHUNK = 64 * 1024 * 1024
@@ -410,31 +418,33 @@ class Pool:
             return None
         return parsed[0]
 
-    def payload_checksum(self, offset: int, length: int) -> int:
-        """The checksum (``maru_core.pool.checksum``) of ``length`` bytes at ``offset``, for
-        the slot header a writer writes once its copy into them has completed."""
+    def payload_checksum(self, offset: int, length: int, kind: int = ChecksumKind.POSITION_SUM) -> int:
+        """The checksum (``maru_core.pool.checksum``, of ``kind``) of ``length`` bytes at
+        ``offset``: what a writer records once its copy into them has completed."""
         view = self.view(offset, length)
         try:
-            return payload_checksum(view)
+            return _CHECKSUMS[kind](view)
         finally:
             view.release()
 
-    def payload_checksums(self, offsets: Sequence[int], length: int) -> list[int]:
-        """``payload_checksum(offset, length)`` of each offset, a batch on several
+    def payload_checksums(self, offsets: Sequence[int], length: int,
+                          kind: int = ChecksumKind.POSITION_SUM) -> list[int]:
+        """``payload_checksum(offset, length, kind)`` of each offset, a batch on several
         threads where the machine has cores to spare (``payload_checksums``)."""
         views = [self.view(offset, length) for offset in offsets]
         try:
-            return payload_checksums(views)
+            return payload_checksums(views, function=_CHECKSUMS[kind])
         finally:
             for view in views:
                 view.release()
 
     def payload_matches(self, offset: int, header: SlotHeader) -> bool:
         """Whether the object at ``offset`` still holds the bytes its ``header``'s checksum
-        names; ``False`` when the header carries no checksum (nothing to vouch for them)."""
+        names (of the header's kind); ``False`` when the header carries no checksum
+        (nothing to vouch for them)."""
         if header.checksum is None:
             return False
-        return self.payload_checksum(offset, header.length) == header.checksum
+        return self.payload_checksum(offset, header.length, header.checksum_kind) == header.checksum
 
     def iter_slot_headers(self) -> Iterator[tuple[int, SlotHeader]]:
         """``(offset, header)`` of every intact object in the table, in page order.
@@ -488,3 +498,7 @@ def _unlink_quietly(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+# The function of each checksum kind a header can carry.
+_CHECKSUMS = {ChecksumKind.POSITION_SUM: payload_checksum, ChecksumKind.XXH3_64: xxh3_checksum}

@@ -85,7 +85,8 @@ class SlotHeaderCheck:
         ok &= entries["state"] == SlotState.HEAD
         ok &= np.isin(entries["fmt"], _FORMATS)
         kind, checksum = entries["checksum_kind"], entries["checksum"]
-        ok &= ((kind == ChecksumKind.NONE) & (checksum == 0)) | ((kind == ChecksumKind.XXH3_64) & (checksum != 0))
+        ok &= (((kind == ChecksumKind.NONE) & (checksum == 0)) | ((kind == ChecksumKind.XXH3_64) & (checksum != 0))
+               | (kind == ChecksumKind.POSITION_SUM))  # the rule of slots.checksum_value_valid
         ok &= entries["key0"] == words[0::2]
         ok &= entries["key1"] == words[1::2]
         generation, length, count = entries["generation"], entries["length"], entries["pages"]
@@ -104,8 +105,13 @@ class SlotHeaderCheck:
         """The payload checksum the slot header at each data ``offset`` records
         (uint64; 0 where it records none), for offsets this check passed:
         ``read_slot_header(offset).checksum or 0`` for a whole batch."""
+        return self.stored_checksums_and_kinds(offsets)[0]
+
+    def stored_checksums_and_kinds(self, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(``stored_checksums(offsets)``, each header's ``ChecksumKind`` as uint8)."""
         _, pages = self._pages(np.asarray(offsets, dtype=np.int64))
-        return self._entries(pages)["checksum"]
+        entries = self._entries(pages)
+        return entries["checksum"], entries["checksum_kind"]
 
     def _pages(self, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(whether each offset starts a data page of the pool, its page index or 0)."""

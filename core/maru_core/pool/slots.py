@@ -15,9 +15,11 @@ magic 4s "MSLT" | state u8 | format u8 | checksum kind u8 | reserved u8 | key 16
 generation u64 | length u64 | page count u32 | payload checksum u64 | layout u64 | crc32 u32
 ```
 
-The payload checksum (``maru_core.pool.checksum``, kind 1: XXH3-64) covers
-the object's bytes; kind 0 means the writer recorded none (entries written
-before checksums existed read that way: the bytes were reserved zeros).
+The payload checksum (``maru_core.pool.checksum``) covers the object's bytes;
+its kind says which function: 2, the position-weighted sum that writers
+record now (any value, 0 included); 1, XXH3-64 (older writers; never 0); 0,
+none recorded (entries written before checksums existed read that way: the
+bytes were reserved zeros). An unknown kind makes the entry invalid.
 ``layout`` is the writer's fingerprint of how the bytes are arranged (the
 KV layout its worker detected, ``ObjectFormat.fingerprint``); 0: none. A
 reader uses an object only when it names the reader's own layout.
@@ -52,7 +54,21 @@ class ChecksumKind(enum.IntEnum):
     """Which payload checksum a header carries."""
 
     NONE = 0
-    XXH3_64 = 1
+    XXH3_64 = 1  # older writers: XXH3-64 of the payload as it lay in the pool
+    POSITION_SUM = 2  # sum_j (j+1) * w_j mod 2**64 over the payload's 32-bit words
+
+
+#: The kind writers record now.
+CURRENT_CHECKSUM_KIND = ChecksumKind.POSITION_SUM
+
+
+def checksum_value_valid(kind: int, checksum: int) -> bool:
+    """Whether ``checksum`` is a value a header of ``kind`` may carry."""
+    if kind == ChecksumKind.NONE:
+        return checksum == 0
+    if kind == ChecksumKind.XXH3_64:
+        return 0 < checksum <= _U64_MAX
+    return kind == ChecksumKind.POSITION_SUM and 0 <= checksum <= _U64_MAX
 
 
 class SlotFormat(enum.IntEnum):
@@ -66,9 +82,10 @@ class SlotFormat(enum.IntEnum):
 @dataclasses.dataclass(frozen=True, slots=True)
 class SlotHeader:
     """What a slot holds: the object's ``key``, the ``generation`` the index
-    gave its slot, its ``length`` in bytes, its ``fmt`` and the XXH3-64
-    ``checksum`` of its payload (``None``: not recorded) and the ``layout``
-    fingerprint of its bytes' arrangement (0: not recorded)."""
+    gave its slot, its ``length`` in bytes, its ``fmt``, the ``checksum`` of
+    its payload (``None``: not recorded) of kind ``checksum_kind`` (the
+    current kind unless given; ``NONE`` when ``checksum`` is None) and the
+    ``layout`` fingerprint of its bytes' arrangement (0: not recorded)."""
 
     key: bytes
     generation: int
@@ -76,6 +93,7 @@ class SlotHeader:
     fmt: SlotFormat = SlotFormat.UNSPECIFIED
     checksum: int | None = None
     layout: int = 0
+    checksum_kind: ChecksumKind = CURRENT_CHECKSUM_KIND
 
     def __post_init__(self) -> None:
         if type(self.key) is not bytes or len(self.key) != KEY_BYTES:
@@ -85,8 +103,13 @@ class SlotHeader:
         if type(self.length) is not int or not 0 < self.length <= _U64_MAX:
             raise ValueError(f"SlotHeader.length must be a positive int, got {self.length!r}")
         object.__setattr__(self, "fmt", SlotFormat(self.fmt))
-        if self.checksum is not None and (type(self.checksum) is not int or not 0 < self.checksum <= _U64_MAX):
-            raise ValueError(f"SlotHeader.checksum must be None or an int in [1, 2**64), got {self.checksum!r}")
+        kind = ChecksumKind(self.checksum_kind)
+        if self.checksum is None or kind == ChecksumKind.NONE:
+            kind = ChecksumKind.NONE if self.checksum is None else CURRENT_CHECKSUM_KIND
+        object.__setattr__(self, "checksum_kind", kind)
+        if self.checksum is not None and (type(self.checksum) is not int
+                                          or not checksum_value_valid(kind, self.checksum)):
+            raise ValueError(f"SlotHeader.checksum must be None or a valid {kind.name} value, got {self.checksum!r}")
         if type(self.layout) is not int or not 0 <= self.layout <= _U64_MAX:
             raise ValueError(f"SlotHeader.layout must be an int in [0, 2**64), got {self.layout!r}")
 
@@ -99,7 +122,7 @@ def pack_entry(header: SlotHeader, state: SlotState, page_count: int) -> bytes:
     """One table entry for ``header`` in ``state``."""
     if not 0 < page_count <= _U32_MAX:
         raise ValueError(f"an object spans 1 to 2**32-1 pages, not {page_count}")
-    kind = ChecksumKind.NONE if header.checksum is None else ChecksumKind.XXH3_64
+    kind = header.checksum_kind
     body = _BODY.pack(SLOT_MAGIC, state, header.fmt, kind, header.key, header.generation, header.length,
                       page_count, header.checksum or 0, header.layout)  # fmt: skip
     return body + _CRC.pack(zlib.crc32(body))
@@ -120,10 +143,11 @@ def unpack_head(entry: bytes | memoryview, page_size: int) -> tuple[SlotHeader, 
     _, _, fmt, kind, key, generation, length, page_count, checksum, layout = _BODY.unpack(body)
     if generation == 0 or length == 0 or page_count != -(-length // page_size) or fmt not in SlotFormat._value2member_map_:
         return None
-    if kind not in ChecksumKind._value2member_map_ or (kind == ChecksumKind.XXH3_64) != (checksum != 0):
+    if not checksum_value_valid(kind, checksum):
         return None
     header = SlotHeader(key=key, generation=generation, length=length, fmt=SlotFormat(fmt),
-                        checksum=checksum or None, layout=layout)  # fmt: skip
+                        checksum=None if kind == ChecksumKind.NONE else checksum, layout=layout,
+                        checksum_kind=ChecksumKind(kind))  # fmt: skip
     return header, page_count
 
 

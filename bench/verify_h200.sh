@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Verified loads on the GPU, in one go (run from the project root on a machine
+# with one NVIDIA GPU, torch with CUDA, Triton, no vLLM):
+#
+#   bash bench/verify_h200.sh OUT_DIR
+#
+# 1. the CUDA tests of verified loads and of the CUDA engine
+#    (test_verified_transfer.py -m cuda, test_transfer_cuda.py,
+#    test_head_start_cuda.py) -> OUT_DIR/cuda_tests.txt
+# 2. the checksum kernel's cost per GB against the pinned copy of the same
+#    bytes (bench/checksum_gpu.py) -> OUT_DIR/checksum_gpu.json
+# 3. verified against unverified hits of 4k, 16k and 32k tokens, both formats,
+#    sync and overlapped, in the GPU harness (bench/ttft_gpu.py)
+#    -> OUT_DIR/ttft_{chunkwise,layerwise}/ and .txt
+#
+# The index (step 3) needs `sortedcontainers` (pure Python): where it is not
+# installed, put a copy of the package in bench/.site/ (git ignores it). The
+# connector needs no xxhash (only entries of older writers use it), the CUDA
+# tests no hypothesis. About 6 minutes in all; each step has its own time
+# limit, and a step that fails does not stop the others (the exit code says).
+set -u
+out=${1:?usage: verify_h200.sh OUT_DIR}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH=connector:core:tests/connector:bench/.site
+failed=0
+
+run() {  # NAME SECONDS COMMAND...: the command's output into OUT_DIR/NAME.txt
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name: $*"
+    if ! timeout "$limit" "$@" >"$out/$name.txt" 2>&1; then
+        echo "!! $name failed (exit $?)"
+        failed=1
+    fi
+    tail -3 "$out/$name.txt"
+}
+
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >"$out/gpu.txt" 2>&1
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
+    >>"$out/gpu.txt" 2>&1
+run cuda_tests 170 python3 -m pytest --noconftest -p no:cacheprovider -m cuda -q \
+    tests/connector/test_verified_transfer.py tests/connector/test_transfer_cuda.py \
+    tests/connector/test_head_start_cuda.py
+run checksum_gpu 40 python3 bench/checksum_gpu.py --gib 2 --out "$out/checksum_gpu.json"
+for fmt in chunkwise layerwise; do
+    run "ttft_$fmt" 140 python3 bench/ttft_gpu.py --formats "$fmt" --repeats 3 --sizes 4096 16384 32768 \
+        --partial 4096 512 --store-size 4096 --concurrent-size 4096 --concurrency 1 \
+        --modes sync sync_unverified sync_overlap_graphs sync_overlap_graphs_unverified \
+        --out "$out/ttft_$fmt"
+    grep '^|' "$out/ttft_$fmt.txt"
+done
+exit $failed

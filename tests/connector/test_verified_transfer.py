@@ -1,0 +1,367 @@
+"""Verified loads through the transfer engines: the checksum each store computes
+(CPU: over the bytes it wrote into the pool; CUDA: on the device, over its
+staging) is bit for bit the numpy position sum of the object in the pool, and
+a load checks the bytes it received against it before a layer is handed
+out: a corrupted byte in the pool fails the load, and the layers it touches
+are never returned by a wait.
+
+The ``cuda`` cases need an NVIDIA GPU (``bench/verify_h200.sh`` runs them);
+the device kernel's arithmetic is also checked here on the CPU (torch, and
+Triton's interpreter)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import random
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from maru_core.pool.checksum import position_sum
+
+from kv_builders import ALL_KINDS, block_bytes, make_kv_caches
+from maru_connector.kv_layout import detect_kv_layout
+from maru_connector.object_format import ObjectFormat
+from maru_connector.transfer import ChecksumMismatch, ChunkLoad, ChunkStore, PayloadCheck, TransferEngine
+from maru_connector.transfer import device_checksum
+from test_transfer_cuda import ShmPool
+
+ON_GPU = [pytest.mark.cuda,
+          pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU; run by bench/verify_h200.sh")]
+CUDA = pytest.param("cuda", marks=ON_GPU)
+DEVICES = ["cpu", CUDA]
+BPC, CHUNKS, LAYERS, BLOCKS = 2, 4, 3, 24
+
+
+@pytest.fixture
+def pool():
+    p = ShmPool(32 << 20)
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def engines(pool):
+    made = []
+
+    def make(kv, fmt, **options):
+        made.append(TransferEngine.create(pool.buffer, kv, fmt, **options))
+        return made[-1]
+
+    yield make
+    for engine in made:
+        engine.close()
+
+
+def _stored(engines, pool, device, kind, layerwise, **options):
+    """Objects stored by an engine on ``device``: (fmt, load plan, source KV, block map)."""
+    rng = random.Random(f"{kind}{layerwise}{device}")
+    src = make_kv_caches(kind, layers=LAYERS, blocks=BLOCKS, seed=1, device=device)
+    layout = detect_kv_layout(src)
+    fmt = ObjectFormat(layout, BPC * layout.block_size, layerwise)
+    size, per = fmt.object_bytes, fmt.objects_per_chunk
+    slots = rng.sample(range(pool.map.size() // size), CHUNKS * per)
+    offsets = [tuple(slots[c * per + i] * size for i in range(per)) for c in range(CHUNKS)]
+    src_ids = rng.sample(range(BLOCKS), CHUNKS * BPC)
+    storer = engines(src, fmt, **options)
+    handle = storer.submit_store([ChunkStore(tuple(src_ids[c * BPC:(c + 1) * BPC]), offsets[c])
+                                  for c in range(CHUNKS)])
+    assert handle.wait(30), handle.error
+    return fmt, offsets, src, src_ids, handle
+
+
+def _pool_sums(pool, fmt, offsets) -> list[int]:
+    return [position_sum(pool.buffer[o:o + fmt.object_bytes]) for chunk in offsets for o in chunk]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ALL_KINDS)
+@pytest.mark.parametrize("layerwise", [False, True], ids=["chunkwise", "layerwise"])
+def test_a_store_s_checksums_are_the_numpy_sums_of_its_objects_in_the_pool(engines, pool, device, kind,
+                                                                           layerwise):
+    fmt, offsets, _, _, handle = _stored(engines, pool, device, kind, layerwise)
+    assert handle.checksums == _pool_sums(pool, fmt, offsets)
+
+
+ISSUE = {"inline": {}, "copy_thread": {"inline_load_bytes": 0, "inline_head_fills": 0},
+         "small_staging": {"staging_bytes": 0}}  # one chunk row per fill: a layer in several fills
+
+
+def _loader(engines, fmt, device, seed=2, **options):
+    dst = make_kv_caches(fmt.layout.kind, layers=LAYERS, blocks=BLOCKS, seed=seed, device=device)
+    return engines(dst, ObjectFormat(detect_kv_layout(dst), fmt.chunk_tokens, fmt.layerwise), **options), dst
+
+
+def _engine_options(device: str, issue: str) -> dict:
+    return {} if device == "cpu" else dict(ISSUE[issue])
+
+
+# (device, how the CUDA engine issues the load): the issue paths are the CUDA engine's
+DEVICE_ISSUES = [("cpu", "inline"), *(pytest.param("cuda", issue, marks=ON_GPU) for issue in ISSUE)]
+
+
+@pytest.mark.parametrize("device, issue", DEVICE_ISSUES)
+@pytest.mark.parametrize("kind", ["cpu", "flash_hnd", "packed_lhbnc"])
+@pytest.mark.parametrize("layerwise", [False, True], ids=["chunkwise", "layerwise"])
+def test_a_verified_load_of_intact_objects_lands_every_byte(engines, pool, device, kind, layerwise, issue):
+    fmt, offsets, src, src_ids, stored = _stored(engines, pool, device, kind, layerwise)
+    loader, dst = _loader(engines, fmt, device, **_engine_options(device, issue))
+    dst_ids = random.Random(7).sample(range(BLOCKS), CHUNKS * BPC)
+    handle = loader.submit_load([ChunkLoad(tuple(dst_ids[c * BPC:(c + 1) * BPC]), offsets[c])
+                                 for c in range(CHUNKS)], check=PayloadCheck.of(stored.checksums))
+    assert handle.wait_all(30) and handle.error is None and handle.done()
+    for name in fmt.layout.layer_names:
+        for d, s in zip(dst_ids, src_ids):
+            assert torch.equal(block_bytes(kind, dst[name], d), block_bytes(kind, src[name], s))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layerwise", [False, True], ids=["chunkwise", "layerwise"])
+@pytest.mark.parametrize("layer", [0, LAYERS - 1])
+def test_a_corrupted_pool_byte_fails_the_verified_load_and_its_layer_is_never_handed_out(
+        engines, pool, device, layerwise, layer):
+    fmt, offsets, _, _, stored = _stored(engines, pool, device, "flash_hnd", layerwise)
+    chunk = 2
+    start, length = fmt.layer_extent(layer)
+    at = fmt.layer_source(offsets[chunk], layer) + length // 2
+    pool.buffer[at] ^= 0x01  # one bit of layer `layer` of chunk 2
+    loader, _ = _loader(engines, fmt, device)
+    handle = loader.submit_load([ChunkLoad(tuple(range(c * BPC, (c + 1) * BPC)), offsets[c])
+                                 for c in range(CHUNKS)], check=PayloadCheck.of(stored.checksums))
+    due = layer if layerwise else LAYERS - 1  # a chunkwise object is checked whole, by the last layer
+    for i in range(due):
+        assert handle.wait_layer_on_device(i, timeout=30)  # verified (layerwise) or before the check
+    assert not handle.wait_layer_on_device(due, timeout=30)  # the forward never gets it
+    assert not handle.wait_layer(due, timeout=30) and not handle.wait_all(30)
+    assert isinstance(handle.error, ChecksumMismatch) and handle.done()
+    # The engine goes on serving: the same load, verified, once the byte is back.
+    pool.buffer[at] ^= 0x01
+    again = loader.submit_load([ChunkLoad(tuple(range(c * BPC, (c + 1) * BPC)), offsets[c])
+                                for c in range(CHUNKS)], check=PayloadCheck.of(stored.checksums))
+    assert again.wait_all(30) and again.error is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_objects_the_engine_is_told_not_to_check_are_not_checked(engines, pool, device):
+    fmt, offsets, _, _, stored = _stored(engines, pool, device, "cpu", False)
+    wrong = np.array(stored.checksums, dtype=np.uint64) + np.uint64(1)
+    loader, _ = _loader(engines, fmt, device)
+    chunks = [ChunkLoad(tuple(range(c * BPC, (c + 1) * BPC)), offsets[c]) for c in range(CHUNKS)]
+    assert loader.submit_load(chunks, check=PayloadCheck.of(wrong, [False] * CHUNKS)).wait_all(30)
+    assert not loader.submit_load(chunks, check=PayloadCheck.of(wrong, [False, True, False, False])).wait_all(30)
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["chunkwise", "layerwise"])
+@ON_GPU[0]
+@ON_GPU[1]
+def test_a_head_start_s_fills_are_verified_like_the_load_s_own(engines, pool, layerwise):
+    """Head starts are the CUDA engine's: a load's first fills copied ahead of it."""
+    fmt, offsets, _, _, stored = _stored(engines, pool, "cuda", "flash_hnd", layerwise)
+    pool.buffer[fmt.layer_source(offsets[0], 0) + 5] ^= 0x80  # in the head's first fill
+    loader, _ = _loader(engines, fmt, "cuda")
+    head = loader.start_head(offsets)
+    assert head is not None
+    handle = loader.submit_load([ChunkLoad(tuple(range(c * BPC, (c + 1) * BPC)), offsets[c])
+                                 for c in range(CHUNKS)], head=head, check=PayloadCheck.of(stored.checksums))
+    assert handle.head_start and not handle.wait_all(30) and isinstance(handle.error, ChecksumMismatch)
+
+
+def _row_sums_reference(buf: np.ndarray, off, row_bytes, first_chunk, n_chunks, first_layer, n_layers,
+                        chunk_major, layerwise, total_layers, num_objects) -> list[int]:
+    want = [0] * num_objects
+    for i in range(n_chunks * n_layers):
+        r, k = divmod(i, n_layers) if chunk_major else divmod(i, n_chunks)[::-1]
+        chunk, layer = first_chunk + r, first_layer + k
+        obj = chunk * total_layers + layer if layerwise else chunk
+        base = 0 if layerwise else layer * row_bytes // 4
+        want[obj] += position_sum(buf[off + i * row_bytes: off + (i + 1) * row_bytes], base)
+    return [w % 2**64 for w in want]
+
+
+SHAPES = [  # (n_chunks, n_layers, row_bytes)
+    (3, 2, 4 * 4099), (1, 1, 64), (64, 1, 1 << 20), (4, 4, 8 << 20),
+]
+
+
+def _check_row_sums(device: str, backend: str, shapes=SHAPES) -> None:
+    rng = np.random.default_rng(5)
+    for n_chunks, n_layers, row_bytes in shapes:
+        for layerwise in (False, True):
+            for chunk_major in (False, True):
+                off, first_chunk, first_layer, total = 64, 1, 2, n_layers + 3
+                host = rng.integers(0, 256, off + n_chunks * n_layers * row_bytes + 8, dtype=np.uint8)
+                host[off:off + 64] = 0xFF  # words near 2**32: products and sums wrap
+                objects = (first_chunk + n_chunks) * (total if layerwise else 1)
+                want = _row_sums_reference(host, off, row_bytes, first_chunk, n_chunks, first_layer, n_layers,
+                                           chunk_major, layerwise, total, objects)
+                sums = torch.zeros(objects, dtype=torch.int64, device=device)
+                device_checksum.add_row_sums(
+                    sums, torch.from_numpy(host).to(device), off, row_bytes, first_chunk=first_chunk,
+                    n_chunks=n_chunks, first_layer=first_layer, n_layers=n_layers, chunk_major=chunk_major,
+                    layerwise=layerwise, total_layers=total, backend=backend)
+                assert device_checksum.as_uint64(sums.cpu()) == want, (backend, n_chunks, n_layers, row_bytes)
+
+
+@ON_GPU[0]
+@ON_GPU[1]
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_the_device_sums_equal_numpy_bit_for_bit_on_the_gpu(backend):
+    if backend == "triton" and device_checksum.BACKEND != "triton":
+        pytest.fail("Triton is not installed on this GPU machine: verified loads would take torch's slower path")
+    _check_row_sums("cuda", backend)
+
+
+def test_the_device_sums_equal_numpy_with_torch_on_the_cpu():
+    _check_row_sums("cpu", "torch", SHAPES[:3])
+
+
+def test_the_triton_kernel_s_arithmetic_equals_numpy_in_triton_s_interpreter():
+    pytest.importorskip("triton")
+    script = textwrap.dedent("""
+        import test_verified_transfer as t
+        t._check_row_sums("cpu", "triton", t.SHAPES[:2])
+        print("same")
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "same" in done.stdout, done.stderr[-3000:]
+
+
+class _HostCopies:
+    """The CUDA engine's copy calls done with memmove on host memory."""
+
+    @staticmethod
+    def memcpy(dst, src, nbytes, kind, stream):
+        ctypes.memmove(dst, src, nbytes)
+
+    @staticmethod
+    def memcpy2d(dst, dpitch, src, spitch, width, height, kind, stream):
+        for r in range(height):
+            ctypes.memmove(dst + r * dpitch, src + r * spitch, width)
+
+
+def _fills_engine(pool, fmt, rows_cap: int, copy_2d: bool):
+    """A CUDA engine's planning and staging, on host memory: its fills (``_units``)
+    copied by ``_copy_unit`` as on the GPU, so ``_sum_fill``'s reading of a fill's
+    rows can be checked without one."""
+    from types import SimpleNamespace
+
+    from maru_connector.transfer.cuda import CudaTransferEngine
+
+    engine = object.__new__(CudaTransferEngine)
+    engine.fmt, engine.layout = fmt, fmt.layout
+    engine.pool = torch.frombuffer(pool.buffer, dtype=torch.uint8)
+    engine.pool_size, engine._pool_ptr = engine.pool.numel(), engine.pool.data_ptr()
+    engine._rows_cap, engine._stacked = rows_cap, {}
+    engine._memcpy, engine._memcpy2d = _HostCopies.memcpy, _HostCopies.memcpy2d if copy_2d else None
+    engine._event = lambda: SimpleNamespace(record=lambda stream: None)
+    engine.load_stream = SimpleNamespace(cuda_stream=0)
+    return engine
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["chunkwise", "layerwise"])
+@pytest.mark.parametrize("adjacent", [True, False], ids=["adjacent", "scattered"])
+@pytest.mark.parametrize("rows_cap", [1, 3, 64])
+@pytest.mark.parametrize("copy_2d", [True, False], ids=["2d", "rows"])
+def test_the_cuda_engine_s_fills_sum_to_each_object_s_checksum(pool, layerwise, adjacent, rows_cap, copy_2d):
+    """Every way the CUDA engine stages a load (one layer or a group of layers a
+    fill, layer-major or as wide chunk-major rows, a layer over several fills)
+    read by ``_sum_fill`` as rows of (chunk, layer): the sums are each object's
+    checksum in the pool. Staged on the host, summed with torch."""
+    from types import SimpleNamespace
+
+    from maru_connector.transfer.plan import layer_pieces
+
+    layout = detect_kv_layout(make_kv_caches("flash_hnd", layers=5, blocks=24))
+    fmt = ObjectFormat(layout, BPC * layout.block_size, layerwise)
+    chunks, per, size = 6, fmt.objects_per_chunk, fmt.object_bytes
+    rng = random.Random(f"{layerwise}{adjacent}{rows_cap}")
+    slots = list(range(chunks * per)) if adjacent else rng.sample(range(pool.map.size() // size - 1), chunks * per)
+    offsets = [tuple(slots[c * per + i] * size for i in range(per)) for c in range(chunks)]
+    pool.buffer[: chunks * per * size if adjacent else pool.map.size()] = os.urandom(
+        chunks * per * size if adjacent else pool.map.size())
+    engine = _fills_engine(pool, fmt, rows_cap, copy_2d)
+    staging = torch.empty(64 * fmt.layer_bytes * fmt.num_layers, dtype=torch.uint8)
+    sums = torch.zeros(chunks * per, dtype=torch.int64)
+    job = SimpleNamespace(check_state=[sums, None, None, None, 0])
+    kinds = set()
+    for unit in engine._units(layer_pieces(fmt, offsets, rows_cap)):
+        copied = engine._copy_unit(unit, 0, staging)
+        kinds.add(("wide" if copied[3] else "rows", len(unit[0])))
+        engine._sum_fill(job, unit, copied)
+    want = [position_sum(pool.buffer[o:o + size]) for chunk in offsets for o in chunk]
+    assert device_checksum.as_uint64(sums) == want, kinds
+
+
+class _Event:
+    """A device event, as a handle waits for it: done or not yet."""
+
+    def __init__(self, done: bool) -> None:
+        self.done, self.synchronized = done, 0
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.synchronized += 1
+        self.done = True
+
+
+def test_a_wait_reads_a_layer_s_device_check_before_it_returns_the_layer():
+    """The handle's side of a CUDA check, with stand-in events: a layer whose
+    check is still running is not ready, a wait waits for the check, and a
+    flag that says mismatch fails the load instead of returning the layer."""
+    from maru_connector.transfer import LoadHandle
+
+    handle = LoadHandle(3, 300)
+    flags = torch.tensor([0, 1], dtype=torch.int32)
+    running, failed = _Event(False), _Event(True)
+    handle._mark_layer(0, None, (running, flags, 0, "layer 0"))
+    handle._mark_layer(1, None, (failed, flags, 1, "layer 1"))
+    handle._mark_layer(2)
+    assert not handle.layer_ready(0) and handle.error is None  # its check is still running
+    assert handle.wait_layer_on_device(0) and running.synchronized == 1
+    assert not handle.wait_layer_on_device(1)
+    assert isinstance(handle.error, ChecksumMismatch) and "layer 1" in str(handle.error)
+    assert handle.done() and not handle.wait_all(1)
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["chunkwise", "layerwise"])
+def test_the_cuda_engine_compares_exactly_the_objects_due_at_each_fill(pool, layerwise):
+    """``_compare`` (on host tensors): after a fill that completes layers, the
+    objects of those layers (layerwise) or, after the last layer, every object
+    (chunkwise); a wrong checksum raises the flag of that check only, and an
+    object the engine is told not to check raises none."""
+    from types import SimpleNamespace
+
+    layout = detect_kv_layout(make_kv_caches("flash_hnd", layers=4, blocks=24))
+    fmt = ObjectFormat(layout, BPC * layout.block_size, layerwise)
+    engine = _fills_engine(pool, fmt, 64, True)
+    engine.scatter_stream = SimpleNamespace(cuda_stream=0)
+    chunks, nl = 3, fmt.num_layers
+    objects = chunks * fmt.objects_per_chunk
+    sums = torch.arange(objects, dtype=torch.int64) * 7 + 1
+    wrong = 2 * nl + 1 if layerwise else 2  # chunk 2 (layer 1, layerwise)
+    expected = sums.clone()
+    expected[wrong] += 1
+    verify = torch.ones(objects, dtype=torch.bool)
+
+    def flags_after(layer_groups, verify):
+        flags = torch.zeros(nl, dtype=torch.int32)
+        job = SimpleNamespace(check_state=[sums, expected, verify, flags, 0])
+        checks = [engine._compare(job, layers) for layers in layer_groups]
+        return [None if c is None else int(c[1][c[2]]) for c in checks]
+
+    groups = [[0], [1, 2], [3]]
+    if layerwise:
+        assert flags_after(groups, verify) == [0, 1, 0]  # layer 1's objects are checked with layer 2's
+    else:
+        assert flags_after(groups, verify) == [None, None, 1]  # whole objects, once the last layer is in
+    skip = verify.clone()
+    skip[wrong] = False
+    assert all(f in (None, 0) for f in flags_after(groups, skip))
