@@ -191,6 +191,10 @@ class MaruWorkerHalf:
         res = self._res = self._resources_factory(self.cfg, kv_caches, self._block_size)
         self.stats = res.stats
         self._layout = res.engine.fmt.layout
+        device_bytes = getattr(res.engine, "device_bytes", None)
+        if device_bytes is not None:  # taken after vLLM sized its KV cache
+            logger.info("MaruCache takes %d MiB of device memory beside the KV cache (staging)",
+                        device_bytes() >> 20)
         self._verify_payload = self.cfg.verify_payload(res.engine.backend, res.engine.fmt)
         if self.cfg.maru_async_load:
             release_after = (

@@ -194,6 +194,16 @@ def _evenly_spaced(views: list[torch.Tensor], stride: int | None) -> bool:
     )
 
 
+def staging_sizes(fmt, staging_bytes: int = DEFAULT_STAGING_BYTES,
+                  head_start_bytes: int = HEAD_START_BYTES) -> tuple[int, int, int]:
+    """Bytes of the load staging ring, the store staging and the head buffer
+    for objects of ``fmt``: whole layer rows of at most ``staging_bytes`` per
+    fill, the ring holding ``STAGING_FILLS`` fills."""
+    row = fmt.layer_bytes
+    rows = max(1, staging_bytes // row)
+    return STAGING_FILLS * rows * row, rows * row, head_start_bytes
+
+
 class CudaTransferEngine(TransferEngine):
     backend = "cuda"
 
@@ -212,7 +222,14 @@ class CudaTransferEngine(TransferEngine):
             self._registered = (not self.pool.is_pinned()
                                 and register_host(self._pool_ptr, self.pool_size))
             try:
-                self._setup(fmt, staging_bytes, copy_2d, load_priority)
+                try:
+                    self._setup(fmt, staging_bytes, copy_2d, load_priority)
+                except torch.cuda.OutOfMemoryError as exc:
+                    ring, store, head = staging_sizes(fmt, staging_bytes)
+                    raise RuntimeError(
+                        f"MaruCache needs {(ring + store + head) >> 20} MiB of GPU memory beside vLLM's "
+                        "KV cache (staging for its copies) and the device has too little left: lower "
+                        "vLLM's gpu_memory_utilization (docs/connector.md, 'GPU memory')") from exc
                 if checkable(fmt):  # compile the checksum kernel now, not in the first hit
                     device_checksum.warm_up(self.device, fmt.layerwise)
             except BaseException:
@@ -238,8 +255,11 @@ class CudaTransferEngine(TransferEngine):
         self._memcpy = find_memcpy()
         row = fmt.layer_bytes
         self._rows_cap = max(1, staging_bytes // row)
-        self._staging = _StagingRing(STAGING_FILLS * self._rows_cap * row, self.device)
-        self._store_staging: torch.Tensor | None = None
+        ring, store, _ = staging_sizes(fmt, staging_bytes, 0)
+        self._staging = _StagingRing(ring, self.device)
+        # Taken now, beside the KV cache vLLM sized before: an allocation
+        # that does not fit fails at start-up, not at the first store.
+        self._store_staging = torch.empty(store, dtype=torch.uint8, device=self.device)
         self._views: dict[tuple[int, int, int, int], torch.Tensor] = {}
         self._ids = {s.cuda_stream: _IdsRing(self.layout.num_blocks, self.device)
                      for s in (self.scatter_stream, self.store_stream)}
@@ -252,6 +272,16 @@ class CudaTransferEngine(TransferEngine):
         # scattered together; None: one layer at a time.
         self._stacked: dict[tuple[int, int], torch.Tensor] | None = (
             {} if _evenly_spaced(self.block_views, self.layout.layer_stride_bytes) else None)
+
+    def device_bytes(self, with_head_start: bool = True) -> int:
+        """Device memory this engine takes beside vLLM's KV cache: the load
+        staging ring, the store staging, the block-id buffers and (once a
+        head start ran, or ``with_head_start``) the head buffer."""
+        held = self._staging.buffer.nbytes + self._store_staging.nbytes
+        held += sum(ids.device.nbytes for ids in self._ids.values())
+        if self._head_buffer is not None or with_head_start:
+            held += self._head_start_bytes
+        return held
 
     # ---------------------------------------------------------------- helpers
     def _event(self) -> torch.cuda.Event:
@@ -736,9 +766,6 @@ class CudaTransferEngine(TransferEngine):
         torch.cuda.set_device(self.device)
         stream = self.store_stream
         row = self.fmt.layer_bytes
-        if self._store_staging is None:
-            self._store_staging = torch.empty(self._rows_cap * row, dtype=torch.uint8,
-                                              device=self.device)
         staging = self._store_staging
         ids = self._device_ids(job, stream)
         stream.wait_event(job.ready)
