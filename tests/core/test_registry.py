@@ -17,7 +17,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from maru_core.index.memory_bench import bytes_per_key
 from maru_core.pool.slot_check import SlotHeaderCheck
 from maru_core.index.registry import BadRequest, NoLease, NoSpace, Quarantined, Registry, RegistryError
-from maru_core.pool import Pool, SlotHeader
+from maru_core.pool import Pool, SlotHeader, SlotState
+from maru_core.pool.commit_records import CommitRecords
 from maru_core.pool.geometry import DATA_ALIGN, PoolGeometry
 from maru_core.protocol.locations import Location, Slot
 
@@ -418,15 +419,17 @@ def test_restore_from_a_real_pool_after_a_restart(clock: Clock) -> None:
                 pool.invalidate_slot(slot.offset, n)
                 pool.view(slot.offset, n)[:] = k * (n // 16) + k[: n % 16]
                 pool.write_slot_header(slot.offset, SlotHeader(k, slot.generation, n))
-            verify = SlotHeaderCheck(pool)
-            assert old.commit(lease, keys[:6], verify=verify) == [True] * 6
-            # keys 6 and 7: written, never committed (the writer died): their headers are intact too
+            verify = SlotHeaderCheck(pool, SlotState.PENDING)
+            assert old.commit(lease, keys[:6], verify=verify, record=CommitRecords(pool)) == [True] * 6
+            # keys 6 and 7: written, never committed (the writer died): their headers stay pending
         with Pool.attach(path) as pool:
             new = Registry(pool.geometry, clock=clock)
             restored = new.restore((h.key, Location(off, h.length, h.generation)) for off, h in pool.iter_slot_headers())
-            assert restored == 8
+            assert restored == 6
             reader = new.open_lease("reader")
-            for k, n, loc in zip(keys, lengths, new.retrieve(reader, keys)):
+            found = new.retrieve(reader, keys)
+            assert found.misses() == 2 and found[6] is None and found[7] is None
+            for k, n, loc in zip(keys[:6], lengths, found):
                 assert loc.length == n and bytes(pool.view(loc.offset, 16)) == k
     finally:
         os.unlink(path)

@@ -62,7 +62,9 @@ from maru_core.index.limits import ServerLimits
 from maru_core.index.listen import RateLimitedLog, UnixListenerPath
 from maru_core.index.peers import peer_of
 from maru_core.index.registry import RegistryError
+from maru_core.pool.commit_records import CommitRecords
 from maru_core.pool.slot_check import SlotHeaderCheck
+from maru_core.pool.slots import SlotState
 from maru_core.protocol import (
     KEY_BYTES,
     PROTOCOL_VERSION,
@@ -92,8 +94,8 @@ class IndexServer:
     """Serves one ``Registry`` over TCP or a Unix socket.
 
     ``registry`` is a ``maru_core.index.registry.Registry``; ``pool`` the
-    attached ``Pool`` (the server reads slot headers through it to verify
-    commits); ``token``, when set, must be presented by ``hello``;
+    attached ``Pool``, mapped writable (the server reads slot headers
+    through it to verify commits, and marks them committed); ``token``, when set, must be presented by ``hello``;
     ``metrics`` an optional ``IndexMetrics`` that records every request;
     ``slice_keys`` the keys per slice of a large commit or abort;
     ``limits`` what one connection may cost (``ServerLimits``).
@@ -122,7 +124,10 @@ class IndexServer:
         self._slice_bytes = slice_keys * KEY_BYTES
         # a key's lookup costs about a quarter of its commit: slices 4x larger
         self._lookup_slice_keys = 4 * slice_keys
-        self._verify = SlotHeaderCheck(pool)
+        # A commit checks the writer's pending header, then marks it committed
+        # before the reply: a restart restores committed headers only.
+        self._verify = SlotHeaderCheck(pool, state=SlotState.PENDING)
+        self._record = CommitRecords(pool)
         self._acceptors: list[Acceptor] = []
         self._handshakes: dict[asyncio.Task, socket.socket] = {}  # accepted sockets becoming connections
         self._peers = self.limits.peer_limiter()
@@ -446,7 +451,7 @@ class IndexServer:
         return {"slots": pack_slots(slots)}
 
     def _commit(self, conn: Connection, args: dict) -> dict:
-        committed = self.registry.commit(self._renewed(conn), args["keys"], verify=self._verify)
+        committed = self.registry.commit(self._renewed(conn), args["keys"], verify=self._verify, record=self._record)
         return {"committed": committed}
 
     def _abort(self, conn: Connection, args: dict) -> dict:
@@ -478,7 +483,7 @@ class IndexServer:
         for i, keys in enumerate(self._slices(args["keys"])):
             if i:
                 yield  # let other connections in
-            committed += self.registry.commit(self._renewed(conn), keys, verify=self._verify)
+            committed += self.registry.commit(self._renewed(conn), keys, verify=self._verify, record=self._record)
         return {"committed": committed}
 
     def _abort_sliced(self, conn: Connection, args: dict) -> Generator[None, None, dict]:
