@@ -225,10 +225,10 @@ def _header_of(pool: Any, key: bytes, offset: int, generation: int, layout: int)
     if header is None:
         pending = pool.read_slot_header(offset, SlotState.PENDING)
         if pending is not None and pending.names(key, generation):
-            raise LoadFailure(  # an index that records no commits (older than the connector)
+            raise LoadFailure(
                 "header_mismatch",
-                f"slot at offset {offset} holds key {key.hex()} but its header records no commit: "
-                "run an index of this MaruCache release or newer",
+                f"slot at offset {offset} holds key {key.hex()} but its header records no commit "
+                "(an index older than this connector records none: upgrade the index)",
             )
     if header is None or not header.names(key, generation):
         raise LoadFailure(
