@@ -220,6 +220,39 @@ def test_a_failed_verify_releases_the_slot(reg: Registry) -> None:
     accounting_adds_up(reg)
 
 
+def test_a_commit_records_exactly_the_keys_it_commits_before_they_are_visible(reg: Registry) -> None:
+    """``record`` (the server marks those heads committed: what a restart restores) gets
+    the offsets of the keys this call commits, and of no other; while it runs they are
+    still invisible, and if it fails none of them becomes visible."""
+    a, b = reg.open_lease("a"), reg.open_lease("b")
+    reg.reserve(a, [(key(i), PAGE) for i in range(4)])
+    reg.reserve(b, [(key(9), PAGE)])
+    offsets = {k: reg.describe(k).offset for k in (key(0), key(1), key(2), key(3), key(9))}
+    recorded = []
+
+    def record(at: np.ndarray) -> None:
+        assert all(reg.describe(k).state == "reserved" for k in (key(0), key(2)))
+        recorded.append(at.tolist())
+
+    def verify(keys: bytes, at: np.ndarray, generations: np.ndarray) -> list[bool]:
+        return [keys[i : i + 16] != key(1) for i in range(0, len(keys), 16)]
+
+    # key(1): its header fails the check; key(9): another lease's; key(3): not in this commit.
+    assert reg.commit(a, [key(0), key(1), key(9), key(2), key(0)], verify=verify, record=record) == [
+        True, False, False, True, False]  # fmt: skip
+    assert recorded == [[offsets[key(0)], offsets[key(2)]]]
+    assert reg.commit(a, [key(1), key(9)], record=record) == [False, False]
+    assert len(recorded) == 1  # nothing committed: nothing recorded
+
+    def failing(at: np.ndarray) -> None:
+        raise OSError("the pool went away")
+
+    with pytest.raises(OSError):
+        reg.commit(a, [key(3)], record=failing)
+    assert reg.describe(key(3)).state == "reserved" and reg.stats().keys == 2
+    accounting_adds_up(reg)
+
+
 def test_abort_releases_reservations(reg: Registry) -> None:
     lease = reg.open_lease("a")
     reg.reserve(lease, [(key(i), PAGE) for i in range(4)])

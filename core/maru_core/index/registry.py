@@ -436,8 +436,9 @@ class Registry(Reads, Placement):
     def restore(self, objects: Iterable[tuple[bytes, Location]]) -> int:
         """Rebuild from the pool's slot headers after a restart; return how many objects were kept.
 
-        ``objects`` are ``(key, Location)`` pairs (from
-        ``Pool.iter_slot_headers``). Objects that lie outside the data area
+        ``objects`` are ``(key, Location)`` pairs of committed objects only
+        (``Pool.iter_slot_headers(SlotState.COMMITTED)``: a header the
+        writer wrote records no commit). Objects that lie outside the data area
         are skipped; of two with one key, or two that overlap, the higher
         generation wins. Must be called before any reserve. Starts the
         quarantine: no slot is handed out for ``quarantine_s``.
