@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from maru_core.keys import KEY_BYTES, packed_layer_keys, split_keys
 from maru_core.pool.slot_check import SlotHeaderCheck
-from maru_core.pool.slots import ChecksumKind
+from maru_core.pool.slots import ChecksumKind, SlotState
 from maru_core.protocol import LocationList
 
 from maru_connector.transfer import ChecksumMismatch, ChunkLoad, PayloadCheck
@@ -250,6 +250,14 @@ def _header_of(pool: Any, key: bytes, offset: int, generation: int, layout: int)
     """The slot header at ``offset`` if it names ``key``, ``generation`` and ``layout``;
     else the ``LoadFailure`` that says why not."""
     header = pool.read_slot_header(offset)
+    if header is None:
+        pending = pool.read_slot_header(offset, SlotState.PENDING)
+        if pending is not None and pending.names(key, generation):
+            raise LoadFailure(
+                "header_mismatch",
+                f"slot at offset {offset} holds key {key.hex()} but its header records no commit "
+                "(an index older than this connector records none: upgrade the index)",
+            )
     if header is None or not header.names(key, generation):
         raise LoadFailure(
             "header_mismatch",

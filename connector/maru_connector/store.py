@@ -3,7 +3,9 @@
 A store job is one :class:`StoreSpec` (one request, one step): one batched
 ``reserve`` for all its objects, one ``submit_store`` of the copies into the
 reserved slots, then — once the copy completed — the slot headers (each with
-the checksum of its object's payload and the worker's layout fingerprint).
+the checksum of its object's payload and the worker's layout fingerprint),
+pending: only the index marks a header committed, when it commits the key,
+and only committed headers are restored after an index restart or read.
 The job then waits for the scheduler's verdict on its step
 (:meth:`Storer.apply_verdicts`): a step whose forward used a failed load on
 any rank is never committed; the others are committed with one batched

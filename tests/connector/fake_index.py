@@ -20,6 +20,7 @@ from collections import Counter
 from typing import Any
 
 from maru_core.index.client_ops import IndexRejected, IndexUnavailable
+from maru_core.pool.commit_records import CommitRecords
 from maru_core.protocol import ErrorType, Location, LocationList, Slot, SlotList
 from maru_core.protocol.messages import unpack_keys
 
@@ -27,10 +28,14 @@ __all__ = ["FakeClient", "FakeIndex", "Location", "Slot"]
 
 
 class FakeIndex:
-    """Shared state of one fake index; ``client()`` gives a client of it."""
+    """Shared state of one fake index; ``client()`` gives a client of it.
 
-    def __init__(self, geometry: Any) -> None:
+    With ``pool``, a commit marks the committed objects' slot headers
+    committed, as the real index does (a reader refuses any other)."""
+
+    def __init__(self, geometry: Any, pool: Any = None) -> None:
         self._geometry = geometry
+        self._record = CommitRecords(pool) if pool is not None else None
         self._next_page = 0
         self.lock = threading.Lock()
         self.committed: dict[bytes, Location] = {}
@@ -176,6 +181,8 @@ class FakeClient:
                 ok = loc is not None and key not in self._ix.committed
                 if ok:
                     self._ix.committed[key] = loc
+                    if self._ix._record is not None:
+                        self._ix._record([loc.offset])
                 done.append(ok)
             return done
 

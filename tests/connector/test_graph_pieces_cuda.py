@@ -55,7 +55,7 @@ def model():
 def env():
     path = f"/dev/shm/maru-graph-test-{uuid.uuid4().hex}"
     pool = Pool.create(path, 256 << 20, page_size=1 << 20)
-    index = FakeIndex(pool.geometry)
+    index = FakeIndex(pool.geometry, pool)
     workers = []
 
     def worker(**knobs):

@@ -9,6 +9,8 @@ import pytest
 import torch
 from maru_core.pool import ChecksumKind
 from maru_core.pool.checksum import payload_checksum
+from maru_core.pool.commit_records import CommitRecords
+
 from maru_connector.metadata import MaruConnectorMetadata
 from maru_connector.testing.cluster import wait_until
 
@@ -194,6 +196,7 @@ def test_a_verified_load_refuses_an_object_whose_header_records_no_checksum(env,
     offset = env.index.committed[last].offset
     header = env.pool.read_slot_header(offset)
     env.pool.write_slot_header(offset, dataclasses.replace(header, checksum=None))
+    CommitRecords(env.pool)([offset])  # as an index commits it
     client = env.index.client()
     with pytest.raises(LoadFailure, match=f"payload of key {last.hex()} .* carries no checksum") as info:
         resolve_load(client, env.pool, fmt, keys, spec_blocks(10, 2), verify_payload=True)

@@ -6,7 +6,8 @@ import threading
 import time
 
 import pytest
-from maru_core.pool.slots import SlotHeader
+from maru_core.pool.commit_records import CommitRecords
+from maru_core.pool.slots import SlotHeader, SlotState
 
 from maru_connector.metadata import LoadSpec, MaruConnectorMetadata
 
@@ -178,6 +179,21 @@ def test_slot_header_naming_another_generation_fails_the_load(env):
     keys = _stored(env)
     loc = env.index.committed[keys[1]]
     env.pool.write_slot_header(loc.offset, SlotHeader(keys[1], loc.generation + 7, loc.length))
+    CommitRecords(env.pool)([loc.offset])  # committed, but of another generation
+    reader, kv_r = env.worker(seed=2)
+    before = _snapshot(kv_r)
+    errors, meta = step(reader, load_meta("r", keys, first_block=10))
+    _assert_failed_untouched(env, reader, kv_r, before, errors, meta, "header_mismatch")
+
+
+def test_a_slot_header_that_records_no_commit_fails_the_load(env):
+    """A head still pending (its commit never recorded, e.g. by an index that
+    records none) names the right key and generation, and is refused all the same."""
+    keys = _stored(env)
+    loc = env.index.committed[keys[1]]
+    header = env.pool.read_slot_header(loc.offset)
+    env.pool.write_slot_header(loc.offset, header)  # the writer's pending head, as before the commit
+    assert env.pool.read_slot_header(loc.offset, SlotState.PENDING) == header
     reader, kv_r = env.worker(seed=2)
     before = _snapshot(kv_r)
     errors, meta = step(reader, load_meta("r", keys, first_block=10))

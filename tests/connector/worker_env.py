@@ -40,7 +40,7 @@ class WorkerEnv:
     def __init__(self) -> None:
         self.pool_path = f"/dev/shm/maru-connector-test-{uuid.uuid4().hex}"
         self.pool = Pool.create(self.pool_path, 16 * 1024 * 1024, page_size=4096)
-        self.index = FakeIndex(self.pool.geometry)
+        self.index = FakeIndex(self.pool.geometry, self.pool)
         self.workers: list[MaruWorkerHalf] = []
         self.ns = KeyNamespace(
             model="tiny", dtype="bfloat16", kv_dtype="auto", layout="cpu/test",

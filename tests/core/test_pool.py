@@ -32,7 +32,9 @@ from maru_core.pool import (
     PoolVersionError,
     SlotFormat,
     SlotHeader,
+    SlotState,
 )
+from maru_core.pool.commit_records import CommitRecords
 from maru_core.pool.geometry import DATA_ALIGN, HEADER_REGION, SLOT_HEADER_BYTES
 from maru_core.pool.header import HEADER_BYTES
 
@@ -367,22 +369,48 @@ def _header(key: bytes, generation: int, length: int) -> SlotHeader:
     return SlotHeader(key=key, generation=generation, length=length, fmt=SlotFormat.LAYERWISE)
 
 
+def _write_committed(pool: Pool, offset: int, header: SlotHeader) -> None:
+    """What a writer and then the index's commit do to a slot header."""
+    pool.write_slot_header(offset, header)
+    assert CommitRecords(pool)([offset]) == 1
+
+
 def test_slot_header_round_trip(pool: Pool) -> None:
     g = pool.geometry
     offset = g.page_offset(4)
     assert pool.read_slot_header(offset) is None
     header = _header(b"A" * 16, 7, 3 * PAGE + 1)
     pool.write_slot_header(offset, header)
+    # Written, not committed: no reader sees it, no restart rebuilds it.
+    assert pool.read_slot_header(offset) is None and list(pool.iter_slot_headers()) == []
+    assert pool.read_slot_header(offset, SlotState.PENDING) == header
+    assert list(pool.iter_slot_headers(SlotState.PENDING)) == [(offset, header)]
+    assert CommitRecords(pool)([offset]) == 1
     got = pool.read_slot_header(offset)
     assert got == header and got.names(b"A" * 16, 7) and not got.names(b"A" * 16, 8)
     assert list(pool.iter_slot_headers()) == [(offset, header)]
+    assert pool.read_slot_header(offset, SlotState.PENDING) is None
+    assert CommitRecords(pool)([offset]) == 0  # already committed: left alone
+
+
+def test_only_the_marked_heads_of_a_batch_turn_committed(pool: Pool) -> None:
+    g = pool.geometry
+    headers = {g.page_offset(p): _header(bytes([p + 1]) * 16, p + 1, PAGE * 2) for p in (0, 2, 4, 6)}
+    for offset, header in headers.items():
+        pool.write_slot_header(offset, header)
+    marked = [g.page_offset(2), g.page_offset(6)]
+    assert CommitRecords(pool)(marked) == 2
+    assert dict(pool.iter_slot_headers()) == {offset: headers[offset] for offset in marked}
+    assert [o for o, _ in pool.iter_slot_headers(SlotState.PENDING)] == [g.page_offset(0), g.page_offset(4)]
+    with pytest.raises(ValueError, match="data offsets"):
+        CommitRecords(pool)([g.data_offset + 1])
 
 
 def test_slot_headers_survive_reattach(pool: Pool, path: str) -> None:
     g = pool.geometry
     headers = {g.page_offset(p): _header(bytes([p]) * 16, p + 1, PAGE * 2) for p in (0, 2, 10, g.num_pages - 2)}
     for offset, header in headers.items():
-        pool.write_slot_header(offset, header)
+        _write_committed(pool, offset, header)
     with Pool.attach(path) as other:
         assert dict(other.iter_slot_headers()) == headers
 
@@ -390,9 +418,9 @@ def test_slot_headers_survive_reattach(pool: Pool, path: str) -> None:
 def test_an_overwritten_object_is_not_rebuilt(pool: Pool) -> None:
     g = pool.geometry
     old = _header(b"O" * 16, 1, 4 * PAGE)
-    pool.write_slot_header(g.page_offset(0), old)
+    _write_committed(pool, g.page_offset(0), old)
     new = _header(b"N" * 16, 2, 2 * PAGE)
-    pool.write_slot_header(g.page_offset(2), new)  # takes over old's pages 2 and 3
+    _write_committed(pool, g.page_offset(2), new)  # takes over old's pages 2 and 3
     assert list(pool.iter_slot_headers()) == [(g.page_offset(2), new)]
     # The old head is still there, but the object is not intact.
     assert pool.read_slot_header(g.page_offset(0)) == old
@@ -400,7 +428,7 @@ def test_an_overwritten_object_is_not_rebuilt(pool: Pool) -> None:
 
 def test_invalidate_slot_clears_an_older_object_before_data_is_written(pool: Pool) -> None:
     g = pool.geometry
-    pool.write_slot_header(g.page_offset(0), _header(b"O" * 16, 1, 4 * PAGE))
+    _write_committed(pool, g.page_offset(0), _header(b"O" * 16, 1, 4 * PAGE))
     pool.invalidate_slot(g.page_offset(3), PAGE)  # a new writer took page 3 and died mid-copy
     assert list(pool.iter_slot_headers()) == []
 
@@ -408,7 +436,7 @@ def test_invalidate_slot_clears_an_older_object_before_data_is_written(pool: Poo
 def test_a_corrupt_slot_header_reads_as_none(pool: Pool) -> None:
     g = pool.geometry
     offset = g.page_offset(1)
-    pool.write_slot_header(offset, _header(b"C" * 16, 3, 100))
+    _write_committed(pool, offset, _header(b"C" * 16, 3, 100))
     entry = g.slot_header_offset(1)
     pool.buffer[entry + 30] ^= 0xFF  # inside the generation, CRC now wrong
     assert pool.read_slot_header(offset) is None
@@ -431,8 +459,8 @@ def test_slot_header_arguments_are_checked(pool: Pool) -> None:
 
 def test_a_key_that_contains_the_head_pattern_does_not_confuse_the_scan(pool: Pool) -> None:
     g = pool.geometry
-    tricky = b"xMSLT\x01" + b"y" * 10
-    pool.write_slot_header(g.page_offset(5), _header(tricky, 9, PAGE * 3))
+    tricky = b"xMSLT\x03" + b"y" * 10
+    _write_committed(pool, g.page_offset(5), _header(tricky, 9, PAGE * 3))
     assert list(pool.iter_slot_headers()) == [(g.page_offset(5), _header(tricky, 9, PAGE * 3))]
 
 
@@ -445,7 +473,7 @@ def test_a_slot_header_carries_the_payload_checksum_and_the_layout(pool: Pool) -
     pool.view(offset, 3 * PAGE)[:] = os.urandom(3 * PAGE)
     checksum = pool.payload_checksum(offset, 3 * PAGE)
     header = SlotHeader(key=b"P" * 16, generation=9, length=3 * PAGE, checksum=checksum, layout=2**64 - 1)
-    pool.write_slot_header(offset, header)
+    _write_committed(pool, offset, header)
     assert pool.read_slot_header(offset) == header
     assert list(pool.iter_slot_headers()) == [(offset, header)]
     assert pool.payload_matches(offset, header)
@@ -458,7 +486,7 @@ def test_a_slot_header_carries_the_payload_checksum_and_the_layout(pool: Pool) -
 def test_an_entry_from_before_checksums_reads_without_one(pool: Pool) -> None:
     # The checksum kind, checksum and layout were reserved zero bytes before.
     offset = pool.geometry.page_offset(1)
-    pool.write_slot_header(offset, _header(b"Z" * 16, 4, 100))
+    _write_committed(pool, offset, _header(b"Z" * 16, 4, 100))
     header = pool.read_slot_header(offset)
     assert header is not None and header.checksum is None and header.layout == 0
 
@@ -466,7 +494,7 @@ def test_an_entry_from_before_checksums_reads_without_one(pool: Pool) -> None:
 def test_a_checksum_kind_without_a_checksum_is_not_a_valid_head(pool: Pool) -> None:
     g = pool.geometry
     offset = g.page_offset(1)
-    pool.write_slot_header(offset, _header(b"K" * 16, 4, 100))
+    _write_committed(pool, offset, _header(b"K" * 16, 4, 100))
     entry = g.slot_header_offset(1)
     body = bytearray(pool.buffer[entry : entry + 60])
     body[6] = 1  # says XXH3-64, but the checksum field is 0

@@ -17,7 +17,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from maru_core.index.memory_bench import bytes_per_key
 from maru_core.pool.slot_check import SlotHeaderCheck
 from maru_core.index.registry import BadRequest, NoLease, NoSpace, Quarantined, Registry, RegistryError
-from maru_core.pool import Pool, SlotHeader
+from maru_core.pool import Pool, SlotHeader, SlotState
+from maru_core.pool.commit_records import CommitRecords
 from maru_core.pool.geometry import DATA_ALIGN, PoolGeometry
 from maru_core.protocol.locations import Location, Slot
 
@@ -216,6 +217,39 @@ def test_a_failed_verify_releases_the_slot(reg: Registry) -> None:
     assert reg.describe(key(2)) is None
     assert reg.stats().reserved_keys == 0
     assert reg.reserve(lease, [(key(2), PAGE)])[0] is not None  # free to store again
+    accounting_adds_up(reg)
+
+
+def test_a_commit_records_exactly_the_keys_it_commits_before_they_are_visible(reg: Registry) -> None:
+    """``record`` (the server marks those heads committed: what a restart restores) gets
+    the offsets of the keys this call commits, and of no other; while it runs they are
+    still invisible, and if it fails none of them becomes visible."""
+    a, b = reg.open_lease("a"), reg.open_lease("b")
+    reg.reserve(a, [(key(i), PAGE) for i in range(4)])
+    reg.reserve(b, [(key(9), PAGE)])
+    offsets = {k: reg.describe(k).offset for k in (key(0), key(1), key(2), key(3), key(9))}
+    recorded = []
+
+    def record(at: np.ndarray) -> None:
+        assert all(reg.describe(k).state == "reserved" for k in (key(0), key(2)))
+        recorded.append(at.tolist())
+
+    def verify(keys: bytes, at: np.ndarray, generations: np.ndarray) -> list[bool]:
+        return [keys[i : i + 16] != key(1) for i in range(0, len(keys), 16)]
+
+    # key(1): its header fails the check; key(9): another lease's; key(3): not in this commit.
+    assert reg.commit(a, [key(0), key(1), key(9), key(2), key(0)], verify=verify, record=record) == [
+        True, False, False, True, False]  # fmt: skip
+    assert recorded == [[offsets[key(0)], offsets[key(2)]]]
+    assert reg.commit(a, [key(1), key(9)], record=record) == [False, False]
+    assert len(recorded) == 1  # nothing committed: nothing recorded
+
+    def failing(at: np.ndarray) -> None:
+        raise OSError("the pool went away")
+
+    with pytest.raises(OSError):
+        reg.commit(a, [key(3)], record=failing)
+    assert reg.describe(key(3)).state == "reserved" and reg.stats().keys == 2
     accounting_adds_up(reg)
 
 
@@ -418,15 +452,17 @@ def test_restore_from_a_real_pool_after_a_restart(clock: Clock) -> None:
                 pool.invalidate_slot(slot.offset, n)
                 pool.view(slot.offset, n)[:] = k * (n // 16) + k[: n % 16]
                 pool.write_slot_header(slot.offset, SlotHeader(k, slot.generation, n))
-            verify = SlotHeaderCheck(pool)
-            assert old.commit(lease, keys[:6], verify=verify) == [True] * 6
-            # keys 6 and 7: written, never committed (the writer died): their headers are intact too
+            verify = SlotHeaderCheck(pool, SlotState.PENDING)
+            assert old.commit(lease, keys[:6], verify=verify, record=CommitRecords(pool)) == [True] * 6
+            # keys 6 and 7: written, never committed (the writer died): their headers stay pending
         with Pool.attach(path) as pool:
             new = Registry(pool.geometry, clock=clock)
             restored = new.restore((h.key, Location(off, h.length, h.generation)) for off, h in pool.iter_slot_headers())
-            assert restored == 8
+            assert restored == 6
             reader = new.open_lease("reader")
-            for k, n, loc in zip(keys, lengths, new.retrieve(reader, keys)):
+            found = new.retrieve(reader, keys)
+            assert found.misses() == 2 and found[6] is None and found[7] is None
+            for k, n, loc in zip(keys[:6], lengths, found):
                 assert loc.length == n and bytes(pool.view(loc.offset, 16)) == k
     finally:
         os.unlink(path)

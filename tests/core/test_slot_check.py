@@ -2,9 +2,11 @@
 
 ``SlotHeaderCheck`` is what the index commits through and what a reader
 checks its pinned objects with; ``Pool.read_slot_header(offset).names(key,
-generation)`` (and the header's ``layout``) is the reference it must equal.
-Hypothesis writes real entries, then corrupts them byte by byte, and asks
-both with right and wrong keys, generations, layouts and offsets.
+generation)`` (and the header's ``layout``) is the reference it must equal,
+in either head state (pending: the index's check before it commits;
+committed: a reader's). Hypothesis writes real entries, commits some, then
+corrupts them byte by byte, and asks both with right and wrong keys,
+generations, layouts and offsets.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from maru_core.pool import Pool, SlotFormat, SlotHeader
+from maru_core.pool import Pool, SlotFormat, SlotHeader, SlotState
+from maru_core.pool.commit_records import CommitRecords
 from maru_core.pool.geometry import SLOT_HEADER_BYTES
 from maru_core.pool.slot_check import SlotHeaderCheck
 
@@ -35,12 +38,13 @@ def pool():
     os.unlink(path)
 
 
-def reference(pool: Pool, key: bytes, offset: int, generation: int, layout: int | None) -> bool:
+def reference(pool: Pool, key: bytes, offset: int, generation: int, layout: int | None,
+              state: SlotState = SlotState.COMMITTED) -> bool:  # fmt: skip
     g = pool.geometry
     if not (offset >= g.data_offset and (offset - g.data_offset) % g.page_size == 0
             and offset < g.data_offset + g.num_pages * g.page_size):  # fmt: skip
         return False
-    header = pool.read_slot_header(offset)
+    header = pool.read_slot_header(offset, state)
     return header is not None and header.names(key, generation) and (layout is None or header.layout == layout)
 
 
@@ -67,14 +71,18 @@ corruptions = st.lists(st.tuples(st.integers(0, SLOT_HEADER_BYTES - 1), st.integ
     ask_layout=st.one_of(st.none(), st.just("own"), st.integers(0, 2**64 - 1)),
     offset_delta=st.sampled_from([0, 0, 0, 1, -PAGE, 10**9]),
     reseal=st.booleans(),
+    committed=st.booleans(),
+    state=st.sampled_from([SlotState.PENDING, SlotState.COMMITTED]),
 )
 def test_batch_check_equals_the_one_object_check(
-    pool, header, page, corrupt, ask_key, ask_generation_delta, ask_layout, offset_delta, reseal
+    pool, header, page, corrupt, ask_key, ask_generation_delta, ask_layout, offset_delta, reseal, committed, state
 ) -> None:
     g = pool.geometry
     offset = g.page_offset(page)
     pool.invalidate_slot(offset, 4 * PAGE)
     pool.write_slot_header(offset, header)
+    if committed:
+        CommitRecords(pool)([offset])
     entry = g.slot_header_offset(page)
     for at, value in corrupt:
         pool.buffer[entry + at] = value
@@ -85,8 +93,8 @@ def test_batch_check_equals_the_one_object_check(
     generation = (header.generation + ask_generation_delta) % 2**64
     layout = header.layout if ask_layout == "own" else ask_layout
     where = offset + offset_delta
-    got = SlotHeaderCheck(pool)(key, np.array([where]), np.array([generation], dtype=np.uint64), layout=layout)
-    assert bool(got[0]) == reference(pool, key, where, generation, layout)
+    got = SlotHeaderCheck(pool, state)(key, np.array([where]), np.array([generation], dtype=np.uint64), layout=layout)
+    assert bool(got[0]) == reference(pool, key, where, generation, layout, state)
 
 
 def test_a_batch_answers_per_entry_and_refuses_keys_of_another_size(pool) -> None:
@@ -99,6 +107,10 @@ def test_a_batch_answers_per_entry_and_refuses_keys_of_another_size(pool) -> Non
     keys = b"".join(h.key for h in written)
     generations = np.array([h.generation for h in written], dtype=np.uint64)
     check = SlotHeaderCheck(pool)
+    # Written, not committed: a reader refuses them all; the index's pre-commit check accepts them.
+    assert check(keys, np.array(offsets), generations).tolist() == [False] * 4
+    assert SlotHeaderCheck(pool, SlotState.PENDING)(keys, np.array(offsets), generations).tolist() == [True] * 4
+    CommitRecords(pool)(offsets)
     assert check(keys, np.array(offsets), generations, layout=0xAB).tolist() == [True] * 4
     assert check(keys, np.array(offsets), generations, layout=0xAC).tolist() == [False] * 4
     generations[2] += 1
@@ -116,6 +128,8 @@ INCONSISTENT = {
     "an unknown checksum kind": [(6, b"\x07")],
     "an unknown format": [(5, b"\x63")],
     "a continuation, not a head": [(4, b"\x02")],
+    "a head written, not committed": [(4, b"\x01")],
+    "an unknown state": [(4, b"\x04")],
     "a page count that does not match the length": [(40, (9).to_bytes(4, "little"))],
     "generation 0": [(24, bytes(8))],
 }
@@ -128,6 +142,7 @@ def test_fields_that_disagree_under_a_valid_crc_are_refused_by_both(pool, fields
     offset = g.page_offset(30)
     pool.invalidate_slot(offset, PAGE)
     pool.write_slot_header(offset, header)
+    CommitRecords(pool)([offset])
     entry = g.slot_header_offset(30)
     for at, raw in fields:
         pool.buffer[entry + at : entry + at + len(raw)] = raw
@@ -150,4 +165,4 @@ def test_stored_checksums_are_what_each_header_records(pool, batch) -> None:
         pool.write_slot_header(offset, header)
     got = SlotHeaderCheck(pool).stored_checksums(np.array(offsets, dtype=np.int64))
     assert got.dtype == np.uint64
-    assert got.tolist() == [pool.read_slot_header(o).checksum or 0 for o in offsets]
+    assert got.tolist() == [pool.read_slot_header(o, SlotState.PENDING).checksum or 0 for o in offsets]

@@ -93,11 +93,13 @@ class FaultProxy:
         if not self._corrupted:
             return
         from maru_core.pool import Pool
+        from maru_core.pool.commit_records import CommitRecords
 
         pool = Pool.attach(self.pool_path)
         try:
             for offset, header in self._corrupted:
                 pool.write_slot_header(offset, header)
+                CommitRecords(pool)([offset])  # it was committed: the index had marked it so
         finally:
             pool.close()
         self._corrupted.clear()

@@ -9,7 +9,8 @@ on top of wrong KV would hand the next engine wrong KV (which a third engine
 then shows).
 
 The paths covered are the ones that let wrong KV through before: a failed
-sync load whose step still stored, a copy that fails after an overlapped
+sync load whose step still stored (or whose dropped store a restarted index
+brought back), a copy that fails after an overlapped
 release, an abort while parked after a preemption, a loader thread that
 raises, and chunked prefills longer than one step's budget.
 """
@@ -20,14 +21,18 @@ import itertools
 import time
 
 import pytest
+from maru_core.pool import Pool
+from maru_core.pool.slots import SlotState
 
 from maru_connector.config import make_kv_transfer_config
 from maru_connector.testing.cluster import wait_until
+from maru_connector.testing.index_process import IndexProcess
 from maru_connector.testing.stepper import SteppedEngine, expected_next_token
 from maru_connector.testing.workload import random_tokens
 from maru_connector.transfer.handles import LoadHandle, TransferError
 
 from .conftest import index_keys, wait_for_keys, wait_settled
+from .fault_proxy import FaultProxy
 
 CHUNK = 32
 BLOCK = 16
@@ -193,6 +198,48 @@ def test_failed_sync_load_stores_nothing_computed_on_it(engines, index, proxy, m
     reader.run(until=lambda: reader.requests["c"].output)
     assert reader.worker.worker_half.stats.snapshot()["counters"]["load_bytes"] > 0
     assert reader.wrong_positions("c", prompt) == []
+
+
+@pytest.fixture
+def restartable(workdir):
+    """An index process of the test's own (it is SIGKILLed and restarted) and a fault proxy before it."""
+    with IndexProcess(pool_size="128Mi", log_dir=workdir) as index, FaultProxy(index.port, index.pool_path) as proxy:
+        yield index, proxy
+
+
+def test_a_dropped_store_stays_dropped_across_an_index_crash_and_restart(engines, restartable):
+    """A store whose step used a failed load is copied and headed, then dropped
+    by the verdict: its slot headers stay in the pool. The index is SIGKILLed
+    and restarted over the pool: a third engine must load none of it."""
+    index, proxy = restartable
+    prefix = random_tokens(2 * CHUNK, seed=next(_seeds))
+    prompt = prefix + random_tokens(2 * CHUNK + 3, seed=next(_seeds))
+    _store(engines, index, prefix + [1])
+    committed = index_keys(index)
+    failing = engines(_config(index, url=proxy.url, async_store=False))
+    proxy.arm("miss", count=1, op="retrieve_prefix")
+    failing.add("b", prompt, max_tokens=2)
+    failing.step()  # the load fails; the forward computes the rest on it; its store is copied and headed
+    assert proxy.fired == 1 and failing.history[-1].worker_meta.tainted
+    assert index.stats()["reserved_keys"] == 2
+    # The recompute's own store gets no slot, so nothing writes over the dropped store's pages.
+    proxy.arm("drop", count=1, op="reserve")
+    failures = failing.worker.worker_half.stats.snapshot
+    failing.run(max_steps=20, until=lambda: proxy.fired and failures()["store_failures"]["load_failed"])
+    assert index_keys(index) == committed  # dropped: never committed
+    index.kill()  # SIGKILL: a crash
+    index.start()
+    assert index_keys(index) == committed
+    reader = engines(_config(index))
+    reader.add("c", prompt, max_tokens=2)
+    reader.run(until=lambda: "c" in reader.finished or reader.requests["c"].output)
+    assert reader.worker.worker_half.stats.snapshot()["counters"]["load_bytes"] > 0  # the prefix came back
+    assert reader.wrong_positions("c", prompt) == []
+    reader.run(until=lambda: "c" in reader.finished)
+    assert reader.finished["c"].output == _expected_tokens(prompt, reader.num_layers, 2)
+    with Pool.attach(index.pool_path) as pool:  # the dropped objects are there still, never committed
+        assert len(list(pool.iter_slot_headers(SlotState.PENDING))) == 2
+        assert len(list(pool.iter_slot_headers())) == committed
 
 
 class _FailingHandle(LoadHandle):

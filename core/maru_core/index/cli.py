@@ -4,7 +4,8 @@
         --listen tcp://0.0.0.0:7700 --token-file /etc/maru/token --metrics-port 9400
 
 Creates the pool when ``--pool-size`` is given and nothing is at ``--pool``;
-attaches to it otherwise, rebuilding the index from the slot headers. With
+attaches to it otherwise, rebuilding the index from the slot headers an index
+marked committed (``maru_core.pool.commit_records``). With
 ``--pool-offset`` (or a ``--pool-size`` smaller than the device), the pool is
 the region of ``--pool-size`` bytes from that offset of a DAX device shared
 with other caches: a pool of exactly that region is attached, anything else

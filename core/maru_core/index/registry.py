@@ -76,6 +76,9 @@ MAX_EVICT_FRACTION = 0.25
 #: ``verify(keys, offsets, generations) -> one bool per key`` (see ``Registry.commit``).
 Verify = Callable[[bytes, np.ndarray, np.ndarray], Sequence[bool] | np.ndarray]
 
+#: ``record(offsets)``: record the commit of the objects at these data offsets (see ``Registry.commit``).
+Record = Callable[[np.ndarray], object]
+
 __all__ = [
     "BadRequest",
     "ExpiryReport",
@@ -322,7 +325,8 @@ class Registry(Reads, Placement):
         self._reserved_keys += n
         return rows
 
-    def commit(self, lease_id: str, keys: Keys, verify: Verify | None = None) -> list[bool]:
+    def commit(self, lease_id: str, keys: Keys, verify: Verify | None = None,
+               record: Record | None = None) -> list[bool]:  # fmt: skip
         """Make reserved keys visible; one bool per key, in order.
 
         ``False`` for a key this lease has not reserved (never reserved,
@@ -331,7 +335,10 @@ class Registry(Reads, Placement):
         check of the slot headers): its slot is released. ``verify(keys,
         offsets, generations)`` gets the keys about to be committed (packed),
         their slots' data offsets and generations (int64 arrays), and returns
-        one bool per key.
+        one bool per key. ``record(offsets)`` then gets the data offsets of
+        exactly the keys this call commits, before any of them becomes
+        visible (the server marks their slot headers committed: what a
+        restart restores).
         """
         lease = self._lease(lease_id)
         rec = self._records
@@ -350,6 +357,8 @@ class Registry(Reads, Placement):
             ok[idx[~good]] = False
             self._release(mine[~good], State.RESERVED)
         done = rows[ok]
+        if record is not None and len(done):
+            record(rec.offset.take(done))
         pages = int(rec.pages.take(done).sum())
         rec.state[done] = State.COMMITTED
         rec.owner[done] = -1
@@ -427,8 +436,9 @@ class Registry(Reads, Placement):
     def restore(self, objects: Iterable[tuple[bytes, Location]]) -> int:
         """Rebuild from the pool's slot headers after a restart; return how many objects were kept.
 
-        ``objects`` are ``(key, Location)`` pairs (from
-        ``Pool.iter_slot_headers``). Objects that lie outside the data area
+        ``objects`` are ``(key, Location)`` pairs of committed objects only
+        (``Pool.iter_slot_headers(SlotState.COMMITTED)``: a header the
+        writer wrote records no commit). Objects that lie outside the data area
         are skipped; of two with one key, or two that overlap, the higher
         generation wins. Must be called before any reserve. Starts the
         quarantine: no slot is handed out for ``quarantine_s``.

@@ -62,8 +62,10 @@ from maru_core.index.limits import ServerLimits
 from maru_core.index.listen import RateLimitedLog, UnixListenerPath
 from maru_core.index.peers import peer_of
 from maru_core.index.registry import RegistryError
+from maru_core.pool.commit_records import CommitRecords
 from maru_core.pool.pool_identity import PoolIdentity
 from maru_core.pool.slot_check import SlotHeaderCheck
+from maru_core.pool.slots import SlotState
 from maru_core.protocol import (
     KEY_BYTES,
     PROTOCOL_VERSION,
@@ -95,8 +97,8 @@ class IndexServer:
     """Serves one ``Registry`` over TCP or a Unix socket.
 
     ``registry`` is a ``maru_core.index.registry.Registry``; ``pool`` the
-    attached ``Pool`` (the server reads slot headers through it to verify
-    commits); ``token``, when set, must be presented by ``hello``;
+    attached ``Pool``, mapped writable (the server reads slot headers
+    through it to verify commits, and marks them committed); ``token``, when set, must be presented by ``hello``;
     ``metrics`` an optional ``IndexMetrics`` that records every request;
     ``slice_keys`` the keys per slice of a large commit or abort;
     ``limits`` what one connection may cost (``ServerLimits``).
@@ -125,7 +127,10 @@ class IndexServer:
         self._slice_bytes = slice_keys * KEY_BYTES
         # a key's lookup costs about a quarter of its commit: slices 4x larger
         self._lookup_slice_keys = 4 * slice_keys
-        self._verify = SlotHeaderCheck(pool)
+        # A commit checks the writer's pending header, then marks it committed
+        # before the reply: a restart restores committed headers only.
+        self._verify = SlotHeaderCheck(pool, state=SlotState.PENDING)
+        self._record = CommitRecords(pool)
         # What ``hello`` says this index serves: clients refuse an index whose region is not the one they mapped.
         self._served_pool = PoolIdentity.of_pool(pool)
         self._acceptors: list[Acceptor] = []
@@ -453,7 +458,7 @@ class IndexServer:
         return {"slots": pack_slots(slots)}
 
     def _commit(self, conn: Connection, args: dict) -> dict:
-        committed = self.registry.commit(self._renewed(conn), args["keys"], verify=self._verify)
+        committed = self.registry.commit(self._renewed(conn), args["keys"], verify=self._verify, record=self._record)
         return {"committed": committed}
 
     def _abort(self, conn: Connection, args: dict) -> dict:
@@ -499,7 +504,7 @@ class IndexServer:
         for i, keys in enumerate(self._slices(args["keys"])):
             if i:
                 yield  # let other connections in
-            committed += self.registry.commit(self._renewed(conn), keys, verify=self._verify)
+            committed += self.registry.commit(self._renewed(conn), keys, verify=self._verify, record=self._record)
         return {"committed": committed}
 
     def _abort_sliced(self, conn: Connection, args: dict) -> Generator[None, None, dict]:

@@ -11,6 +11,7 @@ from maru_core.index.metrics import IndexMetrics
 from maru_core.index.limits import ServerLimits
 from maru_core.index.registry import MAX_EVICT_FRACTION, Registry
 from maru_core.index.server import IndexServer
+from maru_core.pool.slots import SlotState
 from maru_core.protocol import Location
 
 log = logging.getLogger(__name__)
@@ -32,14 +33,25 @@ class IndexService:
 
 
 def restore_registry(registry: Registry, pool: Any) -> int:
-    """Rebuild ``registry`` from the intact objects in ``pool``'s slot table;
-    return how many it kept. This also starts the registry's quarantine (no
-    slot handed out for one lease period): writers of the previous index may
-    still be copying into slots it had reserved."""
-    return registry.restore(
+    """Rebuild ``registry`` from the intact committed objects in ``pool``'s slot
+    table; return how many it kept. This also starts the registry's quarantine
+    (no slot handed out for one lease period): writers of the previous index
+    may still be copying into slots it had reserved.
+
+    Only a head that an index marked committed is a commit record. Pending
+    heads (written, never committed: aborted, dropped by the scheduler,
+    lapsed, or their writer or the index died first; and every head written
+    by a release before commit records) are left out: their pages are free.
+    """
+    restored = registry.restore(
         (header.key, Location(offset, header.length, header.generation))
-        for offset, header in pool.iter_slot_headers()
+        for offset, header in pool.iter_slot_headers(SlotState.COMMITTED)
     )
+    pending = sum(1 for _ in pool.iter_slot_headers(SlotState.PENDING))
+    if pending:
+        log.info("left out %d objects whose slot headers record no commit (never committed, "
+                 "or written by a MaruCache release before commit records)", pending)  # fmt: skip
+    return restored
 
 
 def build_service(

@@ -27,7 +27,7 @@ from maru_core.pool.errors import (
 from maru_core.pool.geometry import DEFAULT_PAGE_SIZE, PoolGeometry, check_region_offset
 from maru_core.pool.header import PoolHeader
 from maru_core.pool.pool import Pool
-from maru_core.pool.slots import ChecksumKind, SlotFormat, SlotHeader
+from maru_core.pool.slots import ChecksumKind, SlotFormat, SlotHeader, SlotState
 
 __all__ = [
     "DEFAULT_PAGE_SIZE",
@@ -53,5 +53,6 @@ __all__ = [
     "PoolVersionError",
     "SlotFormat",
     "SlotHeader",
+    "SlotState",
     "check_region_offset",
 ]

@@ -46,6 +46,7 @@ from maru_core.pool.geometry import (
 from maru_core.pool.header import PoolHeader, parse_header
 from maru_core.pool.region import check_region, locate, map_region
 from maru_core.pool.slots import (
+    HEAD_STATES,
     SLOT_MAGIC,
     ChecksumKind,
     SlotHeader,
@@ -55,7 +56,7 @@ from maru_core.pool.slots import (
     unpack_head,
 )
 
-_HEAD_PATTERN = re.compile(re.escape(SLOT_MAGIC + bytes([SlotState.HEAD])))
+_HEAD_PATTERNS = {state: re.compile(re.escape(SLOT_MAGIC + bytes([state]))) for state in HEAD_STATES}
 _ZERO_CHUNK = 64 * 1024 * 1024
 
 
@@ -381,15 +382,16 @@ class Pool:
         return page, count
 
     def write_slot_header(self, offset: int, header: SlotHeader) -> None:
-        """Write the slot header of the object whose data starts at ``offset``.
+        """Write the slot header of the object whose data starts at ``offset``, pending.
 
-        Call it after the object's data is written and before ``commit``. The
-        continuations go in first and the head last, so a torn write never
-        leaves an intact-looking object.
+        Call it after the object's data is written and before ``commit``; the
+        index marks it committed when it commits the key (pending, it is never
+        restored nor read). The continuations go in first and the head last,
+        so a torn write never leaves an intact-looking object.
         """
         self._check_open()
         page, count = self._object_pages(offset, header.length)
-        head = pack_entry(header, SlotState.HEAD, count)
+        head = pack_entry(header, SlotState.PENDING, count)
         start = self.geometry.slot_header_offset(page)
         if count > 1:
             self._buffer[start + SLOT_HEADER_BYTES : start + count * SLOT_HEADER_BYTES] = continuation_of(head) * (count - 1)
@@ -407,13 +409,14 @@ class Pool:
         start = self.geometry.slot_header_offset(page)
         self._buffer[start : start + count * SLOT_HEADER_BYTES] = bytes(count * SLOT_HEADER_BYTES)
 
-    def read_slot_header(self, offset: int) -> SlotHeader | None:
+    def read_slot_header(self, offset: int, state: SlotState = SlotState.COMMITTED) -> SlotHeader | None:
         """The slot header of the object at ``offset``, or ``None`` when the
-        entry there is not a valid head (empty, torn, bad CRC)."""
+        entry there is not a valid head in ``state`` (empty, torn, bad CRC,
+        or, by default, not committed)."""
         self._check_open()
         page = self.geometry.page_index(offset)
         start = self.geometry.slot_header_offset(page)
-        parsed = unpack_head(self._buffer[start : start + SLOT_HEADER_BYTES], self.geometry.page_size)
+        parsed = unpack_head(self._buffer[start : start + SLOT_HEADER_BYTES], self.geometry.page_size, state)
         if parsed is None or page + parsed[1] > self.geometry.num_pages:
             return None
         return parsed[0]
@@ -446,20 +449,22 @@ class Pool:
             return False
         return self.payload_checksum(offset, header.length, header.checksum_kind) == header.checksum
 
-    def iter_slot_headers(self) -> Iterator[tuple[int, SlotHeader]]:
-        """``(offset, header)`` of every intact object in the table, in page order.
+    def iter_slot_headers(self, state: SlotState = SlotState.COMMITTED) -> Iterator[tuple[int, SlotHeader]]:
+        """``(offset, header)`` of every intact object whose head is in ``state``, in page order.
 
-        Intact: a valid head whose continuations are all in place. This is
-        what the index rebuilds itself from after a restart.
+        Intact: a valid head whose continuations are all in place. The
+        committed ones are what the index rebuilds itself from after a
+        restart; pending ones were never committed (or their commit was never
+        recorded) and are never rebuilt.
         """
         self._check_open()
         g = self.geometry
         table = self._buffer[g.table_offset : g.table_offset + g.num_pages * SLOT_HEADER_BYTES]
-        for match in _HEAD_PATTERN.finditer(table):
+        for match in _HEAD_PATTERNS[state].finditer(table):
             pos = match.start()
             if pos % SLOT_HEADER_BYTES:
                 continue  # the pattern inside a key or another field
-            parsed = unpack_head(table[pos : pos + SLOT_HEADER_BYTES], g.page_size)
+            parsed = unpack_head(table[pos : pos + SLOT_HEADER_BYTES], g.page_size, state)
             if parsed is None:
                 continue
             header, count = parsed

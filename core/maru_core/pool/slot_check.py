@@ -11,7 +11,7 @@ batch are gathered from the slot-header table with one numpy take and
 checked field by field, vectorised; only the CRC32 (which numpy cannot
 compute) is one ``zlib.crc32`` call per entry, over bytes already gathered.
 
-The checks are exactly those of ``read_slot_header(offset).names(key,
+The checks are exactly those of ``read_slot_header(offset, state).names(key,
 generation)`` (a property test holds the two against each other): magic,
 head state, CRC, a known format and checksum kind, non-zero generation and
 length, a page count that matches the length and stays inside the pool,
@@ -59,16 +59,18 @@ if _ENTRY.itemsize != SLOT_HEADER_BYTES:  # pragma: no cover - a layout edit gon
 class SlotHeaderCheck:
     """``check(keys, offsets, generations, layout=None) -> bool array``:
     whether the slot header at each data ``offset`` of ``pool`` is a valid
-    head naming the key (``keys`` packed, 16 bytes each) and the generation,
-    and, when ``layout`` is given, whose writer recorded that layout
-    fingerprint.
+    head in ``state`` naming the key (``keys`` packed, 16 bytes each) and the
+    generation, and, when ``layout`` is given, whose writer recorded that
+    layout fingerprint.
 
-    The registry's ``commit`` takes it as ``verify``; the connector checks
-    a load's pinned objects with it.
+    The registry's ``commit`` takes it as ``verify`` with ``state`` pending
+    (the writer's header, not yet committed); the connector checks a load's
+    pinned objects with it in the default state, committed.
     """
 
-    def __init__(self, pool) -> None:
+    def __init__(self, pool, state: SlotState = SlotState.COMMITTED) -> None:
         self._pool = pool
+        self._state = SlotState(state)
 
     def __call__(
         self, keys: bytes, offsets: np.ndarray, generations: np.ndarray, layout: int | None = None
@@ -82,7 +84,7 @@ class SlotHeaderCheck:
         words = np.frombuffer(keys, dtype="<u8")
         ok = inside
         ok &= entries["magic"] == _MAGIC
-        ok &= entries["state"] == SlotState.HEAD
+        ok &= entries["state"] == self._state
         ok &= np.isin(entries["fmt"], _FORMATS)
         kind, checksum = entries["checksum_kind"], entries["checksum"]
         ok &= (((kind == ChecksumKind.NONE) & (checksum == 0)) | ((kind == ChecksumKind.XXH3_64) & (checksum != 0))

@@ -3,10 +3,25 @@
 An object occupies a run of pages. The entry of its first page is the
 *head*: it names the object's key, generation, length and format. The
 entries of its other pages are *continuations*, byte-for-byte copies of the
-head except for the state. An object is intact only when its head and every
-continuation are in place, so an object whose pages a later object took over
-(its head or one of its continuations overwritten) is never resurrected
-when the index rebuilds itself from the table.
+head except for the state (and so the CRC). An object is intact only when its
+head and every continuation are in place, so an object whose pages a later
+object took over (its head or one of its continuations overwritten) is never
+resurrected when the index rebuilds itself from the table.
+
+A head is in one of two states. A writer writes it *pending* (state 1:
+written, not committed) once its copy completed. The index alone turns it
+*committed* (state 3), in its own mapping of the pool, while it commits the
+key and before it acknowledges the commit. A head is no commit record until
+then: an aborted, dropped or lapsed object, or one whose writer died before
+its commit, stays pending. Only committed heads are rebuilt by a restarted
+index and accepted by a reader after pinning. The continuations never
+change: they are the head's copy with state 2 whichever state the head is in.
+
+Entries of MaruCache releases before commit records wrote their heads in
+state 1 before the index's commit, the state that now reads *pending*: such
+an object is never restored (whether it was committed cannot be told), and
+a reader refuses it. The index still commits a key whose head such a writer
+wrote (it checks a pending head); it marks the head committed.
 
 Entry layout (little-endian), CRC32 over the first 60 bytes:
 
@@ -45,9 +60,16 @@ KEY_BYTES = 16
 
 
 class SlotState(enum.IntEnum):
+    """The state byte of a table entry (see the module docstring)."""
+
     EMPTY = 0
-    HEAD = 1
+    PENDING = 1  # a head written, not committed (before commit records: every head)
     CONTINUATION = 2
+    COMMITTED = 3  # a head whose commit the index recorded
+
+
+#: The states of a head entry.
+HEAD_STATES = (SlotState.PENDING, SlotState.COMMITTED)
 
 
 class ChecksumKind(enum.IntEnum):
@@ -128,14 +150,17 @@ def pack_entry(header: SlotHeader, state: SlotState, page_count: int) -> bytes:
     return body + _CRC.pack(zlib.crc32(body))
 
 
-def unpack_head(entry: bytes | memoryview, page_size: int) -> tuple[SlotHeader, int] | None:
-    """``(header, page_count)`` of a valid head entry, else ``None``.
+def unpack_head(entry: bytes | memoryview, page_size: int,
+                state: SlotState = SlotState.COMMITTED) -> tuple[SlotHeader, int] | None:  # fmt: skip
+    """``(header, page_count)`` of a valid head entry in ``state``, else ``None``.
 
     Invalid: wrong magic, bad CRC, another state, or a page count that does
     not match the length.
     """
+    if state not in HEAD_STATES:
+        raise ValueError(f"a head entry is pending or committed, not {state!r}")
     entry = bytes(entry)
-    if entry[:4] != SLOT_MAGIC or entry[4] != SlotState.HEAD:
+    if entry[:4] != SLOT_MAGIC or entry[4] != state:
         return None
     body = entry[: _BODY.size]
     if zlib.crc32(body) != _CRC.unpack_from(entry, _BODY.size)[0]:
@@ -151,8 +176,13 @@ def unpack_head(entry: bytes | memoryview, page_size: int) -> tuple[SlotHeader, 
     return header, page_count
 
 
-def continuation_of(head_entry: bytes) -> bytes:
-    """The continuation entry that goes with ``head_entry``."""
-    body = bytearray(head_entry[: _BODY.size])
-    body[4] = SlotState.CONTINUATION
+def with_state(entry: bytes, state: SlotState) -> bytes:
+    """``entry`` with its state byte set to ``state`` and its CRC made anew."""
+    body = bytearray(entry[: _BODY.size])
+    body[4] = state
     return bytes(body) + _CRC.pack(zlib.crc32(body))
+
+
+def continuation_of(head_entry: bytes) -> bytes:
+    """The continuation entry that goes with ``head_entry`` (pending or committed: the same)."""
+    return with_state(head_entry, SlotState.CONTINUATION)
