@@ -174,6 +174,7 @@ def test_an_older_writer_s_xxh3_object_is_checked_in_the_pool_before_any_copy(en
     header = env.pool.read_slot_header(loc.offset)
     env.pool.write_slot_header(loc.offset, dataclasses.replace(header, checksum=old,
                                                                checksum_kind=ChecksumKind.XXH3_64))
+    CommitRecords(env.pool)([loc.offset])  # as the index does on commit
     client = env.index.client()
     pinned = resolve_load(client, env.pool, fmt, keys, spec_blocks(10, 2), verify_payload=True)
     assert pinned.check.verify.tolist() == [True, False]  # the engine checks only the new kind

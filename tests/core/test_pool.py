@@ -513,7 +513,7 @@ def test_a_position_sum_may_be_zero_an_xxh3_checksum_may_not(pool: Pool) -> None
     offset = pool.geometry.page_offset(2)
     header = SlotHeader(key=b"K" * 16, generation=1, length=100, checksum=0)
     assert header.checksum_kind == ChecksumKind.POSITION_SUM
-    pool.write_slot_header(offset, header)
+    _write_committed(pool, offset, header)
     assert pool.read_slot_header(offset) == header
     with pytest.raises(ValueError, match="checksum"):
         SlotHeader(key=b"K" * 16, generation=1, length=1, checksum=0, checksum_kind=ChecksumKind.XXH3_64)
@@ -525,7 +525,7 @@ def test_an_xxh3_entry_of_an_older_writer_is_still_checked_the_old_way(pool: Poo
     pool.view(offset, 2 * PAGE)[:] = os.urandom(2 * PAGE)
     old = pool.payload_checksum(offset, 2 * PAGE, ChecksumKind.XXH3_64)
     header = SlotHeader(b"X" * 16, 3, 2 * PAGE, checksum=old, checksum_kind=ChecksumKind.XXH3_64)
-    pool.write_slot_header(offset, header)
+    _write_committed(pool, offset, header)
     read = pool.read_slot_header(offset)
     assert read == header and read.checksum_kind == ChecksumKind.XXH3_64
     assert pool.payload_matches(offset, read)
