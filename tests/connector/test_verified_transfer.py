@@ -358,7 +358,10 @@ def test_the_cuda_engine_compares_exactly_the_objects_due_at_each_fill(pool, lay
 
     def flags_after(layer_groups, verify):
         flags = torch.zeros(nl, dtype=torch.int32)
-        job = SimpleNamespace(check_state=[sums, expected, verify, flags, 0])
+        state = [sums, expected, verify]
+        if layerwise:  # as _check_state keeps them: [chunk, layer]
+            state = [t.view(-1, nl) for t in state]
+        job = SimpleNamespace(check_state=[*state, flags, 0])
         checks = [engine._compare(job, layers) for layers in layer_groups]
         return [None if c is None else int(c[1][c[2]]) for c in checks]
 

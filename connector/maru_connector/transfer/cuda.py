@@ -700,9 +700,14 @@ class CudaTransferEngine(TransferEngine):
         if state is None:
             check, device = job.check, self.device
             sums = torch.zeros(len(check), dtype=torch.int64, device=device)
-            expected = torch.from_numpy(check.expected.view("int64")).to(device, non_blocking=True)
-            verify = torch.from_numpy(check.verify).to(device, non_blocking=True)
+            # From pinned memory: a pageable copy would hold the issuing thread
+            # until the scatter stream reached it, behind the load's first fill.
+            expected = torch.from_numpy(check.expected.view("int64")).pin_memory().to(device, non_blocking=True)
+            verify = torch.from_numpy(check.verify).pin_memory().to(device, non_blocking=True)
             flags = torch.zeros(self.layout.num_layers, dtype=torch.int32, pin_memory=True)
+            if self.fmt.layerwise:  # [chunk, layer] views, sliced per fill by _compare
+                nl = self.layout.num_layers
+                sums, expected, verify = sums.view(-1, nl), expected.view(-1, nl), verify.view(-1, nl)
             state = job.check_state = [sums, expected, verify, flags, 0]
         return state
 
@@ -721,7 +726,7 @@ class CudaTransferEngine(TransferEngine):
                 expect += run.rows * bpc
         if used != n_chunks * len(layers) * row:
             raise AssertionError("a fill's bytes are not its rows")
-        sums = self._check_state(job)[0]
+        sums = self._check_state(job)[0].view(-1)  # one per object of the load
         device_checksum.add_row_sums(
             sums, staging, offset, row, first_chunk=first_chunk, n_chunks=n_chunks, first_layer=layers[0],
             n_layers=len(layers), chunk_major=bool(interleaved), layerwise=self.fmt.layerwise,
@@ -734,9 +739,9 @@ class CudaTransferEngine(TransferEngine):
         sums, expected, verify, flags, index = state = self._check_state(job)
         nl = self.layout.num_layers
         if self.fmt.layerwise:
-            pick = (slice(None), slice(layers[0], layers[-1] + 1))
+            pick = slice(layers[0], layers[-1] + 1)
             what = f"a payload of layer {layers[0]}" + (f"-{layers[-1]}" if len(layers) > 1 else "")
-            sums, expected, verify = (t.view(-1, nl)[pick] for t in (sums, expected, verify))
+            sums, expected, verify = sums[:, pick], expected[:, pick], verify[:, pick]
         elif nl - 1 not in layers:
             return None
         else:
