@@ -136,19 +136,30 @@ def pinned_peak_gbps(nbytes: int = 1 << 30) -> float:
     return nbytes / best / 1e9
 
 
+def position_weights(n: int, layer: int, device) -> torch.Tensor:
+    """``n`` odd pseudo-random int64 weights, from integer arithmetic alone
+    (a device's random generator may draw other values on another GPU
+    model; wrap-around multiplication gives the same bits everywhere)."""
+    w = torch.arange(n, dtype=torch.int64, device=device) * 0x5851F42D4C957F2D
+    w += 0x14057B7EF767814F + layer
+    w ^= w >> 29
+    w *= 0x2545F4914F6CDD1D
+    return w | 1
+
+
 def fingerprint(layers: list[torch.Tensor], block_ids: list[int]) -> list[int]:
     """Per layer, the sum of every 16-bit element of these blocks (token
-    order) times an odd pseudo-random weight of its position, modulo 2**64:
-    the same bytes give the same value in any process, and a change of any
-    one element always changes it."""
+    order) times an odd weight of its position, modulo 2**64: the same bytes
+    give the same value in any process, and a change of any one element
+    always changes it (an odd weight times a nonzero difference below 2**16
+    is never 0 modulo 2**64)."""
     ids = torch.tensor(block_ids, device=layers[0].device)
     out = []
     for i, t in enumerate(layers):
         x = t.index_select(0, ids).reshape(-1).view(torch.int16).to(torch.int64)
-        gen = torch.Generator(device=x.device).manual_seed(4099 + i)
-        w = torch.randint(0, 1 << 62, x.shape, generator=gen, device=x.device, dtype=torch.int64)
-        out.append(int((x * (2 * w + 1)).sum()))
-        del x, w
+        x *= position_weights(x.numel(), i, x.device)
+        out.append(int(x.sum()))
+        del x
     return out
 
 
@@ -176,7 +187,8 @@ class Rank:
         timeout = timedelta(seconds=cfg["timeout_s"])
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cfg['dist_port']}",
                                 rank=self.rank, world_size=self.world, timeout=timeout)
-        self.closers.append(dist.destroy_process_group)
+        # no destroy_process_group: a process group whose NCCL communicator
+        # failed can hang in it; the process exits right after (os._exit)
         self.collective = self._collective(timeout)
         torch.manual_seed(0)
         self.model = LlamaStack(self.local, self.device, seed=0)
@@ -349,63 +361,66 @@ class Rank:
         return fingerprint(self.layers, loaded) == fingerprints[prefix]
 
 
-def run(cfg: dict, result: dict) -> None:
-    r = Rank(cfg)
-    try:
-        r.start()
-        result["collective"] = r.collective[2]
-        progress(r.rank, f"on {r.device}, TP {r.tp_rank}/{r.tp_size}, collective {r.collective[2]}")
-        written = {}
-        for slot, prefix in enumerate(r.proc["writes"]):
-            t = time.monotonic()
-            written[prefix] = r.write(slot, prefix)
-            progress(r.rank, f"prefix {prefix} computed and stored in {time.monotonic() - t:.1f} s")
-        fingerprints: dict = {}
-        if cfg["plan"]["experiment"] == "engines":
-            mine = {p: fingerprint(r.layers, ids) for p, ids in written.items()}
-            every = [None] * r.world
-            dist.all_gather_object(every, mine)
-            for theirs in every:
-                fingerprints.update(theirs)
-        dist.barrier()  # every prefix stored before any load
-        for k in range(r.world):  # each GPU's peak measured alone
-            dist.barrier()
-            if k == r.rank and r.cuda:
-                result["pinned_peak_gbps"] = pinned_peak_gbps()
-        nbytes = r.tokens * r.local.kv_bytes_per_token_layer * r.local.layers
-        result["runs"] = {}
-        for case in cfg["cases"]:
-            prefix = r.proc["loads"][case]
-            for mode in cfg["modes"]:
-                times, verified = [], True
-                for i in range(cfg["repeats"] + 1):  # the first is a warm-up
-                    times.append(r.hit(prefix, mode))
-                    verified = r.verify(prefix, written, fingerprints) and verified
-                result["runs"].setdefault(case, {})[mode] = {
-                    "prefix": prefix, "bytes": nbytes, "verified": verified, "times": times[1:]}
-                ttft = sorted(t["first_token"] - t["start"] for t in times[1:])
-                progress(r.rank, f"{case}/{mode}: prefix {prefix}, own TTFT median "
-                                 f"{ttft[len(ttft) // 2] * 1e3:.1f} ms, bits equal {verified}")
+def run(r: Rank, result: dict) -> None:
+    cfg = r.cfg
+    r.start()
+    result["collective"] = r.collective[2]
+    progress(r.rank, f"on {r.device}, TP {r.tp_rank}/{r.tp_size}, collective {r.collective[2]}")
+    written = {}
+    for slot, prefix in enumerate(r.proc["writes"]):
+        t = time.monotonic()
+        written[prefix] = r.write(slot, prefix)
+        progress(r.rank, f"prefix {prefix} computed and stored in {time.monotonic() - t:.1f} s")
+    fingerprints: dict = {}
+    if cfg["plan"]["experiment"] == "engines":
+        mine = {p: fingerprint(r.layers, ids) for p, ids in written.items()}
+        every = [None] * r.world
+        dist.all_gather_object(every, mine)
+        for theirs in every:
+            fingerprints.update(theirs)
+    dist.barrier()  # every prefix stored before any load
+    for k in range(r.world):  # each GPU's peak measured alone
         dist.barrier()
-    finally:
-        r.close()
+        if k == r.rank and r.cuda:
+            result["pinned_peak_gbps"] = pinned_peak_gbps()
+    nbytes = r.tokens * r.local.kv_bytes_per_token_layer * r.local.layers
+    result["runs"] = {}
+    for case in cfg["cases"]:
+        prefix = r.proc["loads"][case]
+        for mode in cfg["modes"]:
+            times, verified = [], True
+            for i in range(cfg["repeats"] + 1):  # the first is a warm-up
+                times.append(r.hit(prefix, mode))
+                verified = r.verify(prefix, written, fingerprints) and verified
+            result["runs"].setdefault(case, {})[mode] = {
+                "prefix": prefix, "bytes": nbytes, "verified": verified, "times": times[1:]}
+            ttft = sorted(t["first_token"] - t["start"] for t in times[1:])
+            progress(r.rank, f"{case}/{mode}: prefix {prefix}, own TTFT median "
+                             f"{ttft[len(ttft) // 2] * 1e3:.1f} ms, bits equal {verified}")
+    dist.barrier()
 
 
 def main() -> int:
     with open(sys.argv[1]) as f:
         cfg = json.load(f)
     result = {"rank": cfg["rank"], "ok": False}
+    r = None
     try:
-        run(cfg, result)
+        r = Rank(cfg)
+        run(r, result)
         result["ok"] = True
     except BaseException as exc:  # reported in the JSON and the log, never silently
         result["error"] = f"{type(exc).__name__}: {exc}"
         result["traceback"] = traceback.format_exc()
         progress(cfg["rank"], f"FAILED: {result['error']}\n{result['traceback']}")
     with open(os.path.join(cfg["out_dir"], f"rank{cfg['rank']}.json"), "w") as f:
-        json.dump(result, f, indent=1)
+        json.dump(result, f, indent=1)  # first: a close that hangs loses nothing
+    if r is not None:
+        r.close()
     return 0 if result["ok"] else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)  # no interpreter teardown (NCCL and CUDA destructors)
