@@ -131,9 +131,14 @@ def launch(plan, args, index, run_dir: str) -> list[dict]:
         procs.append((subprocess.Popen([sys.executable, os.path.join(HERE, "multi_gpu_worker.py"),
                                         path], env=worker_env(), stdout=log,
                                        stderr=subprocess.STDOUT), log))
-    why = watch([p for p, _ in procs], args.timeout)
-    for _, log in procs:
-        log.close()
+    try:
+        why = watch([p for p, _ in procs], args.timeout)
+    finally:  # also on SIGTERM (a `timeout` around this run): no worker outlives it
+        for proc, log in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait()
+            log.close()
     reports = []
     for rank, (proc, _) in enumerate(procs):
         try:
@@ -256,6 +261,9 @@ def run(args):
 
 def main(argv=None) -> int:
     args = parse(argv)
+    # SIGTERM (from `timeout`) unwinds: the workers are killed and the index's
+    # pool file leaves /dev/shm, which the next run needs
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     os.makedirs(args.out, exist_ok=True)
     try:
         result, plan, passed = run(args)
