@@ -106,6 +106,9 @@ def worker_env() -> dict:
     paths = [os.path.join(ROOT, p) for p in ("connector", "core", "tests/connector", "bench")]
     env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast stays off
+    # one host: gloo and NCCL's bootstrap on loopback, whatever the hostname resolves to
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    env.setdefault("NCCL_SOCKET_IFNAME", "lo")
     env["PYTHONUNBUFFERED"] = "1"
     return env
 

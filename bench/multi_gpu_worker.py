@@ -228,9 +228,10 @@ class Rank:
         if self.cfg["plan"]["collective"] != "nccl":
             shared = self.cfg["plan"]["processes"] > self.cfg["plan"]["gpus"]
             return dist.group.WORLD, "gloo", ("gloo (ranks share a GPU)" if shared else "gloo")
-        group = dist.new_group(backend="nccl", timeout=timeout)
+        group = None
         probe = torch.ones(1, device=self.device)
-        try:
+        try:  # a refusal shows at the first collective, or, where NCCL hangs, at the timeout
+            group = dist.new_group(backend="nccl", timeout=min(timeout, timedelta(seconds=60)))
             dist.all_reduce(probe, group=group)
             torch.cuda.synchronize()
             ok = probe.item() == self.world
