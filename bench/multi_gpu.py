@@ -77,6 +77,9 @@ def parse(argv=None):
     p.add_argument("--format", choices=["chunkwise", "layerwise"], default="chunkwise")
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="tokens per forward of a writer's prefill (4096)")
+    p.add_argument("--verify-payload", choices=["on", "off"], default="on",
+                   help="loads check the bytes they receive against the writer's checksums, as "
+                        "the connector does by default (maru_verify_payload)")
     p.add_argument("--cpu", action="store_true", help="tiny model and sizes on the CPU")
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds for the whole run; the processes are killed after")
@@ -125,6 +128,7 @@ def launch(plan, args, index, run_dir: str) -> list[dict]:
                "cases": args.cases, "layers": args.layers, "block_size": args.block_size,
                "chunk_tokens": args.chunk_tokens, "format": args.format,
                "prefill_chunk": args.prefill_chunk, "timeout_s": args.timeout,
+               "verify_payload": args.verify_payload == "on",
                "dist_port": port, "index_url": index.url, "index_token": index.token,
                "pool_path": index.pool_path, "out_dir": run_dir}
         path = os.path.join(run_dir, f"config{rank}.json")

@@ -9,7 +9,9 @@ MLP under TP, an all-reduce after each attention and MLP), stores them
 through the connector's ``Storer`` into the real index's pool, measures its
 GPU's pinned host-to-device peak alone, then, at the same moment as every
 other process (a barrier), loads its hit through ``resolve_load`` and the
-real transfer engine and computes the first token. After every hit the
+real transfer engine (the payload checked against the writer's checksums,
+as the connector loads by default; ``--verify-payload off``: not) and
+computes the first token. After every hit the
 loaded blocks are checked against the writer's: bit for bit when this
 process wrote them (TP), by a per-layer fingerprint that any one changed
 element changes when another process did (engines).
@@ -322,10 +324,12 @@ class Rank:
             self.sync()
             dist.barrier()
             start = time.monotonic()
+            verify = self.cfg["verify_payload"]
             pinned = resolve_load(self.client, self.pool, self.engine.fmt, keys,
-                                  self.chunk_blocks(self.read_ids))
-            try:
-                handle = self.engine.submit_load(pinned.chunks)
+                                  self.chunk_blocks(self.read_ids), verify_payload=verify)
+            try:  # with the payload check, as the connector loads by default
+                handle = self.engine.submit_load(pinned.chunks,
+                                                 check=pinned.check if verify else None)
                 if mode == "sync":
                     self._check(handle.wait_all(WAIT_S), handle, "the load")
                     loaded = time.monotonic()
@@ -342,7 +346,8 @@ class Rank:
                     loaded = first_token  # landed before the last layer's attention
             finally:
                 release_pins(self.client, pinned)
-        return {"start": start, "loaded": loaded, "first_token": first_token, "token": token}
+        return {"start": start, "loaded": loaded, "first_token": first_token, "token": token,
+                "payload_checked": verify and pinned.check is not None}
 
     @staticmethod
     def _check(ok: bool, handle, what: str) -> None:
@@ -394,7 +399,8 @@ def run(r: Rank, result: dict) -> None:
                 times.append(r.hit(prefix, mode))
                 verified = r.verify(prefix, written, fingerprints) and verified
             result["runs"].setdefault(case, {})[mode] = {
-                "prefix": prefix, "bytes": nbytes, "verified": verified, "times": times[1:]}
+                "prefix": prefix, "bytes": nbytes, "verified": verified, "times": times[1:],
+                "payload_checked": all(t["payload_checked"] for t in times)}
             ttft = sorted(t["first_token"] - t["start"] for t in times[1:])
             progress(r.rank, f"{case}/{mode}: prefix {prefix}, own TTFT median "
                              f"{ttft[len(ttft) // 2] * 1e3:.1f} ms, bits equal {verified}")

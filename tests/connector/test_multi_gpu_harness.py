@@ -180,6 +180,9 @@ def test_cpu_tp2_on_one_device_loads_each_ranks_own_shard_bit_exact(tmp_path):
     result = json.loads((tmp_path / "multi_gpu_tp2_on_1gpu_cpu.json").read_text())
     assert [r["collective"] for r in result["reports"]] == ["gloo (ranks share a GPU)"] * 2
     assert [(s["case"], s["mode"]) for s in result["summaries"]] == [("tp", "sync"), ("tp", "overlap")]
+    # the loads check the payload against the writer's checksums, as the connector does
+    assert all(r["runs"]["tp"][m]["payload_checked"] for r in result["reports"]
+               for m in ("sync", "overlap"))
     for s in result["summaries"]:
         assert s["verified"] and s["median_ttft_s"] > 0 and len(s["ttft_s"]) == 1
         # each rank holds half the KV heads: half the bytes of the whole prefix
