@@ -157,21 +157,23 @@ def launch(plan, args, index, run_dir: str) -> list[dict]:
     return reports
 
 
-def watch(procs: list, timeout: float) -> dict[int, str]:
-    """Wait for every process; once one failed, the others get ``GRACE_S``
-    (they may wait on it in a collective); past ``timeout`` all are killed.
-    Why each killed one ended."""
+def watch(procs: list, timeout: float, grace: float = GRACE_S) -> dict[int, str]:
+    """Wait for every process; once one failed, the others get ``grace``
+    seconds more (they may wait on it in a collective); past ``timeout`` all
+    are killed. Why each killed one ended."""
     deadline = time.monotonic() + timeout
+    failed: list[int] = []
     why: dict[int, str] = {}
-    while any(p.poll() is None for p in procs):
-        failed = [i for i, p in enumerate(procs) if p.returncode not in (None, 0)]
-        if failed:
-            deadline = min(deadline, time.monotonic() + GRACE_S)
+    while None in [p.poll() for p in procs]:  # every one polled: its returncode set
+        if not failed:
+            failed = [i for i, p in enumerate(procs) if p.returncode not in (None, 0)]
+            if failed:  # once: the grace does not slide
+                deadline = min(deadline, time.monotonic() + grace)
         if time.monotonic() > deadline:
             for i, p in enumerate(procs):
                 if p.poll() is None:
                     why[i] = (f"killed: rank {failed[0]} failed and this one did not finish "
-                              f"within {GRACE_S:.0f} s" if failed else
+                              f"within {grace:.0f} s" if failed else
                               f"killed: the run passed --timeout {timeout:.0f} s")
                     p.send_signal(signal.SIGKILL)
                     p.wait()

@@ -164,6 +164,29 @@ def test_arguments_a_hit_cannot_have_are_refused():
     assert (args.gpus, args.tokens, args.cases, args.tag) == (4, 16384, ["tp"], "tp4_on_4gpu")
 
 
+def test_one_failed_process_gives_the_others_a_grace_then_they_are_killed():
+    import time
+
+    from multi_gpu import watch
+
+    waiting = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    failing = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    start = time.monotonic()
+    why = watch([waiting, failing], timeout=50, grace=1.0)
+    assert time.monotonic() - start < 10
+    assert waiting.returncode == -9 and failing.returncode == 3
+    assert why == {0: "killed: rank 1 failed and this one did not finish within 1 s"}
+
+
+def test_processes_past_the_timeout_are_killed():
+    from multi_gpu import watch
+
+    slow = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    assert watch([slow, done], timeout=2) == {0: "killed: the run passed --timeout 2 s"}
+    assert slow.returncode == -9 and done.returncode == 0
+
+
 def run_harness(tmp_path, *extra):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
