@@ -42,6 +42,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -262,10 +263,15 @@ def run(args):
     result["collective_used"] = sorted({r.get("collective") for r in reports if r.get("collective")})
     summaries = []
     if not failed:
-        summaries = [summarize_runs(plan, reports, case, mode)
-                     for case in args.cases for mode in args.modes]
+        try:
+            summaries = [summarize_runs(plan, reports, case, mode)
+                         for case in args.cases for mode in args.modes]
+        except Exception as exc:  # the reports still go into the JSON
+            result["summary_error"] = f"{type(exc).__name__}: {exc}"
+            print(f"!! the reports could not be summarized: {result['summary_error']}", flush=True)
     result["summaries"] = summaries
-    return result, plan, not failed and all(s["verified"] for s in summaries)
+    passed = not failed and bool(summaries) and all(s["verified"] for s in summaries)
+    return result, plan, passed
 
 
 def main(argv=None) -> int:
@@ -279,13 +285,21 @@ def main(argv=None) -> int:
     except PlanError as exc:
         print(f"!! {exc}", flush=True)
         return 2
+    except Exception as exc:  # e.g. the index did not start: say why, exit non-zero
+        traceback.print_exc()
+        print(f"!! the run failed before any figure: {type(exc).__name__}: {exc}", flush=True)
+        return 1
     path = os.path.join(args.out, f"multi_gpu_{args.tag}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     if result["summaries"]:
         print(table(result["summaries"], plan))
         print(f"collective: {', '.join(result['collective_used']) or '-'}")
-        print(plot(result["summaries"], plan, os.path.join(args.out, f"multi_gpu_{args.tag}.png")))
+        try:
+            print(plot(result["summaries"], plan,
+                       os.path.join(args.out, f"multi_gpu_{args.tag}.png")))
+        except Exception as exc:  # a plot is no figure: the run stands
+            print(f"no plot: {type(exc).__name__}: {exc}")
     print(f"{'PASSED' if passed else 'FAILED'}: {path}", flush=True)
     return 0 if passed else 1
 
