@@ -23,3 +23,21 @@ def make_pool():
     for pool, path in made:
         pool.close()
         os.unlink(path)
+
+
+@pytest.fixture
+def pool_path():
+    """A fresh path for a pool file in ``/dev/shm``, removed after the test."""
+    path = unique_shm_path("test-index")
+    yield path
+    if os.path.exists(path):
+        os.unlink(path)
+
+
+@pytest.fixture
+def token_file(tmp_path, request):
+    """The test module's ``TOKEN`` in a file only its owner reads, as the index requires."""
+    path = tmp_path / "token"
+    path.write_text(request.module.TOKEN + "\n")
+    path.chmod(0o600)
+    return str(path)

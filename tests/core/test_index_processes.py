@@ -26,22 +26,6 @@ ROLE_ARGS = ["--tokens", "1024", "--chunk-tokens", "128", "--layers", "4", "--ob
 
 
 @pytest.fixture
-def token_file(tmp_path):
-    path = tmp_path / "token"
-    path.write_text(TOKEN + "\n")
-    path.chmod(0o600)
-    return str(path)
-
-
-@pytest.fixture
-def pool_path():
-    path = unique_shm_path("test-proc")
-    yield path
-    if os.path.exists(path):
-        os.unlink(path)
-
-
-@pytest.fixture
 def index(pool_path, token_file):
     proc = IndexProcess(pool_path, pool_size="64Mi", token_file=token_file,
                         extra_args=["--lease-ttl", "0.5", "--metrics-port", "0", "--metrics-addr", "127.0.0.1"])

@@ -10,13 +10,10 @@ the same ``/dev/shm`` pool: only the committed ones come back, byte for byte.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
-import pytest
 
 from maru_core.index.client import IndexClient
-from maru_core.index.launcher import IndexProcess, unique_shm_path
+from maru_core.index.launcher import IndexProcess
 from maru_core.pool import Pool, SlotHeader
 from maru_core.pool.slots import SlotState
 from maru_core.pool.slot_check import SlotHeaderCheck
@@ -24,22 +21,6 @@ from maru_core.pool.slot_check import SlotHeaderCheck
 TOKEN = "restore-token-0123456789"
 OBJECT_BYTES = 4096
 INDEX_ARGS = ["--page-size", "4096", "--lease-ttl", "2"]
-
-
-@pytest.fixture
-def token_file(tmp_path):
-    path = tmp_path / "token"
-    path.write_text(TOKEN + "\n")
-    path.chmod(0o600)
-    return str(path)
-
-
-@pytest.fixture
-def pool_path():
-    path = unique_shm_path("test-restore")
-    yield path
-    if os.path.exists(path):
-        os.unlink(path)
 
 
 def _keys(tag: int, n: int) -> list[bytes]:
