@@ -285,7 +285,7 @@ class Rank:
         ids = list(range(slot * self.prefix_blocks, (slot + 1) * self.prefix_blocks))
         toks = self.hit_tokens(prefix)[: self.tokens]
         step, reduce = self.cfg["prefill_chunk"], self.reduce()
-        with torch.inference_mode():
+        with torch.no_grad():  # not inference_mode: the copy thread writes these tensors in place
             for start in range(0, self.tokens, step):
                 new = toks[start:start + step]
                 forward(self.model, self.rows, Batch.build([(new, start, ids)], self.bs, self.device),
@@ -316,7 +316,7 @@ class Rank:
         toks = self.hit_tokens(prefix)
         keys = chunk_keys(self.namespace(), toks[: self.tokens])
         reduce = self.reduce()
-        with torch.inference_mode():
+        with torch.no_grad():  # not inference_mode: the copy thread writes these tensors in place
             for t in self.layers:  # never zeros or old bytes: random values where the hit lands
                 t[self.read_first:self.read_first + self.hit_blocks].normal_()
             batch = Batch.build([(toks[self.tokens:], self.tokens, self.read_ids)], self.bs,
