@@ -11,8 +11,9 @@ carries out what the scheduler half planned:
   whichever vLLM calls first (with a speculative config it collects the
   report before ``wait_for_save``: a failure found only there would reach
   vLLM a step late, after it kept the token and the step's stores). The
-  unpin, once the copies are done, runs on a thread of its own: its round trip to the index is no part of the
-  step (early pins are given back on the lookup service's thread the same way);
+  unpin, once the copies are done, runs on a thread of its own: its round
+  trip to the index is no part of the step (early pins are given back on
+  the lookup service's thread the same way);
 - async loads on the :class:`~maru_connector.loader.AsyncLoader` thread;
 - stores in ``wait_for_save`` through the :class:`~maru_connector.store.Storer`,
   committed only once the scheduler half's verdict on their step came back;
