@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -118,3 +120,11 @@ def test_one_changed_word_anywhere_changes_the_sum(cpu_backend) -> None:
         data[at] ^= 0x80
         assert position_sum(data) != before
         data[at] ^= 0x80
+
+
+def test_importing_the_connector_loads_no_numba():
+    """vLLM's CPU worker scans every loaded module when it starts and fails on
+    numba's objects: numba may load only when an engine warms up, after that."""
+    code = ("import sys, maru_core.pool, maru_core.pool.checksum, maru_connector.connector, "
+            "maru_connector.transfer; assert 'numba' not in sys.modules, 'numba was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -41,6 +41,7 @@ with ``xxh3_checksum`` (``xxhash`` is imported only then).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import threading
 from collections.abc import Sequence
@@ -89,10 +90,6 @@ def _words(data) -> np.ndarray:
     return raw.view("<u4")
 
 
-try:  # pragma: no cover - depends on the environment
-    import numba
-except ImportError:  # pragma: no cover
-    numba = None
 
 
 def _matrix_sum_loops(m, base):  # pragma: no cover - compiled by numba
@@ -114,8 +111,12 @@ def _matrix_sum_loops(m, base):  # pragma: no cover - compiled by numba
     return acc
 
 
-#: What computes the sums on the CPU: "numba" or "numpy".
-CPU_BACKEND = "numba" if numba is not None else "numpy"
+#: What computes the sums on the CPU: "numba" or "numpy". numba is imported
+#: only by :func:`warm_up`, never with this module: vLLM's CPU worker scans
+#: every loaded module's globals when it starts (its Triton kernel overrides)
+#: and fails on objects of numba's, so an engine must not load numba before
+#: its worker has started (the engines warm up at ``register_kv_caches``).
+CPU_BACKEND = "numba" if importlib.util.find_spec("numba") is not None else "numpy"
 _compiled: dict[bool, object] = {}
 _compile_lock = threading.Lock()
 
@@ -126,6 +127,8 @@ def _compile(contiguous: bool):
     with _compile_lock:
         fn = _compiled.get(contiguous)
         if fn is None:
+            import numba
+
             t = numba.types
             array = t.Array(t.uint32, 2, "C" if contiguous else "A", readonly=True)
             fn = numba.njit(t.uint64(array, t.uint64), nogil=True, boundscheck=False)(_matrix_sum_loops)
