@@ -67,7 +67,9 @@ def other_model_dir() -> str:
 
 @pytest.fixture(scope="package")
 def index(workdir: str) -> Iterator[IndexProcess]:
-    proc = IndexProcess(pool_size="512Mi", log_dir=workdir)
+    # Room for every test's stores: a pool at its eviction watermark evicts as
+    # it commits, and tests that wait for their keys to appear would wait in vain.
+    proc = IndexProcess(pool_size="2Gi", log_dir=workdir)
     proc.start()
     yield proc
     proc.close()
