@@ -34,7 +34,7 @@ def _serve(engine, req_id, prompt):
 
 
 def test_an_engine_on_another_pool_than_its_index_serves_misses_and_stores_nothing(model_dir, index, caplog):
-    prompt = random_tokens(4 * CHUNK + 5, seed=9300)  # a prefix no other test stores (keys are shared)
+    prompt = random_tokens(4 * CHUNK + 5, seed=9731)  # a prefix no other test stores (keys are shared)
     writer = SteppedEngine(model_dir, _config(index, index.pool_path), block_size=BLOCK)
     try:
         before = index_keys(index)
@@ -53,7 +53,7 @@ def test_an_engine_on_another_pool_than_its_index_serves_misses_and_stores_nothi
                 stale.run(until=lambda: stale.requests.get("r") is None or stale.requests["r"].output)
                 assert stale.wrong_positions("r", prompt) == []  # everything computed, nothing loaded
                 stale.run(until=lambda: "r" in stale.finished)
-                _serve(stale, "r2", random_tokens(3 * CHUNK + 1, seed=9301))  # and it goes on serving
+                _serve(stale, "r2", random_tokens(3 * CHUNK + 1, seed=9732))  # and it goes on serving
                 counters = stale.worker.worker_half.stats.snapshot()["counters"]
                 assert counters["load_bytes"] == 0 and counters["store_bytes"] == 0, counters
             finally:
