@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from maru_core.index.async_client import AsyncIndexClient
 from maru_core.index.channel import Channel, open_socket
@@ -53,6 +53,9 @@ from maru_core.index.client_ops import (
     while_backing_off as _while_backing_off,
 )
 from maru_core.protocol import KEY_BYTES, ErrorType, Location, LocationList, Slot, SlotList, parse_url
+
+if TYPE_CHECKING:
+    from maru_core.pool.pool_identity import PoolIdentity
 
 __all__ = [
     "AsyncIndexClient",
@@ -96,7 +99,7 @@ class IndexClient:
         *,
         heartbeat: bool = True,
         reconnect_backoff_s: float = DEFAULT_RECONNECT_BACKOFF_S,
-        pool: Any = None,
+        pool: PoolIdentity | None = None,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")

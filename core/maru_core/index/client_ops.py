@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from maru_core.pool.pool_identity import PoolIdentity
 
 from maru_core.protocol import (
     KEY_BYTES,
@@ -93,13 +96,13 @@ class WrongPool(IndexRejected):
     memory. ``expected`` and ``served`` are the two ``PoolIdentity`` values.
     """
 
-    def __init__(self, message: str, expected: Any, served: Any) -> None:
+    def __init__(self, message: str, expected: PoolIdentity, served: PoolIdentity) -> None:
         super().__init__(WRONG_POOL, message, "hello")
         self.expected = expected
         self.served = served
 
 
-def check_served_pool(expected: Any, reply: dict[str, Any], url: str) -> None:
+def check_served_pool(expected: PoolIdentity | None, reply: dict[str, Any], url: str) -> None:
     """Raise ``WrongPool`` unless the ``hello`` ``reply`` of the index at ``url``
     names the pool region ``expected`` (a ``PoolIdentity``) describes."""
     from maru_core.pool.pool_identity import PoolIdentity
