@@ -31,7 +31,7 @@ for round in $(seq "$rounds"); do
         out=${prefix}_$side$round
         rm -f "$out.jsonl"
         echo "== round $round, $side ($(date +%T))"
-        PYTHONPATH=$connector:$root/core .venv/bin/python bench/ttft_async.py "$@" \
+        PYTHONPATH=$connector:$root/core:$root/tools .venv/bin/python bench/ttft_async.py "$@" \
             --trace "$out.jsonl" --json "$out.json" >"$out.md" 2>&1
     done
 done

@@ -24,9 +24,9 @@ import time
 
 import psutil
 
-from maru_connector.testing.engine import EngineProcess, EngineSpec
-from maru_connector.testing.tiny_model import TinyModelSpec, build_tiny_model
-from maru_connector.testing.workload import random_tokens
+from maru_tools.engine import EngineProcess, EngineSpec
+from maru_tools.tiny_model import TinyModelSpec, build_tiny_model
+from maru_tools.workload import random_tokens
 
 
 def _cpu_seconds(root: psutil.Process) -> float:

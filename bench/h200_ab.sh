@@ -34,7 +34,7 @@ out=${2:?$usage}
 rounds=${3:-3}
 sizes=4096
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONPATH=connector:core:tests/connector
+export PYTHONUNBUFFERED=1 PYTHONPATH=connector:core:tools:tests/connector
 case $experiment in
 group) variants="g8:--group-below-mib=8 g32:--group-below-mib=32"; timed=4096/sync_overlap_graphs ;;
 head) variants="whole:--whole-inline-beside-forward head:"; timed=4096+512/sync_overlap_graphs ;;

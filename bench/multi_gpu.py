@@ -46,7 +46,7 @@ import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path[:0] = [HERE, os.path.join(ROOT, "connector"), os.path.join(ROOT, "core")]
+sys.path[:0] = [HERE] + [os.path.join(ROOT, part) for part in ("connector", "core", "tools")]
 
 from multi_gpu_plan import (  # noqa: E402
     COLLECTIVES, EXPERIMENTS, MODES, PREFIX_CASES, PlanError, build_plan, check_room,
@@ -107,7 +107,7 @@ def parse(argv=None):
 
 def worker_env() -> dict:
     env = dict(os.environ)
-    paths = [os.path.join(ROOT, p) for p in ("connector", "core", "tests/connector", "bench")]
+    paths = [os.path.join(ROOT, p) for p in ("connector", "core", "tools", "tests/connector", "bench")]
     env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast stays off
     # one host: gloo and NCCL's bootstrap on loopback, whatever the hostname resolves to
@@ -119,7 +119,7 @@ def worker_env() -> dict:
 
 def launch(plan, args, index, run_dir: str) -> list[dict]:
     """One worker per process; their reports (or why each has none)."""
-    from maru_connector.testing.index_process import free_port
+    from maru_tools.index_process import free_port
 
     port = free_port()
     procs = []
@@ -242,7 +242,7 @@ def run(args):
               "pool_bytes": need}
     run_dir = os.path.join(args.out, args.tag)
     os.makedirs(run_dir, exist_ok=True)
-    from maru_connector.testing.index_process import IndexProcess
+    from maru_tools.index_process import IndexProcess
 
     index = IndexProcess(pool_size=str(need), log_dir=run_dir)
     try:

@@ -26,7 +26,7 @@ import time
 import requests
 
 from maru_operator.cli import OperatorOptions
-from maru_operator.testing import KmockCluster, OperatorThread, iter_objects
+from maru_tools.kube_emulator import KmockCluster, OperatorThread, iter_objects
 
 CACHES = "/apis/maru.io/v1alpha1/namespaces/bench/marucaches"
 

@@ -26,7 +26,7 @@ from maru_core.pool.slots import SlotFormat
 from maru_connector.kv_layout import detect_kv_layout
 from maru_connector.object_format import ObjectFormat
 from maru_connector.resolve import object_keys, release_pins, resolve_load
-from maru_connector.testing.index_process import IndexProcess
+from maru_tools.index_process import IndexProcess
 
 
 def llama8b_format(layerwise: bool, chunk_tokens: int = 256) -> ObjectFormat:

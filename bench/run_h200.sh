@@ -12,7 +12,7 @@ out=${1:?usage: run_h200.sh OUT_DIR [STAGE ...]}
 shift
 stages=${*:-cuda-tests transfer profile ttft}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONPATH=connector:core:tests/connector
+export PYTHONUNBUFFERED=1 PYTHONPATH=connector:core:tools:tests/connector
 failed=0
 
 run() {  # NAME SECONDS COMMAND...: the command's output into OUT_DIR/NAME.txt

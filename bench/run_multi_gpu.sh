@@ -19,7 +19,7 @@
 set -u
 out=${1:?usage: run_multi_gpu.sh OUT_DIR}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONPATH=connector:core:tests/connector${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1 PYTHONPATH=connector:core:tools:tests/connector${PYTHONPATH:+:$PYTHONPATH}
 export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off
 failed=0
 results=()

@@ -34,10 +34,10 @@ import time
 from contextlib import ExitStack
 
 from maru_connector.config import make_kv_transfer_config
-from maru_connector.testing.engine import EngineProcess, EngineSpec
-from maru_connector.testing.index_process import IndexProcess, unique_pool_path
-from maru_connector.testing.tiny_model import TinyModelSpec, build_tiny_model
-from maru_connector.testing.workload import random_tokens
+from maru_tools.engine import EngineProcess, EngineSpec
+from maru_tools.index_process import IndexProcess, unique_pool_path
+from maru_tools.tiny_model import TinyModelSpec, build_tiny_model
+from maru_tools.workload import random_tokens
 
 FORMATS = {"chunkwise": False, "layerwise": True}
 ENGINES = {"A": dict(async_load=True, overlap_load_with_compute=True),

@@ -45,10 +45,10 @@ import time
 from contextlib import ExitStack
 
 from maru_connector.config import make_kv_transfer_config
-from maru_connector.testing.engine import EngineProcess, EngineSpec
-from maru_connector.testing.index_process import IndexProcess, unique_pool_path
-from maru_connector.testing.stats_reader import read_connector_stats
-from maru_connector.testing.workload import random_tokens
+from maru_tools.engine import EngineProcess, EngineSpec
+from maru_tools.index_process import IndexProcess, unique_pool_path
+from maru_tools.stats_reader import read_connector_stats
+from maru_tools.workload import random_tokens
 
 from ttft_async import FORMATS, _engine_env, _warm, run
 

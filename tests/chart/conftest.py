@@ -11,7 +11,7 @@ import pytest
 from chart_operator import NODES, OperatorRun, chart_options
 from helm_tools import ROOT, find, one, render
 
-from maru_operator.testing import KmockCluster, OperatorThread
+from maru_tools.kube_emulator import KmockCluster, OperatorThread
 
 # The sidecar tests' helpers (real sidecar, stats writers, Prometheus) are shared with these tests.
 sys.path.insert(0, str(ROOT / "tests" / "sidecar"))

@@ -23,7 +23,7 @@ import yaml
 from chart_operator import TEST_AGENT, OperatorRun, chart_options, wait_for
 from helm_tools import CHART, KUBERNETES_VALIDATE, ROOT, helm, one
 
-from maru_operator.testing import KmockCluster, OperatorThread
+from maru_tools.kube_emulator import KmockCluster, OperatorThread
 
 sys.path.insert(0, str(ROOT / "tests" / "operator"))
 from kube_helpers import apply_defaults  # noqa: E402
@@ -42,7 +42,7 @@ NOT_RUN = {
     "kubectl get pods": "lists pods a real controller made; the injection itself is checked here",
     "kubectl describe": "prints the conditions and Events checked here",
 }
-PACKAGE_FILES = ("pyproject.toml", "README.md", "core", "connector", "sidecar", "operator")
+PACKAGE_FILES = ("pyproject.toml", "README.md", "core", "connector", "sidecar", "operator", "tools")
 
 
 def fenced(kind: str) -> list[str]:

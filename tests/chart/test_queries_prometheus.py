@@ -17,7 +17,7 @@ from helm_tools import CHART, alert_rules, render
 from prometheus_client.parser import text_string_to_metric_families
 from sidecar_helpers import PROMETHEUS, PrometheusServer, SidecarProcess, connector_traffic
 
-from maru_connector.testing.index_process import IndexProcess, free_port
+from maru_tools.index_process import IndexProcess, free_port
 from maru_core.index.client import IndexClient, IndexRejected
 
 # What Grafana substitutes, as a user who picked one namespace and one cache would see it.

@@ -19,7 +19,7 @@ from vllm.platforms import current_platform
 
 from maru_connector.config import make_kv_transfer_config
 from maru_connector.connector import MaruKVConnector
-from maru_connector.testing.tiny_model import TinyModelSpec, build_tiny_model
+from maru_tools.tiny_model import TinyModelSpec, build_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from maru_connector.early_pins import PinHandoff
 from maru_connector.lookup import LookupService
 from maru_connector.metadata import LoadSpec, MaruConnectorMetadata
 from maru_connector.scheduler import MaruSchedulerHalf
-from maru_connector.testing.cluster import wait_until
+from maru_tools.cluster import wait_until
 
 from fake_index import FakeClient
 from worker_env import (BLOCK, CHUNK, LAYERS, WorkerEnv, blocks_equal, finished, spec_blocks, step,

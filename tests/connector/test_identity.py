@@ -38,7 +38,7 @@ from maru_connector.identity import (
     request_keys,
     weights_fingerprint,
 )
-from maru_connector.testing.tiny_model import TinyModelSpec, build_tiny_model
+from maru_tools.tiny_model import TinyModelSpec, build_tiny_model
 
 BLOCK, CHUNK = 16, 32
 

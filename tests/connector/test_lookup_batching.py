@@ -12,7 +12,7 @@ import threading
 import time
 
 from maru_connector.lookup import LookupService
-from maru_connector.testing.cluster import wait_until
+from maru_tools.cluster import wait_until
 
 from fake_index import FakeIndex, Location
 

@@ -12,7 +12,7 @@ from maru_core.pool.checksum import payload_checksum
 from maru_core.pool.commit_records import CommitRecords
 
 from maru_connector.metadata import MaruConnectorMetadata
-from maru_connector.testing.cluster import wait_until
+from maru_tools.cluster import wait_until
 
 from maru_connector.config import parse_config
 from maru_connector.resolve import LoadFailure, object_keys, release_pins, resolve_load

@@ -11,7 +11,7 @@ from maru_core.pool.slots import SlotHeader, SlotState
 
 from maru_connector.metadata import LoadSpec, MaruConnectorMetadata
 
-from maru_connector.testing.cluster import wait_until
+from maru_tools.cluster import wait_until
 from worker_env import (LAYERS, WorkerEnv, blocks_equal, finished, load_meta, same_bytes, save, spec_blocks, step,
                         store_meta, tokens, wait_unpinned)
 

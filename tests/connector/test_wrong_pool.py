@@ -20,8 +20,8 @@ import pytest
 from kv_builders import make_kv_caches
 from maru_connector.config import make_kv_transfer_config, parse_config
 from maru_connector.connector import _make_lookup
-from maru_connector.testing.index_process import IndexProcess, unique_pool_path
-from maru_connector.testing.sidecar_process import SidecarProcess
+from maru_tools.index_process import IndexProcess, unique_pool_path
+from maru_tools.sidecar_process import SidecarProcess
 from maru_connector.worker import open_resources
 from maru_core.index.client import WrongPool
 from maru_core.pool import Pool, SlotHeader

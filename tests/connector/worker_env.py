@@ -17,7 +17,7 @@ from maru_core.pool import Pool
 from maru_connector.config import parse_config
 from maru_connector.stats import open_stats
 from maru_connector.metadata import LoadSpec, MaruConnectorMetadata, StoreSpec
-from maru_connector.testing.cluster import wait_until
+from maru_tools.cluster import wait_until
 from maru_connector.transfer import TransferEngine
 from maru_connector.worker import MaruWorkerHalf, WorkerResources
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from maru_connector.testing.index_process import IndexProcess, unique_pool_path
+from maru_tools.index_process import IndexProcess, unique_pool_path
 from maru_core.pool import Pool, SlotHeader
 
 OBJECT = 1 << 20

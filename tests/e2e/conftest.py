@@ -23,11 +23,11 @@ from typing import Any
 import pytest
 
 from maru_connector.config import make_kv_transfer_config
-from maru_connector.testing.cluster import CacheEngine, EngineFarm, wait_until
-from maru_connector.testing.engine import EngineSpec, prefix_kv_mismatch
-from maru_connector.testing.index_process import IndexProcess
-from maru_connector.testing.sidecar_process import SidecarProcess
-from maru_connector.testing.tiny_model import TinyModelSpec, build_tiny_model
+from maru_tools.cluster import CacheEngine, EngineFarm, wait_until
+from maru_tools.engine import EngineSpec, prefix_kv_mismatch
+from maru_tools.index_process import IndexProcess
+from maru_tools.sidecar_process import SidecarProcess
+from maru_tools.tiny_model import TinyModelSpec, build_tiny_model
 
 from .fault_proxy import FaultProxy
 

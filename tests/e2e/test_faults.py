@@ -20,8 +20,8 @@ import time
 
 import pytest
 
-from maru_connector.testing.stats_reader import failures
-from maru_connector.testing.workload import random_tokens
+from maru_tools.stats_reader import failures
+from maru_tools.workload import random_tokens
 
 from .conftest import CHUNK_TOKENS, NUM_LAYERS, connector_config, index_keys, wait_for_keys, wait_settled
 

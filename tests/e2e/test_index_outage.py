@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from maru_connector.testing.cluster import wait_until
-from maru_connector.testing.stats_reader import failures
-from maru_connector.testing.workload import random_tokens
+from maru_tools.cluster import wait_until
+from maru_tools.stats_reader import failures
+from maru_tools.workload import random_tokens
 
 from .conftest import CHUNK_TOKENS, connector_config
 

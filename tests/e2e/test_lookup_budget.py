@@ -16,8 +16,8 @@ import time
 import pytest
 
 from maru_connector.config import make_kv_transfer_config
-from maru_connector.testing.stepper import SteppedEngine, expected_next_token
-from maru_connector.testing.workload import random_tokens
+from maru_tools.stepper import SteppedEngine, expected_next_token
+from maru_tools.workload import random_tokens
 
 from .conftest import index_keys, wait_for_keys, wait_settled
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from maru_connector.testing.workload import random_tokens
+from maru_tools.workload import random_tokens
 
 from .conftest import CHUNK_TOKENS, connector_config
 

@@ -20,7 +20,7 @@ import os
 import psutil
 import pytest
 
-from maru_connector.testing.workload import random_tokens
+from maru_tools.workload import random_tokens
 
 from .conftest import (CHUNK_TOKENS, assert_same_prefix_kv, connector_config, index_keys, wait_for_keys,
                        wait_settled)

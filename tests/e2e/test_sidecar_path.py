@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from maru_connector.testing.workload import random_tokens
+from maru_tools.workload import random_tokens
 
 from .conftest import CHUNK_TOKENS, SIDECAR_CACHE, SIDECAR_NAMESPACE, index_keys, wait_for_keys, wait_settled
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from maru_connector.testing.cluster import wait_until
-from maru_connector.testing.workload import random_tokens
+from maru_tools.cluster import wait_until
+from maru_tools.workload import random_tokens
 
 from .conftest import CHUNK_TOKENS, SIDECAR_CACHE, Sidecars
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from maru_connector.testing.workload import random_tokens
+from maru_tools.workload import random_tokens
 
 from .conftest import CHUNK_TOKENS, MODEL_SPEC, NUM_LAYERS, connector_config, index_keys, wait_for_keys, wait_settled
 

@@ -2,7 +2,7 @@
 
 Each engine here is vLLM's real ``Scheduler`` with MaruCache's scheduler half
 (created by vLLM), a worker-role connector on a CPU KV cache and the toy
-forward of :mod:`maru_connector.testing.stepper`, whose KV is exact and
+forward of :mod:`maru_tools.stepper`, whose KV is exact and
 depends on the KV stored before it. So every check is exact: the blocks a
 request holds equal the KV computed from its tokens alone, and a store made
 on top of wrong KV would hand the next engine wrong KV (which a third engine
@@ -25,10 +25,10 @@ from maru_core.pool import Pool
 from maru_core.pool.slots import SlotState
 
 from maru_connector.config import make_kv_transfer_config
-from maru_connector.testing.cluster import wait_until
-from maru_connector.testing.index_process import IndexProcess
-from maru_connector.testing.stepper import SteppedEngine, expected_next_token
-from maru_connector.testing.workload import random_tokens
+from maru_tools.cluster import wait_until
+from maru_tools.index_process import IndexProcess
+from maru_tools.stepper import SteppedEngine, expected_next_token
+from maru_tools.workload import random_tokens
 from maru_connector.transfer.handles import LoadHandle, TransferError
 
 from .conftest import index_keys, wait_for_keys, wait_settled

@@ -8,9 +8,9 @@ import logging
 import os
 
 from maru_connector.config import make_kv_transfer_config
-from maru_connector.testing.index_process import unique_pool_path
-from maru_connector.testing.stepper import SteppedEngine, expected_next_token
-from maru_connector.testing.workload import random_tokens
+from maru_tools.index_process import unique_pool_path
+from maru_tools.stepper import SteppedEngine, expected_next_token
+from maru_tools.workload import random_tokens
 from maru_core.pool import Pool
 
 from .conftest import index_keys, wait_for_keys, wait_settled

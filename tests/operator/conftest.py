@@ -9,7 +9,7 @@ import pytest
 
 from kube_helpers import DAX_NODES, Kube
 from maru_operator.cli import OperatorOptions
-from maru_operator.testing import KmockCluster, OperatorThread
+from maru_tools.kube_emulator import KmockCluster, OperatorThread
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from typing import Any
 import requests
 import yaml
 
-from maru_operator.testing import KmockCluster, iter_objects
+from maru_tools.kube_emulator import KmockCluster, iter_objects
 ROOT = pathlib.Path(__file__).parents[2]
 CRD_PATH = ROOT / "crds" / "marucache.yaml"
 EXAMPLES = sorted((ROOT / "crds" / "examples").glob("*.yaml"))

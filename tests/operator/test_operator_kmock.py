@@ -13,7 +13,7 @@ from kube_helpers import Kube, condition, wait_for
 from maru_operator import reconciler
 from maru_operator.inventory import parse_node
 from maru_operator.k8s import KubeApi, LedgerStore, load_configuration
-from maru_operator.testing import OperatorThread
+from maru_tools.kube_emulator import OperatorThread
 
 GiB = 1 << 30
 

@@ -10,7 +10,7 @@ from maru_operator.injection import cache_info, decide
 from maru_operator.ledger import Drain, Region
 from maru_operator.models import CacheRef
 from maru_operator.pods import PodView, pods_mapping
-from maru_operator.testing import OperatorThread
+from maru_tools.kube_emulator import OperatorThread
 
 GiB = 1 << 30
 

@@ -8,14 +8,14 @@ import dataclasses
 
 
 from kube_helpers import Kube, condition, wait_for
-from maru_connector.testing.index_process import IndexProcess, free_port
+from maru_tools.index_process import IndexProcess, free_port
 from maru_core.pool import Pool, SlotHeader
 from maru_operator import ANNOTATION_INJECTED, ANNOTATION_PLACEMENT, ANNOTATION_SKIPPED
 from maru_operator.desired import fingerprint
 from maru_operator.injection import placement_from_status
 from maru_operator.metrics import OperatorMetrics
 from maru_operator.models import CacheRef
-from maru_operator.testing import OperatorThread
+from maru_tools.kube_emulator import OperatorThread
 
 RS_OWNER = [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "llama-5d8f9c7b6", "uid": "rs-1",
              "controller": True}]

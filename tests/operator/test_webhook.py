@@ -19,7 +19,7 @@ from pod_security import restricted_violations
 from test_crd import VALIDATE
 from maru_operator import ANNOTATION_INJECTED, ANNOTATION_PLACEMENT, ANNOTATION_SKIPPED
 from maru_operator.injection import CONFIG_ENV, SIDECAR_NAME
-from maru_operator.testing import OperatorThread
+from maru_tools.kube_emulator import OperatorThread
 
 
 def free_port() -> int:

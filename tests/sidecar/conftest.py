@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from sidecar_helpers import StatsWriter
 
-from maru_connector.testing.sidecar_process import SidecarProcess
+from maru_tools.sidecar_process import SidecarProcess
 
 
 @pytest.fixture

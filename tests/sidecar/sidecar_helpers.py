@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from maru_connector.testing.index_process import IndexProcess, free_port
-from maru_connector.testing.sidecar_process import SidecarProcess
+from maru_tools.index_process import IndexProcess, free_port
+from maru_tools.sidecar_process import SidecarProcess
 from maru_core.index.client import IndexClient, IndexRejected
 from maru_core.pool import Pool, SlotHeader
 

@@ -7,8 +7,8 @@ import threading
 import pytest
 from sidecar_helpers import PROMETHEUS, PrometheusServer, connector_traffic, run_client
 
-from maru_connector.testing.cluster import wait_until
-from maru_connector.testing.index_process import IndexProcess, free_port
+from maru_tools.cluster import wait_until
+from maru_tools.index_process import IndexProcess, free_port
 
 
 @pytest.fixture

@@ -55,9 +55,9 @@ import aiohttp.web
 import kmock
 from kmock._internal import dicts as kmock_dicts
 
-from . import GROUP, KIND, PLURAL, VERSION
-from .cli import OperatorOptions, run_operator
-from .metrics import OperatorMetrics
+from maru_operator import GROUP, KIND, PLURAL, VERSION
+from maru_operator.cli import OperatorOptions, run_operator
+from maru_operator.metrics import OperatorMetrics
 
 # The request being routed by the current asyncio task (None outside routing).
 _routing: contextvars.ContextVar[kmock.Request | None] = contextvars.ContextVar("kmock_routing", default=None)

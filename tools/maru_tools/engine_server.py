@@ -1,6 +1,6 @@
 """The child side of `EngineProcess`: one vLLM engine serving a pipe.
 
-Run as `python -m maru_connector.testing.engine_server FD`; FD is one end of
+Run as `python -m maru_tools.engine_server FD`; FD is one end of
 a socket pair carrying pickled `(command, payload)` tuples. Every command
 gets exactly one `("ok", result)` or `("error", text)` reply.
 """

@@ -5,7 +5,7 @@ Engine starts are the expensive part of an end-to-end test, so one
 the child runs them through `vllm.LLMEngine` with greedy sampling and answers
 with the output token ids and each request's time to first token (TTFT).
 
-The child is a plain `python -m maru_connector.testing.engine_server`
+The child is a plain `python -m maru_tools.engine_server`
 subprocess (not `multiprocessing`), so callers need no `__main__` guard, and
 vLLM's own processes (EngineCore, workers) are its children: `close()` ends
 the whole tree.
@@ -87,7 +87,7 @@ class EngineProcess:
         env.update(_engine_env(spec))
         self._log = open(self.log_path, "ab")
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "maru_connector.testing.engine_server", str(child_sock.fileno())],
+            [sys.executable, "-m", "maru_tools.engine_server", str(child_sock.fileno())],
             pass_fds=(child_sock.fileno(),),
             stdin=subprocess.DEVNULL,
             stdout=self._log,

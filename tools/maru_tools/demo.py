@@ -98,11 +98,11 @@ def _run_demo(args: argparse.Namespace, workdir: str) -> DemoReport:
     from tqdm import tqdm
 
     from maru_connector.config import make_kv_transfer_config
-    from maru_connector.testing.engine import EngineProcess, EngineSpec, prefix_kv_mismatch
-    from maru_connector.testing.index_process import IndexProcess, unique_pool_path
-    from maru_connector.testing.sidecar_process import SidecarProcess
-    from maru_connector.testing.tiny_model import TinyModelSpec, build_tiny_model
-    from maru_connector.testing.workload import random_tokens, shared_prefix_workload
+    from maru_tools.engine import EngineProcess, EngineSpec, prefix_kv_mismatch
+    from maru_tools.index_process import IndexProcess, unique_pool_path
+    from maru_tools.sidecar_process import SidecarProcess
+    from maru_tools.tiny_model import TinyModelSpec, build_tiny_model
+    from maru_tools.workload import random_tokens, shared_prefix_workload
 
     requests = shared_prefix_workload(args.documents, args.questions, args.document_tokens, args.question_tokens)
     prompt_len = args.document_tokens + args.question_tokens
