@@ -26,6 +26,8 @@ from typing import NewType
 import msgpack
 import numpy as np
 
+from .storage_format import StorageFormat
+
 Key = NewType("Key", bytes)
 
 #: Bytes in a key.
@@ -34,7 +36,7 @@ KEY_BYTES = 16
 #: 3: a layer key is the chunk key XOR a per-layer mask (was a blake2b of both).
 KEY_FORMAT_VERSION = 3
 #: Object formats: one object per chunk (all layers) or per (chunk, layer).
-FORMATS = ("chunkwise", "layerwise")
+FORMATS = tuple(f.value for f in StorageFormat)
 
 _NS_PERSON = b"maru.ns"
 _LAYER_PERSON = b"maru.layer"
