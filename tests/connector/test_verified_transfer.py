@@ -12,8 +12,11 @@ Triton's interpreter)."""
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import os
+import pathlib
 import random
+import re
 import subprocess
 import sys
 import textwrap
@@ -224,15 +227,32 @@ def test_the_device_sums_equal_numpy_with_torch_on_the_cpu():
     _check_row_sums("cpu", "torch", SHAPES[:3])
 
 
+def _triton_for_the_interpreter() -> str:
+    """The Triton that ``make setup`` puts beside the venv (never in it: vLLM's
+    CPU build breaks when Triton is importable), or an installed one."""
+    versions = pathlib.Path(__file__).parents[2] / "scripts" / "vllm_versions.sh"
+    version = re.search(r"^TRITON_VERSION=(\S+)", versions.read_text(), re.M).group(1)
+    target = pathlib.Path(sys.prefix) / f"triton-{version}"
+    if (target / ".installed").exists():
+        return str(target)
+    if importlib.util.find_spec("triton") is not None:  # a GPU machine's own
+        return ""
+    pytest.fail(f"Triton {version} is not in {target}: run `make setup` (scripts/bootstrap.sh installs it)")
+
+
 def test_the_triton_kernel_s_arithmetic_equals_numpy_in_triton_s_interpreter():
-    pytest.importorskip("triton")
+    """The kernel's sums and its fused comparison, run by Triton's interpreter
+    on the CPU (the GPU runs the same source: bench/verify_fused_h200.sh)."""
+    triton_path = _triton_for_the_interpreter()
     script = textwrap.dedent("""
         import test_verified_transfer as t
         t._check_row_sums("cpu", "triton", t.SHAPES[:2])
+        t._check_compare("cpu", "triton", "cpu")
         print("same")
     """)
     env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join(p for p in [triton_path, os.path.dirname(__file__),
+                                                     os.environ.get("PYTHONPATH", "")] if p)}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "same" in done.stdout, done.stderr[-3000:]
 
@@ -298,7 +318,7 @@ def test_the_cuda_engine_s_fills_sum_to_each_object_s_checksum(pool, layerwise, 
     for unit in engine._units(layer_pieces(fmt, offsets, rows_cap)):
         copied = engine._copy_unit(unit, 0, staging)
         kinds.add(("wide" if copied[3] else "rows", len(unit[0])))
-        engine._sum_fill(job, unit, copied)
+        engine._sum_fill(job, unit, copied, None)
     want = [position_sum(pool.buffer[o:o + size]) for chunk in offsets for o in chunk]
     assert device_checksum.as_uint64(sums) == want, kinds
 
@@ -338,32 +358,36 @@ def test_a_wait_reads_a_layer_s_device_check_before_it_returns_the_layer():
 
 @pytest.mark.parametrize("layerwise", [False, True], ids=["chunkwise", "layerwise"])
 def test_the_cuda_engine_compares_exactly_the_objects_due_at_each_fill(pool, layerwise):
-    """``_compare`` (on host tensors): after a fill that completes layers, the
-    objects of those layers (layerwise) or, after the last layer, every object
-    (chunkwise); a wrong checksum raises the flag of that check only, and an
-    object the engine is told not to check raises none."""
+    """``_due`` and the comparison it asks for (torch's, on host tensors): after
+    a fill that completes layers, the objects of those layers (layerwise) or,
+    after the last layer, every object (chunkwise); a wrong checksum raises
+    the flag of that check only, and an object the engine is told not to
+    check raises none."""
     from types import SimpleNamespace
 
     layout = detect_kv_layout(make_kv_caches("flash_hnd", layers=4, blocks=24))
     fmt = ObjectFormat(layout, BPC * layout.block_size, layerwise)
     engine = _fills_engine(pool, fmt, 64, True)
     engine.scatter_stream = SimpleNamespace(cuda_stream=0)
+    engine._compare_counter = torch.zeros(1, dtype=torch.int32)
     chunks, nl = 3, fmt.num_layers
     objects = chunks * fmt.objects_per_chunk
     sums = torch.arange(objects, dtype=torch.int64) * 7 + 1
     wrong = 2 * nl + 1 if layerwise else 2  # chunk 2 (layer 1, layerwise)
     expected = sums.clone()
     expected[wrong] += 1
-    verify = torch.ones(objects, dtype=torch.bool)
+    verify = torch.ones(objects, dtype=torch.int64)
 
     def flags_after(layer_groups, verify):
-        flags = torch.zeros(nl, dtype=torch.int32)
-        state = [sums, expected, verify]
-        if layerwise:  # as _check_state keeps them: [chunk, layer]
-            state = [t.view(-1, nl) for t in state]
-        job = SimpleNamespace(check_state=[*state, flags, 0])
-        checks = [engine._compare(job, layers) for layers in layer_groups]
-        return [None if c is None else int(c[1][c[2]]) for c in checks]
+        flags = torch.full((nl,), 7, dtype=torch.int32)
+        job = SimpleNamespace(check_state=[sums, expected, verify, flags, 0])
+        found = []
+        for layers in layer_groups:
+            due = engine._due(job, layers)
+            if due is not None:
+                device_checksum._torch_compare(sums, due[0])
+            found.append(None if due is None else int(due[0].flag[0]))
+        return found
 
     groups = [[0], [1, 2], [3]]
     if layerwise:
@@ -371,5 +395,55 @@ def test_the_cuda_engine_compares_exactly_the_objects_due_at_each_fill(pool, lay
     else:
         assert flags_after(groups, verify) == [None, None, 1]  # whole objects, once the last layer is in
     skip = verify.clone()
-    skip[wrong] = False
+    skip[wrong] = 0
     assert all(f in (None, 0) for f in flags_after(groups, skip))
+
+
+def _check_compare(device: str, backend: str, flag_device: str) -> None:
+    """A fill summed and compared in one call: the flag says whether any due
+    object's total differs from its expected checksum (skipping objects not
+    to verify), for due sets of one column and of several, and the ticket
+    counter is back at 0 after every call."""
+    rng = np.random.default_rng(11)
+    nl, chunks, row_bytes = 3, 4, 4 * 1031
+    host = rng.integers(0, 256, chunks * nl * row_bytes, dtype=np.uint8)
+    data = torch.from_numpy(host).to(device)
+    truth = torch.zeros(chunks * nl, dtype=torch.int64, device=device)
+    rows = dict(first_chunk=0, n_chunks=chunks, first_layer=0, n_layers=nl, chunk_major=False,
+                layerwise=True, total_layers=nl)
+    device_checksum.add_row_sums(truth, data, 0, row_bytes, backend="torch", **rows)
+    counter = torch.zeros(1, dtype=torch.int32, device=device)
+    pin = flag_device == "pinned"
+    for first, cols in ((0, 1), (1, 2), (0, 3)):
+        for wrong in (None, 1 * nl + first, 3 * nl + first + cols - 1, 2 * nl + (first + cols) % nl):
+            for skip_wrong in (False, True):
+                expected = truth.clone()
+                verify = torch.ones_like(truth)
+                if wrong is not None:
+                    expected[wrong] += 1 << 40
+                    if skip_wrong:
+                        verify[wrong] = 0
+                flag = torch.full((1,), 7, dtype=torch.int32, pin_memory=pin)
+                compare = device_checksum.Compare(expected=expected, verify=verify, flag=flag, counter=counter,
+                                                  rows=chunks, stride=nl, first=first, cols=cols)
+                sums = torch.zeros_like(truth)
+                device_checksum.add_row_sums(sums, data, 0, row_bytes, compare=compare, backend=backend, **rows)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                due = wrong is not None and first <= wrong % nl < first + cols and not skip_wrong
+                assert int(flag[0]) == int(due), (backend, first, cols, wrong, skip_wrong)
+                assert torch.equal(sums, truth) and int(counter[0]) == 0
+
+
+def test_the_sum_and_compare_of_a_fill_flags_exactly_a_due_mismatch_with_torch_on_the_cpu():
+    _check_compare("cpu", "torch", "cpu")
+
+
+@ON_GPU[0]
+@ON_GPU[1]
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_the_sum_and_compare_of_a_fill_flags_exactly_a_due_mismatch_on_the_gpu(backend):
+    """The fused kernel writes its flag straight into pinned host memory."""
+    if backend == "triton" and not device_checksum.FUSED_COMPARE:
+        pytest.fail("the fused comparison is off on this GPU: every verified fill takes torch's compare")
+    _check_compare("cuda", backend, "pinned")

@@ -19,9 +19,10 @@ one event): for a small hit (a few MiB per layer) the copy thread, not PCIe,
 would otherwise set the pace.
 
 A verified load (``check``) sums each fill in staging on the scatter stream,
-right before its scatter (one kernel launch, ``device_checksum.py``), and
-compares the objects due once a fill completes its layers into a pinned
-host flag; the layers carry that check, which every wait reads first. A
+right before its scatter, and, in the same kernel launch, compares the
+objects due once the fill completes its layers into a pinned host flag
+(``device_checksum.py``); the layers carry that check, which every wait
+reads first. A
 store sums its staging the same way before copying it out."""
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import threading
 import time
 from collections import deque
 
+import numpy as np
 import torch
 
 from . import device_checksum
@@ -660,12 +662,15 @@ class CudaTransferEngine(TransferEngine):
     def _scatter_unit(self, job: _Job, ids: torch.Tensor, unit, copied) -> None:
         """Scatter one fill into the blocks of its layers (one index copy
         through the layers' common stride for a group), then free the
-        staging buffer; the fill's last event lands its layers."""
+        staging buffer; the fill's last event lands its layers. A verified
+        load's fill is summed (and the objects it completes compared) first."""
         layers, pieces, completes = unit
         offset, used, filled, interleaved, staging = copied
         self.scatter_stream.wait_event(filled)
+        due = None
         if job.check is not None:  # the bytes as they landed, before anything reads them
-            self._sum_fill(job, unit, copied)
+            due = self._due(job, layers) if completes else None
+            self._sum_fill(job, unit, copied, due)
         count = len(layers)
         blocks = used // count // self.layout.block_bytes_per_layer
         first = pieces[0][0].first_block  # the same for every layer of a group
@@ -688,31 +693,56 @@ class CudaTransferEngine(TransferEngine):
         else:
             self._staging.freed(offset, freed)
         if completes:
-            check = self._compare(job, layers) if job.check is not None else None
+            # the comparison ran before the scatter on this stream: ``freed`` covers it
+            check = (freed, due[0].flag, 0, due[1]) if due is not None else None
             for layer in layers:
                 job.handle._mark_layer(layer, freed, check)
 
     # ------------------------------------------------------------ checksums
-    def _check_state(self, job: _Job) -> tuple:
-        """A verified load's device state, made at its first fill on the scatter
-        stream: (sums, expected, verify mask, pinned flags, checks so far)."""
+    def _check_state(self, job: _Job) -> list:
+        """A verified load's device state, made at its first fill: [sums,
+        expected, verify, pinned flags, comparisons so far], the first three
+        per object of the load (``[chunk, layer]`` views when layerwise), from
+        one pinned host array in one copy on the scatter stream."""
         state = getattr(job, "check_state", None)
         if state is None:
-            check, device = job.check, self.device
-            sums = torch.zeros(len(check), dtype=torch.int64, device=device)
-            # From pinned memory: a pageable copy would hold the issuing thread
-            # until the scatter stream reached it, behind the load's first fill.
-            expected = torch.from_numpy(check.expected.view("int64")).pin_memory().to(device, non_blocking=True)
-            verify = torch.from_numpy(check.verify).pin_memory().to(device, non_blocking=True)
+            check, n = job.check, len(job.check)
+            if getattr(self, "_compare_counter", None) is None:  # the kernel's ticket counter
+                self._compare_counter = torch.zeros(1, dtype=torch.int32, device=self.device)
+            host = np.zeros(3 * n, dtype=np.int64)  # sums start at 0
+            host[n:2 * n] = check.expected.view(np.int64)
+            host[2 * n:] = check.verify
+            # Pinned: a pageable copy would hold the issuing thread until the
+            # scatter stream reached it, behind the load's first fill.
+            device = torch.from_numpy(host).pin_memory().to(self.device, non_blocking=True)
             flags = torch.zeros(self.layout.num_layers, dtype=torch.int32, pin_memory=True)
-            if self.fmt.layerwise:  # [chunk, layer] views, sliced per fill by _compare
-                nl = self.layout.num_layers
-                sums, expected, verify = sums.view(-1, nl), expected.view(-1, nl), verify.view(-1, nl)
-            state = job.check_state = [sums, expected, verify, flags, 0]
+            state = job.check_state = [device[:n], device[n:2 * n], device[2 * n:], flags, 0]
         return state
 
-    def _sum_fill(self, job: _Job, unit, copied) -> None:
-        """Add one fill's rows to its objects' sums, on the scatter stream (one launch)."""
+    def _due(self, job: _Job, layers: list[int]) -> "tuple[device_checksum.Compare, str] | None":
+        """What to compare once the fill completing ``layers`` is summed
+        (``checks.objects_due``): the comparison and what it checks, or None
+        when no object is due (a chunkwise load before its last layer)."""
+        sums, expected, verify, flags, index = state = self._check_state(job)
+        nl = self.layout.num_layers
+        n = len(sums)
+        if self.fmt.layerwise:  # each chunk's objects of these layers
+            rows, stride, first, cols = n // nl, nl, layers[0], layers[-1] - layers[0] + 1
+            what = f"a payload of layer {layers[0]}" + (f"-{layers[-1]}" if len(layers) > 1 else "")
+        elif nl - 1 in layers:  # every object: all its layers are in
+            rows, stride, first, cols = n, 1, 0, 1
+            what = "a chunkwise payload"
+        else:
+            return None
+        state[4] = index + 1
+        compare = device_checksum.Compare(expected=expected, verify=verify, flag=flags[index:index + 1],
+                                          counter=self._compare_counter, rows=rows, stride=stride,
+                                          first=first, cols=cols)
+        return compare, what
+
+    def _sum_fill(self, job: _Job, unit, copied, due) -> None:
+        """Add one fill's rows to its objects' sums, then compare the objects
+        ``due`` (if any), on the scatter stream (one launch with Triton)."""
         layers, pieces, _ = unit
         offset, used, _, interleaved, staging = copied
         bpc, row = self.fmt.blocks_per_chunk, self.fmt.layer_bytes
@@ -726,32 +756,11 @@ class CudaTransferEngine(TransferEngine):
                 expect += run.rows * bpc
         if used != n_chunks * len(layers) * row:
             raise AssertionError("a fill's bytes are not its rows")
-        sums = self._check_state(job)[0].view(-1)  # one per object of the load
+        sums = self._check_state(job)[0]  # one per object of the load
         device_checksum.add_row_sums(
             sums, staging, offset, row, first_chunk=first_chunk, n_chunks=n_chunks, first_layer=layers[0],
             n_layers=len(layers), chunk_major=bool(interleaved), layerwise=self.fmt.layerwise,
-            total_layers=self.layout.num_layers)
-
-    def _compare(self, job: _Job, layers: list[int]) -> tuple | None:
-        """Compare the objects due once ``layers`` landed (``checks.objects_due``) on
-        the scatter stream, the answer into a pinned host flag: the layers' check
-        (event, flags, index, what), or None when none is due."""
-        sums, expected, verify, flags, index = state = self._check_state(job)
-        nl = self.layout.num_layers
-        if self.fmt.layerwise:
-            pick = slice(layers[0], layers[-1] + 1)
-            what = f"a payload of layer {layers[0]}" + (f"-{layers[-1]}" if len(layers) > 1 else "")
-            sums, expected, verify = sums[:, pick], expected[:, pick], verify[:, pick]
-        elif nl - 1 not in layers:
-            return None
-        else:
-            what = "a chunkwise payload"
-        bad = ((sums != expected) & verify).any().to(torch.int32).view(1)
-        flags[index:index + 1].copy_(bad, non_blocking=True)  # pinned: no host wait here
-        done = self._event()
-        done.record(self.scatter_stream)
-        state[4] = index + 1
-        return done, flags, index, what
+            total_layers=self.layout.num_layers, compare=due[0] if due is not None else None)
 
     def _stacked_view(self, layer0: int, count: int) -> torch.Tensor:
         """Layers ``layer0 .. layer0 + count - 1`` as one view
