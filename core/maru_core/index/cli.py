@@ -225,6 +225,7 @@ def open_pool(path: str, size: int | None, page_size: int | None, offset: int = 
     """Create the pool at ``offset`` of ``path`` or attach the one there (see
     the module docstring); return it and whether it was created just now."""
     from maru_core.pool import DEFAULT_PAGE_SIZE, Pool, PoolFormatError, PoolSizeError
+    from maru_core.pool.truncation import drop_lost_objects, regrow_file
 
     if not os.path.exists(path):
         if offset:
@@ -235,12 +236,17 @@ def open_pool(path: str, size: int | None, page_size: int | None, offset: int = 
         if size is None:
             raise ValueError(f"no pool at {path}: pass --pool-size to create one")
         return Pool.create(path, size, page_size or DEFAULT_PAGE_SIZE, creator="marucache index"), True
+    lost_from = regrow_file(path, offset)  # a pool file truncated while no index ran
     try:
         pool, fresh = Pool.attach(path, expected_size=size, offset=offset), False
     except (PoolFormatError, PoolSizeError) as found:
         if not _is_region(path, size, offset):
             raise
         pool, fresh = _make_region_pool(path, size, page_size or DEFAULT_PAGE_SIZE, offset, found), True
+    if lost_from is not None and not fresh:
+        dropped = drop_lost_objects(pool, lost_from)
+        log.error("the pool file %s ended at pool byte %d of %d: a process truncated it. Its size is back; "
+                  "the %d objects whose bytes were lost are dropped", path, lost_from, pool.geometry.size, dropped)
     if page_size is not None and page_size != pool.geometry.page_size:
         pool.close()
         raise ValueError(

@@ -126,6 +126,12 @@ class IndexMetrics:
         )
         for reason in RATE_LIMIT_REASONS:
             self._rate_limited.labels(reason)
+        self._objects_lost = Counter(
+            "maru_index_pool_truncated_objects",
+            "Objects dropped because something truncated the pool file under the index (which then gave "
+            "the file its size back); any increase means a process shrank the pool.",
+            registry=self.registry,
+        )
         self.registry.register(PoolCollector(read_stats, capacity_bytes))
         if process_metrics:
             ProcessCollector(registry=self.registry)
@@ -145,6 +151,9 @@ class IndexMetrics:
 
     def count_rate_limited(self, reason: str) -> None:
         self._rate_limited.labels(reason).inc()
+
+    def count_truncated_objects(self, objects: int) -> None:
+        self._objects_lost.inc(objects)
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> int:
         """Serve ``/metrics`` on ``addr:port`` from a daemon thread; return the bound port."""

@@ -431,6 +431,23 @@ class Registry(Reads, Placement):
         """Pages of lapsed reservations held back from reuse (part of ``reserved_bytes``)."""
         return self._fence.pages
 
+    # -- a truncated pool file ------------------------------------------------------------------
+
+    def drop_pages_from(self, first_page: int) -> tuple[np.ndarray, np.ndarray]:
+        """The pool's pages from ``first_page`` on were lost (a truncated file,
+        ``maru_core.pool.truncation``): drop the unpinned committed objects
+        there, fence the reservations (their writers may still copy), and
+        return ``(offsets, lengths)`` of every committed object there, pinned
+        ones included, whose slot headers the caller clears: a pinned one stays
+        until unpinned and evicted, and its readers find no header (a miss)."""
+        rec, hw = self._records, self._records.high_water
+        lost = rec.page[:hw] + rec.pages[:hw] > first_page
+        committed = np.flatnonzero(lost & (rec.state[:hw] == State.COMMITTED))
+        offsets, lengths = rec.offset[committed].copy(), rec.length[committed].copy()
+        self._release(committed[rec.pins[committed] == 0], State.COMMITTED)
+        self._fence_lapsed(np.flatnonzero(lost & (rec.state[:hw] == State.RESERVED)))
+        return offsets, lengths
+
     # -- restart --------------------------------------------------------------------------------
 
     def restore(self, objects: Iterable[tuple[bytes, Location]]) -> int:

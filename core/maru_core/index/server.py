@@ -62,6 +62,7 @@ from maru_core.index.limits import ServerLimits
 from maru_core.index.listen import RateLimitedLog, UnixListenerPath
 from maru_core.index.peers import peer_of
 from maru_core.index.registry import RegistryError
+from maru_core.index.pool_watch import PoolSizeWatch
 from maru_core.pool.commit_records import CommitRecords
 from maru_core.pool.pool_identity import PoolIdentity
 from maru_core.pool.slot_check import SlotHeaderCheck
@@ -131,6 +132,7 @@ class IndexServer:
         # before the reply: a restart restores committed headers only.
         self._verify = SlotHeaderCheck(pool, state=SlotState.PENDING)
         self._record = CommitRecords(pool)
+        self.pool_watch = PoolSizeWatch(pool, registry, metrics)
         # What ``hello`` says this index serves: clients refuse an index whose region is not the one they mapped.
         self._served_pool = PoolIdentity.of_pool(pool)
         self._acceptors: list[Acceptor] = []
@@ -306,6 +308,7 @@ class IndexServer:
         while True:
             await asyncio.sleep(self.limits.sweep_interval_s)
             try:
+                self.pool_watch.check()
                 for _ in self._sweep(time.monotonic()):
                     await asyncio.sleep(0)  # other connections between batches of closes
             except Exception:  # the loop must survive a bug here
@@ -454,10 +457,12 @@ class IndexServer:
         return prefix_reply(matched, locations)
 
     def _reserve(self, conn: Connection, args: dict) -> dict:
+        self.pool_watch.check()
         slots = self.registry.reserve_packed(self._renewed(conn), args["keys"], args["lengths"])
         return {"slots": pack_slots(slots)}
 
     def _commit(self, conn: Connection, args: dict) -> dict:
+        self.pool_watch.check()
         committed = self.registry.commit(self._renewed(conn), args["keys"], verify=self._verify, record=self._record)
         return {"committed": committed}
 
@@ -504,6 +509,7 @@ class IndexServer:
         for i, keys in enumerate(self._slices(args["keys"])):
             if i:
                 yield  # let other connections in
+            self.pool_watch.check()
             committed += self.registry.commit(self._renewed(conn), keys, verify=self._verify, record=self._record)
         return {"committed": committed}
 
@@ -520,6 +526,7 @@ class IndexServer:
         (``Registry.reserve_sliced``), placed as one batch."""
         yield  # receiving and decoding the request was this turn's work
         lease_id = self._renewed(conn)
+        self.pool_watch.check()
         slots = yield from self.registry.reserve_sliced(lease_id, args["keys"], args["lengths"], self._slice_keys)
         return {"slots": pack_slots(slots)}
 

@@ -11,6 +11,9 @@ batch are gathered from the slot-header table with one numpy take and
 checked field by field, vectorised; only the CRC32 (which numpy cannot
 compute) is one ``zlib.crc32`` call per entry, over bytes already gathered.
 
+A pool file found shorter than the pool (something truncated it) passes no
+object: reading its table or payload could kill the process with SIGBUS.
+
 The checks are exactly those of ``read_slot_header(offset, state).names(key,
 generation)`` (a property test holds the two against each other): magic,
 head state, CRC, a known format and checksum kind, non-zero generation and
@@ -28,6 +31,7 @@ import numpy as np
 
 from maru_core.pool.geometry import SLOT_HEADER_BYTES
 from maru_core.pool.slots import KEY_BYTES, SLOT_MAGIC, ChecksumKind, SlotFormat, SlotState
+from maru_core.pool.truncation import missing_bytes
 
 # magic 4s | state u8 | format u8 | checksum kind u8 | reserved u8 | key 16s | generation u64
 # | length u64 | page count u32 | payload checksum u64 | layout u64 | crc32 u32 (of the first
@@ -79,6 +83,8 @@ class SlotHeaderCheck:
         offsets = np.asarray(offsets, dtype=np.int64)
         if len(keys) != KEY_BYTES * len(offsets):
             raise ValueError(f"{len(keys)} bytes of keys for {len(offsets)} offsets: keys are {KEY_BYTES} bytes each")
+        if missing_bytes(self._pool):  # truncated (the index gives it its size back): nothing to read
+            return np.zeros(len(offsets), dtype=bool)
         inside, pages = self._pages(offsets)
         entries = self._entries(pages)
         words = np.frombuffer(keys, dtype="<u8")
