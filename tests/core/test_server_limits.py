@@ -346,3 +346,58 @@ def test_a_large_reserve_is_looked_up_in_slices_and_never_reserves_a_key_twice(p
         offsets = [slot.offset for slot in big_slots if slot is not None] + [small_slots[0].offset]
         assert len(set(offsets)) == len(keys)
         big.close(), small.close()
+
+
+# -- slow senders of large frames ---------------------------------------------------------------
+
+
+def test_a_frame_trickling_in_a_byte_at_a_time_is_closed_at_its_deadline_from_its_first_byte(pool):
+    """Every byte used to refresh the deadline: a frame sent a byte per 0.1 s
+    with a 0.5 s frame deadline was never closed."""
+    with serve(pool, frame_timeout_s=0.5) as index:
+        raw = Raw(index.url)
+        raw.hello()
+        frame = encode_frame({"id": 9, "op": "heartbeat", "pad": b"x" * 200})
+        started = time.monotonic()
+        closed = False
+        for byte in frame[:-1]:
+            try:
+                raw.sock.sendall(bytes([byte]))
+            except (BrokenPipeError, ConnectionResetError):
+                closed = True
+                break
+            time.sleep(0.1)
+            if time.monotonic() - started > 3:
+                break
+        assert closed or raw.closed_by_peer()
+        assert time.monotonic() - started < 3
+        assert server_of(index).closed_connections["stalled"] == 1
+        with IndexClient(index.url, token=TOKEN, timeout_s=5) as client:
+            assert client.heartbeat() > 0
+
+
+def test_the_large_receive_buffers_of_all_connections_together_are_capped(pool):
+    """Slow senders of large frames hold at most ``max_receive_bytes`` together;
+    the one past the cap is refused with an error naming the flag, and a client
+    sending an engine's small frames is served throughout."""
+    cap = 8 * 1024 * 1024
+    with serve(pool, max_receive_bytes=cap) as index:
+        raws = [Raw(index.url) for _ in range(6)]
+        for raw in raws:
+            raw.hello()
+            payload_len = 4 * 1024 * 1024
+            head = payload_len.to_bytes(4, "big") + b"\x83\xa2id\x01\xa2op\xa5stats\xa3pad\xc6" + (
+                payload_len - 20).to_bytes(4, "big")
+            try:
+                raw.sock.sendall(head + b"x" * (3 * 1024 * 1024))  # most of a 4 MiB frame, then nothing
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+        # Each holds a 4-8 MiB buffer: the cap admits one or two, the others are refused.
+        assert wait_for(lambda: server_of(index).closed_connections["bad_frame"] >= 4)
+        time.sleep(0.2)
+        held = sum(size for size in buffer_sizes(index) if size > 1024 * 1024)
+        assert 0 < held <= cap, buffer_sizes(index)
+        with IndexClient(index.url, token=TOKEN, timeout_s=5) as client:
+            assert client.heartbeat() > 0 and client.match_prefix([key(1)]) == 0
+        for raw in raws:
+            raw.close()

@@ -178,7 +178,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"seconds a new connection has to say hello (default {limits.hello_timeout_s:g}; "
                              f"frames before it: at most {PRE_AUTH_FRAME_BYTES} bytes)")
     parser.add_argument("--frame-timeout", type=_positive_seconds, default=limits.frame_timeout_s, metavar="S",
-                        help=f"seconds a frame under way, or unread replies, may stall (default {limits.frame_timeout_s:g})")
+                        help=f"seconds a frame may take from its first byte, or unread replies may wait "
+                             f"(default {limits.frame_timeout_s:g})")
+    parser.add_argument("--max-receive-mib", type=int, default=limits.max_receive_bytes >> 20, metavar="MIB",
+                        help="MiB all connections' large receive buffers (frames of 1 MiB or more under way) "
+                             f"may hold together (default {limits.max_receive_bytes >> 20})")
     parser.add_argument("--idle-timeout", type=_positive_seconds, default=limits.idle_timeout_s, metavar="S",
                         help=f"seconds a connection may send nothing (default {limits.idle_timeout_s:g})")
     parser.add_argument("--peer-connection-rate", type=_rate_arg, default=limits.peer_connection_rate, metavar="R",
@@ -302,6 +306,7 @@ def run(args: argparse.Namespace) -> int:
         limits = ServerLimits(
             max_connections=args.max_connections, hello_timeout_s=args.hello_timeout,
             frame_timeout_s=args.frame_timeout, idle_timeout_s=args.idle_timeout,
+            max_receive_bytes=args.max_receive_mib << 20,
             max_leases_per_connection=args.max_leases_per_connection,
             peer_connection_rate=args.peer_connection_rate, peer_connection_burst=args.peer_connection_burst,
             peer_auth_failure_rate=args.peer_auth_failure_rate, peer_auth_failure_burst=args.peer_auth_failure_burst,

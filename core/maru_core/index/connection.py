@@ -55,7 +55,8 @@ class Connection(asyncio.BufferedProtocol):
         self.peer_key = peer_key  # whose budgets it spends (``maru_core.index.peers``)
         self.hello_prepaid = hello_prepaid  # its peer paid for its hello at accept (refunded if right)
         limits = server.limits
-        self._frames = FrameBuffer(_INITIAL_BYTES, _INITIAL_BYTES, limits.pre_auth_frame_bytes, 2 * MAX_FRAME_BYTES)
+        self._frames = FrameBuffer(_INITIAL_BYTES, _INITIAL_BYTES, limits.pre_auth_frame_bytes, 2 * MAX_FRAME_BYTES,
+                                   may_grow=server.check_receive_growth)
         self._writer = FrameWriter()
         self._transport: asyncio.Transport | None = None
         self._job: Job | None = None  # a sliced request under way: read nothing more meanwhile
@@ -67,6 +68,9 @@ class Connection(asyncio.BufferedProtocol):
         self.opened_leases: list[str] = []  # every lease this connection opened or resumed
         self.close_after_reply: str | None = None  # the reason, once a reply must be the last one
         self.connected_at = self.last_active = time.monotonic()
+        # When the frame under way began to arrive, and when replies began to
+        # wait for the peer to read them: deadlines run from there.
+        self.frame_started_at = self.write_paused_at = self.connected_at
 
     # -- asyncio callbacks ---------------------------------------------------
 
@@ -92,6 +96,8 @@ class Connection(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         if self._transport is None or self._transport.is_closing():
             return  # closed on a bad header: these bytes went to a throwaway buffer
+        if not self._frames.pending_bytes:
+            self.frame_started_at = time.monotonic()
         self._frames.advance(nbytes)
         self.last_active = time.monotonic()
         if nbytes >= _DECODE_LATER_BYTES:
@@ -104,6 +110,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def pause_writing(self) -> None:
         self._write_paused = True
+        self.write_paused_at = time.monotonic()
         self._update_reading()
 
     def resume_writing(self) -> None:
@@ -122,6 +129,19 @@ class Connection(asyncio.BufferedProtocol):
         if self._job is not None or self._yielded:
             return False  # the wait is ours, not the peer's
         return self._write_paused or self._frames.pending_bytes > 0
+
+    def stalled_since(self) -> float:
+        """When what the peer owes began: the first byte of the frame under way
+        (a byte a second does not extend its deadline), or the replies it stopped reading."""
+        if self._frames.pending_bytes > 0:
+            return self.frame_started_at if not self._write_paused else min(self.frame_started_at,
+                                                                            self.write_paused_at)
+        return self.write_paused_at
+
+    @property
+    def receive_bytes(self) -> int:
+        """Bytes this connection's receive buffer holds room for."""
+        return self._frames.capacity
 
     def release_idle_buffer(self, now: float) -> bool:
         """Give back a grown receive buffer once the peer has sent nothing for a while."""
@@ -146,7 +166,9 @@ class Connection(asyncio.BufferedProtocol):
                     self._yield_turn()
                     return
                 answered += 1
-                outcome = self._server.handle(self, self._frames.pop())
+                message = self._frames.pop()
+                self.frame_started_at = self.last_active  # the next frame's first bytes came with the last read
+                outcome = self._server.handle(self, message)
                 if isinstance(outcome, dict):
                     self._send(outcome)
                     if self.close_after_reply is not None:

@@ -23,6 +23,14 @@ PEER_CONNECTION_RATE = 64.0
 PEER_CONNECTION_BURST = 256
 PEER_AUTH_FAILURE_RATE = 1.0
 PEER_AUTH_FAILURE_BURST = 16
+#: All connections' receive buffers together, beyond the small ones every
+#: connection may hold (``SMALL_RECEIVE_BYTES``): what slow senders of large
+#: frames can make the index hold at once.
+MAX_RECEIVE_BYTES = 256 * 1024 * 1024
+#: A receive buffer up to this size never counts against MAX_RECEIVE_BYTES, so a
+#: client that sends the frames an engine sends (a few KiB to a few hundred) is
+#: never refused because others hold large buffers.
+SMALL_RECEIVE_BYTES = 1024 * 1024
 #: File descriptors kept free for the pool, the metrics server and logs.
 _SPARE_FDS = 32
 
@@ -45,9 +53,13 @@ class ServerLimits:
       every connection holds a lease, the new one is closed at once.
     - ``hello_timeout_s``: a connection must open its lease (``hello``) this
       soon after connecting, or it is closed.
-    - ``frame_timeout_s``: a frame that has started to arrive must be
-      complete this soon, and replies held back because the peer does not
-      read them must drain this soon, or the connection is closed.
+    - ``frame_timeout_s``: a frame must be complete this soon after its first
+      byte arrived (bytes trickling in do not extend it), and replies held
+      back because the peer does not read them must drain this soon, or the
+      connection is closed.
+    - ``max_receive_bytes``: all connections' receive buffers larger than
+      ``SMALL_RECEIVE_BYTES`` together; a connection whose frame would need
+      more is refused (``too_large``) and closed.
     - ``idle_timeout_s``: a connection that sends nothing for this long is
       closed (clients heartbeat every few seconds; the lease itself lives on
       until it lapses).
@@ -69,6 +81,7 @@ class ServerLimits:
     max_connections: int = dataclasses.field(default_factory=default_max_connections)
     hello_timeout_s: float = 5.0
     frame_timeout_s: float = 10.0
+    max_receive_bytes: int = MAX_RECEIVE_BYTES
     idle_timeout_s: float = 60.0
     max_leases_per_connection: int = 4
     pre_auth_frame_bytes: int = PRE_AUTH_FRAME_BYTES
@@ -80,7 +93,7 @@ class ServerLimits:
     max_peers: int = DEFAULT_MAX_PEERS
 
     def __post_init__(self) -> None:
-        integers = ("max_connections", "max_leases_per_connection", "pre_auth_frame_bytes",
+        integers = ("max_connections", "max_leases_per_connection", "pre_auth_frame_bytes", "max_receive_bytes",
                     "peer_connection_burst", "peer_auth_failure_burst", "max_peers")  # fmt: skip
         for name in integers:
             if getattr(self, name) < 1:

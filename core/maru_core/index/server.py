@@ -58,7 +58,7 @@ from typing import Any, Callable
 
 from maru_core.index.accept import Acceptor, bind_tcp
 from maru_core.index.connection import Connection, Job, Reply
-from maru_core.index.limits import ServerLimits
+from maru_core.index.limits import SMALL_RECEIVE_BYTES, ServerLimits
 from maru_core.index.listen import RateLimitedLog, UnixListenerPath
 from maru_core.index.peers import peer_of
 from maru_core.index.registry import RegistryError
@@ -72,6 +72,7 @@ from maru_core.protocol import (
     PROTOCOL_VERSION,
     Address,
     ErrorType,
+    FrameTooLarge,
     LocationList,
     ProtocolError,
     TcpAddress,
@@ -278,6 +279,19 @@ class IndexServer:
 
     # -- connections and their limits ----------------------------------------
 
+    def check_receive_growth(self, current: int, wanted: int) -> None:
+        """Before a connection's receive buffer grows from ``current`` to ``wanted``
+        bytes: refuse (``FrameTooLarge``) when the large buffers of all connections
+        together would pass ``limits.max_receive_bytes``."""
+        if wanted <= SMALL_RECEIVE_BYTES:
+            return
+        held = sum(size for size in (c.receive_bytes for c in self._connections) if size > SMALL_RECEIVE_BYTES)
+        if held + wanted - max(current, SMALL_RECEIVE_BYTES) > self.limits.max_receive_bytes:
+            raise FrameTooLarge(
+                f"the index's receive buffers hold {held >> 20} MiB for frames under way, at its cap of "
+                f"{self.limits.max_receive_bytes >> 20} MiB (--max-receive-mib): send frames under "
+                f"{SMALL_RECEIVE_BYTES >> 10} KiB, or retry once others have arrived")
+
     def admit(self, conn: Connection) -> None:
         """A new connection: at the cap it displaces the oldest one without a
         lease, or is closed itself when every connection holds one."""
@@ -323,7 +337,7 @@ class IndexServer:
                 continue  # gone while we yielded
             if not conn.authenticated and now - conn.connected_at > limits.hello_timeout_s:
                 reason = "hello_timeout"
-            elif conn.stalled() and now - conn.last_active > limits.frame_timeout_s:
+            elif conn.stalled() and now - conn.stalled_since() > limits.frame_timeout_s:
                 reason = "stalled"
             elif now - conn.last_active > limits.idle_timeout_s:
                 reason = "idle"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -177,11 +178,15 @@ class FrameBuffer:
 
     ``max_frame`` is the largest payload accepted; a server lowers it for a
     connection that has not said ``hello`` yet (see ``set_max_frame``).
+    ``may_grow(current, wanted)`` is asked before the buffer grows and may
+    refuse by raising ``FrameError`` (a server's cap on all its buffers).
     """
 
     def __init__(self, initial_bytes: int = 256 * 1024, min_free: int = 64 * 1024,
-                 max_frame: int = MAX_FRAME_BYTES, keep_bytes: int | None = None) -> None:  # fmt: skip
+                 max_frame: int = MAX_FRAME_BYTES, keep_bytes: int | None = None,
+                 may_grow: Callable[[int, int], None] | None = None) -> None:  # fmt: skip
         self._initial = initial_bytes
+        self._may_grow = may_grow  # (current, wanted bytes): raises FrameError to refuse
         self._keep = 4 * initial_bytes if keep_bytes is None else keep_bytes
         self._min_free = min_free
         self._buf = bytearray(initial_bytes)
@@ -215,7 +220,10 @@ class FrameBuffer:
                 self._buf[:held] = self._buf[self._start : self._end]  # same size: never a resize
             else:
                 # A new bytearray, never a resize: the caller may still hold a view of the old one.
-                fresh = bytearray(max(held + need, 2 * len(self._buf)))
+                size = max(held + need, 2 * len(self._buf))
+                if self._may_grow is not None:
+                    self._may_grow(len(self._buf), size)
+                fresh = bytearray(size)
                 fresh[:held] = self._buf[self._start : self._end]
                 self._buf = fresh
             self._start, self._end = 0, held
