@@ -8,6 +8,7 @@ import time
 import pytest
 
 from maru_core.index.client import IndexClient
+from maru_core.index.client_ops import IndexRejected
 from maru_core.index.launcher import ThreadedIndex
 from maru_core.pool import SlotHeader
 
@@ -29,6 +30,13 @@ def index(pool):
 
 def fenced_pages(index: ThreadedIndex) -> int:
     return index.on_loop(lambda: index.service.server.registry.fenced_pages)
+
+
+def wait_until(predicate, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not predicate():
+        time.sleep(0.02)
+    return predicate()
 
 
 def reservation_of(index: ThreadedIndex, key: bytes):
@@ -59,3 +67,33 @@ def test_a_late_copy_of_a_lapsed_writer_never_lands_in_another_object(index, poo
 
         assert slow.commit([b"A" * 16]) == [False]  # too late; and it is done with those pages
         assert fenced_pages(index) == 0
+
+
+def test_a_writer_that_heartbeats_but_never_commits_holds_at_most_its_quota_and_only_for_a_while(pool):
+    """Before, one lease could reserve the whole pool, never commit and keep its
+    lease alive: every other writer got ``no_space`` for as long as it lived,
+    its lapsed pages fenced until its lease ended. Now a lease holds at most
+    its quota of pages (reserved or fenced), is told so by name, and a live
+    writer's fence ends after ``max_fence_s``."""
+    page = pool.geometry.page_size
+    pages = pool.geometry.num_pages
+    with ThreadedIndex(pool, token=TOKEN, reservation_ttl_s=0.3, max_lease_pool_fraction=0.5,
+                       max_fence_s=1.0) as index, \
+            IndexClient(index.url, token=TOKEN) as hog, IndexClient(index.url, token=TOKEN) as honest:
+        grab = [(bytes([9]) + i.to_bytes(4, "little") + bytes(11), page) for i in range(pages)]
+        slots = list(hog.reserve(grab))
+        held = sum(slot is not None for slot in slots)
+        assert held == pages // 2  # its quota, not the pool
+        with pytest.raises(IndexRejected) as refused:
+            hog.reserve([(bytes([8]) + bytes(15), page)])
+        assert refused.value.error_type == "quota" and "--max-lease-pool-fraction" in str(refused.value)
+        # The others still store in the half it cannot take.
+        mine = [(bytes([7]) + i.to_bytes(4, "little") + bytes(11), page) for i in range(pages // 4)]
+        assert all(slot is not None for slot in honest.reserve(mine))
+        honest.abort([k for k, _ in mine])
+        # Its reservations lapse and are fenced while it heartbeats, then freed.
+        assert wait_until(lambda: fenced_pages(index) == held, 5.0)
+        assert wait_until(lambda: fenced_pages(index) == 0, 5.0)
+        hog.heartbeat()
+        assert index.on_loop(lambda: index.service.server.registry.stats().leases) == 2
+        assert all(slot is not None for slot in hog.reserve(grab[: pages // 2]))  # its quota is back

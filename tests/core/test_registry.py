@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 import uuid
 from collections import Counter
@@ -531,6 +530,7 @@ def test_one_million_keys_fit_in_256_bytes_each() -> None:
 
 KEYS = [key(i) for i in range(14)]
 LEASE_TTL, RESERVATION_TTL = 10.0, 30.0
+MAX_FENCE = 60.0  # a live writer's lapsed reservation is fenced this long at most
 
 
 class RegistryMachine(RuleBasedStateMachine):
@@ -541,7 +541,8 @@ class RegistryMachine(RuleBasedStateMachine):
         self.clock = Clock()
         self.geometry = geometry(pages)
         self.reg = Registry(self.geometry, lease_ttl_s=LEASE_TTL, reservation_ttl_s=RESERVATION_TTL,
-                            high_watermark=high, low_watermark=high * 0.8, clock=self.clock)  # fmt: skip
+                            high_watermark=high, low_watermark=high * 0.8, clock=self.clock,
+                            max_fence_s=MAX_FENCE)  # fmt: skip
         self.leases: dict[str, float] = {}  # lease id -> expiry
         self.committed: dict[bytes, Location] = {}
         self.reserved: dict[bytes, tuple[str, Slot, int, float]] = {}  # key -> lease, slot, length, deadline
@@ -558,12 +559,12 @@ class RegistryMachine(RuleBasedStateMachine):
         for k in [k for k, r in self.reserved.items() if r[0] == lease]:
             self._fence(k)
         for entry in self.fenced:
-            if entry[1] == lease and entry[4] == math.inf:
-                entry[4] = self.clock.now + RESERVATION_TTL
+            if entry[1] == lease:
+                entry[4] = min(entry[4], self.clock.now + RESERVATION_TTL)
 
     def _fence(self, k: bytes) -> None:
         lease, slot, length, _ = self.reserved.pop(k)
-        until = math.inf if lease in self.leases else self.clock.now + RESERVATION_TTL
+        until = self.clock.now + (MAX_FENCE if lease in self.leases else RESERVATION_TTL)
         self.fenced.append([k, lease, slot.offset, length, until])
 
     def _writer_done(self, lease: str, keys: set[bytes]) -> None:
@@ -718,6 +719,18 @@ class RegistryMachine(RuleBasedStateMachine):
         assert self.reg.fenced_pages == fenced
         assert s.committed_bytes == sum(-(-loc.length // ps) for loc in self.committed.values()) * ps
         assert (s.keys, s.reserved_keys, s.leases) == (len(self.committed), len(self.reserved), len(self.leases))
+
+    @invariant()
+    def each_lease_holds_the_pages_of_its_reservations_and_fenced_runs(self) -> None:
+        """What a lease's quota counts: its reserved pages plus its fenced ones."""
+        ps = self.geometry.page_size
+        for lease in self.leases:
+            live = self.reg._leases.get(lease)
+            if live is None:
+                continue  # lapsed, not yet seen by a call
+            want = sum(-(-r[2] // ps) for r in self.reserved.values() if r[0] == lease)
+            want += sum(-(-e[3] // ps) for e in self.fenced if e[1] == lease)
+            assert live.held_pages == want
 
     @invariant()
     def live_objects_never_overlap(self) -> None:

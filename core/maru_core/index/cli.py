@@ -139,7 +139,7 @@ def one_line_errors(parser: argparse.ArgumentParser) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from maru_core.index.limits import PRE_AUTH_FRAME_BYTES, ServerLimits, default_max_connections
-    from maru_core.index.registry import MAX_EVICT_FRACTION
+    from maru_core.index.registry import MAX_EVICT_FRACTION, MAX_FENCE_S, MAX_LEASE_POOL_FRACTION
 
     limits = ServerLimits()
     one_line_errors(parser)
@@ -198,6 +198,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="N", help=f"wrong-token hellos one peer may send at once (default {limits.peer_auth_failure_burst})")
     parser.add_argument("--max-evict-fraction", type=_fraction_arg, default=MAX_EVICT_FRACTION, metavar="F",
                         help=f"largest share of the pool one reserve may evict (default {MAX_EVICT_FRACTION:g})")
+    parser.add_argument("--max-lease-pool-fraction", type=_fraction_arg, default=MAX_LEASE_POOL_FRACTION,
+                        metavar="F", help="largest share of the pool one lease may hold reserved, or fenced "
+                                          f"after a lapse (default {MAX_LEASE_POOL_FRACTION:g})")
+    parser.add_argument("--max-fence", type=_positive_seconds, default=MAX_FENCE_S, metavar="S",
+                        help="seconds a lapsed reservation's pages stay fenced while its writer's lease lives "
+                             f"(default {MAX_FENCE_S:g})")
     parser.add_argument("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
@@ -364,6 +370,8 @@ async def _serve(args: argparse.Namespace, pool: Any, token: str | None, fresh: 
         watermarks=(args.high_watermark, args.low_watermark),
         limits=limits,
         max_evict_fraction=args.max_evict_fraction,
+        max_lease_pool_fraction=args.max_lease_pool_fraction,
+        max_fence_s=args.max_fence,
     )
     try:
         if args.metrics_port is not None:  # before listening: a taken port is reported before any client arrives

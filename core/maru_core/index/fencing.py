@@ -10,7 +10,11 @@ allocated (counted as reserved) until
 
 - the writer says it is done with the key (its ``commit`` or ``abort`` of it,
   which it sends only once its copy has ended), or
-- its lease has ended (lapsed or closed) and ``grace_s`` has passed since.
+- its lease has ended (lapsed or closed) and ``grace_s`` has passed since, or
+- ``max_hold_s`` has passed since the lapse, even while its lease lives: a
+  writer that heartbeats but never commits must not hold pages for ever.
+  Loads check each object's payload against its writer's checksum (on by
+  default), so a copy that lands later still is caught at read time.
 
 Entries are columns of arrays, and every operation is vectorised: a
 client whose 60,000 reservations lapse at once must not make every later
@@ -29,6 +33,8 @@ import numpy as np
 _KEY = np.dtype([("w0", "<u8"), ("w1", "<u8")])
 #: Fenced runs taken out: ``(first pages, page counts)``.
 Runs = tuple[np.ndarray, np.ndarray]
+#: Fenced runs taken out with the numbers of the leases that held them.
+OwnedRuns = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 def as_key_elements(words: np.ndarray) -> np.ndarray:
@@ -39,15 +45,16 @@ def as_key_elements(words: np.ndarray) -> np.ndarray:
 class LapsedFence:
     """The pages of lapsed reservations, held back from reuse (see the module docstring)."""
 
-    def __init__(self, grace_s: float) -> None:
-        if grace_s < 0:
-            raise ValueError(f"the fence grace must be non-negative, got {grace_s}")
+    def __init__(self, grace_s: float, max_hold_s: float = math.inf) -> None:
+        if grace_s < 0 or not max_hold_s >= grace_s:
+            raise ValueError(f"the fence needs 0 <= grace ({grace_s}) <= longest hold ({max_hold_s})")
         self.grace_s = float(grace_s)
+        self.max_hold_s = float(max_hold_s)
         self._keys = np.zeros(0, dtype=_KEY)
         self._page = np.zeros(0, dtype=np.int64)
         self._pages = np.zeros(0, dtype=np.int64)
         self._owner = np.zeros(0, dtype=np.int64)  # number of the lease that held the reservation
-        self._until = np.zeros(0, dtype=np.float64)  # when the pages may be reused; inf while the owner lives
+        self._until = np.zeros(0, dtype=np.float64)  # when the pages may be reused
         self.pages = 0
 
     def __len__(self) -> int:
@@ -70,7 +77,7 @@ class LapsedFence:
         alive = {int(owner) for owner in np.unique(owners) if lease_alive(int(owner))}
         until = np.full(len(owners), now + self.grace_s)
         if alive:
-            until[np.isin(owners, list(alive))] = math.inf
+            until[np.isin(owners, list(alive))] = now + self.max_hold_s
         self._keys = np.concatenate((self._keys, as_key_elements(keys)))
         self._page = np.concatenate((self._page, np.asarray(pages, dtype=np.int64)))
         self._pages = np.concatenate((self._pages, np.asarray(counts, dtype=np.int64)))
@@ -80,9 +87,10 @@ class LapsedFence:
 
     def lease_ended(self, owner: int, now: float) -> None:
         """The lease numbered ``owner`` lapsed or closed: its runs go after the grace."""
-        self._until[(self._owner == owner) & np.isinf(self._until)] = now + self.grace_s
+        mine = self._owner == owner
+        self._until[mine] = np.minimum(self._until[mine], now + self.grace_s)
 
-    def writer_done(self, owner: int, keys: np.ndarray) -> Runs:
+    def writer_done(self, owner: int, keys: np.ndarray) -> OwnedRuns:
         """The runs lease ``owner`` fenced for ``keys`` (``(n, 2)`` words), taken out:
         it committed or aborted them, so it no longer writes there."""
         if not len(self) or not len(keys):
@@ -92,12 +100,12 @@ class LapsedFence:
             mine[mine] = np.isin(self._keys[mine], as_key_elements(keys))
         return self._take(mine)
 
-    def due(self, now: float) -> Runs:
+    def due(self, now: float) -> OwnedRuns:
         """The runs whose grace has passed, taken out."""
         return self._take(self._until <= now)
 
-    def _take(self, chosen: np.ndarray) -> Runs:
-        taken = self._page[chosen], self._pages[chosen]
+    def _take(self, chosen: np.ndarray) -> OwnedRuns:
+        taken = self._page[chosen], self._pages[chosen], self._owner[chosen]
         if len(taken[0]):
             keep = ~chosen
             self._keys, self._page, self._pages = self._keys[keep], self._page[keep], self._pages[keep]

@@ -24,13 +24,14 @@ PIN_CHUNK_ROWS = 65536
 class Lease:
     """One client's lease. ``number`` is its compact id in the records' ``owner`` column."""
 
-    __slots__ = ("lease_id", "client", "number", "expires_at", "_pins", "_distinct", "_batch_keys")
+    __slots__ = ("lease_id", "client", "number", "expires_at", "held_pages", "_pins", "_distinct", "_batch_keys")
 
     def __init__(self, lease_id: str, client: str, number: int, expires_at: float) -> None:
         self.lease_id = lease_id
         self.client = client
         self.number = number
         self.expires_at = expires_at
+        self.held_pages = 0  # pool pages it holds reserved or fenced: what its quota bounds
         # Arrays of pinned rows (a retrieve's rows, split into chunks of at most
         # PIN_CHUNK_ROWS), and whether the rows of each are distinct.
         self._pins: list[np.ndarray] = []

@@ -16,6 +16,7 @@ from maru_core.index.registry_types import (
     Keys,
     NoSpace,
     Quarantined,
+    QuotaExceeded,
     checked_lengths,
     first_occurrences_sliced,
     joined_keys,
@@ -41,6 +42,7 @@ class Placement:
     _reserved_pages: int
     _evictions: int
     _max_evict_pages: int
+    max_lease_pages: int
     _high_pages: int
     _low_pages: int
     _lease: Callable[[str], "Lease"]
@@ -76,7 +78,7 @@ class Placement:
         if not candidates.any():
             return SlotList(bytes(len(joined)))
         self._lease(lease_id)
-        idx, starts, pages = self._place_candidates(candidates, lengths)
+        idx, starts, pages = self._place_candidates(self._lease(lease_id), candidates, lengths)
         self._reserved_pages += int(pages.sum())  # placed, not recorded yet: counted as reserved meanwhile
         done = 0
         try:
@@ -118,9 +120,11 @@ class Placement:
         words[idx, 0] = starts * g.page_size + g.data_offset
         words[idx, 1] = self._records.generation.take(rows)
 
-    def _place_candidates(self, candidates: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _place_candidates(self, lease: Lease, candidates: np.ndarray,
+                          lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
         """``(idx, starts, pages)`` of the candidates that were given pages (allocated, not
-        recorded); ``Quarantined`` in quarantine, ``NoSpace`` when none could be placed."""
+        recorded); ``Quarantined`` in quarantine, ``QuotaExceeded`` past the lease's
+        quota of pages, ``NoSpace`` when none could be placed."""
         if self._clock() < self._quarantine_until:
             raise Quarantined(
                 f"the index restarted over a pool in use; it hands out no slot for {self.quarantine_s:g} s "
@@ -135,6 +139,16 @@ class Placement:
                 f"{g.capacity_bytes} bytes of data: use a larger pool or smaller chunks"
             )
         pages = -(-lengths[cand_idx] // g.page_size)
+        # The lease's quota, when it is below the whole pool: the prefix of the batch that fits it.
+        within = np.cumsum(pages) <= self.max_lease_pages - lease.held_pages
+        if self.max_lease_pages < g.num_pages and not within.all():
+            if not within.any():
+                raise QuotaExceeded(
+                    f"this lease holds {lease.held_pages} pages reserved or fenced and asks for {int(pages[0])} "
+                    f"more; a lease may hold {self.max_lease_pages} of the pool's {g.num_pages} pages "
+                    "(--max-lease-pool-fraction): commit or abort what it holds first"
+                )
+            cand_idx, pages = cand_idx[within], pages[within]
         starts = self._place(pages)
         placed = starts >= 0
         if not placed.any():

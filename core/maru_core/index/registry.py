@@ -72,6 +72,14 @@ RESERVATION_CHUNK_ROWS = 8192
 
 #: The largest share of the pool's pages one ``reserve`` may evict.
 MAX_EVICT_FRACTION = 0.25
+#: The share of the pool's pages one lease may hold reserved or fenced: an
+#: engine reserves one step's stores at a time, far below it; a client that
+#: reserves without committing cannot take the pool from the others.
+MAX_LEASE_POOL_FRACTION = 0.5
+#: How long a lapsed reservation's pages stay fenced while its writer's lease
+#: lives (after the lease ends: ``fence_grace_s``). Loads verify payloads, so a
+#: copy that lands later is caught at read time (``fencing.py``).
+MAX_FENCE_S = 120.0
 
 #: ``verify(keys, offsets, generations) -> one bool per key`` (see ``Registry.commit``).
 Verify = Callable[[bytes, np.ndarray, np.ndarray], Sequence[bool] | np.ndarray]
@@ -104,7 +112,11 @@ class Registry(Reads, Placement):
     the pages of a lapsed reservation stay fenced after its lease ends;
     ``clock`` returns seconds; ``first_generation`` seeds the generation
     counter; ``max_evict_fraction`` bounds what one reserve may evict (a
-    share of the pool's pages).
+    share of the pool's pages); ``max_lease_pages_fraction`` the share of the
+    pool's pages one lease may hold reserved or fenced, and ``max_fence_s`` how
+    long a lapsed reservation stays fenced while its writer's lease lives (no
+    bound by default here; the index's defaults, ``MAX_LEASE_POOL_FRACTION``
+    and ``MAX_FENCE_S``, are set by ``build_service``).
     """
 
     def __init__(
@@ -120,6 +132,8 @@ class Registry(Reads, Placement):
         first_generation: int = 1,
         fence_grace_s: float | None = None,
         max_evict_fraction: float = MAX_EVICT_FRACTION,
+        max_fence_s: float = math.inf,
+        max_lease_pages_fraction: float = 1.0,
     ) -> None:
         if not 0 < low_watermark <= high_watermark <= 1:
             raise ValueError(
@@ -129,6 +143,8 @@ class Registry(Reads, Placement):
             raise ValueError("lease_ttl_s and reservation_ttl_s must be positive")
         if not 0 < max_evict_fraction <= 1:
             raise ValueError(f"max_evict_fraction must be in (0, 1], got {max_evict_fraction}")
+        if not 0 < max_lease_pages_fraction <= 1:
+            raise ValueError(f"max_lease_pages_fraction must be in (0, 1], got {max_lease_pages_fraction}")
         if first_generation < 1:
             raise ValueError(f"first_generation must be at least 1, got {first_generation}")
         self.geometry = geometry
@@ -138,6 +154,7 @@ class Registry(Reads, Placement):
         self._high_pages = math.floor(high_watermark * geometry.num_pages)
         self._low_pages = math.floor(low_watermark * geometry.num_pages)
         self._max_evict_pages = max(1, math.floor(max_evict_fraction * geometry.num_pages))
+        self.max_lease_pages = max(1, math.floor(max_lease_pages_fraction * geometry.num_pages))
         self._clock = clock
         self._records = RecordTable()
         self._alloc = ExtentAllocator(geometry.num_pages)
@@ -152,7 +169,8 @@ class Registry(Reads, Placement):
         self._committed_keys = 0
         self._evictions = 0
         self._quarantine_until = -math.inf
-        self._fence = LapsedFence(self.reservation_ttl_s if fence_grace_s is None else fence_grace_s)
+        grace = self.reservation_ttl_s if fence_grace_s is None else fence_grace_s
+        self._fence = LapsedFence(grace, max(grace, max_fence_s))
         self._additions = 0
 
     # -- leases ---------------------------------------------------------------------------------
@@ -290,7 +308,7 @@ class Registry(Reads, Placement):
             candidates = (self._records.lookup(joined) < 0) & first_occurrences(joined)
         if not candidates.any():
             return SlotList(bytes(len(joined)))
-        idx, starts, pages = self._place_candidates(candidates, lengths)
+        idx, starts, pages = self._place_candidates(lease, candidates, lengths)
         chosen = joined if len(idx) == len(candidates) else select_keys(joined, idx)
         rows = self._add_reserved(lease, chosen, starts, pages, lengths[idx])
         words = np.zeros((len(candidates), 2), dtype="<u8")
@@ -323,6 +341,7 @@ class Registry(Reads, Placement):
         rec.deadline[rows] = self._clock() + self.reservation_ttl_s
         self._reserved_pages += int(pages.sum())
         self._reserved_keys += n
+        lease.held_pages += int(pages.sum())
         return rows
 
     def commit(self, lease_id: str, keys: Keys, verify: Verify | None = None,
@@ -355,6 +374,7 @@ class Registry(Reads, Placement):
             if good.shape != idx.shape:
                 raise RegistryError(f"verify answered {good.shape} for {len(idx)} keys")
             ok[idx[~good]] = False
+            lease.held_pages -= int(rec.pages.take(mine[~good]).sum())
             self._release(mine[~good], State.RESERVED)
         done = rows[ok]
         if record is not None and len(done):
@@ -362,6 +382,7 @@ class Registry(Reads, Placement):
         pages = int(rec.pages.take(done).sum())
         rec.state[done] = State.COMMITTED
         rec.owner[done] = -1
+        lease.held_pages -= pages
         self._reserved_pages -= pages
         self._reserved_keys -= len(done)
         self._committed_pages += pages
@@ -377,6 +398,7 @@ class Registry(Reads, Placement):
         rows, reserved = self._lookup_in_state(keys, State.RESERVED)
         held = reserved & (rec.owner[rows] == lease.number)
         mine = np.unique(rows[held])
+        lease.held_pages -= int(rec.pages[mine].sum())
         self._release(mine, State.RESERVED)
         self._end_fence_of_writer(lease, joined_keys(keys), held)
         return len(mine)
@@ -411,12 +433,16 @@ class Registry(Reads, Placement):
         rec.remove(rows)
         self._reserved_keys -= len(rows)  # the pages stay counted as reserved until freed
 
-    def _free_fenced(self, runs: tuple[np.ndarray, np.ndarray]) -> None:
-        starts, counts = runs
+    def _free_fenced(self, runs: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
+        starts, counts, owners = runs
         if not len(starts):
             return
         self._alloc.free_runs(starts, counts)
         self._reserved_pages -= int(counts.sum())
+        for owner, pages in zip(owners.tolist(), counts.tolist()):
+            lease = self._lease_by_number.get(owner)
+            if lease is not None:  # a live writer's quota gets the pages back
+                lease.held_pages -= pages
 
     def _end_fence_of_writer(self, lease: Lease, joined: bytes, handled: np.ndarray) -> None:
         """The writer committed or aborted ``joined``'s keys: fenced runs of those it no

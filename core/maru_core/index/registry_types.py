@@ -37,6 +37,13 @@ class Quarantined(NoSpace):
     error_type = "quarantined"
 
 
+class QuotaExceeded(RegistryError):
+    """The lease would hold more pool pages (reserved, or fenced after a lapse)
+    than its quota; the message names the quota and the flag that sets it."""
+
+    error_type = "quota"
+
+
 class BadRequest(RegistryError, ValueError):
     """Arguments of the wrong type or range; the message names the item."""
 

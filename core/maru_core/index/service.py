@@ -9,7 +9,7 @@ from typing import Any
 
 from maru_core.index.metrics import IndexMetrics
 from maru_core.index.limits import ServerLimits
-from maru_core.index.registry import MAX_EVICT_FRACTION, Registry
+from maru_core.index.registry import MAX_EVICT_FRACTION, MAX_FENCE_S, MAX_LEASE_POOL_FRACTION, Registry
 from maru_core.index.server import IndexServer
 from maru_core.pool.slots import SlotState
 from maru_core.protocol import Location
@@ -66,6 +66,8 @@ def build_service(
     watermarks: tuple[float, float] = (0.95, 0.85),
     limits: ServerLimits | None = None,
     max_evict_fraction: float = MAX_EVICT_FRACTION,
+    max_lease_pool_fraction: float = MAX_LEASE_POOL_FRACTION,
+    max_fence_s: float = MAX_FENCE_S,
 ) -> IndexService:
     """Build the index of ``pool``; call inside the running loop that will serve it.
 
@@ -73,12 +75,15 @@ def build_service(
     writer of an earlier index to wait for. ``watermarks`` is (high, low):
     the used fractions at which eviction starts and down to which it evicts.
     ``limits`` bound what one connection may cost; ``max_evict_fraction`` what
-    one reserve may evict.
+    one reserve may evict; ``max_lease_pool_fraction`` the share of the pool
+    one lease may hold reserved or fenced; ``max_fence_s`` how long a live
+    writer's lapsed reservation stays fenced.
     """
     high, low = watermarks
     registry = Registry(pool.geometry, lease_ttl_s=lease_ttl_s, reservation_ttl_s=reservation_ttl_s,
                         high_watermark=high, low_watermark=low,
-                        max_evict_fraction=max_evict_fraction)  # fmt: skip
+                        max_evict_fraction=max_evict_fraction, max_lease_pages_fraction=max_lease_pool_fraction,
+                        max_fence_s=max_fence_s)  # fmt: skip
     restored = 0
     if not fresh_pool:
         restored = restore_registry(registry, pool)

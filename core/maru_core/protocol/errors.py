@@ -23,6 +23,9 @@ class ErrorType(str, enum.Enum):
     # the index restarted over a pool in use and hands out no slot until copies
     # in flight across the restart are done (a lease period): stores are skipped
     QUARANTINED = "quarantined"
+    # the lease holds its quota of pool pages (reserved, or fenced after a lapse):
+    # it must commit or abort what it holds first
+    QUOTA = "quota"
     INTERNAL = "internal"  # the server failed; the request may be retried
 
 
