@@ -507,4 +507,7 @@ def _unlink_quietly(path: str) -> None:
 
 # The function of each checksum kind a header can carry (keyed by the kind's
 # number: a kind read from a header is a plain int).
-_CHECKSUMS: dict[int, Callable[[memoryview], int]] = {ChecksumKind.POSITION_SUM: payload_checksum, ChecksumKind.XXH3_64: xxh3_checksum}
+_CHECKSUMS: dict[int, Callable[[memoryview], int]] = {
+    ChecksumKind.POSITION_SUM: payload_checksum,
+    ChecksumKind.XXH3_64: xxh3_checksum,
+}
