@@ -1,6 +1,6 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   runs the main job on the embedded default
-#   make test   runs the whole test suite
+#   make test   runs the static checks, then the whole test suite
 VENV ?= .venv
 STAMP := $(VENV)/.marucache-installed
 
@@ -15,9 +15,11 @@ $(STAMP): pyproject.toml scripts/bootstrap.sh scripts/vllm_versions.sh scripts/i
 demo: $(STAMP)
 	$(VENV)/bin/marucache demo
 
-# The connector's scheduler-level tests against the newest vLLM release
+# The static checks (the import contract and mypy: scripts/check_static.sh),
+# the connector's scheduler-level tests against the newest vLLM release
 # (pinned in scripts/vllm_versions.sh), then the whole suite on the CPU build.
 test: $(STAMP)
+	VENV=$(VENV) bash scripts/check_static.sh
 	VENV=$(VENV) bash scripts/test_vllm_release.sh
 	$(VENV)/bin/python -m pytest tests
 
@@ -25,7 +27,7 @@ bench-index: $(STAMP)
 	$(VENV)/bin/marucache bench index
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache .import_linter_cache
 
 # The operator/index/sidecar image (Dockerfile). CONTAINER_ENGINE=podman works too.
 CONTAINER_ENGINE ?= docker

@@ -28,7 +28,11 @@ import platform
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from maru_core.keys import Key
 
 TARGET_RETRIEVE_8000_P50_MS = 1.0
 TARGET_BYTES_PER_KEY = 256.0
@@ -44,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="keys for the memory-per-key figure (default 1,000,000; 0 skips it)")
 
 
-def bench_keys() -> tuple[list[bytes], list[bytes]]:
+def bench_keys() -> tuple[list[Key], list[Key]]:
     """(chunk keys, layerwise keys) of a fixed 64k-token prompt, derived as the connector does."""
     from maru_core.keys import KeyNamespace, chunk_keys, layer_key
 
@@ -54,7 +58,7 @@ def bench_keys() -> tuple[list[bytes], list[bytes]]:
     return chunks, [layer_key(c, layer) for c in chunks for layer in range(LAYERS)]
 
 
-def _store(client: Any, pool: Any, keys: list[bytes], length: int) -> None:
+def _store(client: Any, pool: Any, keys: Sequence[bytes], length: int) -> None:
     from maru_core.pool import SlotHeader
 
     for start in range(0, len(keys), 4000):
@@ -128,6 +132,7 @@ def run_latency(repeats: int) -> list[dict[str, Any]]:
     rows = []
     try:
         index.start()
+        assert index.url is not None  # start() raises unless the index printed its address
         with Pool.attach(path) as pool, IndexClient(index.url, client_name="bench") as client:
             _store(client, pool, layered, 4096)
             _store(client, pool, chunks, 4096)

@@ -154,9 +154,11 @@ def run(args: argparse.Namespace) -> int:
     print("MaruCache quickstart", flush=True)
     try:
         index.start()
+        url, proc = index.url, index.proc
+        assert url is not None and proc is not None  # start() raises unless the index printed its address
         print(f"  pool     {pool_path} ({_mib(args.pool_size)}, tmpfs standing in for CXL memory)")
-        print(f"  index    {index.url} (pid {index.proc.pid})", flush=True)  # progress, also through a pipe
-        w = _role("writer", index.url, pool_path, token_file, args)
+        print(f"  index    {url} (pid {proc.pid})", flush=True)  # progress, also through a pipe
+        w = _role("writer", url, pool_path, token_file, args)
         print(f"  writer   pid {w['pid']}: stored {w['committed']}/{w['objects']} objects, {_mib(w['bytes'])} "
               f"(reserve {w['reserve_ms']:.2f} ms, write {w['write_ms']:.1f} ms, commit {w['commit_ms']:.2f} ms)",
               flush=True)
@@ -164,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"  result   the pool held only {w['committed']} of {w['objects']} objects: "
                   "use a larger --pool-size or fewer --tokens")
             return 1
-        r = _role("reader", index.url, pool_path, token_file, args)
+        r = _role("reader", url, pool_path, token_file, args)
         print(f"  reader   pid {r['pid']}: {r['hits']}/{r['objects']} hits, {r['verified']} verified byte for byte, "
               f"{_mib(r['bytes'])} read (match_prefix {r['match_ms']:.2f} ms, retrieve {r['retrieve_ms']:.2f} ms, "
               f"read {r['read_ms']:.1f} ms)")

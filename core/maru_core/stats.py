@@ -293,10 +293,12 @@ class ConnectorStats:
         with self._lock:
             if self._fd is None:
                 return
-            final = bytearray(self._buffer)
+            mapped = self._buffer
+            assert isinstance(mapped, mmap.mmap)  # a region with a file descriptor is a mapping
+            final = bytearray(mapped)
             self._ints.release()
             self._floats.release()
-            self._buffer.close()
+            mapped.close()
             os.close(self._fd)  # releases the flock: the sidecar sees a finished writer
             self._fd = None
             self._buffer = final
@@ -329,7 +331,7 @@ def _reason_slot(kind: str, reason: str, allowed: tuple[str, ...]) -> int:
     return SLOT_INDEX[f"{kind}:{reason}"]
 
 
-def _read_slots(ints: memoryview, floats: memoryview, names: tuple[str, ...] = SLOT_NAMES) -> list[int | float]:
+def _read_slots(ints: memoryview[int], floats: memoryview[float], names: tuple[str, ...] = SLOT_NAMES) -> list[int | float]:
     """The region's values in this version's slot order (``names``: the region's layout)."""
     # Element-wise loads of aligned 8-byte values: never torn.
     if names is SLOT_NAMES:

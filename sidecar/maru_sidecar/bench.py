@@ -69,26 +69,30 @@ def bench_handoff(directory: Path, handoffs: int) -> None:
              "region at offset 64 MiB": Pool.create(device_path, size, offset=size)}  # fmt: skip
     try:
         for label, pool in pools.items():
-            offer = PoolOffer(fd=pool.fileno(), geometry=pool.geometry.to_dict(), pool_path=pool.where,
-                              pool_offset=pool.offset)  # fmt: skip
-            sock = directory / "h.sock"
-            server = HandoffServer(sock, cache="bench", index_url="tcp://127.0.0.1:1", stats_dir=directory,
-                                   offer=lambda offer=offer: offer, read_token=lambda: "t")  # fmt: skip
-            server.start()
-            try:
-
-                def one() -> None:
-                    fetch_pool(str(sock), "t", "bench", timeout_s=5.0).open_pool().close()
-
-                ms = per_call_ns(one, handoffs) / 1e6
-                print(f"hand-off of a {label} (connect, request, receive fd, map and validate): {ms:.3f} ms")
-            finally:
-                server.stop()
+            _bench_one_handoff(directory, label, pool, handoffs)
     finally:
         for pool in pools.values():
             pool.close()
         os.unlink(pool_path)
         os.unlink(device_path)
+
+
+def _bench_one_handoff(directory: Path, label: str, pool: Pool, handoffs: int) -> None:
+    offer = PoolOffer(fd=pool.fileno(), geometry=pool.geometry.to_dict(), pool_path=pool.where,
+                      pool_offset=pool.offset)  # fmt: skip
+    sock = directory / "h.sock"
+    server = HandoffServer(sock, cache="bench", index_url="tcp://127.0.0.1:1", stats_dir=directory,
+                           offer=lambda: offer, read_token=lambda: "t")  # fmt: skip
+    server.start()
+    try:
+
+        def one() -> None:
+            fetch_pool(str(sock), "t", "bench", timeout_s=5.0).open_pool().close()
+
+        ms = per_call_ns(one, handoffs) / 1e6
+        print(f"hand-off of a {label} (connect, request, receive fd, map and validate): {ms:.3f} ms")
+    finally:
+        server.stop()
 
 
 def main() -> None:

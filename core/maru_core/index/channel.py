@@ -119,7 +119,7 @@ class Channel:
                 self._sock.sendall(frame)
             except OSError as exc:
                 self.fail(IndexUnavailable(f"sending {waiter.op} to the index failed: {exc}"))
-                raise self.failure from exc
+                raise self._failed() from exc
         return self._await(rid, waiter, deadline)
 
     def _await(self, rid: int, waiter: _Waiter, deadline: float) -> Any:
@@ -144,7 +144,7 @@ class Channel:
                 self._reading = False
                 self._cv.notify_all()
         if waiter.reply is None:
-            raise self.failure
+            raise self._failed()
         return waiter.reply
 
     def _read_until(self, waiter: _Waiter, deadline: float) -> None:
@@ -173,13 +173,19 @@ class Channel:
         with self._cv:
             for message in messages:
                 rid = message.get("id") if type(message) is dict else None
-                waiter = self._pending.pop(rid, None)
+                waiter = self._pending.pop(rid, None) if rid is not None else None
                 if waiter is None:
                     # An error about the stream itself (id nil): the index closes it next.
                     self._fail_locked(IndexUnavailable(f"the index dropped the connection: {message!r:.200}"))
                     return
                 waiter.reply = message
             self._cv.notify_all()
+
+    def _failed(self) -> IndexUnavailable:
+        """The failure that ended the channel: set once a send failed or a read
+        stopped without the reply."""
+        assert self.failure is not None
+        return self.failure
 
     def fail(self, error: IndexUnavailable) -> None:
         with self._cv:

@@ -329,7 +329,7 @@ def run(args: argparse.Namespace) -> int:
         return asyncio.run(_serve(args, pool, token, fresh, limits))
     except _MetricsError as exc:
         print(f"marucache index: error: cannot serve metrics on {args.metrics_addr}:{args.metrics_port}: "
-              f"{exc.__cause__.strerror or exc.__cause__}", file=sys.stderr)  # fmt: skip
+              f"{exc.error.strerror or exc.error}", file=sys.stderr)  # fmt: skip
         return 2
     except OSError as exc:
         print(f"marucache index: error: cannot listen on {args.listen}: {exc.strerror or exc}", file=sys.stderr)
@@ -351,6 +351,10 @@ def _is_loopback(host: str) -> bool:
 
 class _MetricsError(Exception):
     """The metrics endpoint could not be served (its cause is the ``OSError``)."""
+
+    def __init__(self, error: OSError):
+        super().__init__(str(error))
+        self.error = error
 
 
 async def _serve(args: argparse.Namespace, pool: Any, token: str | None, fresh: bool, limits: Any) -> int:
@@ -375,10 +379,11 @@ async def _serve(args: argparse.Namespace, pool: Any, token: str | None, fresh: 
     )
     try:
         if args.metrics_port is not None:  # before listening: a taken port is reported before any client arrives
+            assert service.metrics is not None  # built with_metrics
             try:
                 port = service.metrics.serve(args.metrics_port, args.metrics_addr)
             except OSError as exc:
-                raise _MetricsError() from exc
+                raise _MetricsError(exc) from exc
             print(f"marucache index: metrics on http://{args.metrics_addr}:{port}/metrics", flush=True)
         bound = await service.server.start(args.listen)
         g = pool.geometry

@@ -75,8 +75,9 @@ class Connection(asyncio.BufferedProtocol):
     # -- asyncio callbacks ---------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = transport  # type: ignore[assignment]
-        self._transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+        assert isinstance(transport, asyncio.Transport)  # a stream socket's
+        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+        self._transport = transport
         self.peer = str(transport.get_extra_info("peername") or "unix")
         self._server.admit(self)
 

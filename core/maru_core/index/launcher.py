@@ -48,13 +48,14 @@ class IndexProcess:
         self.metrics_url: str | None = None
 
     def start(self, timeout_s: float = 30.0) -> "IndexProcess":
-        self.proc = subprocess.Popen(
+        self.proc = proc = subprocess.Popen(
             self.args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
         )
-        timer = threading.Timer(timeout_s, self.proc.kill)
+        assert proc.stdout is not None and proc.stderr is not None  # both piped
+        timer = threading.Timer(timeout_s, proc.kill)
         timer.start()
         try:
-            for line in self.proc.stdout:
+            for line in proc.stdout:
                 if line.startswith("marucache index: metrics on "):
                     self.metrics_url = line.split(" on ", 1)[1].strip()
                 match = _READY.search(line)
@@ -64,10 +65,10 @@ class IndexProcess:
         finally:
             timer.cancel()
         if self.url is None:
-            self.proc.wait()
-            raise RuntimeError(f"the index did not start: {self.proc.stderr.read().strip()}")
+            proc.wait()
+            raise RuntimeError(f"the index did not start: {proc.stderr.read().strip()}")
         # Keep draining its output so a chatty index never blocks on a full pipe.
-        for stream in (self.proc.stdout, self.proc.stderr):
+        for stream in (proc.stdout, proc.stderr):
             threading.Thread(target=stream.read, daemon=True).start()
         return self
 

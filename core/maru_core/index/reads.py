@@ -184,7 +184,7 @@ class Reads:
         words = self._records.location.take(rows, axis=0)
         if present is not None:
             words[~present] = 0
-        return LocationList(memoryview(words).cast("B") if len(words) else b"")
+        return LocationList(words.data.cast("B") if len(words) else b"")
 
     def _touch(self, rows: np.ndarray) -> bool:
         """Make ``rows`` most recently used; return whether they are distinct.

@@ -206,7 +206,7 @@ class RecordTable:
             at = np.flatnonzero(match)  # a key is in its window at most once
             where = todo.take(at // _WINDOW)
             rows[where] = found.take(at)
-            if want_slots:
+            if slots is not None:  # want_slots
                 slots[where] = start.take(at)
             match |= found == _EMPTY
             done = match.view(np.uint64) != 0  # any() of each key's 8 bools, read as one word
@@ -261,6 +261,7 @@ class RecordTable:
     def remove(self, rows: np.ndarray) -> None:
         """Forget the records at ``rows`` (distinct, live) and make the rows free."""
         slots, _ = self._probe(self.keys.take(rows, axis=0), want_slots=True)
+        assert slots is not None  # want_slots
         if np.any(slots < 0):
             raise RuntimeError("a live record is missing from the key table")
         self._table[slots] = _TOMBSTONE

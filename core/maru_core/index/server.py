@@ -239,7 +239,7 @@ class IndexServer:
         sock.setblocking(False)
         prepaid = self._peers.prepay_hello(peer)
         protocol = lambda: Connection(self, peer, hello_prepaid=prepaid)  # noqa: E731
-        task = self._loop.create_task(self._loop.connect_accepted_socket(protocol, sock))
+        task = self.loop.create_task(self.loop.connect_accepted_socket(protocol, sock))
         self._handshakes[task] = sock
         task.add_done_callback(self._handshake_done)
         return True
@@ -451,8 +451,10 @@ class IndexServer:
         )
 
     def _renewed(self, conn: Connection) -> str:
-        self.registry.renew(conn.lease_id)
-        return conn.lease_id
+        lease_id = conn.lease_id
+        assert lease_id is not None  # dispatch answers NO_LEASE before a handler runs
+        self.registry.renew(lease_id)
+        return lease_id
 
     def _heartbeat(self, conn: Connection, args: dict) -> dict:
         self._renewed(conn)

@@ -44,7 +44,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -117,11 +117,13 @@ def _matrix_sum_loops(m, base):  # pragma: no cover - compiled by numba
 #: and fails on objects of numba's, so an engine must not load numba before
 #: its worker has started (the engines warm up at ``register_kv_caches``).
 CPU_BACKEND = "numba" if importlib.util.find_spec("numba") is not None else "numpy"
-_compiled: dict[bool, object] = {}
+# (matrix, base) -> the sum, as a numba-compiled function.
+_MatrixSumFn = Callable[[np.ndarray, np.uint64], int]
+_compiled: dict[bool, _MatrixSumFn] = {}
 _compile_lock = threading.Lock()
 
 
-def _compile(contiguous: bool):
+def _compile(contiguous: bool) -> _MatrixSumFn:
     """The compiled pass for C-contiguous matrices or any with contiguous rows: one
     signature each (read-only arrays, which writable ones convert to)."""
     with _compile_lock:

@@ -21,7 +21,7 @@ import os
 import re
 import uuid as uuid_module
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from maru_core.pool.checksum import payload_checksum, payload_checksums, xxh3_checksum
 from maru_core.pool.device import SYSFS_ROOT, Backing, backing_size, open_rw
@@ -505,5 +505,9 @@ def _unlink_quietly(path: str) -> None:
         pass
 
 
-# The function of each checksum kind a header can carry.
-_CHECKSUMS = {ChecksumKind.POSITION_SUM: payload_checksum, ChecksumKind.XXH3_64: xxh3_checksum}
+# The function of each checksum kind a header can carry (keyed by the kind's
+# number: a kind read from a header is a plain int).
+_CHECKSUMS: dict[int, Callable[[memoryview], int]] = {
+    ChecksumKind.POSITION_SUM: payload_checksum,
+    ChecksumKind.XXH3_64: xxh3_checksum,
+}
