@@ -33,7 +33,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import msgpack
 from maru_core.keys import KeyNamespace, chunk_keys_of_namespaces
@@ -190,7 +190,17 @@ def config_digest(model_config: "ModelConfig") -> str:
     return hashlib.blake2b(text.encode(), digest_size=16, person=b"maru.config").hexdigest()
 
 
-def model_identity(model_config: "ModelConfig", cfg: MaruConfig) -> dict[str, str]:
+class ModelIdentity(TypedDict):
+    """The namespace fields that name the model (``KeyNamespace``'s)."""
+
+    model: str
+    revision: str
+    weights: str
+    model_config: str
+    quantization: str
+
+
+def model_identity(model_config: "ModelConfig", cfg: MaruConfig) -> ModelIdentity:
     """The namespace fields naming the model: ``model``, ``revision``, ``weights``,
     ``model_config``, ``quantization``. The model's path is used only when its
     files cannot be read (with a warning): a path does not name weights."""
@@ -354,6 +364,11 @@ def layout_id(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> st
 def kv_spec_id(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> str:
     """vLLM's per-layer KV spec: what one token's KV of one layer is."""
     spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+    if not isinstance(spec, AttentionSpec):  # what the connector stores is attention KV
+        raise MaruConfigError(f"the KV cache is a {type(spec).__name__}, not attention KV: MaruCache "
+                              "shares attention KV caches only; remove the kv-transfer-config")
     quant = getattr(spec, "kv_quant_mode", None)
     skip = ",".join(vllm_config.cache_config.kv_cache_dtype_skip_layers or ())
     return (
@@ -379,7 +394,7 @@ def base_namespaces(
     """One namespace per TP rank (index = rank), without per-request salt or LoRA."""
     model = vllm_config.model_config
     tp_size = vllm_config.parallel_config.tensor_parallel_size
-    common = dict(
+    first = KeyNamespace(
         **model_identity(model, cfg),
         dtype=str(model.dtype).removeprefix("torch."),
         kv_dtype=str(vllm_config.cache_config.cache_dtype),
@@ -393,7 +408,7 @@ def base_namespaces(
         cache_salt=cfg.maru_cache_salt,
         lora="",
     )
-    return tuple(KeyNamespace(tp_rank=rank, **common) for rank in range(tp_size))
+    return tuple(dataclasses.replace(first, tp_rank=rank) for rank in range(tp_size))
 
 
 # ---------------------------------------------------------------- per request

@@ -161,7 +161,9 @@ class MaruSchedulerHalf:
         """With an early pin, start the load's first copies now: vLLM
         allocates blocks and prepares the step before the worker sees the
         load (chunks ``first`` to ``end``, as ``_plan_load`` will plan them)."""
-        pin = self._lookup.early_pin(req_id) if self._handoff is not None else None
+        if self._handoff is None:
+            return
+        pin = self._lookup.early_pin(req_id)
         if pin is not None:
             self._handoff.start_head(pin, end - first)
 

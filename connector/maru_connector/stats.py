@@ -55,6 +55,8 @@ def sidecar_stats_dir(cfg: MaruConfig) -> str:
     """Ask the sidecar where the stats regions go (one hand-off; its descriptor is closed at once)."""
     from maru_core.handoff import fetch_pool
 
+    if cfg.maru_sidecar_socket is None:
+        raise ValueError("no maru_sidecar_socket is set: the stats regions' directory comes from a sidecar")
     handoff = fetch_pool(cfg.maru_sidecar_socket, cfg.resolve_token(), cfg.maru_cache_name)
     os.close(handoff.fd)
     return handoff.stats_dir

@@ -221,12 +221,11 @@ def warm_up(device: torch.device, layerwise: bool) -> None:
     if BACKEND != "triton":  # pragma: no cover
         return
     data = torch.arange(256, dtype=torch.int64, device=device).mul_(2654435761).to(torch.uint8)
-    rows = dict(first_chunk=0, n_chunks=2, first_layer=0, n_layers=2, layerwise=layerwise, total_layers=2)
     try:
         for chunk_major in (False, True):
             got, want = (torch.zeros(4, dtype=torch.int64, device=device) for _ in range(2))
             for sums, backend in ((got, "triton"), (want, "torch")):
-                add_row_sums(sums, data, 16, 48, chunk_major=chunk_major, backend=backend, **rows)
+                _add_warm_up_rows(sums, data, layerwise, chunk_major, backend)
             if not torch.equal(got, want):
                 raise RuntimeError(f"the kernel's sums {got.tolist()} differ from torch's {want.tolist()}")
         torch.cuda.synchronize(device)
@@ -235,13 +234,20 @@ def warm_up(device: torch.device, layerwise: bool) -> None:
         BACKEND = "torch"
         return
     try:
-        _check_fused_compare(device, data, want, rows)
+        _check_fused_compare(device, data, want, layerwise)
     except Exception as exc:  # pragma: no cover - depends on the machine
         logger.warning("payload checksums on the GPU are compared by torch, not in the kernel (%s)", exc)
         FUSED_COMPARE = False
 
 
-def _check_fused_compare(device: torch.device, data: torch.Tensor, want: torch.Tensor, rows: dict) -> None:
+def _add_warm_up_rows(sums: torch.Tensor, data: torch.Tensor, layerwise: bool, chunk_major: bool, backend: str,
+                      compare: Compare | None = None) -> None:
+    """The rows ``warm_up`` sums: 2 chunks of 2 layers, 48-byte rows from byte 16 of ``data``."""
+    add_row_sums(sums, data, 16, 48, first_chunk=0, n_chunks=2, first_layer=0, n_layers=2, chunk_major=chunk_major,
+                 layerwise=layerwise, total_layers=2, compare=compare, backend=backend)
+
+
+def _check_fused_compare(device: torch.device, data: torch.Tensor, want: torch.Tensor, layerwise: bool) -> None:
     """The fused comparison flags a wrong total and only that (both variants)."""
     counter = torch.zeros(1, dtype=torch.int32, device=device)
     flags = torch.full((2,), 7, dtype=torch.int32, pin_memory=True)
@@ -249,8 +255,7 @@ def _check_fused_compare(device: torch.device, data: torch.Tensor, want: torch.T
     for flag, expected in ((flags[0:1], want), (flags[1:2], want + torch.tensor([0, 0, 0, 1], device=device))):
         compare = Compare(expected=expected, verify=verify, flag=flag, counter=counter, rows=2, stride=2,
                           first=0, cols=2)
-        add_row_sums(torch.zeros(4, dtype=torch.int64, device=device), data, 16, 48, chunk_major=True,
-                     compare=compare, backend="triton", **rows)
+        _add_warm_up_rows(torch.zeros(4, dtype=torch.int64, device=device), data, layerwise, True, "triton", compare)
     torch.cuda.synchronize(device)
     if flags.tolist() != [0, 1] or int(counter.item()) != 0:
         raise RuntimeError(f"flags {flags.tolist()} (want [0, 1]), counter {int(counter.item())} (want 0)")
