@@ -3,6 +3,16 @@
 The wire format and the client live in `maru_core.handoff`. Each connection
 carries one request and one reply; a refusal is logged here and sent back with
 a message that says what to change, so both sides tell the same story.
+
+One thread serves every connection from a selector: a connection costs
+nothing but its socket until its whole request has arrived, and is then
+answered at once (a request and its reply are a few hundred bytes). A
+connection whose request is not whole within `CONNECTION_TIMEOUT_S` is closed,
+and at `MAX_PENDING_HANDOFFS` waiting connections a new one displaces the
+oldest: a connector sends its request as soon as it connects, so the oldest
+waiting connection is a slow or idle peer's, and a local flood of idle
+connections cannot keep connectors from their pool (with 16 threads of 2 s
+each, it could).
 """
 
 from __future__ import annotations
@@ -11,6 +21,7 @@ import collections
 import hmac
 import logging
 import os
+import selectors
 import socket
 import stat
 import struct
@@ -22,19 +33,20 @@ from pathlib import Path
 from typing import Any
 
 from maru_core.index.listen import RateLimitedLog
-from maru_core.handoff import ERROR_TYPES, HANDOFF_PROTOCOL, HandoffError, recv_frame, send_frame
+from maru_core.handoff import ERROR_TYPES, HANDOFF_PROTOCOL, MAX_FRAME_BYTES, HandoffError, recv_frame, send_frame
 
 log = logging.getLogger(__name__)
 
-#: The whole of one hand-off (request in, reply out) must fit in this, however the peer spaces its bytes.
+#: A connection's whole request must arrive within this, however the peer spaces its bytes.
 CONNECTION_TIMEOUT_S = 2.0
-#: Hand-offs served at once; more connections wait in the listen backlog.
-MAX_CONCURRENT_HANDOFFS = 16
+#: Connections waiting for their request at once; at the cap a new one displaces the oldest.
+MAX_PENDING_HANDOFFS = 256
 #: Mode of the hand-off socket: the sidecar's user and group (``--socket-group``) only.
 SOCKET_MODE = 0o660
 #: Every result a hand-off is counted under: a closed set, exported at zero from the start.
 RESULTS = ("ok", *ERROR_TYPES, "send_failed")
 _PEERCRED = struct.Struct("3i")
+_LENGTH = struct.Struct(">I")  # the frame header of `maru_core.handoff`
 
 
 @dataclass(frozen=True)
@@ -79,7 +91,6 @@ class HandoffServer:
     ):
         self.socket_path = socket_path
         self._socket_gid = socket_gid
-        self._slots = threading.BoundedSemaphore(MAX_CONCURRENT_HANDOFFS)
         self._refusals = RateLimitedLog(log)  # a flood of bad clients costs a log line a second
         self._cache, self._index_url, self._stats_dir = cache, index_url, str(stats_dir)
         self._offer, self._read_token = offer, read_token
@@ -99,10 +110,10 @@ class HandoffServer:
         if self._socket_gid is not None:
             os.chown(self.socket_path, -1, self._socket_gid)
         os.chmod(self.socket_path, SOCKET_MODE)
-        sock.listen(64)
-        sock.settimeout(0.2)
+        sock.listen(128)
+        sock.setblocking(False)
         self._sock = sock
-        self._thread = threading.Thread(target=self._accept_loop, args=(sock,), name="maru-handoff", daemon=True)
+        self._thread = threading.Thread(target=self._serve_loop, args=(sock,), name="maru-handoff", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
@@ -115,31 +126,70 @@ class HandoffServer:
             self._sock = None
             self.socket_path.unlink(missing_ok=True)
 
-    def _accept_loop(self, sock: socket.socket) -> None:
-        while not self._stop.is_set():
-            if not self._slots.acquire(timeout=0.2):  # every slot busy: later connections wait in the backlog
-                continue
+    def _serve_loop(self, sock: socket.socket) -> None:
+        selector = selectors.DefaultSelector()
+        selector.register(sock, selectors.EVENT_READ)
+        waiting: dict[socket.socket, float] = {}  # connection -> accepted at, oldest first
+        try:
+            while not self._stop.is_set():
+                for key, _ in selector.select(timeout=0.1):
+                    if key.fileobj is sock:
+                        self._accept_all(sock, selector, waiting)
+                    else:
+                        self._on_readable(key.fileobj, selector, waiting)  # type: ignore[arg-type]
+                now = time.monotonic()
+                for conn in [c for c, at in waiting.items() if now - at > CONNECTION_TIMEOUT_S]:
+                    self._drop(conn, selector, waiting, "its request was not whole at the deadline")
+        finally:
+            for conn in list(waiting):
+                selector.unregister(conn)
+                conn.close()
+            selector.close()
+
+    def _accept_all(self, sock: socket.socket, selector: selectors.BaseSelector,
+                    waiting: dict[socket.socket, float]) -> None:  # fmt: skip
+        while True:
             try:
                 conn, _ = sock.accept()
-            except TimeoutError:
-                self._slots.release()
-                continue
+            except (BlockingIOError, InterruptedError):
+                return
             except OSError as exc:
-                self._slots.release()
                 if not self._stop.is_set():
                     log.error("hand-off socket failed: %s", exc)
                 return
-            threading.Thread(target=self._serve_in_slot, args=(conn,), name="maru-handoff-conn", daemon=True).start()
+            if len(waiting) >= MAX_PENDING_HANDOFFS:
+                self._drop(next(iter(waiting)), selector, waiting, "displaced by a newer connection")
+            conn.setblocking(False)
+            waiting[conn] = time.monotonic()
+            selector.register(conn, selectors.EVENT_READ)
 
-    def _serve_in_slot(self, conn: socket.socket) -> None:
+    def _on_readable(self, conn: socket.socket, selector: selectors.BaseSelector,
+                     waiting: dict[socket.socket, float]) -> None:  # fmt: skip
+        """Answer the connection once its whole request (or its end) has arrived."""
         try:
-            self._serve(conn)
-        finally:
-            self._slots.release()
+            head = conn.recv(_LENGTH.size + MAX_FRAME_BYTES, socket.MSG_PEEK)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            head = b""
+        if head and not _request_whole(head):
+            return  # more to come
+        accepted = waiting.pop(conn)
+        selector.unregister(conn)
+        conn.setblocking(True)
+        self._serve(conn, accepted + CONNECTION_TIMEOUT_S)
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _drop(self, conn: socket.socket, selector: selectors.BaseSelector, waiting: dict[socket.socket, float],
+              why: str) -> None:  # fmt: skip
+        waiting.pop(conn, None)
+        selector.unregister(conn)
+        self._refusals.warning("hand-off from %s: closed, %s", _peer_description(conn), why)
+        self._count("bad_request")
+        conn.close()
+
+    def _serve(self, conn: socket.socket, deadline: float) -> None:
+        """Read the request (all of it has arrived), answer it, close."""
         with conn:
-            deadline = time.monotonic() + CONNECTION_TIMEOUT_S
             peer = _peer_description(conn)
             try:
                 request, _ = recv_frame(conn, max_fds=0, deadline=deadline)
@@ -217,6 +267,15 @@ class HandoffServer:
             raise ValueError(f"hand-off result {result!r} is not one of {RESULTS}")
         with self._results_lock:
             self.results[result] += 1
+
+
+def _request_whole(head: bytes) -> bool:
+    """Whether the bytes received so far hold a whole request frame, or a header
+    announcing one too large (refused by reading it: no need to wait for more)."""
+    if len(head) < _LENGTH.size:
+        return False
+    (length,) = _LENGTH.unpack_from(head)
+    return length > MAX_FRAME_BYTES or len(head) >= _LENGTH.size + length
 
 
 def _peer_description(conn: socket.socket) -> str:
