@@ -12,7 +12,7 @@ import dataclasses
 import decimal
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from kubernetes.utils import parse_quantity
 
@@ -215,15 +215,19 @@ def _section(spec: Mapping[str, Any], name: str) -> Mapping[str, Any]:
     return value
 
 
-def _typed(section: Mapping[str, Any], prefix: str, key: str, kind: type, default: Any,
-           low: float | None = None, high: float | None = None) -> Any:
-    value = section.get(key, default)
+_Scalar = TypeVar("_Scalar", bool, int, float)
+
+
+def _typed(section: Mapping[str, Any], prefix: str, key: str, kind: type[_Scalar], default: _Scalar,
+           low: float | None = None, high: float | None = None) -> _Scalar:
+    raw: object = section.get(key, default)
     field = f"{prefix}.{key}"
     # bool is an int in Python; a YAML `true` must not pass as a port number.
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-        raise SpecError(field, f"must be a {kind.__name__}, got {value!r}")
+    if kind is float and isinstance(raw, int) and not isinstance(raw, bool):
+        raw = float(raw)
+    if not isinstance(raw, kind) or (kind is not bool and isinstance(raw, bool)):
+        raise SpecError(field, f"must be a {kind.__name__}, got {raw!r}")
+    value: _Scalar = raw
     if low is not None and value < low or high is not None and value > high:
         raise SpecError(field, f"must be between {low} and {high}, got {value!r}")
     return value
