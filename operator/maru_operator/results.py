@@ -6,7 +6,15 @@ from __future__ import annotations
 import enum
 
 
-class ReconcileResult(str, enum.Enum):
+class _Word(str, enum.Enum):
+    """A word that reads as itself: in f-strings and `str()` too (a plain str enum reads `Class.MEMBER` there
+    from Python 3.11 on)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+class ReconcileResult(_Word):
     """How a reconcile (or a delete) of one MaruCache ended: the `result` label of
     `maru_operator_reconciles_total`."""
 
@@ -23,7 +31,7 @@ class ReconcileResult(str, enum.Enum):
         return self in (ReconcileResult.READY, ReconcileResult.PROGRESSING)
 
 
-class EnsureAction(str, enum.Enum):
+class EnsureAction(_Word):
     """What `KubeApi.ensure` did to make an object match its manifest."""
 
     CREATED = "created"
@@ -32,7 +40,7 @@ class EnsureAction(str, enum.Enum):
     KEPT = "kept"  # `ensure_once`: it exists already and is left alone
 
 
-class EventType(str, enum.Enum):
+class EventType(_Word):
     """A Kubernetes Event's type."""
 
     NORMAL = "Normal"
