@@ -1,8 +1,11 @@
 """The connector's knobs: ``kv_connector_extra_config`` parsed once, strictly.
 
-Every knob is a field of :class:`MaruConfig`, a frozen dataclass built by
-:func:`parse_config` at connector start-up. An unknown key, a value of the
-wrong type or an impossible combination stops start-up with a
+The knobs themselves (names, types, defaults, the parser and the
+``--kv-transfer-config`` builder) are defined once in
+:mod:`maru_core.connector_config`, which the operator writes its pods'
+config with; :class:`MaruConfig` adds the connector's behaviour on top.
+:func:`parse_config` builds it at connector start-up: an unknown key, a
+value of the wrong type or an impossible combination stops start-up with a
 :class:`MaruConfigError` that names the key and says what to change; nothing
 else in the connector reads the raw dict.
 """
@@ -10,69 +13,39 @@ else in the connector reads the raw dict.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from maru_core.connector_config import (
+    CONNECTOR_MODULE,
+    CONNECTOR_NAME,
+    ConnectorConfigError,
+    ConnectorKnobs,
+    kv_transfer_config,
+    parse_knobs,
+)
 
 from .transfer.copy_cpus import CopyCpusError, check_priority, parse_setting
 
 logger = logging.getLogger(__name__)
 
-CONNECTOR_NAME = "MaruKVConnector"
+__all__ = ["CONNECTOR_MODULE", "CONNECTOR_NAME", "MaruConfig", "MaruConfigError", "PREFAULT_UNSET_MAX_BYTES",
+           "align_chunk_tokens", "make_kv_transfer_config", "parse_config"]
+
 PREFAULT_UNSET_MAX_BYTES = 64 << 30  # 128 MiB of page tables per worker
-CONNECTOR_MODULE = "maru_connector"
 
-
-class MaruConfigError(ValueError):
-    """A knob in ``kv_connector_extra_config`` is unknown, ill-typed or conflicting."""
+# The connector's name for the core's error: ``except MaruConfigError`` catches every knob error.
+MaruConfigError = ConnectorConfigError
 
 
 @dataclass(frozen=True)
-class MaruConfig:
-    """The validated connector configuration (DESIGN §5 knob names)."""
-
-    maru_index_url: str
-    maru_pool_path: str | None = None
-    maru_sidecar_socket: str | None = None
-    maru_token: str | None = None
-    maru_token_file: str | None = None
-    maru_cache_name: str = "default"
-    maru_kv_chunk_tokens: int = 256
-    maru_use_layerwise: bool = False
-    maru_async_load: bool = False
-    maru_park_lone_hits: bool = False
-    maru_overlap_load_with_compute: bool = False
-    maru_overlap_release_after_layers: int = 1
-    maru_async_store: bool = True
-    # Pin what a lookup matched right after it, for a worker in the same
-    # process (early_pins.py); off: the worker retrieves, one round trip more.
-    maru_early_pins: bool = True
-    maru_lookup_timeout_s: float = 0.05
-    maru_load_timeout_s: float = 10.0
-    maru_model_id: str | None = None
-    maru_cache_salt: str = ""
-    maru_stats_dir: str | None = None
-    # None: on (both backends), see verify_payload().
-    maru_verify_payload: bool | None = None
-    # CPU backend: map the pool's pages in the background at start, so hits
-    # and stores take no page fault per page they touch (transfer/prefault.py).
-    # None: on up to PREFAULT_UNSET_MAX_BYTES of pool, see prefault_pool().
-    maru_prefault_pool: bool | None = None
-    # CPU backend: the cores the copy threads run on (transfer/copy_cpus.py):
-    # "auto" (those vLLM's CPU worker leaves out of the forward's OpenMP
-    # team, if any), "none" (unpinned) or a list like "2,6-7".
-    maru_copy_cpus: str = "auto"
-    # CPU backend: "idle" runs the load thread only on cores the forward
-    # leaves idle (Linux SCHED_IDLE), "normal" as any other thread; the
-    # store thread always at normal priority (transfer/cpu.py says why).
-    maru_copy_priority: str = "idle"
-
-    @property
-    def fmt_name(self) -> str:
-        """The storage format as it appears in the key namespace."""
-        return "layerwise" if self.maru_use_layerwise else "chunkwise"
+class MaruConfig(ConnectorKnobs):
+    """The validated connector configuration: the knobs of :class:`ConnectorKnobs`
+    (``storage_format``, ``fmt_name`` and the deprecated ``maru_use_layerwise``
+    read ``maru_format``) and what the connector derives from them."""
 
     def verify_payload(self, device_type: str, fmt: Any = None) -> bool:
         """Whether loads check the bytes they receive against each object's payload
@@ -126,87 +99,13 @@ class MaruConfig:
         return None
 
 
-_FIELDS = {f.name: f for f in dataclasses.fields(MaruConfig)}
-_KIND = {
-    str: "a string",
-    int: "an integer",
-    float: "a number",
-    bool: "true or false",
-}
-
-
-def _expected_type(name: str) -> type:
-    annotation = str(_FIELDS[name].type)
-    for kind in (bool, int, float, str):
-        if annotation.startswith(kind.__name__):
-            return kind
-    raise AssertionError(f"unhandled annotation {annotation} for {name}")
-
-
-def _check_value(name: str, value: Any) -> Any:
-    """Check one raw value against its field's type; ints pass for floats."""
-    kind = _expected_type(name)
-    optional = "None" in str(_FIELDS[name].type)
-    if value is None and optional:
-        return None
-    ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if not ok:
-        raise MaruConfigError(
-            f"kv_connector_extra_config[{name!r}] must be {_KIND[kind]}, "
-            f"got {type(value).__name__} {value!r}"
-        )
-    return value
-
-
-def _reject_unknown(raw: dict[str, Any]) -> None:
-    for key in raw:
-        if key in _FIELDS:
-            continue
-        close = difflib.get_close_matches(key, list(_FIELDS), n=1, cutoff=0.6)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise MaruConfigError(
-            f"unknown key {key!r} in kv_connector_extra_config{hint} "
-            f"(known keys: {', '.join(sorted(_FIELDS))})"
-        )
-
-
-def _check_combination(cfg: MaruConfig) -> None:
-    if not cfg.maru_index_url.startswith(("tcp://", "unix://")):
-        raise MaruConfigError(
-            f"maru_index_url={cfg.maru_index_url!r} must look like "
-            "tcp://HOST:PORT or unix:///PATH"
-        )
-    if (cfg.maru_pool_path is None) == (cfg.maru_sidecar_socket is None):
-        raise MaruConfigError(
-            "set exactly one of maru_pool_path (attach the pool file directly) "
-            "or maru_sidecar_socket (receive it from the sidecar)"
-        )
-    if cfg.maru_stats_dir is not None and cfg.maru_sidecar_socket is not None:
-        raise MaruConfigError(
-            "maru_stats_dir is for direct attach (maru_pool_path); with "
-            "maru_sidecar_socket the counters go to the sidecar's directory: remove maru_stats_dir"
-        )
-    if cfg.maru_token is not None and cfg.maru_token_file is not None:
-        raise MaruConfigError("set maru_token or maru_token_file, not both")
-    if cfg.maru_kv_chunk_tokens <= 0:
-        raise MaruConfigError(
-            f"maru_kv_chunk_tokens must be positive, got {cfg.maru_kv_chunk_tokens}"
-        )
-    if cfg.maru_overlap_release_after_layers < 0:
-        raise MaruConfigError(
-            "maru_overlap_release_after_layers must be at least 0, got "
-            f"{cfg.maru_overlap_release_after_layers}"
-        )
+def _check_copy_settings(cfg: MaruConfig) -> None:
+    """The CPU copy threads' settings, whose syntax only the connector knows."""
     try:
         parse_setting(cfg.maru_copy_cpus)
         check_priority(cfg.maru_copy_priority)
     except CopyCpusError as exc:
         raise MaruConfigError(str(exc)) from None
-    for name in ("maru_lookup_timeout_s", "maru_load_timeout_s"):
-        if getattr(cfg, name) <= 0:
-            raise MaruConfigError(f"{name} must be positive, got {getattr(cfg, name)}")
 
 
 def align_chunk_tokens(chunk_tokens: int, block_size: int) -> int:
@@ -224,7 +123,7 @@ def align_chunk_tokens(chunk_tokens: int, block_size: int) -> int:
     return aligned
 
 
-def parse_config(raw: dict[str, Any] | None, block_size: int | None = None) -> MaruConfig:
+def parse_config(raw: Mapping[str, Any] | None, block_size: int | None = None) -> MaruConfig:
     """Build the :class:`MaruConfig` from ``kv_connector_extra_config``.
 
     Args:
@@ -236,16 +135,8 @@ def parse_config(raw: dict[str, Any] | None, block_size: int | None = None) -> M
         MaruConfigError: on an unknown key (with the closest known name), a
             missing ``maru_index_url``, an ill-typed value or a conflict.
     """
-    raw = dict(raw or {})
-    _reject_unknown(raw)
-    if "maru_index_url" not in raw:
-        raise MaruConfigError(
-            "kv_connector_extra_config needs 'maru_index_url' (tcp://HOST:PORT or "
-            "unix:///PATH of the MaruCache index)"
-        )
-    values = {name: _check_value(name, value) for name, value in raw.items()}
-    cfg = MaruConfig(**values)
-    _check_combination(cfg)
+    cfg = parse_knobs(raw, MaruConfig)
+    _check_copy_settings(cfg)
     if block_size is not None:
         aligned = align_chunk_tokens(cfg.maru_kv_chunk_tokens, block_size)
         cfg = dataclasses.replace(cfg, maru_kv_chunk_tokens=aligned)
@@ -266,11 +157,13 @@ def make_kv_transfer_config(
         pool_path: the pool file (direct attach), or
         sidecar_socket: the sidecar's Unix socket (fd hand-off).
         **knobs: further knobs, with or without their ``maru_`` prefix
-            (``async_load=True`` and ``maru_async_load=True`` are the same).
+            (``async_load=True`` and ``maru_async_load=True`` are the same);
+            the deprecated ``use_layerwise`` is written as ``maru_format``.
 
     Returns:
         A dict for ``KVTransferConfig(**d)`` / ``--kv-transfer-config``; load
         failures are recomputed (``kv_load_failure_policy="recompute"``).
+        The extra config holds exactly the knobs given.
     """
     extra: dict[str, Any] = {"maru_index_url": index_url}
     if pool_path is not None:
@@ -279,11 +172,6 @@ def make_kv_transfer_config(
         extra["maru_sidecar_socket"] = str(sidecar_socket)
     for key, value in knobs.items():
         extra[key if key.startswith("maru_") else f"maru_{key}"] = value
-    parse_config(extra)
-    return {
-        "kv_connector": CONNECTOR_NAME,
-        "kv_connector_module_path": CONNECTOR_MODULE,
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": extra,
-    }
+    cfg = parse_config(extra)
+    names = ["maru_format" if key == "maru_use_layerwise" else key for key in extra]
+    return dict(kv_transfer_config(cfg, names))

@@ -80,8 +80,9 @@ def with_transition_times(new: Sequence[Mapping[str, Any]], old: Sequence[Mappin
     result = []
     for cond in new:
         before = previous.get(cond["type"])
-        keep = before is not None and before.get("status") == cond["status"] and before.get("lastTransitionTime")
-        result.append({**cond, "lastTransitionTime": before["lastTransitionTime"] if keep else stamp})
+        kept = before.get("lastTransitionTime") if before is not None and before.get("status") == cond["status"] \
+            else None
+        result.append({**cond, "lastTransitionTime": kept or stamp})
     return result
 
 

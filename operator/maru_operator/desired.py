@@ -19,6 +19,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from maru_core.connector_config import ConnectorKnobs, KvTransferConfig, kv_transfer_config as build_kv_transfer_config
+
 from . import API_VERSION, KIND, LABEL_CACHE, MANAGED_BY
 from .inventory import Device
 from .ledger import Claim
@@ -117,26 +119,32 @@ def _metadata(ref: CacheRef, name: str, component: str) -> dict[str, Any]:
             "ownerReferences": [owner_reference(ref)]}
 
 
-def kv_transfer_config(ref: CacheRef, spec: CacheSpec) -> dict[str, Any]:
+# The knobs every vLLM pod's config names, also where they equal the connector's defaults: the pods keep the
+# cache's settings (chunk size and format are part of every key) whatever a later connector defaults to.
+WRITTEN_KNOBS = ("maru_index_url", "maru_sidecar_socket", "maru_token_file", "maru_cache_name",
+                 "maru_kv_chunk_tokens", "maru_format", "maru_async_load", "maru_park_lone_hits",
+                 "maru_overlap_load_with_compute", "maru_overlap_release_after_layers")
+
+
+def connector_knobs(ref: CacheRef, spec: CacheSpec) -> ConnectorKnobs:
+    """The connector knobs a MaruCache's vLLM pods run with."""
+    return ConnectorKnobs(
+        maru_index_url=index_url(ref, spec),
+        maru_sidecar_socket=SOCKET_PATH,
+        maru_token_file=TOKEN_FILE,
+        maru_cache_name=ref.name,
+        maru_kv_chunk_tokens=spec.storage.chunk_tokens,
+        maru_format=spec.storage.layout,
+        maru_async_load=spec.load.async_load,
+        maru_park_lone_hits=spec.load.park_lone_hits,
+        maru_overlap_load_with_compute=spec.load.overlap_with_compute,
+        maru_overlap_release_after_layers=spec.load.release_after_layers,
+    )
+
+
+def kv_transfer_config(ref: CacheRef, spec: CacheSpec) -> KvTransferConfig:
     """The `--kv-transfer-config` every vLLM pod of this cache runs with."""
-    return {
-        "kv_connector": "MaruKVConnector",
-        "kv_connector_module_path": "maru_connector",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {
-            "maru_index_url": index_url(ref, spec),
-            "maru_sidecar_socket": SOCKET_PATH,
-            "maru_token_file": TOKEN_FILE,
-            "maru_cache_name": ref.name,
-            "maru_kv_chunk_tokens": spec.storage.chunk_tokens,
-            "maru_use_layerwise": spec.storage.layout == "layerwise",
-            "maru_async_load": spec.load.async_load,
-            "maru_park_lone_hits": spec.load.park_lone_hits,
-            "maru_overlap_load_with_compute": spec.load.overlap_with_compute,
-            "maru_overlap_release_after_layers": spec.load.release_after_layers,
-        },
-    }
+    return build_kv_transfer_config(connector_knobs(ref, spec), WRITTEN_KNOBS)
 
 
 def pool_args(placement: Placement) -> list[str]:

@@ -29,6 +29,7 @@ from .ledger import rebuild
 from .metrics import OperatorMetrics
 from .models import CacheRef
 from .pods import PodView, pod_view, pods_mapping
+from .results import EventType, ReconcileResult
 from .usage import UsageReader
 from .webhook import refusal_event
 
@@ -40,7 +41,7 @@ class Written:
     """The status this process last wrote for a cache, and what it was computed from."""
 
     generation: int
-    result: str  # the reconcile result it came from (a label of maru_operator_reconciles_total)
+    result: ReconcileResult  # the reconcile result it came from
     status: dict[str, Any]
     available: bool  # whether the index Deployment was available
 
@@ -141,29 +142,31 @@ async def run_reconcile(ctx: OperatorContext, live_body: kopf.Body, maru_nodes: 
                     _available(maru_deployments, str(meta.get("namespace")), str(meta.get("name"))),
                     all_pods(maru_pods))
             except Exception:
-                ctx.metrics.reconciles.labels(result="error").inc()
+                ctx.metrics.count_reconcile(ReconcileResult.ERROR)
                 raise
         outcome = _with_current_index(outcome, maru_deployments, meta, generation)
-        ctx.metrics.reconciles.labels(result=outcome.result).inc()
+        ctx.metrics.count_reconcile(outcome.result)
         if await write_status(ctx, body, outcome.status):
-            ctx.written[uid] = Written(generation, outcome.result, outcome.status, outcome.result == "ready")
+            ctx.written[uid] = Written(generation, outcome.result, outcome.status,
+                                       outcome.result is ReconcileResult.READY)
         else:
             ctx.written.pop(uid, None)
     for kind, reason, message in outcome.events:
-        kopf.event(live_body, type=kind, reason=reason, message=message)
+        kopf.event(live_body, type=kind.value, reason=reason, message=message)
 
 
 def _with_current_index(outcome: reconciler.Outcome, maru_deployments: Any, meta: Mapping[str, Any],
                         generation: int) -> reconciler.Outcome:
     """The outcome with the index Deployment as it is now: it often becomes available while its
     cache's first reconcile is still running, and one status write then says Ready."""
-    if outcome.result != "progressing" or not _available(maru_deployments, meta.get("namespace"), meta.get("name")):
+    if outcome.result is not ReconcileResult.PROGRESSING or \
+            not _available(maru_deployments, str(meta.get("namespace")), str(meta.get("name"))):
         return outcome
     conds = refresh_index(outcome.status, True, generation)
     if conds is None:
         return outcome
     return dataclasses.replace(outcome, status={**outcome.status, "conditions": conds, "phase": phase(conds)},
-                               result="ready")
+                               result=ReconcileResult.READY)
 
 
 async def run_resync(ctx: OperatorContext, live_body: kopf.Body, maru_nodes: Any, maru_deployments: Any,
@@ -187,12 +190,12 @@ async def run_resync(ctx: OperatorContext, live_body: kopf.Body, maru_nodes: Any
     draining = await upkeep.settle_drains(ctx, body, all_pods(maru_pods))
     await upkeep.check_pods(ctx, body, list(store or ()), write_status, draining)
     await upkeep.refresh_usage(ctx, body, write_status)
-    available = _available(maru_deployments, meta.get("namespace"), meta.get("name"))
+    available = _available(maru_deployments, str(meta.get("namespace")), str(meta.get("name")))
     if _is_settled(body, available):
         return
     due = time.monotonic() - ctx.last_full.get(uid, 0.0) >= ctx.full_resync_seconds
     record = ctx.written.get(uid)
-    if due or record is None or record.generation != generation or record.result not in ("ready", "progressing"):
+    if due or record is None or record.generation != generation or not record.result.served:
         await run_reconcile(ctx, live_body, maru_nodes, maru_deployments, maru_pods)
         return
     await refresh_availability(ctx, uid, meta, bool(available), lambda: (meta.get("resourceVersion"), generation))
@@ -209,7 +212,7 @@ async def refresh_availability(ctx: OperatorContext, uid: str, meta: Mapping[str
     """
     async with ctx.lock(uid):
         record = ctx.written.get(uid)
-        if record is None or record.result not in ("ready", "progressing") or record.available == available:
+        if record is None or not record.result.served or record.available == available:
             return
         version, generation = latest()
         conds = refresh_index(record.status, available, record.generation)
@@ -220,7 +223,8 @@ async def refresh_availability(ctx: OperatorContext, uid: str, meta: Mapping[str
                               "resourceVersion": version, "generation": record.generation},
                  "status": record.status}
         if await write_status(ctx, cache, {"conditions": conds, "phase": status["phase"]}):
-            ctx.written[uid] = Written(record.generation, "ready" if available else "progressing", status, available)
+            result = ReconcileResult.READY if available else ReconcileResult.PROGRESSING
+            ctx.written[uid] = Written(record.generation, result, status, available)
 
 
 async def follow_index_deployment(ctx: OperatorContext, body: Mapping[str, Any], event_type: str | None,
@@ -286,8 +290,8 @@ def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
                     if ctx.native_sidecars else "plain containers")
 
     @kopf.index("", "v1", "pods", id="maru_pods", labels={LABEL_CACHE: kopf.PRESENT}, registry=registry)
-    def maru_pods(body: kopf.Body, namespace: str, **_: Any) -> dict[tuple[str, str], PodView]:
-        return {(namespace, str(body.get("metadata", {}).get("labels", {}).get(LABEL_CACHE))): pod_view(body)}
+    def maru_pods(body: kopf.Body, namespace: str | None, **_: Any) -> dict[tuple[str, str], PodView]:
+        return {(str(namespace), str(body.get("metadata", {}).get("labels", {}).get(LABEL_CACHE))): pod_view(body)}
 
     @kopf.index("", "v1", "nodes", id="maru_nodes", registry=registry)
     def maru_nodes(body: kopf.Body, **_: Any) -> dict[str, NodeInfo]:
@@ -298,9 +302,9 @@ def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
 
     @kopf.index("apps", "v1", "deployments", id="maru_deployments",
                 labels={"app.kubernetes.io/managed-by": MANAGED_BY}, registry=registry)
-    def maru_deployments(body: kopf.Body, namespace: str, **_: Any) -> dict[tuple[str, str], int]:
+    def maru_deployments(body: kopf.Body, namespace: str | None, **_: Any) -> dict[tuple[str, str], int]:
         instance = (body.get("metadata") or {}).get("labels", {}).get("app.kubernetes.io/instance")
-        return {(namespace, instance): int((body.get("status") or {}).get("availableReplicas") or 0)}
+        return {(str(namespace), instance): int((body.get("status") or {}).get("availableReplicas") or 0)}
 
     @kopf.index(*resource, id="maru_cache_versions", registry=registry)
     def maru_cache_versions(body: kopf.Body, **_: Any) -> dict[str, tuple[str, int]]:
@@ -309,29 +313,30 @@ def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
 
     @kopf.on.event("apps", "v1", "deployments", labels={"app.kubernetes.io/managed-by": MANAGED_BY},
                    registry=registry)
-    async def index_deployment_changed(body: kopf.Body, type: str | None, maru_cache_versions: Any,
+    async def index_deployment_changed(body: kopf.Body, type: str | None, maru_cache_versions: Any = None,
                                        **_: Any) -> None:
         await follow_index_deployment(ctx, body, type, maru_cache_versions)
 
     @kopf.index(*resource, id="maru_caches", registry=registry)
-    def maru_caches(body: kopf.Body, namespace: str, name: str, **_: Any) -> dict[tuple[str, str], Any]:
-        return {(namespace, name): cache_info(body)}
+    def maru_caches(body: kopf.Body, namespace: str | None, name: str, **_: Any) -> dict[tuple[str, str], Any]:
+        return {(str(namespace), name): cache_info(body)}
 
     # A failed reconcile (an API error) is retried after one resync period, not kopf's default
     # minute: the timer leaves caches to these handlers until they have reconciled once.
     @kopf.on.resume(*resource, backoff=ctx.resync_seconds, registry=registry)
     @kopf.on.create(*resource, backoff=ctx.resync_seconds, registry=registry)
     @kopf.on.update(*resource, field="spec", backoff=ctx.resync_seconds, registry=registry)
-    async def reconcile(body: kopf.Body, maru_nodes: Any, maru_deployments: Any, maru_pods: Any,
-                        **_: Any) -> None:
+    async def reconcile(body: kopf.Body, maru_nodes: Any = None, maru_deployments: Any = None,
+                        maru_pods: Any = None, **_: Any) -> None:
         await run_reconcile(ctx, body, maru_nodes, maru_deployments, maru_pods)
 
     @kopf.timer(*resource, interval=ctx.resync_seconds, registry=registry)
-    async def resync(body: kopf.Body, maru_nodes: Any, maru_deployments: Any, maru_pods: Any, **_: Any) -> None:
+    async def resync(body: kopf.Body, maru_nodes: Any = None, maru_deployments: Any = None, maru_pods: Any = None,
+                     **_: Any) -> None:
         await run_resync(ctx, body, maru_nodes, maru_deployments, maru_pods)
 
     @kopf.on.delete(*resource, registry=registry)
-    async def release(body: kopf.Body, maru_pods: Any, **_: Any) -> None:
+    async def release(body: kopf.Body, maru_pods: Any = None, **_: Any) -> None:
         meta = body.get("metadata", {})
         uid = str(meta.get("uid"))
         ref = CacheRef(str(meta.get("namespace")), str(meta.get("name")), uid)
@@ -344,12 +349,12 @@ def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
                 ctx.metrics.stale_pods.remove(meta.get("namespace"), meta.get("name"), reason)
             except KeyError:
                 pass
-        ctx.metrics.reconciles.labels(result="released").inc()
+        ctx.metrics.count_reconcile(ReconcileResult.RELEASED)
         if drain is not None:
-            kopf.event(body, type="Normal", reason="RegionDraining",
+            kopf.event(body, type=EventType.NORMAL.value, reason="RegionDraining",
                        message=reconciler.draining_message(drain, pods_mapping(pods, drain)))
         elif claim is not None:
-            kopf.event(body, type="Normal", reason="Released",
+            kopf.event(body, type=EventType.NORMAL.value, reason="Released",
                        message=f"region of {reconciler.human_bytes(claim.region.size)} at offset "
                                f"{claim.region.offset} of device {claim.region.device_uuid} returned")
 

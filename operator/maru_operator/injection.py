@@ -169,7 +169,7 @@ def _shell_script(container: Mapping[str, Any]) -> str | None:
 def _name_clash(containers: Sequence[Mapping[str, Any]], volumes: Sequence[Mapping[str, Any]]) -> str:
     if any(c.get("name") == SIDECAR_NAME for c in containers):
         return f"the pod already has a container named {SIDECAR_NAME}"
-    taken = sorted({v.get("name") for v in volumes} & set(_OUR_VOLUMES))
+    taken = sorted({str(v.get("name")) for v in volumes} & set(_OUR_VOLUMES))
     return f"the pod already has volumes named {', '.join(taken)}" if taken else ""
 
 

@@ -14,6 +14,7 @@ operator reads back exactly what was claimed.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import json
 import random
 from collections.abc import Callable, Mapping
@@ -25,6 +26,7 @@ from kubernetes.client.exceptions import ApiException
 
 from . import API_VERSION, PLURAL
 from .desired import differs
+from .results import EnsureAction
 from .ledger import Ledger
 
 T = TypeVar("T")
@@ -130,8 +132,8 @@ class KubeApi:
     async def merge_patch(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
         return await self.request("PATCH", path, dict(body), content_type="application/merge-patch+json")
 
-    async def ensure(self, manifest: Mapping[str, Any]) -> str:
-        """Make the object match `manifest`: "created", "updated" or "unchanged".
+    async def ensure(self, manifest: Mapping[str, Any]) -> EnsureAction:
+        """Make the object match `manifest`: created, updated or unchanged.
 
         Create first (the common case costs one call); on a conflict, read and
         patch only when the operator's fields differ.
@@ -140,32 +142,32 @@ class KubeApi:
         collection = object_path(manifest["apiVersion"], manifest["kind"], meta["namespace"])
         try:
             await self.create(collection, manifest)
-            return "created"
+            return EnsureAction.CREATED
         except Conflict:
             pass
         path = f"{collection}/{meta['name']}"
         actual = await self.get(path)
         if actual is None:  # deleted between the two calls: next reconcile creates it
-            return "unchanged"
+            return EnsureAction.UNCHANGED
         if not differs(manifest, actual):
-            return "unchanged"
+            return EnsureAction.UNCHANGED
         await self.merge_patch(path, manifest)
-        return "updated"
+        return EnsureAction.UPDATED
 
-    async def ensure_once(self, manifest: Mapping[str, Any]) -> str:
+    async def ensure_once(self, manifest: Mapping[str, Any]) -> EnsureAction:
         """Create the object unless it exists; never touch an existing one (the index token)."""
         meta = manifest["metadata"]
         try:
             await self.create(object_path(manifest["apiVersion"], manifest["kind"], meta["namespace"]), manifest)
-            return "created"
+            return EnsureAction.CREATED
         except Conflict:
-            return "kept"
+            return EnsureAction.KEPT
 
     async def patch_cache_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
         await self.merge_patch(object_path(API_VERSION, "MaruCache", namespace, name, "status"),
                                {"status": dict(status)})
 
-    async def list_caches(self) -> list[dict[str, Any]]:
+    async def list_caches(self) -> builtins.list[dict[str, Any]]:  # `list` here is the method above
         return await self.list(object_path(API_VERSION, "MaruCache"))
 
 
@@ -234,7 +236,7 @@ class LedgerStore:
         try:
             for attempt in range(self.max_attempts):
                 ledger, version = self._cached if self._cached is not None else await self.read()
-                new, outcomes = ledger, []
+                new, outcomes = ledger, list[tuple[Any, Exception | None]]()
                 for change, _ in batch:
                     try:
                         new, result = change(new)
@@ -251,9 +253,9 @@ class LedgerStore:
                     self._cached = None
                     await asyncio.sleep(random.uniform(0, 0.01 * (attempt + 1)))
                     continue
-                for (_, future), (result, exc) in zip(batch, outcomes):
+                for (_, future), (result, error) in zip(batch, outcomes):
                     if not future.done():
-                        future.set_exception(exc) if exc is not None else future.set_result(result)
+                        future.set_exception(error) if error is not None else future.set_result(result)
                 return
             raise ApiError(409, "Conflict", f"ledger {self.namespace}/{self.name} kept changing; "
                                             f"gave up after {self.max_attempts} attempts")

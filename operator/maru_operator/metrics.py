@@ -11,7 +11,9 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-RESULTS = ("ready", "progressing", "invalid", "waiting", "error", "released")
+from .results import ReconcileResult
+
+RESULTS = tuple(result.value for result in ReconcileResult)
 
 
 @dataclasses.dataclass
@@ -37,6 +39,9 @@ class OperatorMetrics:
                            "webhook was not answering); re-create them (kubectl rollout restart)",
                            ["namespace", "cache", "reason"], registry=registry)
         return cls(registry, reconciles, duration, stale_pods)
+
+    def count_reconcile(self, result: ReconcileResult) -> None:
+        self.reconciles.labels(result=result.value).inc()
 
     @contextmanager
     def timed(self) -> Iterator[None]:

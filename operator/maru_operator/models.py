@@ -12,12 +12,14 @@ import dataclasses
 import decimal
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from kubernetes.utils import parse_quantity
 
+from maru_core.connector_config import ConnectorKnobs
+from maru_core.storage_format import StorageFormat
+
 KNOWN_DEVICE_CLASSES = ("dax", "shm")
-LAYOUTS = ("chunkwise", "layerwise")
 EVICTION_POLICIES = ("lru",)
 DEFAULT_IMAGE = "ghcr.io/marucache/marucache:0.1.0"
 # The extended resource a DAX device plugin advertises (the chart's optional generic-device-plugin
@@ -51,18 +53,29 @@ class PoolSpec:
     device_resource: str = DEFAULT_DEVICE_RESOURCE
 
 
+# The one place where a MaruCache's vLLM pods run other settings than the connector's defaults
+# (maru_core.connector_config), and why: a MaruCache serves engines under load that share its pool, so a
+# hit parks while its KV loads whenever other requests are live (async) and its forward starts once the
+# first layers have landed (overlap). A connector configured by hand loads synchronously unless asked:
+# its defaults are off. Every other default of spec.storage and spec.load is the connector's own.
+OPERATOR_PROFILE: Mapping[str, bool] = {
+    "maru_async_load": True,
+    "maru_overlap_load_with_compute": True,
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class StorageSpec:
-    layout: str = "chunkwise"
-    chunk_tokens: int = 256
+    layout: StorageFormat = ConnectorKnobs.maru_format
+    chunk_tokens: int = ConnectorKnobs.maru_kv_chunk_tokens
 
 
 @dataclasses.dataclass(frozen=True)
 class LoadSpec:
-    async_load: bool = True
-    park_lone_hits: bool = False
-    overlap_with_compute: bool = True
-    release_after_layers: int = 1
+    async_load: bool = OPERATOR_PROFILE["maru_async_load"]
+    park_lone_hits: bool = ConnectorKnobs.maru_park_lone_hits
+    overlap_with_compute: bool = OPERATOR_PROFILE["maru_overlap_load_with_compute"]
+    release_after_layers: int = ConnectorKnobs.maru_overlap_release_after_layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,15 +215,19 @@ def _section(spec: Mapping[str, Any], name: str) -> Mapping[str, Any]:
     return value
 
 
-def _typed(section: Mapping[str, Any], prefix: str, key: str, kind: type, default: Any,
-           low: float | None = None, high: float | None = None) -> Any:
-    value = section.get(key, default)
+_Scalar = TypeVar("_Scalar", bool, int, float)
+
+
+def _typed(section: Mapping[str, Any], prefix: str, key: str, kind: type[_Scalar], default: _Scalar,
+           low: float | None = None, high: float | None = None) -> _Scalar:
+    raw: object = section.get(key, default)
     field = f"{prefix}.{key}"
     # bool is an int in Python; a YAML `true` must not pass as a port number.
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-        raise SpecError(field, f"must be a {kind.__name__}, got {value!r}")
+    if kind is float and isinstance(raw, int) and not isinstance(raw, bool):
+        raw = float(raw)
+    if not isinstance(raw, kind) or (kind is not bool and isinstance(raw, bool)):
+        raise SpecError(field, f"must be a {kind.__name__}, got {raw!r}")
+    value: _Scalar = raw
     if low is not None and value < low or high is not None and value > high:
         raise SpecError(field, f"must be between {low} and {high}, got {value!r}")
     return value
@@ -240,22 +257,27 @@ def _parse_pool(section: Mapping[str, Any]) -> PoolSpec:
 
 
 def _parse_storage(section: Mapping[str, Any]) -> StorageSpec:
-    layout = section.get("layout", "chunkwise")
-    if layout not in LAYOUTS:
-        raise SpecError("storage.layout", f"{layout!r} is not a layout; use chunkwise or layerwise")
+    defaults = StorageSpec()
+    try:
+        layout = StorageFormat.parse(section.get("layout", defaults.layout))
+    except ValueError:
+        raise SpecError("storage.layout", f"{section['layout']!r} is not a layout; use one of "
+                                          f"{', '.join(f.value for f in StorageFormat)}") from None
     if "blockSize" in section:
         raise SpecError("storage.blockSize", "was removed: the connector reads vLLM's block size at start and "
                                              "aligns chunkTokens to it; delete the field")
-    chunk = _typed(section, "storage", "chunkTokens", int, 256, 1, 1 << 20)
+    chunk = _typed(section, "storage", "chunkTokens", int, defaults.chunk_tokens, 1, 1 << 20)
     return StorageSpec(layout=layout, chunk_tokens=chunk)
 
 
 def _parse_load(section: Mapping[str, Any]) -> LoadSpec:
+    defaults = LoadSpec()
     return LoadSpec(
-        async_load=_typed(section, "load", "async", bool, True),
-        park_lone_hits=_typed(section, "load", "parkLoneHits", bool, False),
-        overlap_with_compute=_typed(section, "load", "overlapWithCompute", bool, True),
-        release_after_layers=_typed(section, "load", "releaseAfterLayers", int, 1, 0, 4096),
+        async_load=_typed(section, "load", "async", bool, defaults.async_load),
+        park_lone_hits=_typed(section, "load", "parkLoneHits", bool, defaults.park_lone_hits),
+        overlap_with_compute=_typed(section, "load", "overlapWithCompute", bool, defaults.overlap_with_compute),
+        release_after_layers=_typed(section, "load", "releaseAfterLayers", int, defaults.release_after_layers,
+                                    0, 4096),
     )
 
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from . import ANNOTATION_INJECTED, ANNOTATION_PLACEMENT, ANNOTATION_REGION, ANNOTATION_SKIPPED
 from .ledger import Drain
+from .results import EventType
 
 OLD_PLACEMENT = "old_placement"
 NOT_INJECTED = "not_injected"
@@ -128,17 +129,17 @@ def condition_of(status: Mapping[str, Any], kind: str) -> Mapping[str, Any] | No
     return next((c for c in status.get("conditions") or () if c.get("type") == kind), None)
 
 
-def core_event(involved: Mapping[str, Any], kind: str, reason: str, message: str, now: str) -> dict[str, Any]:
+def core_event(involved: Mapping[str, Any], kind: EventType, reason: str, message: str, now: str) -> dict[str, Any]:
     """A core/v1 Event about `involved` (an object reference)."""
     namespace = involved.get("namespace") or "default"
     return {"apiVersion": "v1", "kind": "Event",
             "metadata": {"name": f"{involved['name']}.{secrets.token_hex(8)}", "namespace": namespace},
-            "involvedObject": dict(involved), "type": kind, "reason": reason, "message": message, "count": 1,
+            "involvedObject": dict(involved), "type": kind.value, "reason": reason, "message": message, "count": 1,
             "firstTimestamp": now, "lastTimestamp": now,
             "source": {"component": "marucache-operator"}, "reportingComponent": "marucache-operator"}
 
 
 def stale_event(pod: PodView, reason: str, cache: str, now: str) -> dict[str, Any]:
     involved = {"apiVersion": "v1", "kind": "Pod", "name": pod.name, "namespace": pod.namespace, "uid": pod.uid}
-    return core_event(involved, "Warning", "StaleInjection",
+    return core_event(involved, EventType.WARNING, "StaleInjection",
                       f"pod {why(reason)} of MaruCache {cache}; re-create it: {restart_hint(pod)}", now)

@@ -21,15 +21,16 @@ from .injection import placement_from_status
 from .ledger import AllocationError, Claim, Drain, Impossible, Ledger, Region
 from .models import CacheRef, CacheSpec, SpecError, parse_cache
 from .pods import PodView, pods_mapping
+from .results import EnsureAction, EventType, ReconcileResult
 
-Event = tuple[str, str, str]  # (type, reason, message)
+Event = tuple[EventType, str, str]  # (type, reason, message)
 
 
 @dataclasses.dataclass
 class Outcome:
     status: dict[str, Any]
     events: list[Event]
-    result: str  # label of maru_operator_reconciles_total
+    result: ReconcileResult
 
 
 def human_bytes(n: int) -> str:
@@ -40,7 +41,7 @@ def human_bytes(n: int) -> str:
 
 
 def _finish(body: Mapping[str, Any], observation: Observation, extra: Mapping[str, Any],
-            events: list[Event], result: str) -> Outcome:
+            events: list[Event], result: ReconcileResult) -> Outcome:
     old = body.get("status") or {}
     generation = int((body.get("metadata") or {}).get("generation") or 1)
     conds = keep_others(with_transition_times(build(observation, generation), old.get("conditions"), now_rfc3339()),
@@ -50,13 +51,14 @@ def _finish(body: Mapping[str, Any], observation: Observation, extra: Mapping[st
     return Outcome(status, events, result)
 
 
-def _invalid(body: Mapping[str, Any], reason: str, message: str, result: str = "invalid") -> Outcome:
+def _invalid(body: Mapping[str, Any], reason: str, message: str,
+             result: ReconcileResult = ReconcileResult.INVALID) -> Outcome:
     old = body.get("status") or {}
     # Keep what an earlier valid spec allocated: an edit that went wrong must not drop a live pool.
     kept = {k: old[k] for k in ("allocations", "indexEndpoint", "configMapName", "tokenSecretName") if k in old}
     events: list[Event] = []
     if _condition_message(old, "ConfigValid") != message:
-        events.append(("Warning", reason, message))
+        events.append((EventType.WARNING, reason, message))
     return _finish(body, Observation(config=(False, reason, message)), kept, events, result)
 
 
@@ -95,34 +97,35 @@ async def reconcile(api: KubeApi, ledger: LedgerStore, body: Mapping[str, Any], 
     except SpecError as exc:
         return _invalid(body, "InvalidSpec", str(exc))
     devices = candidate_devices(nodes, spec.pool.device_class, spec.pool.node_selector)
-    placement = status_placement(ref, body)
+    injected = status_placement(ref, body)  # the digest the cache's pods were injected with
     try:
         claim, previous, draining = await ledger.update(
-            lambda led: _allocate(led, ref, spec, devices, placement, pods))
+            lambda led: _allocate(led, ref, spec, devices, injected, pods))
     except Impossible as exc:
         return _invalid(body, "Unsatisfiable", unsatisfiable_message(spec, nodes, exc))
     except AllocationError as exc:
+        waiting = f"{exc}; waiting for a region to be released"
         observation = Observation(config=(True, "Valid", "the spec can be served"),
-                                  devices=(False, "InsufficientCapacity", f"{exc}; waiting for a region to be released"))
-        events = [] if _condition_message(body.get("status") or {}, "DevicesAllocated") == observation.devices[2] \
-            else [("Warning", "InsufficientCapacity", observation.devices[2])]
-        return _finish(body, observation, {}, events, "waiting")
+                                  devices=(False, "InsufficientCapacity", waiting))
+        warnings: list[Event] = [] if _condition_message(body.get("status") or {}, "DevicesAllocated") == waiting \
+            else [(EventType.WARNING, "InsufficientCapacity", waiting)]
+        return _finish(body, observation, {}, warnings, ReconcileResult.WAITING)
     events: list[Event] = []
     if previous != claim:
-        events.append(("Normal", "Allocated", f"region of {human_bytes(claim.region.size)} at offset "
+        events.append((EventType.NORMAL, "Allocated", f"region of {human_bytes(claim.region.size)} at offset "
                                               f"{claim.region.offset} of {claim.device_class} device "
                                               f"{claim.region.device_uuid}"))
     left = next((d for d in draining if previous is not None and d.region == previous.region
                  and previous.region != claim.region), None)
     if left is not None:
-        events.append(("Normal", "RegionDraining", draining_message(left, pods_mapping(pods, left))))
+        events.append((EventType.NORMAL, "RegionDraining", draining_message(left, pods_mapping(pods, left))))
     device = next((d for d in devices if d.uuid == claim.region.device_uuid), None)
     if device is None:
         observation = Observation(config=(True, "Valid", "the spec can be served"),
                                   devices=(False, "DeviceUnavailable",
                                            f"device {claim.region.device_uuid} holding this cache's region is no "
                                            "longer advertised by a matching node"))
-        return _finish(body, observation, {}, events, "waiting")
+        return _finish(body, observation, {}, events, ReconcileResult.WAITING)
     placement = desired.place(ref, claim, device)
     events += await _ensure_children(api, ref, spec, placement)
     index_ok = bool(index_available)
@@ -134,7 +137,8 @@ async def reconcile(api: KubeApi, ledger: LedgerStore, body: Mapping[str, Any], 
         (False, "Unavailable", "waiting for the index Deployment to become available"))
     extra = {"allocations": [placement.to_status()], "indexEndpoint": desired.index_url(ref, spec),
              "configMapName": desired.config_map_name(ref.name), "tokenSecretName": desired.secret_name(ref.name)}
-    return _finish(body, observation, extra, events, "ready" if index_ok else "progressing")
+    return _finish(body, observation, extra, events,
+                   ReconcileResult.READY if index_ok else ReconcileResult.PROGRESSING)
 
 
 def _allocate(led: Ledger, ref: CacheRef, spec: CacheSpec, devices: list[Device], placement: str,
@@ -167,15 +171,16 @@ async def _ensure_children(api: KubeApi, ref: CacheRef, spec: CacheSpec,
                            placement: desired.Placement) -> list[Event]:
     """Create or update the children; one Event per action ("Created", "Updated") naming them all,
     so a new cache costs one Event, not one per child."""
-    done: dict[str, list[str]] = {"created": [], "updated": []}
+    done: dict[EnsureAction, list[str]] = {EnsureAction.CREATED: [], EnsureAction.UPDATED: []}
     secret = desired.token_secret(ref, secrets.token_urlsafe(32))
-    if await api.ensure_once(secret) == "created":
-        done["created"].append(f"Secret {secret['metadata']['name']} with the index token")
+    if await api.ensure_once(secret) is EnsureAction.CREATED:
+        done[EnsureAction.CREATED].append(f"Secret {secret['metadata']['name']} with the index token")
     for manifest in desired.children(ref, spec, placement):
         action = await api.ensure(manifest)
-        if action != "unchanged":
+        if action in done:
             done[action].append(f"{manifest['kind']} {manifest['metadata']['name']}")
-    return [("Normal", action.capitalize(), ", ".join(names)) for action, names in done.items() if names]
+    return [(EventType.NORMAL, action.value.capitalize(), ", ".join(names)) for action, names in done.items()
+            if names]
 
 
 async def release(ledger: LedgerStore, uid: str, placement: str = "",

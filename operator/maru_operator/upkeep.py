@@ -21,6 +21,7 @@ from .models import CacheRef, SpecError, parse_cache
 from .ledger import Drain, Ledger
 from .pods import (PODS_CURRENT, REASONS, PodView, condition_of, core_event, draining_note, pods_condition,
                    pods_mapping, stale_event, stale_pods)
+from .results import EventType
 from .usage import quantity
 
 if TYPE_CHECKING:
@@ -72,7 +73,7 @@ async def settle_drains(ctx: OperatorContext, body: Mapping[str, Any], pods: lis
                     "uid": owner.uid}
         try:
             await ctx.api.create(object_path("v1", "Event", owner.namespace),
-                                 core_event(involved, "Normal", "RegionReleased", message, now_rfc3339()))
+                                 core_event(involved, EventType.NORMAL, "RegionReleased", message, now_rfc3339()))
         except ApiError as exc:
             log.warning("cannot post the Event of a released region: %s", exc)
     uid = _ref(body).uid

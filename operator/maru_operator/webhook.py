@@ -15,7 +15,7 @@ import copy
 import datetime
 import ipaddress
 import logging
-from collections.abc import Awaitable, Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Coroutine, Mapping
 from typing import Any
 
 import kopf
@@ -23,12 +23,13 @@ import kopf
 from . import LABEL_CACHE
 from .injection import decide
 from .pods import core_event
+from .results import EventType
 
 logger = logging.getLogger(__name__)
 WEBHOOK_ID = "inject"
 
 
-Report = Callable[[Mapping[str, Any], str], Awaitable[None]]
+Report = Callable[[Mapping[str, Any], str], Coroutine[Any, Any, None]]
 
 
 def register_webhook(registry: kopf.OperatorRegistry, native: Callable[[], bool] = lambda: False,
@@ -42,7 +43,7 @@ def register_webhook(registry: kopf.OperatorRegistry, native: Callable[[], bool]
 
     @kopf.on.mutate("", "v1", "pods", id=WEBHOOK_ID, operations=["CREATE"], labels={LABEL_CACHE: kopf.PRESENT},
                     side_effects=False, ignore_failures=True, registry=registry)
-    async def inject(body: kopf.Body, patch: kopf.Patch, maru_caches: Any, **_: Any) -> None:
+    async def inject(body: kopf.Body, patch: kopf.Patch, maru_caches: Any = None, **_: Any) -> None:
         meta = body.get("metadata") or {}
         name = str((meta.get("labels") or {}).get(LABEL_CACHE))
         namespace = meta.get("namespace") or "default"
@@ -73,7 +74,7 @@ def refusal_event(pod: Mapping[str, Any], reason: str, now: str) -> dict[str, An
             return None
         involved = {"apiVersion": owner.get("apiVersion"), "kind": owner.get("kind"), "name": owner.get("name"),
                     "uid": owner.get("uid"), "namespace": namespace}
-    return core_event(involved, "Warning", "InjectionSkipped", f"MaruCache sidecar not injected: {reason}", now)
+    return core_event(involved, EventType.WARNING, "InjectionSkipped", f"MaruCache sidecar not injected: {reason}", now)
 
 
 class SelfSigningWebhookServer(kopf.WebhookServer):

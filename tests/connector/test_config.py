@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import logging
+import pathlib
+import re
 
 import pytest
 from vllm.config import KVTransferConfig
 
 from maru_connector.config import MaruConfigError, make_kv_transfer_config, parse_config
+from maru_core.connector_config import DEPRECATED_KEYS, KNOB_NAMES
+from maru_core.storage_format import StorageFormat
+
+DOCS = pathlib.Path(__file__).parents[2] / "docs" / "connector.md"
 
 BASE = {"maru_index_url": "tcp://127.0.0.1:7000", "maru_pool_path": "/dev/shm/p"}
 
@@ -16,12 +22,53 @@ def test_defaults():
     cfg = parse_config(BASE, block_size=128)
     assert cfg.maru_kv_chunk_tokens == 256 and not cfg.maru_use_layerwise
     assert not cfg.maru_async_load and cfg.maru_async_store
-    assert cfg.fmt_name == "chunkwise"
+    assert cfg.fmt_name == "chunkwise" and cfg.storage_format is StorageFormat.CHUNKWISE
 
 
 def test_unknown_key_names_the_key_and_the_closest_known_one():
-    with pytest.raises(MaruConfigError, match=r"'maru_use_layerwize'.*did you mean 'maru_use_layerwise'"):
+    with pytest.raises(MaruConfigError, match=r"'maru_use_layerwize'.*did you mean 'maru_use_layerwise' "
+                                              r"\(deprecated: write 'maru_format'\)"):
         parse_config({**BASE, "maru_use_layerwize": True})
+    with pytest.raises(MaruConfigError, match=r"'maru_fromat'.*did you mean 'maru_format'"):
+        parse_config({**BASE, "maru_fromat": "layerwise"})
+
+
+@pytest.mark.parametrize("fmt", list(StorageFormat))
+def test_maru_format_names_the_storage_format(fmt):
+    cfg = parse_config({**BASE, "maru_format": fmt.value})
+    assert cfg.storage_format is fmt and cfg.fmt_name == fmt.value
+    assert cfg.maru_use_layerwise is (fmt is StorageFormat.LAYERWISE)  # the old attribute still reads right
+
+
+def test_an_unknown_format_lists_the_formats():
+    with pytest.raises(MaruConfigError, match=r"maru_format.*'rowwise'.*'chunkwise', 'layerwise'"):
+        parse_config({**BASE, "maru_format": "rowwise"})
+    with pytest.raises(MaruConfigError, match=r"maru_format"):
+        parse_config({**BASE, "maru_format": True})
+
+
+@pytest.mark.parametrize("layerwise, fmt", [(True, StorageFormat.LAYERWISE), (False, StorageFormat.CHUNKWISE)])
+def test_the_deprecated_layerwise_flag_still_picks_the_format(layerwise, fmt, caplog):
+    with caplog.at_level(logging.WARNING):
+        cfg = parse_config({**BASE, "maru_use_layerwise": layerwise})
+    assert cfg.storage_format is fmt and cfg.maru_use_layerwise is layerwise
+    assert f"write maru_format={fmt.value!r}" in caplog.text
+    assert parse_config({**BASE, "maru_use_layerwise": layerwise, "maru_format": fmt.value}).storage_format is fmt
+
+
+def test_a_conflict_between_the_flag_and_the_format_says_which_to_remove():
+    with pytest.raises(MaruConfigError, match=r"contradicts maru_format.*remove maru_use_layerwise"):
+        parse_config({**BASE, "maru_use_layerwise": True, "maru_format": "chunkwise"})
+    with pytest.raises(MaruConfigError, match=r"maru_use_layerwise.*true or false.*maru_format"):
+        parse_config({**BASE, "maru_use_layerwise": "layerwise"})
+
+
+def test_the_knob_table_lists_every_knob():
+    """docs/connector.md's knob table: every knob of the one definition, the deprecated keys, nothing else."""
+    text = DOCS.read_text().split("## Knobs", 1)[1].split("\n## ", 1)[0]
+    documented = set(re.findall(r"`(maru_[a-z_]+)`", "\n".join(l.split("|")[1] for l in text.splitlines()
+                                                               if l.startswith("| `"))))
+    assert documented == set(KNOB_NAMES) | set(DEPRECATED_KEYS)
 
 
 @pytest.mark.parametrize(
@@ -79,5 +126,7 @@ def test_make_kv_transfer_config_is_accepted_by_vllm():
     assert cfg.kv_connector_module_path == "maru_connector"
     assert cfg.kv_load_failure_policy == "recompute"
     assert cfg.kv_connector_extra_config["maru_async_load"] is True
+    assert cfg.kv_connector_extra_config["maru_format"] == "layerwise"  # the deprecated flag, written anew
+    assert "maru_use_layerwise" not in cfg.kv_connector_extra_config
     with pytest.raises(MaruConfigError, match="maru_async_laod"):
         make_kv_transfer_config("tcp://127.0.0.1:7000", "/dev/shm/p", async_laod=True)
