@@ -182,7 +182,8 @@ def _replace_deprecated(raw: Mapping[str, object]) -> dict[str, object]:
         raise ConnectorConfigError(
             f"maru_use_layerwise={layerwise} contradicts maru_format={out['maru_format']!r}: "
             "remove maru_use_layerwise (deprecated), maru_format alone decides")
-    logger.warning("maru_use_layerwise is deprecated: write maru_format=%r instead", implied.value)
+    # Not a warning: the operator writes this spelling on purpose (older connectors read only it).
+    logger.debug("maru_use_layerwise is the older spelling of maru_format=%r", implied.value)
     out["maru_format"] = implied
     return out
 

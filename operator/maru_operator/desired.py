@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from maru_core.connector_config import ConnectorKnobs, KvTransferConfig, kv_transfer_config as build_kv_transfer_config
+from maru_core.storage_format import StorageFormat
 
 from . import API_VERSION, KIND, LABEL_CACHE, MANAGED_BY
 from .inventory import Device
@@ -143,8 +144,17 @@ def connector_knobs(ref: CacheRef, spec: CacheSpec) -> ConnectorKnobs:
 
 
 def kv_transfer_config(ref: CacheRef, spec: CacheSpec) -> KvTransferConfig:
-    """The `--kv-transfer-config` every vLLM pod of this cache runs with."""
-    return build_kv_transfer_config(connector_knobs(ref, spec), WRITTEN_KNOBS)
+    """The `--kv-transfer-config` every vLLM pod of this cache runs with.
+
+    The format goes out in its older spelling, `maru_use_layerwise`, which
+    every release's connector reads: a connector of the previous release
+    refuses `maru_format` as an unknown key, and during an upgrade pods of
+    both releases run with this config."""
+    config = build_kv_transfer_config(connector_knobs(ref, spec), WRITTEN_KNOBS)
+    extra = dict(config["kv_connector_extra_config"])
+    extra["maru_use_layerwise"] = StorageFormat(extra.pop("maru_format")) is StorageFormat.LAYERWISE
+    config["kv_connector_extra_config"] = extra
+    return config
 
 
 def pool_args(placement: Placement) -> list[str]:

@@ -90,4 +90,7 @@ def test_an_empty_spec_runs_the_connectors_defaults_but_for_the_profile():
     from_spec = [name for name in extra if name not in
                  ("maru_index_url", "maru_sidecar_socket", "maru_token_file", "maru_cache_name")]
     assert len(from_spec) == 6
+    # The format in its older spelling, which every release's connector reads (docs/operator.md).
+    assert "maru_format" not in extra and extra["maru_use_layerwise"] is False
+    from_spec = ["maru_format" if name == "maru_use_layerwise" else name for name in from_spec]
     assert {name: getattr(cfg, name) for name in from_spec} == {name: expected[name] for name in from_spec}
