@@ -27,34 +27,38 @@ from __future__ import annotations
 import logging
 import os
 import stat
+from typing import TYPE_CHECKING
 
 from .geometry import HEADER_REGION, SLOT_HEADER_BYTES, PoolGeometry
 from .errors import PoolFormatError
 from .header import parse_header
 from .slots import SlotState
 
+if TYPE_CHECKING:
+    from .pool import Pool
+
 __all__ = ["drop_lost_objects", "first_lost_page", "missing_bytes", "regrow", "regrow_file"]
 
 log = logging.getLogger(__name__)
 
 
-def missing_bytes(pool) -> int:
+def missing_bytes(pool: "Pool") -> int:
     """Bytes of ``pool`` (a ``Pool``) past the end of its file now; 0 for a
     device (its size is fixed) and for a file of the pool's size or more."""
     st = os.fstat(pool.fileno())
     if not stat.S_ISREG(st.st_mode):
         return 0
-    return max(0, pool.offset + pool.geometry.size - st.st_size)
+    return max(0, pool.offset + pool.geometry.size - int(st.st_size))
 
 
-def regrow(pool) -> int | None:
+def regrow(pool: "Pool") -> int | None:
     """Give ``pool``'s file its size back if it was truncated; return the first
     pool byte that was lost (None: nothing was). The header is rewritten if
     the cut reached it; the caller drops the objects lost (``first_lost_page``)."""
     missing = missing_bytes(pool)
     if not missing:
         return None
-    lost_from = pool.geometry.size - missing
+    lost_from: int = pool.geometry.size - missing
     os.ftruncate(pool.fileno(), pool.offset + pool.geometry.size)
     if lost_from < HEADER_REGION:
         pool.buffer[:HEADER_REGION] = pool.header.pack().ljust(HEADER_REGION, b"\0")
@@ -97,7 +101,7 @@ def regrow_file(path: str, offset: int = 0) -> int | None:
         os.close(fd)
 
 
-def drop_lost_objects(pool, lost_from: int) -> int:
+def drop_lost_objects(pool: "Pool", lost_from: int) -> int:
     """Clear the slot headers of every object (committed or pending) whose
     payload reached pool byte ``lost_from`` (the slot table itself is whole:
     ``regrow_file`` found the header and the file ends in the data area, or
