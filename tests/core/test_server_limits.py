@@ -6,6 +6,7 @@ of the test process (so its internals can be read), real sockets."""
 from __future__ import annotations
 
 import os
+import socket
 import time
 
 import pytest
@@ -15,6 +16,8 @@ from maru_core.index.launcher import ThreadedIndex
 from maru_core.index.limits import PRE_AUTH_FRAME_BYTES, ServerLimits
 from maru_core.pool import SlotHeader
 from maru_core.protocol import PROTOCOL_VERSION, SlotList, encode_frame, pack_lengths
+from maru_core.protocol import parse_url
+from maru_core.protocol.framing import FrameDecoder
 from test_server import TOKEN, Raw, key
 
 
@@ -77,7 +80,7 @@ def test_a_grown_buffer_is_kept_while_large_frames_come_and_given_back_when_they
         for first in (0, 100_000):  # two large reserves back to back (2.4 MB frames)
             keys = b"".join(key(first + i) for i in range(100_000))
             reply = raw.call(op="reserve", keys=keys, lengths=pack_lengths([16] * 100_000))
-            assert reply["ok"] or reply["error"]["type"] == "no_space"  # the second finds the pool full
+            assert reply["ok"] or reply["error"]["type"] in ("no_space", "quota")  # the second finds no room
             assert max(buffer_sizes(index)) >= 2 * 1024 * 1024  # not grown again for the next one
         assert wait_for(lambda: max(buffer_sizes(index)) <= 1024 * 1024, timeout_s=5.0)  # idle: given back
         assert raw.call(op="heartbeat")["ok"]
@@ -147,6 +150,41 @@ def test_a_connection_past_its_deadline_is_closed(pool, limits, behaviour, reaso
         assert server_of(index).closed_connections[reason] == 1
         with IndexClient(index.url, token=TOKEN, timeout_s=5) as client:
             assert client.heartbeat() > 0
+
+
+class RawFrom(Raw):
+    """A bare connection from another loopback address: another peer to the index."""
+
+    def __init__(self, url: str, source: str) -> None:
+        address = parse_url(url)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.settimeout(5)
+        self.sock.bind((source, 0))
+        self.sock.connect((address.host, address.port))
+        self.decoder = FrameDecoder()
+        self.pending = []
+        self.next_id = 1
+
+
+def test_at_the_cap_a_peer_holding_every_connection_gives_up_its_oldest_to_another_peer(pool):
+    """Before, one token holder with every connection (all authenticated) made
+    every new client's connection close at once. Now the newcomer of another
+    peer displaces the hog's oldest connection; the hog's own new connections
+    still find the cap."""
+    with serve(pool, max_connections=6) as index:
+        hog = [RawFrom(index.url, "127.0.0.2") for _ in range(6)]
+        for raw in hog:
+            raw.hello()
+        assert wait_for(lambda: server_of(index).connection_count == 6)
+        with IndexClient(index.url, token=TOKEN, timeout_s=5) as client:  # from 127.0.0.1
+            assert client.heartbeat() > 0 and client.match_prefix([key(1)]) == 0
+            assert hog[0].closed_by_peer()  # its oldest went
+            assert all(raw.call(op="heartbeat")["ok"] for raw in hog[1:])
+            extra = RawFrom(index.url, "127.0.0.2")  # 5 of 6 already: a new one of its own is closed
+            assert extra.closed_by_peer()
+            assert client.heartbeat() > 0
+        for raw in [*hog, extra]:
+            raw.close()
 
 
 def test_a_client_whose_idle_connection_was_closed_reconnects_on_its_next_call(pool):

@@ -293,13 +293,17 @@ class IndexServer:
                 f"{SMALL_RECEIVE_BYTES >> 10} KiB, or retry once others have arrived")
 
     def admit(self, conn: Connection) -> None:
-        """A new connection: at the cap it displaces the oldest one without a
-        lease, or is closed itself when every connection holds one."""
+        """A new connection. At the cap it displaces the oldest one without a
+        lease; else, when one peer holds more connections than the newcomer's
+        would after it (its fair share), that peer's oldest one; else it is
+        closed itself. So no peer holding the token can take every connection
+        from the others (a client whose connection is displaced reconnects on
+        its next call, its lease intact)."""
         if len(self._connections) >= self.limits.max_connections:
-            victim = next((c for c in self._connections if not c.authenticated), conn)
+            victim = self._displaced_by(conn)
             self.refusals.warning(
                 "at the connection cap (%d, --max-connections): closing %s from %s",
-                self.limits.max_connections, "a new connection" if victim is conn else "an unauthenticated one",
+                self.limits.max_connections, "a new connection" if victim is conn else "an older one",
                 victim.peer,
             )  # fmt: skip
             self.closing(victim, "connection_limit")
@@ -308,6 +312,17 @@ class IndexServer:
                 return
             self._connections.pop(victim, None)
         self._connections[conn] = None
+
+    def _displaced_by(self, new: Connection) -> Connection:
+        """Whom a new connection at the cap displaces (``new`` itself: nobody)."""
+        unauthenticated = next((c for c in self._connections if not c.authenticated), None)
+        if unauthenticated is not None:
+            return unauthenticated
+        held = collections.Counter(c.peer_key for c in self._connections)
+        hog, most = held.most_common(1)[0]
+        if most > held[new.peer_key] + 1:
+            return next(c for c in self._connections if c.peer_key == hog)  # its oldest
+        return new
 
     def forget(self, conn: Connection) -> None:
         self._connections.pop(conn, None)
