@@ -24,13 +24,11 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from maru_core.keys import split_keys
+from maru_core.keys import KEY_BYTES, split_keys
 from maru_core.protocol.errors import ErrorType, ProtocolError
 
 PROTOCOL_VERSION = 1
 
-#: Key length in bytes (a blake2b digest, see ``maru_core.keys``).
-KEY_BYTES = 16
 #: Most keys (or items) in one request. A 64k-token prompt stored layerwise
 #: with 16-token chunks on an 80-layer model is 327,680 keys: send it in
 #: several requests.
