@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from maru_core.protocol.url import parse_url
+
 from .transfer.copy_cpus import CopyCpusError, check_priority, parse_setting
 
 logger = logging.getLogger(__name__)
@@ -173,11 +175,12 @@ def _reject_unknown(raw: dict[str, Any]) -> None:
 
 
 def _check_combination(cfg: MaruConfig) -> None:
-    if not cfg.maru_index_url.startswith(("tcp://", "unix://")):
+    try:
+        parse_url(cfg.maru_index_url)  # the index client's own check of its address
+    except ValueError as exc:
         raise MaruConfigError(
-            f"maru_index_url={cfg.maru_index_url!r} must look like "
-            "tcp://HOST:PORT or unix:///PATH"
-        )
+            f"maru_index_url: {exc} (it must look like tcp://HOST:PORT or unix:///PATH)"
+        ) from None
     if (cfg.maru_pool_path is None) == (cfg.maru_sidecar_socket is None):
         raise MaruConfigError(
             "set exactly one of maru_pool_path (attach the pool file directly) "
