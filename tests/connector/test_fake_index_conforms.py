@@ -13,6 +13,7 @@ import inspect
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from maru_core.index.api import IndexApi
@@ -27,6 +28,10 @@ ROOT = HERE.parents[1]
 def _protocol_methods() -> list[str]:
     return [name for name, member in vars(IndexApi).items()
             if not name.startswith("_") and (callable(member) or isinstance(member, property))]
+
+
+def _parameters(function: Callable[..., object]) -> list[tuple[str, object, object]]:
+    return [(p.name, p.kind, p.default) for p in inspect.signature(function).parameters.values()]
 
 
 def test_mypy_accepts_both_clients_as_the_seam(tmp_path):
@@ -50,9 +55,9 @@ def test_every_operation_of_the_seam_has_the_same_signature_on_both_clients():
             if isinstance(vars(IndexApi)[name], property):
                 assert isinstance(getattr(fake, name), float) and isinstance(getattr(real, name), float)
                 continue
-            wanted = [(p.name, p.kind, p.default) for p in inspect.signature(getattr(IndexApi, name)).parameters.values()][1:]
+            wanted = _parameters(getattr(IndexApi, name))[1:]  # less self
             for client in (fake, real):
-                got = [(p.name, p.kind, p.default) for p in inspect.signature(getattr(client, name)).parameters.values()]
+                got = _parameters(getattr(client, name))
                 assert got == wanted, f"{type(client).__name__}.{name}{got} is not IndexApi.{name}{wanted}"
     finally:
         real.close()
