@@ -57,6 +57,7 @@ def _workers_pool(cfg: MaruConfig, token: str | None) -> PoolIdentity:
     from maru_core.pool.pool_identity import PoolIdentity
 
     if cfg.maru_sidecar_socket is None:
+        assert cfg.maru_pool_path is not None, "parse_config sets exactly one of the two"
         return PoolIdentity.read(cfg.maru_pool_path)
     from maru_core.handoff import fetch_pool
 

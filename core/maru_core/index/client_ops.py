@@ -40,13 +40,16 @@ from maru_core.protocol import (
     pack_lengths,
 )
 
+#: A request or a reply as it travels: a msgpack map (see ``maru_core.protocol.messages``).
+Message = dict[str, Any]
+
 DEFAULT_TIMEOUT_S = 5.0
 #: After a failed connect, calls fail fast for this long instead of each
 #: waiting for a connect timeout; the heartbeat keeps trying meanwhile.
 DEFAULT_RECONNECT_BACKOFF_S = 0.5
 
 
-def check_served_pool(expected: PoolIdentity, reply: dict[str, Any], url: str) -> None:
+def check_served_pool(expected: PoolIdentity, reply: Message, url: str) -> None:
     """Raise ``WrongPool`` unless the ``hello`` ``reply`` of the index at ``url``
     names the pool region ``expected`` (a ``PoolIdentity``) describes."""
     from maru_core.pool.pool_identity import PoolIdentity
@@ -82,7 +85,7 @@ def default_client_name() -> str:
     return f"{socket.gethostname()}/{os.getpid()}"
 
 
-def hello_request(client_name: str, token: str | None, lease_id: str | None) -> dict[str, Any]:
+def hello_request(client_name: str, token: str | None, lease_id: str | None) -> Message:
     return {
         "op": Op.HELLO,
         "protocol": PROTOCOL_VERSION,
@@ -92,24 +95,24 @@ def hello_request(client_name: str, token: str | None, lease_id: str | None) -> 
     }
 
 
-def keys_request(op: Op, keys: Keys) -> dict[str, Any]:
+def keys_request(op: Op, keys: Keys) -> Message:
     """A request carrying ``keys`` packed (see ``maru_core.protocol.messages``);
     ``keys`` may already be packed (one ``bytes`` of 16-byte keys end to end)."""
     return {"op": op, "keys": pack_keys(keys)}
 
 
-def prefix_request(keys: Keys, group: int) -> dict[str, Any]:
+def prefix_request(keys: Keys, group: int) -> Message:
     """A ``retrieve_prefix`` request: ``keys`` packed, pinned in whole groups of ``group``."""
     if type(group) is not int or group < 1:
         raise ValueError(f"group must be a positive int, got {group!r}")
     return {"op": Op.RETRIEVE_PREFIX, "keys": pack_keys(keys), "group": group}
 
 
-def prefixes_requests(key_lists: Sequence[Keys]) -> list[dict[str, Any]]:
+def prefixes_requests(key_lists: Sequence[Keys]) -> list[Message]:
     """``match_prefixes`` requests for ``key_lists``: one, or as many as keep
     each within ``MAX_BATCH_KEYS`` keys (a list alone larger than that is
     still sent alone: the index names the limit)."""
-    requests: list[dict[str, Any]] = []
+    requests: list[Message] = []
     packed: list[bytes] = []
     counts: list[int] = []
     total = 0
@@ -126,7 +129,7 @@ def prefixes_requests(key_lists: Sequence[Keys]) -> list[dict[str, Any]]:
     return requests
 
 
-def parse_prefixes(reply: dict[str, Any], request: dict[str, Any]) -> list[int]:
+def parse_prefixes(reply: Message, request: Message) -> list[int]:
     """A ``match_prefixes`` reply: one count per list asked, none above its list's length."""
     op = Op.MATCH_PREFIXES
     counts = np.frombuffer(request["counts"], dtype="<i8").tolist()
@@ -136,7 +139,7 @@ def parse_prefixes(reply: dict[str, Any], request: dict[str, Any]) -> list[int]:
     return matched
 
 
-def reserve_request(items: Iterable[tuple[bytes, int]]) -> dict[str, Any]:
+def reserve_request(items: Iterable[tuple[bytes, int]]) -> Message:
     """A reserve request with its keys and lengths packed."""
     items = list(items)
     keys = [k for k, _ in items]
@@ -144,7 +147,7 @@ def reserve_request(items: Iterable[tuple[bytes, int]]) -> dict[str, Any]:
     return {"op": Op.RESERVE, "keys": pack_keys(keys), "lengths": pack_lengths(lengths)}
 
 
-def request_size(request: dict[str, Any]) -> int:
+def request_size(request: Message) -> int:
     """How many keys a request built here carries."""
     return len(request["keys"]) // KEY_BYTES
 
@@ -153,7 +156,7 @@ def _broken(op: Op, what: str, reply: object = None) -> MalformedReply:
     return MalformedReply(f"malformed reply: {what}", op, reply)
 
 
-def check_reply(op: Op, reply: Any) -> dict[str, Any]:
+def check_reply(op: Op, reply: Any) -> Message:
     """The reply map of a successful call; raise ``IndexRejected`` for an error reply
     (of type ``internal`` when it names a type this version does not know)."""
     if type(reply) is not dict or "ok" not in reply:
@@ -170,21 +173,21 @@ def check_reply(op: Op, reply: Any) -> dict[str, Any]:
     raise IndexRejected(error_type, message, op)
 
 
-def _field(op: Op, reply: dict[str, Any], name: str, kind: type) -> Any:
+def _field(op: Op, reply: Message, name: str, kind: type) -> Any:
     value = reply.get(name)
     if type(value) is not kind:
         raise _broken(op, f"field {name!r} is {type(value).__name__}, expected {kind.__name__}")
     return value
 
 
-def parse_count(op: Op, reply: dict[str, Any], name: str, at_most: int) -> int:
+def parse_count(op: Op, reply: Message, name: str, at_most: int) -> int:
     value = _field(op, reply, name, int)
     if not 0 <= value <= at_most:
         raise _broken(op, f"{name}={value} for {at_most} keys")
     return value
 
 
-def parse_locations(reply: dict[str, Any], count: int) -> LocationList:
+def parse_locations(reply: Message, count: int) -> LocationList:
     try:
         locations = LocationList.from_wire(_field(Op.RETRIEVE, reply, "locations", bytes))
     except MalformedReply as exc:
@@ -197,7 +200,7 @@ def parse_locations(reply: dict[str, Any], count: int) -> LocationList:
     return locations
 
 
-def parse_prefix(reply: dict[str, Any], count: int, group: int) -> tuple[int, LocationList | None]:
+def parse_prefix(reply: Message, count: int, group: int) -> tuple[int, LocationList | None]:
     """A ``retrieve_prefix`` reply: ``(matched, locations)``, the locations
     (``None``: nothing pinned) exactly the pinned whole groups, none a miss."""
     op = Op.RETRIEVE_PREFIX
@@ -265,7 +268,7 @@ def rejected_retrieve_pinned(exc: IndexRejected, count: int) -> bool | None:
     return None not in locations[:count]
 
 
-def parse_slots(reply: dict[str, Any], count: int) -> SlotList:
+def parse_slots(reply: Message, count: int) -> SlotList:
     try:
         slots = SlotList.from_wire(_field(Op.RESERVE, reply, "slots", bytes))
     except ValueError as exc:
@@ -275,14 +278,14 @@ def parse_slots(reply: dict[str, Any], count: int) -> SlotList:
     return slots
 
 
-def parse_committed(reply: dict[str, Any], count: int) -> list[bool]:
+def parse_committed(reply: Message, count: int) -> list[bool]:
     committed = _field(Op.COMMIT, reply, "committed", list)
     if len(committed) != count or set(map(type, committed)) - {bool}:
         raise _broken(Op.COMMIT, f"'committed' must be {count} booleans")
     return committed
 
 
-def parse_hello(reply: dict[str, Any]) -> tuple[str, float, dict[str, Any]]:
+def parse_hello(reply: Message) -> tuple[str, float, Message]:
     lease_id = _field(Op.HELLO, reply, "lease_id", str)
     ttl = reply.get("lease_ttl_s")
     if not isinstance(ttl, (int, float)) or isinstance(ttl, bool) or ttl <= 0:
