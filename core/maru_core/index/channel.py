@@ -63,7 +63,8 @@ class Channel:
     ``call`` raises ``IndexUnavailable`` when the connection fails, and
     ``IndexTimeout`` when a reply misses its deadline; the channel is then
     failed for every caller, and ``lease_state_unknown`` says whether a
-    request that changes pins or reservations was in flight (see ``maru_core.protocol.LEASE_STATE_OPS``).
+    request that changes pins or reservations was in flight (see
+    ``maru_core.protocol.LEASE_STATE_OPS``).
     """
 
     def __init__(self, sock: socket.socket, send_timeout_s: float) -> None:
