@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from maru_connector.config import parse_config
+from maru_connector.config import MaruConfig, parse_config
 from maru_connector.early_pins import PinHandoff
 from maru_connector.identity import base_namespaces, block_size_of, check_engine_supported
 from maru_connector.lookup import LookupService
@@ -31,6 +31,7 @@ from maru_connector.worker import MaruWorkerHalf
 
 if TYPE_CHECKING:
     import torch
+    from maru_core.pool.pool_identity import PoolIdentity
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
@@ -50,12 +51,13 @@ def _tp_rank() -> int:
         return 0
 
 
-def _workers_pool(cfg: Any, token: str | None) -> Any:
+def _workers_pool(cfg: MaruConfig, token: str | None) -> PoolIdentity:
     """The pool region this engine's workers map, found without mapping it: from the
     sidecar's hand-off (its descriptor closed at once) or from the pool file's header."""
     from maru_core.pool.pool_identity import PoolIdentity
 
     if cfg.maru_sidecar_socket is None:
+        assert cfg.maru_pool_path is not None, "parse_config sets exactly one of the two"
         return PoolIdentity.read(cfg.maru_pool_path)
     from maru_core.handoff import fetch_pool
 
@@ -65,11 +67,11 @@ def _workers_pool(cfg: Any, token: str | None) -> Any:
     return handoff.pool_identity()
 
 
-def _make_lookup(cfg: Any) -> LookupService:
+def _make_lookup(cfg: MaruConfig) -> LookupService:
     from maru_core.index.client import IndexClient
 
     token = cfg.resolve_token()
-    pool: list[Any] = []  # found on the first lookup (on the lookup's thread), then kept
+    pool: list[PoolIdentity] = []  # found on the first lookup (on the lookup's thread), then kept
 
     def client() -> IndexClient:
         # The lookup's hits and early pins name offsets the workers read in their

@@ -47,11 +47,16 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Union
 
+from maru_core.index.api import IndexApi
 from maru_core.keys import KEY_BYTES
+from maru_core.protocol import LocationList
 
 from maru_connector.resolve import LoadFailure, forget_held, index_failure, unpin_quietly
+
+if TYPE_CHECKING:
+    from maru_connector.transfer.engine import HeadStart
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +65,15 @@ logger = logging.getLogger(__name__)
 # object cannot be evicted.
 _UNCLAIMED_TTL_S = 60.0
 
+class _Missed:
+    """The type of ``MISSED``."""
+
+
 #: An early pin's retrieve found a key missing: all-or-nothing, nothing is pinned.
-MISSED = object()
+MISSED = _Missed()
+
+#: What an early pin's retrieve answers: the pinned locations, or ``MISSED``.
+PinReply = Union[LocationList, _Missed]
 
 
 class EarlyPin:
@@ -73,22 +85,24 @@ class EarlyPin:
     caller's thread.
     """
 
-    def __init__(self, client: Any, object_keys: bytes, run: Callable[[Callable[[], None]], Any]) -> None:
+    def __init__(
+        self, client: IndexApi, object_keys: bytes, run: Callable[[Callable[[], None]], Future[None]]
+    ) -> None:
         self.client = client
         self.object_keys = object_keys
         self.created = time.monotonic()
-        self._reply: Future[Any] | None = None
+        self._reply: Future[PinReply] | None = None
         self._run = run
         self._lock = threading.Lock()
         self._released = False
-        self.head: Any = None  # its load's head start (a TransferEngine's), if one was started
+        self.head: HeadStart | None = None  # its load's head start (a TransferEngine's), if one was started
 
-    def start(self, reply: "Future[Any]") -> None:
+    def start(self, reply: Future[PinReply]) -> None:
         """The retrieve, queued on the owning thread: its result is the reply,
         or ``MISSED`` (nothing pinned); if it raises, nothing is pinned either."""
         self._reply = reply
 
-    def reply(self, timeout_s: float) -> Any:
+    def reply(self, timeout_s: float) -> LocationList:
         """The retrieve's reply, once back.
 
         Raises:
@@ -105,11 +119,11 @@ class EarlyPin:
                               f"objects was not back within {timeout_s:.3f}s") from None
         except Exception as exc:
             raise index_failure(exc) from exc
-        if answer is MISSED:
+        if isinstance(answer, _Missed):
             raise LoadFailure("miss", "an object left the pool between the lookup and its pin")
         return answer
 
-    def attach_head(self, head: Any) -> None:
+    def attach_head(self, head: HeadStart | None) -> None:
         """Carry ``head`` (its load's head start) to the load; dropped at once
         when the pin was released meanwhile (its buffer would stay taken)."""
         if head is None:
@@ -120,14 +134,14 @@ class EarlyPin:
                 return
         head.drop()
 
-    def reply_if_back(self) -> Any:
+    def reply_if_back(self) -> LocationList | None:
         """The retrieve's reply if it is back and pinned everything, else None
         (never waits)."""
         reply = self._reply
         if reply is None or not reply.done() or reply.cancelled() or reply.exception() is not None:
             return None
         answer = reply.result()
-        return None if answer is MISSED else answer
+        return None if isinstance(answer, _Missed) else answer
 
     def release(self) -> None:
         """Unpin, on the owning thread, once the retrieve is back (at most once).
@@ -150,7 +164,7 @@ class EarlyPin:
     def released(self) -> bool:
         return self._released
 
-    def _unpin_if_pinned(self, reply: "Future[Any]") -> None:
+    def _unpin_if_pinned(self, reply: Future[PinReply]) -> None:
         if reply.cancelled() or reply.exception() is not None or reply.result() is MISSED:
             return  # nothing pinned
 

@@ -44,16 +44,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any
-
-from maru_core.index.client_ops import IndexRejected
+from maru_core.index.api import IndexApi, IndexRejected
 from maru_core.keys import KEY_BYTES
 from maru_core.protocol import ErrorType
 
-from maru_connector.early_pins import MISSED, EarlyPin
+from maru_connector.early_pins import MISSED, EarlyPin, PinReply
 from maru_connector.resolve import hold, misses_in, unpin_hidden
 
 logger = logging.getLogger(__name__)
+
+
+#: One key list of a lookup: keys, or the keys packed end to end.
+_KeyList = bytes | list[bytes]
 
 
 @dataclass(eq=False)
@@ -61,7 +63,7 @@ class _Lookup:
     """One request's lookup, from the engine thread to the lookup thread."""
 
     req_id: str
-    key_lists: list[bytes | list[bytes]]
+    key_lists: list[_KeyList]
     pin_group: int
     queued_at: float
     future: "Future[_Answer]" = field(default_factory=Future)
@@ -84,7 +86,7 @@ class LookupService:
 
     def __init__(
         self,
-        client_factory: Callable[[], Any],
+        client_factory: Callable[[], IndexApi],
         timeout_s: float,
         give_up_s: float = 2.0,
         retry_after_s: float = 1.0,
@@ -92,7 +94,7 @@ class LookupService:
         one_round_trip: bool = True,
     ) -> None:
         self._client_factory = client_factory
-        self._client: Any = None
+        self._client: IndexApi | None = None
         self._timeout_s = timeout_s
         self._give_up_s = give_up_s
         self._retry_after_s = retry_after_s
@@ -137,7 +139,7 @@ class LookupService:
         self._release_early(req_id)
         if now < self._down_until:
             return 0
-        lists = [k if type(k) is bytes else list(k) for k in key_lists]  # a snapshot
+        lists: list[_KeyList] = [k if isinstance(k, bytes) else list(k) for k in key_lists]  # a snapshot
         lookup = self._submit(_Lookup(req_id, lists, pin_group if len(lists) == 1 else 0, now))
         if not self._wait(lookup.future):
             self._pending[req_id] = lookup
@@ -233,7 +235,7 @@ class LookupService:
         for lookup, answer in zip(batch, answers):
             lookup.future.set_result(answer)
 
-    def _match_batch(self, client: Any, batch: list[_Lookup]) -> list["_Answer"]:
+    def _match_batch(self, client: IndexApi, batch: list[_Lookup]) -> list["_Answer"]:
         """Several requests' lookups in one ``match_prefixes``; their early pins follow
         on the pins' thread."""
         counts = iter(self._match_lists(client, [keys for q in batch for keys in q.key_lists]))
@@ -244,25 +246,25 @@ class LookupService:
                                                  lookup.pin_group, max(0, matched)))
         return answers
 
-    def _match_lists(self, client: Any, key_lists: list[bytes | list[bytes]]) -> list[int]:
+    def _match_lists(self, client: IndexApi, key_lists: list[_KeyList]) -> list[int]:
         if self._batched:
             try:
                 return client.match_prefixes(key_lists)
             except IndexRejected as exc:
-                if exc.error_type != ErrorType.UNKNOWN_OP.value:
+                if exc.error_type is not ErrorType.UNKNOWN_OP:
                     raise
                 logger.info("the index has no match_prefixes (an older version); queued lookups "
                             "take a match_prefix each")
                 self._batched = False
         return [client.match_prefix(keys) if keys else 0 for keys in key_lists]
 
-    def _match_all(self, client: Any, key_lists: list[bytes | list[bytes]], pin_group: int) -> "_Answer":
+    def _match_all(self, client: IndexApi, key_lists: list[_KeyList], pin_group: int) -> "_Answer":
         """One request's lookup, sent alone: with an early pin, one ``retrieve_prefix``."""
         if pin_group and self._one_round_trip and key_lists[0]:
             try:
                 return self._match_and_pin(client, key_lists[0], pin_group)
             except IndexRejected as exc:
-                if exc.error_type != ErrorType.UNKNOWN_OP.value:
+                if exc.error_type is not ErrorType.UNKNOWN_OP:
                     raise
                 logger.info("the index has no retrieve_prefix (an older version); early pins "
                             "take a match_prefix and a retrieve")
@@ -270,7 +272,7 @@ class LookupService:
         matched = max(0, int(min((client.match_prefix(keys) if keys else 0) for keys in key_lists)))
         return self._pin_after_match(client, key_lists[0], pin_group, matched)
 
-    def _pin_after_match(self, client: Any, keys: bytes | list[bytes], pin_group: int,
+    def _pin_after_match(self, client: IndexApi, keys: _KeyList, pin_group: int,
                          matched: int) -> "_Answer":
         """The early pin of ``matched`` keys, taken by a ``retrieve`` on the pins' thread."""
         pinned = matched - matched % pin_group if pin_group else 0
@@ -281,7 +283,7 @@ class LookupService:
         pin.start(self._pinner.submit(self._retrieve_early, client, pin))
         return matched, pin
 
-    def _match_and_pin(self, client: Any, keys: bytes | list[bytes], pin_group: int) -> "_Answer":
+    def _match_and_pin(self, client: IndexApi, keys: _KeyList, pin_group: int) -> "_Answer":
         """The lookup and its early pin in one ``retrieve_prefix``.
 
         A reply the client rejected (it has seen to any pins of it) is not
@@ -289,11 +291,11 @@ class LookupService:
         the pin carries the error, so the load fails and is counted and
         recomputed, as after a failed retrieve.
         """
-        reply: Future[Any] = Future()
+        reply: Future[PinReply] = Future()
         try:
             matched, locations = client.retrieve_prefix(keys, pin_group)
         except IndexRejected as exc:
-            if exc.error_type == ErrorType.UNKNOWN_OP.value:
+            if exc.error_type is ErrorType.UNKNOWN_OP:
                 raise
             matched = client.match_prefix(keys)
             pinned = matched - matched % pin_group
@@ -310,12 +312,12 @@ class LookupService:
         pin.start(reply)
         return matched, pin
 
-    def _early_pin(self, client: Any, keys: bytes | list[bytes], count: int) -> EarlyPin:
-        packed = keys if type(keys) is bytes else b"".join(keys)
+    def _early_pin(self, client: IndexApi, keys: _KeyList, count: int) -> EarlyPin:
+        packed = keys if isinstance(keys, bytes) else b"".join(keys)
         return EarlyPin(client, packed[: count * KEY_BYTES], run=self._pinner.submit)
 
     @staticmethod
-    def _retrieve_early(client: Any, pin: EarlyPin) -> Any:
+    def _retrieve_early(client: IndexApi, pin: EarlyPin) -> PinReply:
         """The early pin's retrieve (on the pins' thread): the reply, or
         ``MISSED``; a retrieve that raises pins nothing (the index client sees
         to that), and the load that claims the pin fails with its error."""

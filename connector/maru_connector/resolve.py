@@ -17,15 +17,27 @@ import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Union, cast
 
 import numpy as np
-from maru_core.keys import KEY_BYTES, packed_layer_keys, split_keys
+from maru_core.index.api import IndexApi, Keys
+from maru_core.keys import KEY_BYTES, Key, packed_layer_keys, split_keys
 from maru_core.pool.slot_check import SlotHeaderCheck
-from maru_core.pool.slots import ChecksumKind, SlotState
-from maru_core.protocol import LocationList
+from maru_core.pool.slots import ChecksumKind, SlotHeader, SlotState
+from maru_core.protocol import Location, LocationList
 
 from maru_connector.transfer import ChecksumMismatch, ChunkLoad, PayloadCheck
+
+if TYPE_CHECKING:
+    from maru_core.pool import Pool
+
+    from maru_connector.early_pins import EarlyPin
+    from maru_connector.object_format import ObjectFormat
+    from maru_connector.transfer.engine import HeadStart
+
+#: A retrieve's answer as the index client gives it (a ``LocationList``), or as
+#: tests build it: one ``Location`` or ``None`` per key.
+Locations = Union[LocationList, Sequence[Union[Location, None]]]
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +58,7 @@ class PinnedLoad:
 
     chunks: list[ChunkLoad]
     object_keys: bytes
-    early: Any = None
+    early: EarlyPin | None = None
     check: PayloadCheck | None = None  # what the copies' bytes are verified against
 
     @property
@@ -54,12 +66,12 @@ class PinnedLoad:
         return len(self.object_keys) // KEY_BYTES
 
     @property
-    def head(self) -> Any:
+    def head(self) -> HeadStart | None:
         """The head start of these copies (``TransferEngine.start_head``), if any."""
         return self.early.head if self.early is not None else None
 
 
-def packed_object_keys(fmt: Any, chunk_keys: Sequence[bytes]) -> bytes:
+def packed_object_keys(fmt: ObjectFormat, chunk_keys: Sequence[bytes]) -> bytes:
     """The keys of the objects of these chunks, end to end: chunk-major, then
     true layer. Packed, a load's keys cost no object per key on their way to
     the index (a layerwise 16k-token hit has 2,048)."""
@@ -71,9 +83,9 @@ def packed_object_keys(fmt: Any, chunk_keys: Sequence[bytes]) -> bytes:
     return packed
 
 
-def object_keys(fmt: Any, chunk_keys: Sequence[bytes]) -> list[bytes]:
+def object_keys(fmt: ObjectFormat, chunk_keys: Sequence[bytes]) -> list[bytes]:
     """``packed_object_keys`` as a list of keys."""
-    return split_keys(packed_object_keys(fmt, chunk_keys))
+    return cast("list[bytes]", split_keys(packed_object_keys(fmt, chunk_keys)))
 
 
 def copy_failure_reason(error: BaseException | None) -> str:
@@ -83,9 +95,14 @@ def copy_failure_reason(error: BaseException | None) -> str:
 
 
 def index_failure(exc: BaseException) -> LoadFailure:
-    text = f"{type(exc).__name__}: {exc}"
-    timed_out = isinstance(exc, TimeoutError) or "timed out" in text.lower() or "timeout" in text.lower()
-    return LoadFailure("timeout" if timed_out else "index_error", text)
+    """The ``LoadFailure`` of a retrieve that raised ``exc``: ``timeout`` for the
+    index client's ``IndexTimeout`` (any ``TimeoutError``), else ``index_error``."""
+    reason = "timeout" if isinstance(exc, TimeoutError) else "index_error"
+    return LoadFailure(reason, f"{type(exc).__name__}: {exc}")
+
+
+#: What holds pins of a lease: a load's own (``PinnedLoad``) or a lookup's (``EarlyPin``).
+_Holder = Union[PinnedLoad, "EarlyPin"]
 
 
 class _HeldPins:
@@ -100,17 +117,17 @@ class _HeldPins:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._by_client: weakref.WeakKeyDictionary[Any, dict[int, PinnedLoad]] = weakref.WeakKeyDictionary()
+        self._by_client: weakref.WeakKeyDictionary[IndexApi, dict[int, _Holder]] = weakref.WeakKeyDictionary()
 
-    def add(self, client: Any, load: PinnedLoad) -> None:
+    def add(self, client: IndexApi, load: _Holder) -> None:
         with self._lock:
             self._by_client.setdefault(client, {})[id(load)] = load
 
-    def remove(self, client: Any, load: PinnedLoad) -> None:
+    def remove(self, client: IndexApi, load: _Holder) -> None:
         with self._lock:
             self._by_client.get(client, {}).pop(id(load), None)
 
-    def not_held(self, client: Any, keys: bytes) -> list[bytes]:
+    def not_held(self, client: IndexApi, keys: bytes) -> list[Key]:
         """Of ``keys`` (packed), those no load of ``client`` in flight pinned."""
         with self._lock:
             loads = list(self._by_client.get(client, {}).values())
@@ -121,22 +138,22 @@ class _HeldPins:
 _HELD = _HeldPins()
 
 
-def hold(client: Any, load: Any) -> None:
-    """Record that ``load`` (anything with ``object_keys``) holds pins of ``client``'s lease."""
+def hold(client: IndexApi, load: _Holder) -> None:
+    """Record that ``load`` (a ``PinnedLoad`` or an ``EarlyPin``) holds pins of ``client``'s lease."""
     _HELD.add(client, load)
 
 
-def forget_held(client: Any, load: Any) -> None:
+def forget_held(client: IndexApi, load: _Holder) -> None:
     _HELD.remove(client, load)
 
 
-def unpin_hidden(client: Any, keys: bytes) -> None:
+def unpin_hidden(client: IndexApi, keys: bytes) -> None:
     """After a reply with a miss (which pins nothing): give back the pins a
     reply altered on the way may hide, except those another load holds."""
     unpin_quietly(client, _HELD.not_held(client, keys))
 
 
-def unpin_quietly(client: Any, keys: bytes | list[bytes]) -> None:
+def unpin_quietly(client: IndexApi, keys: Keys) -> None:
     try:
         client.unpin(keys)
     except Exception as exc:  # the lease releases the pins if this fails
@@ -157,7 +174,7 @@ class _Reply:
     generations: np.ndarray
 
     @classmethod
-    def of(cls, locations: Any) -> "_Reply":
+    def of(cls, locations: Locations) -> "_Reply":
         if isinstance(locations, LocationList):
             columns = (locations.offsets(), locations.lengths(), locations.generations())
             return cls(*(np.frombuffer(c, dtype=np.uint64) for c in columns))
@@ -172,7 +189,7 @@ class _Reply:
         return int(np.count_nonzero(self.offsets == 0))
 
 
-def misses_in(locations: Any) -> int:
+def misses_in(locations: Locations) -> int:
     """Keys a retrieve reply answered as not in the pool."""
     return _Reply.of(locations).misses()
 
@@ -192,7 +209,9 @@ def _check_reply(count: int, reply: _Reply, object_bytes: int) -> None:
         )
 
 
-def _check_headers(pool: Any, keys: bytes, reply: _Reply, fmt: Any, verify_payload: bool) -> PayloadCheck | None:
+def _check_headers(
+    pool: Pool, keys: bytes, reply: _Reply, fmt: ObjectFormat, verify_payload: bool
+) -> PayloadCheck | None:
     """Check every slot header; with ``verify_payload``, what the transfer engine
     is to check the bytes it receives against (``PayloadCheck``)."""
     # One vectorised pass over the whole batch (a layerwise 16k-token hit has
@@ -212,8 +231,8 @@ def _check_headers(pool: Any, keys: bytes, reply: _Reply, fmt: Any, verify_paylo
     return PayloadCheck.of(stored, kinds == ChecksumKind.POSITION_SUM)
 
 
-def _check_older_payloads(pool: Any, keys: bytes, reply: _Reply, offsets: np.ndarray, older: np.ndarray,
-                          stored: np.ndarray, fmt: Any, check: SlotHeaderCheck) -> None:
+def _check_older_payloads(pool: Pool, keys: bytes, reply: _Reply, offsets: np.ndarray, older: np.ndarray,
+                          stored: np.ndarray, fmt: ObjectFormat, check: SlotHeaderCheck) -> None:
     """Objects of older writers (XXH3-64 of the bytes as they lay in the pool) are
     checked the old way: hashed in the pool, once pinned and before any copy."""
     try:
@@ -235,7 +254,9 @@ def _fail_payload(keys: bytes, offsets: np.ndarray, i: int, what: str) -> None:
     )
 
 
-def _fail_first(pool: Any, keys: bytes, reply: "_Reply", offsets: np.ndarray, ok: np.ndarray, fmt: Any) -> None:
+def _fail_first(
+    pool: Pool, keys: bytes, reply: _Reply, offsets: np.ndarray, ok: np.ndarray, fmt: ObjectFormat
+) -> None:
     """Raise the ``LoadFailure`` of the first object whose header the batch check refused
     (the one-object check words why)."""
     for i in np.flatnonzero(~ok)[:1]:
@@ -246,7 +267,7 @@ def _fail_first(pool: Any, keys: bytes, reply: "_Reply", offsets: np.ndarray, ok
         )
 
 
-def _header_of(pool: Any, key: bytes, offset: int, generation: int, layout: int) -> Any:
+def _header_of(pool: Pool, key: bytes, offset: int, generation: int, layout: int) -> SlotHeader:
     """The slot header at ``offset`` if it names ``key``, ``generation`` and ``layout``;
     else the ``LoadFailure`` that says why not."""
     header = pool.read_slot_header(offset)
@@ -274,13 +295,13 @@ def _header_of(pool: Any, key: bytes, offset: int, generation: int, layout: int)
 
 
 def resolve_load(
-    client: Any,
-    pool: Any,
-    fmt: Any,
+    client: IndexApi,
+    pool: Pool,
+    fmt: ObjectFormat,
     chunk_keys: Sequence[bytes],
     block_ids: Sequence[tuple[int, ...]],
     verify_payload: bool = False,
-    early: Any = None,
+    early: EarlyPin | None = None,
 ) -> PinnedLoad:
     """Pin the objects of ``chunk_keys`` and plan their copies into ``block_ids``.
 
@@ -305,7 +326,7 @@ def resolve_load(
     """
     keys = packed_object_keys(fmt, chunk_keys)
     if early is not None:
-        reply = _early_reply(early, keys, getattr(client, "timeout_s", 1.0), fmt.object_bytes)
+        reply = _early_reply(early, keys, client.timeout_s, fmt.object_bytes)
         if reply is not None:
             try:
                 check = _check_headers(pool, keys, reply, fmt, verify_payload)
@@ -334,7 +355,7 @@ def resolve_load(
     return pinned
 
 
-def _early_reply(early: Any, keys: bytes, timeout_s: float, object_bytes: int) -> _Reply | None:
+def _early_reply(early: EarlyPin, keys: bytes, timeout_s: float, object_bytes: int) -> _Reply | None:
     """The early pin's reply for ``keys`` (its leading objects), checked like a
     retrieve's; ``None`` (and the pin released) when it was pinned from
     another first chunk than the load's."""
@@ -366,7 +387,7 @@ def _chunk_sources(reply: _Reply, num_chunks: int, per_chunk: int) -> list[tuple
     return [tuple(offsets[i * per_chunk : (i + 1) * per_chunk]) for i in range(num_chunks)]
 
 
-def head_sources(locations: Any, num_chunks: int, per_chunk: int) -> list[tuple[int, ...]] | None:
+def head_sources(locations: Locations, num_chunks: int, per_chunk: int) -> list[tuple[int, ...]] | None:
     """The pool offsets of the first ``num_chunks`` chunks' objects in a
     retrieve reply, per chunk, exactly as the load's ``ChunkLoad``s will
     carry them; ``None`` when the reply is short or has a miss among them
@@ -378,7 +399,7 @@ def head_sources(locations: Any, num_chunks: int, per_chunk: int) -> list[tuple[
     return _chunk_sources(reply, num_chunks, per_chunk)
 
 
-def release_pins(client: Any, pinned: PinnedLoad) -> None:
+def release_pins(client: IndexApi, pinned: PinnedLoad) -> None:
     """Unpin after every copy from those slots completed (invariant 8)."""
     if pinned.early is not None:
         pinned.early.release()

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from maru_core.index.api import IndexApi, IndexRejected
 from maru_core.pool.slots import SlotFormat, SlotHeader
 from maru_core.protocol import ErrorType
 from maru_core.stats import ConnectorStats
@@ -65,9 +66,8 @@ class StoreFailure(Exception):
 
 def _reserve_failure(exc: BaseException) -> str:
     """The failure reason of a reserve the index refused or that broke."""
-    refused = getattr(exc, "error_type", None)
-    if refused in (ErrorType.NO_SPACE.value, ErrorType.QUARANTINED.value):
-        return refused  # a full pool, or an index that restarted and hands out no slot yet
+    if isinstance(exc, IndexRejected) and exc.error_type in (ErrorType.NO_SPACE, ErrorType.QUARANTINED):
+        return exc.error_type.value  # a full pool, or an index that restarted and hands out no slot yet
     return "index_error"
 
 
@@ -76,7 +76,7 @@ class Storer:
 
     def __init__(
         self,
-        client_factory: Callable[[], Any],
+        client_factory: Callable[[], IndexApi],
         pool: Any,
         engine: Any,
         tp_rank: int,
@@ -84,7 +84,7 @@ class Storer:
         async_store: bool,
     ) -> None:
         self._client_factory = client_factory
-        self._client: Any = None
+        self._client: IndexApi | None = None
         self._pool = pool
         self._engine = engine
         self._fmt = engine.fmt
@@ -253,6 +253,7 @@ class Storer:
 
     def _commit(self, jobs: list[_StoreJob], keys: list[bytes]) -> None:
         try:
+            assert self._client is not None, "keys were reserved, so the client exists"
             committed = list(self._client.commit(keys))
         except Exception as exc:  # the reservations lapse with the lease
             logger.warning("commit of %d objects failed (%s)", len(keys), exc)

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Final, TypedDict, TypeVar
 
+from .protocol.url import parse_url
 from .storage_format import StorageFormat
 
 logger = logging.getLogger(__name__)
@@ -190,9 +191,11 @@ def _replace_deprecated(raw: Mapping[str, object]) -> dict[str, object]:
 
 def check_combination(knobs: ConnectorKnobs) -> None:
     """Refuse combinations no connector can run with (each message says what to change)."""
-    if not knobs.maru_index_url.startswith(("tcp://", "unix://")):
+    try:
+        parse_url(knobs.maru_index_url)  # the index client's own check of its address
+    except ValueError as exc:
         raise ConnectorConfigError(
-            f"maru_index_url={knobs.maru_index_url!r} must look like tcp://HOST:PORT or unix:///PATH")
+            f"maru_index_url: {exc} (it must look like tcp://HOST:PORT or unix:///PATH)") from None
     if (knobs.maru_pool_path is None) == (knobs.maru_sidecar_socket is None):
         raise ConnectorConfigError(
             "set exactly one of maru_pool_path (attach the pool file directly) "

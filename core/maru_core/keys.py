@@ -206,7 +206,7 @@ def _layer_masks(layers: tuple[int, ...]) -> np.ndarray:
     return out
 
 
-def packed_layer_keys(chunk_keys: Iterable[Key] | bytes, layers: Sequence[int]) -> bytes:
+def packed_layer_keys(chunk_keys: Iterable[bytes] | bytes, layers: Sequence[int]) -> bytes:
     """The layer keys of every chunk, then every layer (chunk-major), end to end.
 
     ``chunk_keys`` is a sequence of keys or the keys packed end to end (the
@@ -218,7 +218,7 @@ def packed_layer_keys(chunk_keys: Iterable[Key] | bytes, layers: Sequence[int]) 
     1.1 ms on a 2-core machine.
     """
     layers = _check_layers(layers)
-    if type(chunk_keys) is bytes:
+    if isinstance(chunk_keys, bytes):
         packed = chunk_keys
         if len(packed) % KEY_BYTES:
             raise ValueError(f"packed chunk keys must be a multiple of {KEY_BYTES} bytes, got {len(packed)}")

@@ -6,17 +6,17 @@ import argparse
 import grp
 import math
 import os
-import re
 import socket
 import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from maru_core.protocol.url import parse_url
+
 DEFAULT_METRICS_PORT = 9477
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 #: The shortest cache token accepted (the index requires the same).
 MIN_TOKEN_CHARS = 16
-_INDEX_URL = re.compile(r"^(tcp://[^/\s]+:\d+|unix:///.+)$")
 # A Unix socket path longer than this does not fit in sockaddr_un.
 _MAX_SOCKET_PATH = 107
 
@@ -95,8 +95,10 @@ class SidecarConfig:
             raise ConfigError(f"--socket {socket_path} is longer than {_MAX_SOCKET_PATH} bytes; use a shorter path")
         if not socket_path.parent.is_dir():
             raise ConfigError(f"--socket {socket_path}: directory {socket_path.parent} does not exist")
-        if not _INDEX_URL.match(args.index):
-            raise ConfigError(f"--index {args.index!r}: expected tcp://HOST:PORT or unix:///PATH")
+        try:
+            parse_url(args.index)  # the index client's own check of its address
+        except ValueError as exc:
+            raise ConfigError(f"--index: {exc}; expected tcp://HOST:PORT or unix:///PATH") from None
         pool_offset = _pool_offset(args.pool_offset)
         if not 0 <= args.metrics_port <= 65535:
             raise ConfigError(f"--metrics-port {args.metrics_port}: expected 0..65535")

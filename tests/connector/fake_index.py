@@ -9,7 +9,9 @@ short or long replies, an unreachable index, a slow index, a full pool.
 It raises what the real client raises (``IndexUnavailable``, and
 ``IndexRejected`` with the protocol's ``error_type``) and answers with the
 real protocol types (``LocationList``, ``SlotList``), so code that reads a
-field the real types lack fails here too.
+field the real types lack fails here too. ``FakeClient`` implements
+``maru_core.index.api.IndexApi``, the seam the connector is typed against;
+``test_fake_index_conforms.py`` type-checks that it still does.
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from maru_core.index.client_ops import IndexRejected, IndexUnavailable
+import numpy as np
+from maru_core.index.api import IndexRejected, IndexUnavailable, Keys
 from maru_core.pool.commit_records import CommitRecords
-from maru_core.protocol import ErrorType, Location, LocationList, Slot, SlotList
+from maru_core.protocol import ErrorType, Location, LocationList, Op, Slot, SlotList
 from maru_core.protocol.messages import unpack_keys
 
 __all__ = ["FakeClient", "FakeIndex", "Location", "Slot"]
@@ -44,7 +48,8 @@ class FakeIndex:
         self.calls: Counter[str] = Counter()
         self.down = False
         self.delay_s = 0.0
-        self.retrieve_hook = None  # locations -> locations (fault injection), retrieve_prefix's too
+        # locations -> locations (fault injection), retrieve_prefix's too
+        self.retrieve_hook: Callable[[list[Location | None]], list[Location | None]] | None = None
         self.knows_retrieve_prefix = True  # False: answers it as an older index would (unknown op)
         self.knows_match_prefixes = True  # likewise
         self.quarantined = False  # True: refuses reserves as a restarted index does
@@ -70,25 +75,34 @@ class FakeIndex:
         return Location(offset, length, self._next_page)
 
 
-def _keys(keys: Any) -> list[bytes]:
+def _keys(keys: Keys) -> list[bytes]:
     """Keys as a list, from a list or packed end to end (the real client takes both)."""
-    return unpack_keys(keys) if type(keys) is bytes else list(keys)
+    return list(unpack_keys(keys)) if isinstance(keys, bytes) else list(keys)
 
 
 class FakeClient:
+    """A client of a ``FakeIndex``: an ``IndexApi``, as ``IndexClient`` is."""
+
+    #: What the connector reads as the client's call timeout (a test may patch it).
+    timeout_s: float = 1.0
+
     def __init__(self, index: FakeIndex) -> None:
         self._ix = index
         self.closed = False
 
-    def match_prefix(self, keys: list[bytes], **_: Any) -> int:
+    def heartbeat(self) -> float:
+        self._ix._enter("heartbeat")
+        return 3.0
+
+    def match_prefix(self, keys: Keys, *, timeout_s: float | None = None) -> int:
         self._ix._enter("match_prefix")
         with self._ix.lock:
             return self._leading_committed(_keys(keys))
 
-    def match_prefixes(self, key_lists: list[Any], **_: Any) -> list[int]:
+    def match_prefixes(self, key_lists: Sequence[Keys], *, timeout_s: float | None = None) -> list[int]:
         self._ix._enter("match_prefixes")
         if not self._ix.knows_match_prefixes:
-            raise IndexRejected(ErrorType.UNKNOWN_OP.value, "unknown op 'match_prefixes'", "match_prefixes")
+            raise IndexRejected(ErrorType.UNKNOWN_OP, "unknown op 'match_prefixes'", Op.MATCH_PREFIXES)
         with self._ix.lock:
             return [self._leading_committed(_keys(keys)) for keys in key_lists]
 
@@ -99,28 +113,30 @@ class FakeClient:
             n += 1
         return n
 
-    def retrieve(self, keys: list[bytes], **_: Any) -> LocationList:
+    def retrieve(self, keys: Keys, *, timeout_s: float | None = None) -> LocationList:
         self._ix._enter("retrieve")
-        keys = _keys(keys)
+        listed = _keys(keys)
         with self._ix.lock:
-            locations = [self._ix.committed.get(k) for k in keys]
+            locations = [self._ix.committed.get(k) for k in listed]
             if all(loc is not None for loc in locations):
-                self._ix.pins.update(keys)
+                self._ix.pins.update(listed)
         if self._ix.retrieve_hook is not None:
             locations = self._ix.retrieve_hook(locations)
         return LocationList.from_items(locations)
 
-    def retrieve_prefix(self, keys: list[bytes], group: int = 1, **_: Any) -> tuple[int, LocationList | None]:
+    def retrieve_prefix(
+        self, keys: Keys, group: int = 1, *, timeout_s: float | None = None
+    ) -> tuple[int, LocationList | None]:
         """Match, then pin the matched whole groups; a reply the hook spoils is
         rejected as the real client rejects it, with nothing left pinned."""
         self._ix._enter("retrieve_prefix")
         if not self._ix.knows_retrieve_prefix:
-            raise IndexRejected(ErrorType.UNKNOWN_OP.value, "unknown op 'retrieve_prefix'", "retrieve_prefix")
-        keys = _keys(keys)
+            raise IndexRejected(ErrorType.UNKNOWN_OP, "unknown op 'retrieve_prefix'", Op.RETRIEVE_PREFIX)
+        listed = _keys(keys)
         with self._ix.lock:
-            matched = self._leading_committed(keys)
-            pinned = keys[: matched - matched % group]
-            locations = [self._ix.committed[k] for k in pinned]
+            matched = self._leading_committed(listed)
+            pinned = listed[: matched - matched % group]
+            locations: list[Location | None] = [self._ix.committed[k] for k in pinned]
             self._ix.pins.update(pinned)
         if not pinned:
             return matched, None
@@ -130,32 +146,31 @@ class FakeClient:
             with self._ix.lock:
                 self._ix.pins.subtract(pinned)  # the real client lets its lease lapse
                 self._ix.pins = +self._ix.pins
-            raise IndexRejected(ErrorType.INTERNAL.value, f"malformed reply: {len(locations)} locations "
-                                f"(misses included) for {len(pinned)} pinned keys", "retrieve_prefix")
+            raise IndexRejected(ErrorType.INTERNAL, f"malformed reply: {len(locations)} locations "
+                                f"(misses included) for {len(pinned)} pinned keys", Op.RETRIEVE_PREFIX)
         return matched, LocationList.from_items(locations)
 
-    def unpin(self, keys: list[bytes]) -> int:
+    def unpin(self, keys: Keys) -> int:
         self._ix._enter("unpin")
         if self._ix.unpin_gate is not None:
             self._ix.unpin_gate.wait(10.0)
-        keys = _keys(keys)
         with self._ix.lock:
             n = 0
-            for key in keys:
+            for key in _keys(keys):
                 if self._ix.pins[key] > 0:
                     self._ix.pins[key] -= 1
                     n += 1
             self._ix.pins = +self._ix.pins
             return n
 
-    def reserve(self, items: list[tuple[bytes, int]]) -> SlotList:
+    def reserve(self, items: Iterable[tuple[bytes, int]]) -> SlotList:
         """Like the index: ``None`` for a key already known or that does not fit,
         ``IndexRejected`` of type ``no_space`` when no new key fits, of type
         ``quarantined`` while ``quarantined``."""
         self._ix._enter("reserve")
         if self._ix.quarantined:
-            raise IndexRejected(ErrorType.QUARANTINED.value, "the fake index restarted", "reserve")
-        slots: list[Slot | None] = []
+            raise IndexRejected(ErrorType.QUARANTINED, "the fake index restarted", Op.RESERVE)
+        slots: list[Slot | None | bool] = []  # False: no room for this key
         with self._ix.lock:
             for key, length in items:
                 known = key in self._ix.committed or key in self._ix.reserved
@@ -168,29 +183,27 @@ class FakeClient:
                 else:
                     slots.append(False)
         if False in slots and not any(slots):
-            raise IndexRejected(ErrorType.NO_SPACE.value, "no room in the fake pool", "reserve")
-        return SlotList.from_items([slot or None for slot in slots])
+            raise IndexRejected(ErrorType.NO_SPACE, "no room in the fake pool", Op.RESERVE)
+        return SlotList.from_items([slot if isinstance(slot, Slot) else None for slot in slots])
 
-    def commit(self, keys: list[bytes]) -> list[bool]:
+    def commit(self, keys: Keys) -> list[bool]:
         self._ix._enter("commit")
-        keys = _keys(keys)
         with self._ix.lock:
             done = []
-            for key in keys:
+            for key in _keys(keys):
                 loc = self._ix.reserved.pop(key, None)
                 ok = loc is not None and key not in self._ix.committed
-                if ok:
+                if loc is not None and ok:
                     self._ix.committed[key] = loc
                     if self._ix._record is not None:
-                        self._ix._record([loc.offset])
+                        self._ix._record(np.array([loc.offset], dtype=np.int64))
                 done.append(ok)
             return done
 
-    def abort(self, keys: list[bytes]) -> int:
+    def abort(self, keys: Keys) -> int:
         self._ix._enter("abort")
-        keys = _keys(keys)
         with self._ix.lock:
-            return sum(self._ix.reserved.pop(k, None) is not None for k in keys)
+            return sum(self._ix.reserved.pop(k, None) is not None for k in _keys(keys))
 
     def close(self) -> None:
         self.closed = True

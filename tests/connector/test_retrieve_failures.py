@@ -11,7 +11,6 @@ renews it).
 
 from __future__ import annotations
 
-import asyncio
 import os
 import socket
 import struct
@@ -21,12 +20,12 @@ from collections.abc import Callable, Iterator
 
 import msgpack
 import pytest
-from maru_core.index.client import AsyncIndexClient, IndexClient, IndexRejected, IndexUnavailable
+from maru_core.index.client import IndexClient, IndexRejected, IndexTimeout, IndexUnavailable
 from maru_core.index.launcher import ThreadedIndex, unique_shm_path
 from maru_core.pool import Pool, SlotHeader
-from maru_core.protocol import LocationList, pack_locations
+from maru_core.protocol import ErrorType, LocationList, Op, pack_locations
 
-from maru_connector.resolve import LoadFailure, object_keys, release_pins, resolve_load
+from maru_connector.resolve import LoadFailure, index_failure, object_keys, release_pins, resolve_load
 from maru_connector.transfer import TransferEngine
 
 from kv_builders import make_kv_caches
@@ -271,7 +270,7 @@ def test_real_refusal_pins_nothing_and_keeps_the_lease(index, pool, client, fmt)
     lease = client.connect().lease_id
     with pytest.raises(IndexRejected) as info:
         client.retrieve(keys * 100_000)  # above the protocol's batch limit
-    assert info.value.error_type == "too_large"
+    assert info.value.error_type is ErrorType.TOO_LARGE
     assert pinned(index) == 0 and client.lease_id == lease
 
 
@@ -307,26 +306,20 @@ def test_a_refused_retrieve_prefix_pins_nothing_and_keeps_the_lease(index, pool,
     lease = client.connect().lease_id
     with pytest.raises(IndexRejected) as info:
         client.retrieve_prefix(keys * 100_000, 1)  # above the protocol's batch limit
-    assert info.value.error_type == "too_large"
+    assert info.value.error_type is ErrorType.TOO_LARGE
     assert pinned(index) == 0 and client.lease_id == lease
 
 
-@pytest.mark.parametrize("tamper, lapses", [(long, False), (short, True)], ids=["long", "short"])
-def test_async_client_releases_a_reply_of_the_wrong_length(index, pool, proxy, fmt, tamper, lapses):
-    keys = stored(index, pool, fmt)
-
-    async def scenario() -> tuple[str, str, int]:
-        async with AsyncIndexClient(proxy.url, token=TOKEN, timeout_s=1.0) as client:
-            lease = (await client.connect()).lease_id
-            proxy.arm(tamper)
-            with pytest.raises(IndexRejected, match="locations for"):
-                await client.retrieve(keys)
-            return lease, client.lease_id, pinned(index)
-
-    lease, lease_after, pins = asyncio.run(scenario())
-    assert (lease_after != lease) == lapses
-    assert pins == (len(keys) if lapses else 0)
-    assert wait_unpinned(index) == 0
+def test_a_failed_retrieve_counts_as_a_timeout_by_its_type_not_its_words():
+    """``timeout`` is the index client's ``IndexTimeout``; an error that only
+    mentions a timeout (a refusal naming a field, a lost connection) is an
+    ``index_error``."""
+    assert index_failure(IndexTimeout("no reply to retrieve within the timeout")).reason == "timeout"
+    assert index_failure(IndexTimeout("cannot connect to the index at tcp://h:1: boom")).reason == "timeout"
+    refused = IndexRejected(ErrorType.BAD_REQUEST, "field 'timeout_ms' is unknown", Op.RETRIEVE)
+    assert index_failure(refused).reason == "index_error"
+    lost = IndexUnavailable("the index closed the connection (it timed out our idle lease)")
+    assert index_failure(lost).reason == "index_error"
 
 
 # ---- resolve_load: the connector's side -------------------------------------------

@@ -1,19 +1,19 @@
-"""IndexClient and AsyncIndexClient against a real server on loopback."""
+"""IndexClient against a real server on loopback."""
 
 from __future__ import annotations
 
-import asyncio
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from maru_core.index.client import AsyncIndexClient, IndexClient, IndexRejected, IndexUnavailable
+from maru_core.index.client import IndexClient, IndexRejected, IndexTimeout, IndexUnavailable
 from maru_core.index.client_ops import check_reply, parse_committed, parse_locations, parse_slots
 from maru_core.index.launcher import ThreadedIndex
 from maru_core.pool import Pool, SlotHeader
-from maru_core.protocol import Location, LocationList
+from maru_core.protocol import ErrorType, Location, LocationList, Op
 
 TOKEN = "client-token"
 
@@ -113,7 +113,7 @@ def test_the_index_names_a_bad_match_prefixes_request(client):
                             ([-1], "key counts from 0")):
         with pytest.raises(IndexRejected, match=message) as info:
             client._call({"op": "match_prefixes", "keys": key(1), "counts": counts})
-        assert info.value.error_type == "bad_request"
+        assert info.value.error_type is ErrorType.BAD_REQUEST
 
 
 def test_the_index_names_a_bad_retrieve_prefix_group(client):
@@ -121,7 +121,7 @@ def test_the_index_names_a_bad_retrieve_prefix_group(client):
     request = {"op": "retrieve_prefix", "keys": key(1), "group": 0}
     with pytest.raises(IndexRejected, match="'group' must be an integer from 1") as info:
         client._call(request)
-    assert info.value.error_type == "bad_request"
+    assert info.value.error_type is ErrorType.BAD_REQUEST
 
 
 def test_empty_batches(client):
@@ -133,7 +133,7 @@ def test_bad_token_raises_rejected(index):
     with IndexClient(index.url, token="wrong") as bad:
         with pytest.raises(IndexRejected) as info:
             bad.connect()
-        assert info.value.error_type == "auth" and info.value.op == "hello"
+        assert info.value.error_type is ErrorType.AUTH and info.value.op is Op.HELLO
 
 
 def test_unreachable_index_fails_fast_then_recovers(pool):
@@ -246,7 +246,7 @@ def test_threads_share_one_client(client, pool, index):
 def test_no_space_is_rejected(client):
     with pytest.raises(IndexRejected) as info:
         client.reserve([(key(1), 1 << 40)])
-    assert info.value.error_type == "no_space"
+    assert info.value.error_type is ErrorType.NO_SPACE
 
 
 def test_close_ends_the_lease_at_once(client, pool, index):
@@ -275,66 +275,71 @@ def test_malformed_replies_are_rejected_not_sliced():
         check_reply("stats", [1])
     with pytest.raises(IndexRejected) as info:
         check_reply("retrieve", {"ok": False, "error": {"type": "no_space", "message": "full"}})
-    assert info.value.error_type == "no_space" and "full" in str(info.value)
+    assert info.value.error_type is ErrorType.NO_SPACE and "full" in str(info.value)
 
 
-# -- asyncio client ----------------------------------------------------------
+# -- pipelining, errors as types ---------------------------------------------
 
-def test_async_client_round_trip_and_concurrency(index, pool):
-    with IndexClient(index.url, token=TOKEN) as sync_client:
-        store(sync_client, pool, [key(i) for i in range(32)])
+def test_pipelined_overlapping_retrieves_count_pins_per_key_on_one_lease(index, pool):
+    """Retrieves of overlapping batches in flight together on one connection:
+    the index counts each key's pins on the lease, and releases them exactly
+    as often as they were taken."""
+    with IndexClient(index.url, token=TOKEN, client_name="pipelined") as client:
+        store(client, pool, [key(i) for i in range(32)])
+        assert client.match_prefix([key(i) for i in range(40)]) == 32
+        batches = [[key(j) for j in range(i, i + 8)] for i in range(0, 24, 2)]
+        start = threading.Barrier(len(batches))
 
-    async def main() -> None:
-        async with AsyncIndexClient(index.url, token=TOKEN, client_name="async") as client:
-            assert await client.match_prefix([key(i) for i in range(40)]) == 32
-            batches = [[key(j) for j in range(i, i + 8)] for i in range(0, 24, 2)]
-            results = await asyncio.gather(*(client.retrieve(b) for b in batches))
+        def retrieve(batch: list[bytes]) -> LocationList:
+            start.wait()
+            return client.retrieve(batch)
+
+        with ThreadPoolExecutor(len(batches)) as threads:
+            results = list(threads.map(retrieve, batches))
             for batch, locations in zip(batches, results):
                 assert [bytes(pool.view(l.offset, 16)) for l in locations] == batch
-            assert pinned(index) == 30
-            counts = await asyncio.gather(*(client.unpin(b) for b in batches))
-            assert sum(counts) == 8 * len(batches) and pinned(index) == 0
-            slots = await client.reserve([(key(100), 10)])
-            assert await client.abort([key(100)]) == 1 and slots[0] is not None
-            assert (await client.stats())["keys"] == 32
-            matched, locations = await client.retrieve_prefix([key(i) for i in range(40)], 5)
-            assert matched == 32 and len(locations) == 30 and pinned(index) == 30
-            assert await client.unpin([key(i) for i in range(30)]) == 30
-            assert await client.heartbeat() == 0.6
-            await client.retrieve([key(0)])
-        stats = index.on_loop(index.service.server.registry.stats)
-        assert (stats.leases, stats.pinned_keys) == (0, 0)  # close ended the lease
-
-    asyncio.run(main())
+            assert pinned(index) == 30  # keys 0..29, most of them pinned more than once
+            counts = list(threads.map(client.unpin, batches))
+        assert sum(counts) == 8 * len(batches) and pinned(index) == 0
+        slots = client.reserve([(key(100), 10)])
+        assert client.abort([key(100)]) == 1 and slots[0] is not None
+        assert client.stats()["keys"] == 32
+        matched, locations = client.retrieve_prefix([key(i) for i in range(40)], 5)
+        assert matched == 32 and len(locations) == 30 and pinned(index) == 30
+        assert client.unpin([key(i) for i in range(30)]) == 30
+        assert client.heartbeat() == 0.6
+        client.retrieve([key(0)])
+    stats = index.on_loop(index.service.server.registry.stats)
+    assert (stats.leases, stats.pinned_keys) == (0, 0)  # close ended the lease
 
 
-def test_async_client_errors(index):
-    async def main() -> None:
-        bad = AsyncIndexClient(index.url, token="nope")
-        with pytest.raises(IndexRejected, match="auth"):
-            await bad.connect()
-        await bad.close()
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        gone = AsyncIndexClient(f"tcp://127.0.0.1:{port}", timeout_s=0.5)
-        with pytest.raises(IndexUnavailable):
-            await gone.match_prefix([key(1)])
-        await gone.close()
-
-    asyncio.run(main())
+def test_a_timeout_is_an_index_timeout(client, pool, index):
+    """A caller tells a timeout by its type (also a ``TimeoutError``), not by its message."""
+    client.connect()
+    index._loop.call_soon_threadsafe(time.sleep, 0.5)  # the index stalls
+    with pytest.raises(IndexTimeout) as info:
+        client.match_prefix([key(1)], timeout_s=0.1)
+    assert isinstance(info.value, IndexUnavailable) and isinstance(info.value, TimeoutError)
+    time.sleep(0.5)
+    assert client.match_prefix([key(1)]) == 0
 
 
-def test_async_client_times_out_on_a_stalled_index(index):
-    async def main() -> None:
-        async with AsyncIndexClient(index.url, token=TOKEN, timeout_s=2.0) as client:
-            await client.connect()
-            lease = client.lease_id
-            index._loop.call_soon_threadsafe(time.sleep, 0.5)
-            with pytest.raises(IndexUnavailable, match="timeout"):
-                await client.retrieve([key(1)], timeout_s=0.1)
-            await asyncio.sleep(0.5)
-            assert await client.match_prefix([key(1)]) == 0
-            assert client.lease_id != lease  # a retrieve was in flight: fresh lease
+def test_a_refused_connection_is_unavailable_not_a_timeout():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with IndexClient(f"tcp://127.0.0.1:{port}", timeout_s=0.5) as client:
+        with pytest.raises(IndexUnavailable) as info:
+            client.connect()
+    assert not isinstance(info.value, IndexTimeout)
 
-    asyncio.run(main())
+
+def test_error_types_are_enum_members():
+    with pytest.raises(IndexRejected) as info:
+        check_reply(Op.RESERVE, {"ok": False, "error": {"type": "no_space", "message": "full"}})
+    assert info.value.error_type is ErrorType.NO_SPACE and info.value.op is Op.RESERVE
+    assert "[no_space]" in str(info.value) and "index refused reserve" in str(info.value)
+    # A type this version does not know (a newer index's) reads as the most cautious one.
+    with pytest.raises(IndexRejected) as info:
+        check_reply(Op.RETRIEVE, {"ok": False, "error": {"type": "brand_new", "message": "m"}})
+    assert info.value.error_type is ErrorType.INTERNAL and "brand_new" in info.value.message

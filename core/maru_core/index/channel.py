@@ -19,8 +19,8 @@ import threading
 import time
 from typing import Any
 
-from maru_core.index.client_ops import LEASE_STATE_OPS, IndexUnavailable
-from maru_core.protocol import Address, FrameError, TcpAddress
+from maru_core.index.api import IndexTimeout, IndexUnavailable
+from maru_core.protocol import LEASE_STATE_OPS, Address, FrameError, TcpAddress
 from maru_core.protocol.framing import FrameBuffer, FrameWriter
 
 
@@ -32,8 +32,14 @@ class _Waiter:
         self.reply: Any = None
 
 
+def _failure(message: str, exc: BaseException) -> IndexUnavailable:
+    """The failure of a socket operation that raised ``exc``: a socket timeout is an ``IndexTimeout``."""
+    return IndexTimeout(message) if isinstance(exc, TimeoutError) else IndexUnavailable(message)
+
+
 def open_socket(address: Address, timeout_s: float) -> socket.socket:
-    """A connected, blocking socket (TCP_NODELAY for TCP); ``IndexUnavailable`` on failure."""
+    """A connected, blocking socket (TCP_NODELAY for TCP); ``IndexUnavailable`` on failure
+    (``IndexTimeout`` when the connect timed out)."""
     try:
         if isinstance(address, TcpAddress):
             sock = socket.create_connection((address.host, address.port), timeout=timeout_s)
@@ -47,17 +53,18 @@ def open_socket(address: Address, timeout_s: float) -> socket.socket:
                 sock.close()
                 raise
     except OSError as exc:
-        raise IndexUnavailable(f"cannot connect to the index at {address}: {exc}") from exc
+        raise _failure(f"cannot connect to the index at {address}: {exc}", exc) from exc
     return sock
 
 
 class Channel:
     """A pipelined request/reply channel over one socket.
 
-    ``call`` raises ``IndexUnavailable`` when the connection fails or a reply
-    misses its deadline; the channel is then failed for every caller, and
-    ``lease_state_unknown`` says whether a request that changes pins or
-    reservations was in flight (see ``client_ops.LEASE_STATE_OPS``).
+    ``call`` raises ``IndexUnavailable`` when the connection fails, and
+    ``IndexTimeout`` when a reply misses its deadline; the channel is then
+    failed for every caller, and ``lease_state_unknown`` says whether a
+    request that changes pins or reservations was in flight (see
+    ``maru_core.protocol.LEASE_STATE_OPS``).
     """
 
     def __init__(self, sock: socket.socket, send_timeout_s: float) -> None:
@@ -118,7 +125,7 @@ class Channel:
             try:
                 self._sock.sendall(frame)
             except OSError as exc:
-                self.fail(IndexUnavailable(f"sending {waiter.op} to the index failed: {exc}"))
+                self.fail(_failure(f"sending {waiter.op} to the index failed: {exc}", exc))
                 raise self._failed() from exc
         return self._await(rid, waiter, deadline)
 
@@ -134,7 +141,7 @@ class Channel:
             if self.failure is None and not self._reading:
                 self._reading = True
             elif self.failure is None:
-                self._fail_locked(IndexUnavailable(f"no reply to {waiter.op} within the timeout"))
+                self._fail_locked(IndexTimeout(f"no reply to {waiter.op} within the timeout"))
         if self.failure is not None and waiter.reply is None:
             raise self.failure
         try:
@@ -153,7 +160,7 @@ class Channel:
             remaining = deadline - time.monotonic()
             try:
                 if remaining <= 0 or not self._poller.poll(math.ceil(remaining * 1000)):
-                    self.fail(IndexUnavailable(f"no reply to {waiter.op} within the timeout"))
+                    self.fail(IndexTimeout(f"no reply to {waiter.op} within the timeout"))
                     return
                 count = self._sock.recv_into(self._frames.writable())
                 if not count:
@@ -164,7 +171,7 @@ class Channel:
                 while self._frames.complete():
                     messages.append(self._frames.pop())
             except (OSError, ValueError, FrameError) as exc:
-                self.fail(IndexUnavailable(f"connection to the index failed: {exc}"))
+                self.fail(_failure(f"connection to the index failed: {exc}", exc))
                 return
             if messages:
                 self._deliver(messages)

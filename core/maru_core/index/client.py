@@ -1,11 +1,12 @@
-"""Clients of the index: ``IndexClient`` (blocking, thread-safe) and
-``AsyncIndexClient`` (asyncio, in ``maru_core.index.async_client``).
+"""The client of the index: ``IndexClient`` (blocking, thread-safe), an
+implementation of ``maru_core.index.api.IndexApi``.
 
-Both connect lazily, hold a lease that a background heartbeat keeps alive,
-and reconnect by themselves: a lost connection is re-established on the next
+It connects lazily, holds a lease that a background heartbeat keeps alive,
+and reconnects by itself: a lost connection is re-established on the next
 call (or by the heartbeat), resuming the same lease when that is safe. Calls
-that fail raise ``IndexUnavailable`` (unreachable, timed out) or
-``IndexRejected`` (an error reply); neither ever blocks past ``timeout_s``.
+that fail raise ``IndexUnavailable`` (unreachable; ``IndexTimeout`` when
+timed out) or ``IndexRejected`` (an error reply); none ever blocks past
+``timeout_s``.
 
 Typical use by a reader::
 
@@ -22,16 +23,18 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
-from maru_core.index.async_client import AsyncIndexClient
+from maru_core.index.api import (
+    IndexError_,
+    IndexRejected,
+    IndexTimeout,
+    IndexUnavailable,
+    Keys,
+    WrongPool,
+)
 from maru_core.index.channel import Channel, open_socket
 from maru_core.index.client_ops import (
     DEFAULT_RECONNECT_BACKOFF_S,
     DEFAULT_TIMEOUT_S,
-    IndexError_,
-    IndexRejected,
-    IndexUnavailable,
-    Keys,
-    WrongPool,
     check_reply,
     check_served_pool,
     default_client_name,
@@ -52,16 +55,16 @@ from maru_core.index.client_ops import (
     reserve_request,
     while_backing_off as _while_backing_off,
 )
-from maru_core.protocol import KEY_BYTES, ErrorType, Location, LocationList, Slot, SlotList, parse_url
+from maru_core.protocol import KEY_BYTES, ErrorType, Location, LocationList, Op, Slot, SlotList, parse_url
 
 if TYPE_CHECKING:
     from maru_core.pool.pool_identity import PoolIdentity
 
 __all__ = [
-    "AsyncIndexClient",
     "IndexClient",
     "IndexError_",
     "IndexRejected",
+    "IndexTimeout",
     "IndexUnavailable",
     "Location",
     "LocationList",
@@ -140,18 +143,18 @@ class IndexClient:
 
     def heartbeat(self) -> float:
         """Renew the lease now; return its TTL in seconds."""
-        return float(self._call({"op": "heartbeat"})["lease_ttl_s"])
+        return float(self._call({"op": Op.HEARTBEAT})["lease_ttl_s"])
 
     def match_prefix(self, keys: Keys, *, timeout_s: float | None = None) -> int:
         """How many leading ``keys`` are committed (pins nothing)."""
-        request = keys_request("match_prefix", keys)
-        return parse_count("match_prefix", self._call(request, timeout_s), "matched", request_size(request))
+        request = keys_request(Op.MATCH_PREFIX, keys)
+        return parse_count(Op.MATCH_PREFIX, self._call(request, timeout_s), "matched", request_size(request))
 
     def match_prefixes(self, key_lists: Sequence[Keys], *, timeout_s: float | None = None) -> list[int]:
         """``match_prefix`` of each list, in one round trip (pins nothing).
 
         An index older than this op raises ``IndexRejected`` with
-        ``error_type == "unknown_op"``: ask ``match_prefix`` per list instead.
+        ``error_type`` ``ErrorType.UNKNOWN_OP``: ask ``match_prefix`` per list instead.
         """
         matched: list[int] = []
         for request in prefixes_requests(key_lists):
@@ -168,7 +171,7 @@ class IndexClient:
         error is undone here (``_release_rejected_retrieve``), and after a
         timeout or a lost connection the old lease lapses on the index.
         """
-        request = keys_request("retrieve", keys)
+        request = keys_request(Op.RETRIEVE, keys)
         try:
             return parse_locations(self._call(request, timeout_s), request_size(request))
         except IndexRejected as exc:
@@ -196,8 +199,8 @@ class IndexClient:
 
     def unpin(self, keys: Keys) -> int:
         """Release this lease's pins on ``keys``; return how many were released."""
-        request = keys_request("unpin", keys)
-        return parse_count("unpin", self._call(request), "unpinned", request_size(request))
+        request = keys_request(Op.UNPIN, keys)
+        return parse_count(Op.UNPIN, self._call(request), "unpinned", request_size(request))
 
     def reserve(self, items: Iterable[tuple[bytes, int]]) -> SlotList:
         """Reserve a slot per ``(key, length)``: a ``Slot``, or ``None`` when the
@@ -210,17 +213,17 @@ class IndexClient:
         """Make reserved keys visible, once their data and slot headers are
         written. ``False`` for a key that could not be committed (a duplicate,
         an expired reservation or a slot header that does not name it)."""
-        request = keys_request("commit", keys)
+        request = keys_request(Op.COMMIT, keys)
         return parse_committed(self._call(request), request_size(request))
 
     def abort(self, keys: Keys) -> int:
         """Release reservations that will not be committed; return how many."""
-        request = keys_request("abort", keys)
-        return parse_count("abort", self._call(request), "aborted", request_size(request))
+        request = keys_request(Op.ABORT, keys)
+        return parse_count(Op.ABORT, self._call(request), "aborted", request_size(request))
 
     def stats(self) -> dict[str, Any]:
         """The index's counters and pool bytes by state."""
-        reply = dict(self._call({"op": "stats"}))
+        reply = dict(self._call({"op": Op.STATS}))
         for name in ("id", "ok"):
             reply.pop(name, None)
         return reply
@@ -236,7 +239,7 @@ class IndexClient:
         if channel is not None:
             if not channel.failed:
                 try:
-                    channel.call({"op": "bye"}, time.monotonic() + min(self.timeout_s, _BYE_TIMEOUT_S))
+                    channel.call({"op": Op.BYE}, time.monotonic() + min(self.timeout_s, _BYE_TIMEOUT_S))
                 except IndexUnavailable:
                     pass
             channel.close()
@@ -297,7 +300,7 @@ class IndexClient:
             try:
                 return check_reply(op, reply)
             except IndexRejected as exc:
-                if exc.error_type != ErrorType.NO_LEASE.value or attempt == 2:
+                if exc.error_type is not ErrorType.NO_LEASE or attempt == 2:
                     raise
                 self._reopen_lease(channel, deadline)  # the lease lapsed: open a fresh one, retry once
         raise AssertionError("unreachable")
@@ -332,7 +335,7 @@ class IndexClient:
         return channel
 
     def _hello(self, channel: Channel, lease_id: str | None, deadline: float) -> None:
-        reply = check_reply("hello", channel.call(hello_request(self.client_name, self._token, lease_id), deadline))
+        reply = check_reply(Op.HELLO, channel.call(hello_request(self.client_name, self._token, lease_id), deadline))
         parsed = parse_hello(reply)
         if self._pool is not None:
             try:
@@ -342,7 +345,7 @@ class IndexClient:
                 self._refused_before = True
                 self._lease_id = None
                 try:  # end the lease just opened there rather than leave it to lapse
-                    channel.call({"op": "bye"}, time.monotonic() + min(self.timeout_s, _BYE_TIMEOUT_S))
+                    channel.call({"op": Op.BYE}, time.monotonic() + min(self.timeout_s, _BYE_TIMEOUT_S))
                 except IndexError_:
                     pass
                 raise

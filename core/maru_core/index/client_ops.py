@@ -1,9 +1,10 @@
-"""What the sync and async index clients share: errors, request builders,
+"""What the index client is made of besides its connection: request builders,
 reply checks, and the lease policy on reconnect.
 
 Every reply is checked before it is handed out: a retrieve that answers a
 different number of locations than keys were asked, or a reply of the wrong
-shape, raises ``IndexRejected`` instead of being sliced by position.
+shape, raises ``IndexRejected`` instead of being sliced by position. The
+errors themselves are the seam's (``maru_core.index.api``).
 """
 
 from __future__ import annotations
@@ -17,27 +18,30 @@ import numpy as np
 if TYPE_CHECKING:
     from maru_core.pool.pool_identity import PoolIdentity
 
+from maru_core.index.api import (
+    IndexError_,
+    IndexRejected,
+    IndexTimeout,
+    IndexUnavailable,
+    Keys,
+    MalformedReply,
+    WrongPool,
+)
 from maru_core.protocol import (
     KEY_BYTES,
     PROTOCOL_VERSION,
     ErrorType,
     LocationList,
     MAX_BATCH_KEYS,
+    Op,
     SlotList,
     pack_counts,
     pack_keys,
     pack_lengths,
 )
 
-#: Ops whose effect on the lease (pins, reservations) is unknown when their
-#: reply is lost. If one was in flight when a connection failed, the client
-#: opens a fresh lease on reconnect and lets the old one lapse, so a pin or a
-#: reservation it cannot know about is released by the index, never leaked.
-LEASE_STATE_OPS = frozenset({"retrieve", "retrieve_prefix", "unpin", "reserve", "commit", "abort"})
-
-#: Keys as the clients take them: a sequence of 16-byte keys, or all of them
-#: packed in one ``bytes`` (16 bytes each, as they travel; no join needed).
-Keys = Sequence[bytes] | bytes
+#: A request or a reply as it travels: a msgpack map (see ``maru_core.protocol.messages``).
+Message = dict[str, Any]
 
 DEFAULT_TIMEOUT_S = 5.0
 #: After a failed connect, calls fail fast for this long instead of each
@@ -45,64 +49,7 @@ DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_RECONNECT_BACKOFF_S = 0.5
 
 
-class IndexError_(Exception):
-    """Any failure of an index call. The trailing underscore keeps the
-    builtin ``IndexError`` usable next to it."""
-
-
-class IndexUnavailable(IndexError_):
-    """The index could not be reached, or did not answer within the timeout.
-
-    Treat it as a miss (loads) or a skipped store; the client reconnects by
-    itself on a later call.
-    """
-
-
-class IndexRejected(IndexError_):
-    """The index answered with an error (or with a reply that breaks the
-    protocol). ``error_type`` is the protocol's error type (an ``ErrorType``
-    value), ``op`` the operation refused."""
-
-    def __init__(self, error_type: str, message: str, op: str) -> None:
-        super().__init__(f"index refused {op}: [{error_type}] {message}")
-        self.error_type = error_type
-        self.message = message
-        self.op = op
-
-
-class MalformedReply(IndexRejected):
-    """A reply that breaks the protocol (type ``internal``), kept in ``reply``.
-
-    Unlike a typed error reply, the index may have carried out the request:
-    a retrieve answered with the wrong number of locations may have pinned
-    every key, so the clients release those pins before raising this.
-    """
-
-    def __init__(self, message: str, op: str, reply: Any = None) -> None:
-        super().__init__(ErrorType.INTERNAL.value, message, op)
-        self.reply = reply
-
-
-#: ``error_type`` of ``WrongPool``: a refusal made by the client itself, never sent by an index.
-WRONG_POOL = "wrong_pool"
-
-
-class WrongPool(IndexRejected):
-    """The index serves another pool region than the one this client mapped.
-
-    Raised by ``hello``, so every call fails with it until the client is
-    pointed at the right index: a load misses and a store is skipped, as
-    with any index error; nothing is read from or written to the wrong
-    memory. ``expected`` and ``served`` are the two ``PoolIdentity`` values.
-    """
-
-    def __init__(self, message: str, expected: PoolIdentity, served: PoolIdentity) -> None:
-        super().__init__(WRONG_POOL, message, "hello")
-        self.expected = expected
-        self.served = served
-
-
-def check_served_pool(expected: PoolIdentity | None, reply: dict[str, Any], url: str) -> None:
+def check_served_pool(expected: PoolIdentity, reply: Message, url: str) -> None:
     """Raise ``WrongPool`` unless the ``hello`` ``reply`` of the index at ``url``
     names the pool region ``expected`` (a ``PoolIdentity``) describes."""
     from maru_core.pool.pool_identity import PoolIdentity
@@ -110,7 +57,7 @@ def check_served_pool(expected: PoolIdentity | None, reply: dict[str, Any], url:
     try:
         served = PoolIdentity.from_hello(reply)
     except ValueError as exc:
-        raise _broken("hello", f"the pool it serves: {exc}", reply) from exc
+        raise _broken(Op.HELLO, f"the pool it serves: {exc}", reply) from exc
     differ = expected.mismatch(served)
     if differ is not None:
         raise WrongPool(
@@ -125,10 +72,12 @@ def check_served_pool(expected: PoolIdentity | None, reply: dict[str, Any], url:
 
 def while_backing_off(last_error: IndexError_) -> IndexError_:
     """What a call fails with while the client waits to reconnect after ``last_error``:
-    the same refusal for a wrong pool (only another index or pod cures it), else ``IndexUnavailable``."""
+    the same refusal for a wrong pool (only another index or pod cures it), else ``IndexUnavailable``
+    (``IndexTimeout`` after a timeout, so the caller counts it as one)."""
     if isinstance(last_error, WrongPool):
         return WrongPool(last_error.message, last_error.expected, last_error.served)
-    return IndexUnavailable(f"{last_error} (retrying in the background)")
+    kind = IndexTimeout if isinstance(last_error, IndexTimeout) else IndexUnavailable
+    return kind(f"{last_error} (retrying in the background)")
 
 
 def default_client_name() -> str:
@@ -136,9 +85,9 @@ def default_client_name() -> str:
     return f"{socket.gethostname()}/{os.getpid()}"
 
 
-def hello_request(client_name: str, token: str | None, lease_id: str | None) -> dict[str, Any]:
+def hello_request(client_name: str, token: str | None, lease_id: str | None) -> Message:
     return {
-        "op": "hello",
+        "op": Op.HELLO,
         "protocol": PROTOCOL_VERSION,
         "client": client_name,
         "token": token,
@@ -146,40 +95,43 @@ def hello_request(client_name: str, token: str | None, lease_id: str | None) -> 
     }
 
 
-def keys_request(op: str, keys: Keys) -> dict[str, Any]:
+def keys_request(op: Op, keys: Keys) -> Message:
     """A request carrying ``keys`` packed (see ``maru_core.protocol.messages``);
     ``keys`` may already be packed (one ``bytes`` of 16-byte keys end to end)."""
     return {"op": op, "keys": pack_keys(keys)}
 
 
-def prefix_request(keys: Keys, group: int) -> dict[str, Any]:
+def prefix_request(keys: Keys, group: int) -> Message:
     """A ``retrieve_prefix`` request: ``keys`` packed, pinned in whole groups of ``group``."""
     if type(group) is not int or group < 1:
         raise ValueError(f"group must be a positive int, got {group!r}")
-    return {"op": "retrieve_prefix", "keys": pack_keys(keys), "group": group}
+    return {"op": Op.RETRIEVE_PREFIX, "keys": pack_keys(keys), "group": group}
 
 
-def prefixes_requests(key_lists: Sequence[Keys]) -> list[dict[str, Any]]:
+def prefixes_requests(key_lists: Sequence[Keys]) -> list[Message]:
     """``match_prefixes`` requests for ``key_lists``: one, or as many as keep
     each within ``MAX_BATCH_KEYS`` keys (a list alone larger than that is
     still sent alone: the index names the limit)."""
-    requests, packed, counts, total = [], [], [], 0
+    requests: list[Message] = []
+    packed: list[bytes] = []
+    counts: list[int] = []
+    total = 0
     for keys in key_lists:
         keys = pack_keys(keys)
         if counts and total + len(keys) // KEY_BYTES > MAX_BATCH_KEYS:
-            requests.append({"op": "match_prefixes", "keys": b"".join(packed), "counts": pack_counts(counts)})
+            requests.append({"op": Op.MATCH_PREFIXES, "keys": b"".join(packed), "counts": pack_counts(counts)})
             packed, counts, total = [], [], 0
         packed.append(keys)
         counts.append(len(keys) // KEY_BYTES)
         total += counts[-1]
     if counts:
-        requests.append({"op": "match_prefixes", "keys": b"".join(packed), "counts": pack_counts(counts)})
+        requests.append({"op": Op.MATCH_PREFIXES, "keys": b"".join(packed), "counts": pack_counts(counts)})
     return requests
 
 
-def parse_prefixes(reply: dict, request: dict[str, Any]) -> list[int]:
+def parse_prefixes(reply: Message, request: Message) -> list[int]:
     """A ``match_prefixes`` reply: one count per list asked, none above its list's length."""
-    op = "match_prefixes"
+    op = Op.MATCH_PREFIXES
     counts = np.frombuffer(request["counts"], dtype="<i8").tolist()
     matched = _field(op, reply, "matched", list)
     if len(matched) != len(counts) or any(type(m) is not int or not 0 <= m <= c for m, c in zip(matched, counts)):
@@ -187,25 +139,26 @@ def parse_prefixes(reply: dict, request: dict[str, Any]) -> list[int]:
     return matched
 
 
-def reserve_request(items: Iterable[tuple[bytes, int]]) -> dict[str, Any]:
+def reserve_request(items: Iterable[tuple[bytes, int]]) -> Message:
     """A reserve request with its keys and lengths packed."""
     items = list(items)
     keys = [k for k, _ in items]
     lengths = [n for _, n in items]
-    return {"op": "reserve", "keys": pack_keys(keys), "lengths": pack_lengths(lengths)}
+    return {"op": Op.RESERVE, "keys": pack_keys(keys), "lengths": pack_lengths(lengths)}
 
 
-def request_size(request: dict[str, Any]) -> int:
+def request_size(request: Message) -> int:
     """How many keys a request built here carries."""
     return len(request["keys"]) // KEY_BYTES
 
 
-def _broken(op: str, what: str, reply: Any = None) -> MalformedReply:
+def _broken(op: Op, what: str, reply: object = None) -> MalformedReply:
     return MalformedReply(f"malformed reply: {what}", op, reply)
 
 
-def check_reply(op: str, reply: Any) -> dict[str, Any]:
-    """The reply map of a successful call; raise ``IndexRejected`` for an error reply."""
+def check_reply(op: Op, reply: Any) -> Message:
+    """The reply map of a successful call; raise ``IndexRejected`` for an error reply
+    (of type ``internal`` when it names a type this version does not know)."""
     if type(reply) is not dict or "ok" not in reply:
         raise _broken(op, "not a reply map", reply)
     if reply["ok"] is True:
@@ -213,40 +166,44 @@ def check_reply(op: str, reply: Any) -> dict[str, Any]:
     error = reply.get("error")
     if type(error) is not dict:
         raise _broken(op, "error reply without an error map", reply)
-    raise IndexRejected(str(error.get("type")), str(error.get("message")), op)
+    wire_type, message = error.get("type"), str(error.get("message"))
+    error_type = ErrorType.of_reply(wire_type)
+    if error_type.value != wire_type:
+        message = f"{message} (error type {str(wire_type)[:64]!r}, unknown to this client)"
+    raise IndexRejected(error_type, message, op)
 
 
-def _field(op: str, reply: dict, name: str, kind: type) -> Any:
+def _field(op: Op, reply: Message, name: str, kind: type) -> Any:
     value = reply.get(name)
     if type(value) is not kind:
         raise _broken(op, f"field {name!r} is {type(value).__name__}, expected {kind.__name__}")
     return value
 
 
-def parse_count(op: str, reply: dict, name: str, at_most: int) -> int:
+def parse_count(op: Op, reply: Message, name: str, at_most: int) -> int:
     value = _field(op, reply, name, int)
     if not 0 <= value <= at_most:
         raise _broken(op, f"{name}={value} for {at_most} keys")
     return value
 
 
-def parse_locations(reply: dict, count: int) -> LocationList:
+def parse_locations(reply: Message, count: int) -> LocationList:
     try:
-        locations = LocationList.from_wire(_field("retrieve", reply, "locations", bytes))
+        locations = LocationList.from_wire(_field(Op.RETRIEVE, reply, "locations", bytes))
     except MalformedReply as exc:
         exc.reply = reply
         raise
     except ValueError as exc:
-        raise _broken("retrieve", str(exc), reply) from exc
+        raise _broken(Op.RETRIEVE, str(exc), reply) from exc
     if len(locations) != count:
-        raise _broken("retrieve", f"{len(locations)} locations for {count} keys", reply)
+        raise _broken(Op.RETRIEVE, f"{len(locations)} locations for {count} keys", reply)
     return locations
 
 
-def parse_prefix(reply: dict, count: int, group: int) -> tuple[int, LocationList | None]:
+def parse_prefix(reply: Message, count: int, group: int) -> tuple[int, LocationList | None]:
     """A ``retrieve_prefix`` reply: ``(matched, locations)``, the locations
     (``None``: nothing pinned) exactly the pinned whole groups, none a miss."""
-    op = "retrieve_prefix"
+    op = Op.RETRIEVE_PREFIX
     try:
         matched = parse_count(op, reply, "matched", count)
         wire = _field(op, reply, "locations", bytes)
@@ -274,7 +231,7 @@ def rejected_prefix_pinned(exc: IndexRejected) -> bool | None:
     count of pinned keys is what failed the check.
     """
     if not isinstance(exc, MalformedReply):
-        return None if exc.error_type == ErrorType.INTERNAL.value else False
+        return None if exc.error_type is ErrorType.INTERNAL else False
     reply = exc.reply
     if type(reply) is dict and reply.get("ok") is True and reply.get("locations") == b"":
         return False
@@ -295,12 +252,15 @@ def rejected_retrieve_pinned(exc: IndexRejected, count: int) -> bool | None:
     pins that other retrieves on the same lease still hold.
     """
     if not isinstance(exc, MalformedReply):
-        return None if exc.error_type == ErrorType.INTERNAL.value else False
+        return None if exc.error_type is ErrorType.INTERNAL else False
     reply = exc.reply
     if type(reply) is not dict or reply.get("ok") is not True:
         return None
+    wire = reply.get("locations")
+    if not isinstance(wire, (bytes, bytearray, memoryview)):
+        return None
     try:
-        locations = LocationList.from_wire(reply.get("locations"))
+        locations = LocationList.from_wire(wire)
     except (TypeError, ValueError):
         return None
     if len(locations) < count:
@@ -308,26 +268,26 @@ def rejected_retrieve_pinned(exc: IndexRejected, count: int) -> bool | None:
     return None not in locations[:count]
 
 
-def parse_slots(reply: dict, count: int) -> SlotList:
+def parse_slots(reply: Message, count: int) -> SlotList:
     try:
-        slots = SlotList.from_wire(_field("reserve", reply, "slots", bytes))
+        slots = SlotList.from_wire(_field(Op.RESERVE, reply, "slots", bytes))
     except ValueError as exc:
-        raise _broken("reserve", str(exc)) from exc
+        raise _broken(Op.RESERVE, str(exc)) from exc
     if len(slots) != count:
-        raise _broken("reserve", f"{len(slots)} slots for {count} items")
+        raise _broken(Op.RESERVE, f"{len(slots)} slots for {count} items")
     return slots
 
 
-def parse_committed(reply: dict, count: int) -> list[bool]:
-    committed = _field("commit", reply, "committed", list)
+def parse_committed(reply: Message, count: int) -> list[bool]:
+    committed = _field(Op.COMMIT, reply, "committed", list)
     if len(committed) != count or set(map(type, committed)) - {bool}:
-        raise _broken("commit", f"'committed' must be {count} booleans")
+        raise _broken(Op.COMMIT, f"'committed' must be {count} booleans")
     return committed
 
 
-def parse_hello(reply: dict) -> tuple[str, float, dict[str, Any]]:
-    lease_id = _field("hello", reply, "lease_id", str)
+def parse_hello(reply: Message) -> tuple[str, float, Message]:
+    lease_id = _field(Op.HELLO, reply, "lease_id", str)
     ttl = reply.get("lease_ttl_s")
-    if type(ttl) not in (int, float) or ttl <= 0:
-        raise _broken("hello", "lease_ttl_s must be a positive number")
-    return lease_id, float(ttl), _field("hello", reply, "geometry", dict)
+    if not isinstance(ttl, (int, float)) or isinstance(ttl, bool) or ttl <= 0:
+        raise _broken(Op.HELLO, "lease_ttl_s must be a positive number")
+    return lease_id, float(ttl), _field(Op.HELLO, reply, "geometry", dict)

@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from maru_core.index.peers import RATE_LIMIT_REASONS
-from maru_core.protocol import OPS, ErrorType
+from maru_core.protocol import OPS, REPLY_ERROR_TYPES
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +36,8 @@ POOL_STATES = ("free", "reserved", "committed", "pinned")
 RPC_OPS = (*OPS, "invalid")
 #: The ``reason`` label of closed connections (``maru_core.index.server.CLOSE_REASONS``).
 CLOSE_REASONS = ("auth", "bad_frame", "connection_limit", "hello_timeout", "stalled", "idle")
-#: The ``type`` label of errors: every error type of the protocol.
-RPC_ERROR_TYPES = tuple(error_type.value for error_type in ErrorType)
+#: The ``type`` label of errors: every error type an index replies with.
+RPC_ERROR_TYPES = tuple(error_type.value for error_type in REPLY_ERROR_TYPES)
 
 
 class PoolCollector:

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from maru_core.keys import KEY_BYTES
+
 _GROWTH = 1.5
 _MIN_ROWS = 1024
 _EMPTY = -1  # a table slot never used since the last rebuild: ends a probe
@@ -31,7 +33,6 @@ _HEADROOM = 8  # a rebuilt table has at least this many slots per row
 _WINDOW = 8  # slots probed per key and round after the first (8 bools read as one u64)
 _WINDOW_STEPS = np.arange(_WINDOW, dtype=np.int64)
 _FIBONACCI = np.uint64(0x9E3779B97F4A7C15)
-KEY_BYTES = 16
 
 
 class State(enum.IntEnum):

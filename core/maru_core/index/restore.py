@@ -6,10 +6,10 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from maru_core.keys import KEY_BYTES
 from maru_core.pool.geometry import PoolGeometry
 from maru_core.protocol.locations import Location
 
-_KEY_BYTES = 16
 _I63 = 2**63
 
 
@@ -25,7 +25,7 @@ def select_restorable(
     """
     keys, offsets, lengths, gens = [], [], [], []
     for key, (offset, length, generation) in objects:
-        if type(key) is bytes and len(key) == _KEY_BYTES and 0 < length < _I63 and 0 < generation < _I63 and 0 <= offset < _I63:
+        if type(key) is bytes and len(key) == KEY_BYTES and 0 < length < _I63 and 0 < generation < _I63 and 0 <= offset < _I63:
             keys.append(key)
             offsets.append(offset)
             lengths.append(length)

@@ -74,6 +74,7 @@ from maru_core.protocol import (
     ErrorType,
     FrameTooLarge,
     LocationList,
+    Op,
     ProtocolError,
     TcpAddress,
     UnixAddress,
@@ -87,7 +88,7 @@ from maru_core.protocol import (
 
 log = logging.getLogger(__name__)
 
-_ALWAYS_SLICED = frozenset({"unpin", "bye", "match_prefixes"})  # run as jobs whatever their size
+_ALWAYS_SLICED = frozenset({Op.UNPIN, Op.BYE, Op.MATCH_PREFIXES})  # run as jobs whatever their size
 
 #: Keys per slice of a large ``commit`` or ``abort`` (a slice is about a millisecond of work).
 SLICE_KEYS = 2048
@@ -147,29 +148,29 @@ class IndexServer:
         self.refusals = RateLimitedLog(log)  # at most a line a second about bad peers
         self.rate_limited: collections.Counter[str] = collections.Counter()
         self._rate_limit_log = RateLimitedLog(log, interval_s=10.0)  # a flood of refusals: a line per 10 s
-        self._handlers: dict[str, Callable[[Connection, dict], Reply]] = {
-            "hello": self._hello,
-            "heartbeat": self._heartbeat,
-            "match_prefix": self._match_prefix,
-            "retrieve": self._retrieve,
-            "retrieve_prefix": self._retrieve_prefix,
-            "reserve": self._reserve,
-            "commit": self._commit,
-            "abort": self._abort,
-            "stats": self._stats,
+        self._handlers: dict[Op, Callable[[Connection, dict], Reply]] = {
+            Op.HELLO: self._hello,
+            Op.HEARTBEAT: self._heartbeat,
+            Op.MATCH_PREFIX: self._match_prefix,
+            Op.RETRIEVE: self._retrieve,
+            Op.RETRIEVE_PREFIX: self._retrieve_prefix,
+            Op.RESERVE: self._reserve,
+            Op.COMMIT: self._commit,
+            Op.ABORT: self._abort,
+            Op.STATS: self._stats,
         }
         # Ops that may run in slices: commit, abort, reserve, the retrieves and
         # match_prefix when large; unpin, bye and match_prefixes always.
-        self._sliced: dict[str, Callable[[Connection, dict], Generator[None, None, dict]]] = {
-            "match_prefix": self._match_prefix_sliced,
-            "match_prefixes": self._match_prefixes_sliced,
-            "retrieve": self._retrieve_sliced,
-            "retrieve_prefix": self._retrieve_prefix_sliced,
-            "commit": self._commit_sliced,
-            "abort": self._abort_sliced,
-            "reserve": self._reserve_sliced,
-            "unpin": self._unpin_sliced,
-            "bye": self._bye_sliced,
+        self._sliced: dict[Op, Callable[[Connection, dict], Generator[None, None, dict]]] = {
+            Op.MATCH_PREFIX: self._match_prefix_sliced,
+            Op.MATCH_PREFIXES: self._match_prefixes_sliced,
+            Op.RETRIEVE: self._retrieve_sliced,
+            Op.RETRIEVE_PREFIX: self._retrieve_prefix_sliced,
+            Op.COMMIT: self._commit_sliced,
+            Op.ABORT: self._abort_sliced,
+            Op.RESERVE: self._reserve_sliced,
+            Op.UNPIN: self._unpin_sliced,
+            Op.BYE: self._bye_sliced,
         }
 
     @property
@@ -373,20 +374,22 @@ class IndexServer:
         """Answer one decoded request: a reply map, or a job whose further slices
         end in one (never an exception). The first slice runs here."""
         started = time.perf_counter()
-        op = "invalid"
+        op: str = "invalid"
         try:
             request = parse_request(message)
             op = request.op
-            if op != "hello" and conn.lease_id is None:
+            if request.op is not Op.HELLO and conn.lease_id is None:
                 raise ProtocolError(ErrorType.NO_LEASE, "no lease on this connection: send hello first")
-            if op in self._sliced and (op in _ALWAYS_SLICED or len(request.args["keys"]) > self._slice_bytes):
+            if request.op in self._sliced and (
+                request.op in _ALWAYS_SLICED or len(request.args["keys"]) > self._slice_bytes
+            ):
                 job = self._job(conn, request, started)
                 try:
                     next(job)
                 except StopIteration as done:
                     return done.value
                 return job
-            reply = ok_reply(request.id, **self._handlers[op](conn, request.args))
+            reply = ok_reply(request.id, **self._handlers[request.op](conn, request.args))
         except Exception as exc:
             reply = self._error(message, op, exc)
         self._observe(op, started, reply)

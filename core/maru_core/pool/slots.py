@@ -47,6 +47,7 @@ import enum
 import struct
 import zlib
 
+from maru_core.keys import KEY_BYTES
 from maru_core.pool.geometry import SLOT_HEADER_BYTES
 
 SLOT_MAGIC = b"MSLT"
@@ -56,7 +57,6 @@ if _BODY.size + _CRC.size != SLOT_HEADER_BYTES:  # pragma: no cover - a layout e
     raise ImportError("slot header entry is not SLOT_HEADER_BYTES long")
 _U64_MAX = 2**64 - 1
 _U32_MAX = 2**32 - 1
-KEY_BYTES = 16
 
 
 class SlotState(enum.IntEnum):

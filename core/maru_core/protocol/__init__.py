@@ -3,7 +3,7 @@
 See ``docs/architecture.md`` (Index protocol) for the wire format.
 """
 
-from maru_core.protocol.errors import ErrorType, FrameError, FrameTooLarge, ProtocolError
+from maru_core.protocol.errors import REPLY_ERROR_TYPES, ErrorType, FrameError, FrameTooLarge, ProtocolError
 from maru_core.protocol.framing import (
     HEADER_BYTES,
     MAX_FRAME_BYTES,
@@ -25,7 +25,6 @@ from maru_core.protocol.locations import (
 from maru_core.protocol.messages import (
     KEY_BYTES,
     MAX_BATCH_KEYS,
-    OPS,
     PROTOCOL_VERSION,
     Request,
     error_reply,
@@ -37,6 +36,7 @@ from maru_core.protocol.messages import (
     request_id,
     unpack_keys,
 )
+from maru_core.protocol.ops import LEASE_STATE_OPS, OPS, Op
 from maru_core.protocol.url import Address, TcpAddress, UnixAddress, parse_url
 
 __all__ = [
@@ -47,13 +47,16 @@ __all__ = [
     "FrameTooLarge",
     "HEADER_BYTES",
     "KEY_BYTES",
+    "LEASE_STATE_OPS",
     "Location",
     "LocationList",
     "MAX_BATCH_KEYS",
     "MAX_FRAME_BYTES",
     "OPS",
+    "Op",
     "PROTOCOL_VERSION",
     "ProtocolError",
+    "REPLY_ERROR_TYPES",
     "Request",
     "Slot",
     "SlotList",

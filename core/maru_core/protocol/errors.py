@@ -27,6 +27,28 @@ class ErrorType(str, enum.Enum):
     # it must commit or abort what it holds first
     QUOTA = "quota"
     INTERNAL = "internal"  # the server failed; the request may be retried
+    # raised by a client itself, never sent by an index: the index serves
+    # another pool region than the one the client mapped
+    WRONG_POOL = "wrong_pool"
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    @classmethod
+    def of_reply(cls, wire_type: object) -> ErrorType:
+        """The type of an error reply; ``INTERNAL`` for one this version does not
+        know (a newer index's): the most cautious reading, since an ``internal``
+        refusal may have carried out part of the request."""
+        if isinstance(wire_type, str):
+            try:
+                return cls(wire_type)
+            except ValueError:
+                pass
+        return cls.INTERNAL
+
+
+#: The types an index sends in error replies (all but the clients' own).
+REPLY_ERROR_TYPES: tuple[ErrorType, ...] = tuple(t for t in ErrorType if t is not ErrorType.WRONG_POOL)
 
 
 class ProtocolError(Exception):

@@ -24,13 +24,12 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from maru_core.keys import split_keys
+from maru_core.keys import KEY_BYTES, Key, split_keys
 from maru_core.protocol.errors import ErrorType, ProtocolError
+from maru_core.protocol.ops import OPS, Op
 
 PROTOCOL_VERSION = 1
 
-#: Key length in bytes (a blake2b digest, see ``maru_core.keys``).
-KEY_BYTES = 16
 #: Most keys (or items) in one request. A 64k-token prompt stored layerwise
 #: with 16-token chunks on an 80-layer model is 327,680 keys: send it in
 #: several requests.
@@ -40,20 +39,6 @@ MAX_NAME_CHARS = 256
 MAX_TOKEN_CHARS = 4096
 _U63 = (1 << 63) - 1
 
-OPS = (
-    "hello",
-    "heartbeat",
-    "match_prefix",
-    "match_prefixes",
-    "retrieve",
-    "retrieve_prefix",
-    "unpin",
-    "reserve",
-    "commit",
-    "abort",
-    "stats",
-    "bye",
-)
 
 
 class Request(NamedTuple):
@@ -61,7 +46,7 @@ class Request(NamedTuple):
     ``keys`` always packed (one ``bytes``), ``lengths`` an int64 array."""
 
     id: int
-    op: str
+    op: Op
     args: dict[str, Any]
 
 
@@ -87,7 +72,7 @@ def pack_keys(keys: Any) -> bytes:
     return packed
 
 
-def unpack_keys(packed: bytes) -> list[bytes]:
+def unpack_keys(packed: bytes) -> list[Key]:
     """The list of keys in a packed bin (its length a multiple of 16)."""
     return split_keys(packed)
 
@@ -244,24 +229,24 @@ def _check_name(field: str, value: Any) -> str:
 
 _Field = tuple[Callable[[str, Any], Any], bool]  # (checker, required)
 _KEYS: dict[str, _Field] = {"keys": (_check_keys, True)}
-SCHEMAS: dict[str, dict[str, _Field]] = {
-    "hello": {
+SCHEMAS: dict[Op, dict[str, _Field]] = {
+    Op.HELLO: {
         "protocol": (_check_int, True),
         "client": (_check_name, True),
         "token": (_optional_str(MAX_TOKEN_CHARS), False),
         "lease_id": (_optional_str(MAX_NAME_CHARS), False),
     },
-    "heartbeat": {},
-    "match_prefix": _KEYS,
-    "match_prefixes": {"keys": (_check_keys, True), "counts": (_check_counts, True)},
-    "retrieve": _KEYS,
-    "retrieve_prefix": {"keys": (_check_keys, True), "group": (_check_group, True)},
-    "unpin": _KEYS,
-    "reserve": {"keys": (_check_keys, True), "lengths": (_check_lengths, True)},
-    "commit": _KEYS,
-    "abort": _KEYS,
-    "stats": {},
-    "bye": {},
+    Op.HEARTBEAT: {},
+    Op.MATCH_PREFIX: _KEYS,
+    Op.MATCH_PREFIXES: {"keys": (_check_keys, True), "counts": (_check_counts, True)},
+    Op.RETRIEVE: _KEYS,
+    Op.RETRIEVE_PREFIX: {"keys": (_check_keys, True), "group": (_check_group, True)},
+    Op.UNPIN: _KEYS,
+    Op.RESERVE: {"keys": (_check_keys, True), "lengths": (_check_lengths, True)},
+    Op.COMMIT: _KEYS,
+    Op.ABORT: _KEYS,
+    Op.STATS: {},
+    Op.BYE: {},
 }
 
 
@@ -286,34 +271,36 @@ def parse_request(message: Any) -> Request:
     rid = request_id(message)
     if rid is None:
         raise _bad("id", "an integer from 0 to 2**63-1", message.get("id"))
-    op = message.get("op")
-    if type(op) is not str:
-        raise _bad("op", "a string", op)
-    schema = SCHEMAS.get(op)
-    if schema is None:
+    name = message.get("op")
+    if type(name) is not str:
+        raise _bad("op", "a string", name)
+    try:
+        op = Op(name)
+    except ValueError:
         raise ProtocolError(
             ErrorType.UNKNOWN_OP,
-            f"unknown op {op[:64]!r}; protocol {PROTOCOL_VERSION} knows {', '.join(OPS)}",
-        )
+            f"unknown op {name[:64]!r}; protocol {PROTOCOL_VERSION} knows {', '.join(OPS)}",
+        ) from None
+    schema = SCHEMAS[op]
     unknown = [k for k in message if k not in schema and k != "id" and k != "op"]
     if unknown:
         raise ProtocolError(
-            ErrorType.BAD_REQUEST, f"op {op!r} takes no field(s) {sorted(map(repr, unknown))}"
+            ErrorType.BAD_REQUEST, f"op {name!r} takes no field(s) {sorted(map(repr, unknown))}"
         )
-    args = {}
-    for name, (check, required) in schema.items():
-        if name not in message:
+    args: dict[str, Any] = {}
+    for field, (check, required) in schema.items():
+        if field not in message:
             if required:
-                raise ProtocolError(ErrorType.BAD_REQUEST, f"op {op!r} needs field {name!r}")
-            args[name] = None
+                raise ProtocolError(ErrorType.BAD_REQUEST, f"op {name!r} needs field {field!r}")
+            args[field] = None
             continue
-        args[name] = check(name, message[name])
-    if op == "reserve" and len(args["keys"]) != KEY_BYTES * len(args["lengths"]):
+        args[field] = check(field, message[field])
+    if op is Op.RESERVE and len(args["keys"]) != KEY_BYTES * len(args["lengths"]):
         raise ProtocolError(
             ErrorType.BAD_REQUEST,
             f"reserve got {len(args['keys']) // KEY_BYTES} keys but {len(args['lengths'])} lengths",
         )
-    if op == "match_prefixes" and len(args["keys"]) != KEY_BYTES * sum(args["counts"]):
+    if op is Op.MATCH_PREFIXES and len(args["keys"]) != KEY_BYTES * sum(args["counts"]):
         raise ProtocolError(
             ErrorType.BAD_REQUEST,
             f"match_prefixes got {len(args['keys']) // KEY_BYTES} keys but counts adding up to {sum(args['counts'])}",
