@@ -20,11 +20,12 @@ from maru_connector.object_format import ObjectFormat
 from maru_connector.transfer import (
     ChunkLoad,
     ChunkStore,
-    TransferEngine,
     TransferError,
     TransferRequestError,
+    create_engine,
 )
 from maru_connector.transfer.plan import Run, layer_pieces, layer_runs, split_runs
+from maru_core.storage_format import StorageFormat
 
 
 def same_bytes(a, b):
@@ -69,7 +70,7 @@ def engines(make_pool):  # engines close before their pools are unmapped
     made = []
 
     def make(*args, **kwargs):
-        made.append(TransferEngine.create(*args, **kwargs))
+        made.append(create_engine(*args, **kwargs))
         return made[-1]
 
     yield make
@@ -101,7 +102,7 @@ def round_trip(engines, pool, kind, layerwise, chunks, rng, adjacent, blocks=16,
     before = {n: t.clone() for n, t in dst.items()}
     layout = detect_kv_layout(src)
     fmt = ObjectFormat(layout, chunk_tokens=blocks_per_chunk * layout.block_size,
-                       layerwise=layerwise)
+                       storage=StorageFormat.LAYERWISE if layerwise else StorageFormat.CHUNKWISE)
     need = chunks * fmt.blocks_per_chunk
     src_ids = rng.sample(range(blocks), need)
     dst_ids = rng.sample(range(blocks), need)
@@ -219,7 +220,7 @@ def test_layer_events_fire_in_order_and_after_the_bytes_landed(engines, make_poo
     dst = make_kv_caches("cpu", layers=layers, blocks=blocks, heads=4, block_size=32,
                          head_size=64, seed=2)
     layout = detect_kv_layout(src)
-    fmt = ObjectFormat(layout, 4 * layout.block_size, layerwise=False)
+    fmt = ObjectFormat(layout, 4 * layout.block_size, storage=StorageFormat.CHUNKWISE)
     chunks = blocks // 4
     pool = make_pool(chunks * fmt.object_bytes)
     ids = list(range(blocks))
@@ -246,7 +247,7 @@ def test_layer_events_fire_in_order_and_after_the_bytes_landed(engines, make_poo
 
 def test_failed_copy_releases_every_waiter_with_an_error(engines, make_pool):
     kv = make_kv_caches("cpu", layers=6, blocks=8)
-    fmt = ObjectFormat(detect_kv_layout(kv), 16, layerwise=True)
+    fmt = ObjectFormat(detect_kv_layout(kv), 16, storage=StorageFormat.LAYERWISE)
     pool = make_pool(64 * fmt.object_bytes)
     engine = engines(pool.buffer, kv, fmt)
     sources = [i * fmt.object_bytes for i in range(6)]
@@ -275,7 +276,7 @@ def test_failed_copy_releases_every_waiter_with_an_error(engines, make_pool):
 
 def test_failed_store_reports_an_error(engines, make_pool):
     kv = make_kv_caches("cpu", layers=2, blocks=8)
-    fmt = ObjectFormat(detect_kv_layout(kv), 32, layerwise=False)
+    fmt = ObjectFormat(detect_kv_layout(kv), 32, storage=StorageFormat.CHUNKWISE)
     pool = make_pool(2 * fmt.object_bytes)
     engine = engines(pool.buffer, kv, fmt)
     handle = engine.submit_store([ChunkStore((0, 1), (fmt.object_bytes + 1,))])
@@ -287,7 +288,7 @@ def test_failed_store_reports_an_error(engines, make_pool):
 def test_wait_times_out_without_hanging(engines, make_pool):
     layers = 8
     kv = make_kv_caches("cpu", layers=layers, blocks=256, heads=8, block_size=32, head_size=128)
-    fmt = ObjectFormat(detect_kv_layout(kv), 32 * 64, layerwise=False)
+    fmt = ObjectFormat(detect_kv_layout(kv), 32 * 64, storage=StorageFormat.CHUNKWISE)
     pool = make_pool(4 * fmt.object_bytes)
     engine = engines(pool.buffer, kv, fmt)
     # Queue a lot of work; the last layer cannot have landed within 1 ms.
@@ -306,7 +307,7 @@ def test_concurrent_loads_share_one_queue_in_submission_order(engines, make_pool
     src = make_kv_caches("packed_lbnhc", layers=4, blocks=64, heads=2, block_size=16,
                          head_size=64, seed=5)
     layout = detect_kv_layout(src)
-    fmt = ObjectFormat(layout, 4 * layout.block_size, layerwise=True)
+    fmt = ObjectFormat(layout, 4 * layout.block_size, storage=StorageFormat.LAYERWISE)
     pool = make_pool(16 * 4 * fmt.object_bytes)
     storer = engines(pool.buffer, src, fmt)
     plans = []
@@ -346,7 +347,7 @@ def test_concurrent_loads_share_one_queue_in_submission_order(engines, make_pool
 
 def test_requests_that_do_not_fit_the_format_are_refused(engines, make_pool):
     kv = make_kv_caches("cpu", layers=2, blocks=8)
-    fmt = ObjectFormat(detect_kv_layout(kv), 32, layerwise=True)
+    fmt = ObjectFormat(detect_kv_layout(kv), 32, storage=StorageFormat.LAYERWISE)
     pool = make_pool(1 << 16)
     engine = engines(pool.buffer, kv, fmt)
     with pytest.raises(TransferRequestError, match="needs 2"):
@@ -362,15 +363,15 @@ def test_requests_that_do_not_fit_the_format_are_refused(engines, make_pool):
 
 def test_create_checks_device_and_buffer(make_pool):
     kv = make_kv_caches("cpu", layers=2, blocks=8)
-    fmt = ObjectFormat(detect_kv_layout(kv), 32, layerwise=False)
+    fmt = ObjectFormat(detect_kv_layout(kv), 32, storage=StorageFormat.CHUNKWISE)
     pool = make_pool(1 << 16)
     with pytest.raises(ValueError, match="KV cache is on the CPU"):
-        TransferEngine.create(pool.buffer, kv, fmt, device="cuda")
+        create_engine(pool.buffer, kv, fmt, device="cuda")
     with pytest.raises(ValueError, match="device must be"):
-        TransferEngine.create(pool.buffer, kv, fmt, device="tpu")
+        create_engine(pool.buffer, kv, fmt, device="tpu")
     with pytest.raises(ValueError, match="read-only"):
-        TransferEngine.create(memoryview(bytes(1 << 16)), kv, fmt)
-    engine = TransferEngine.create(pool.buffer, kv, fmt)
+        create_engine(memoryview(bytes(1 << 16)), kv, fmt)
+    engine = create_engine(pool.buffer, kv, fmt)
     assert engine.backend == "cpu"
     engine.close()
     with pytest.raises(TransferError, match="closed"):
@@ -394,7 +395,7 @@ def test_the_cpu_backend_starts_no_head_and_drops_one_handed_to_it(engines, make
     a load copies everything itself and lets go of a head it was given."""
     pool = make_pool(1 << 20)
     kv = make_kv_caches("flash_nhd", layers=2, blocks=8, seed=1)
-    fmt = ObjectFormat(detect_kv_layout(kv), chunk_tokens=32, layerwise=False)
+    fmt = ObjectFormat(detect_kv_layout(kv), chunk_tokens=32, storage=StorageFormat.CHUNKWISE)
     engine = engines(pool.buffer, kv, fmt)
     assert engine.start_head([(0,)]) is None
     head = _RecordedHead()
@@ -408,7 +409,7 @@ def test_a_load_that_claims_its_head_says_so_on_its_handle(engines, make_pool):
     exactly when the backend claimed the head for the load."""
     pool = make_pool(1 << 20)
     kv = make_kv_caches("flash_nhd", layers=2, blocks=8, seed=1)
-    fmt = ObjectFormat(detect_kv_layout(kv), chunk_tokens=32, layerwise=False)
+    fmt = ObjectFormat(detect_kv_layout(kv), chunk_tokens=32, storage=StorageFormat.CHUNKWISE)
     engine = engines(pool.buffer, kv, fmt)
     claimed = []
     engine._claim_head = lambda head, job: claimed.append(head) or head  # as CUDA's, for matching sources
