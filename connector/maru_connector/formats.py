@@ -22,14 +22,11 @@ here, and its row in ``STRATEGIES``. Its objects must all be the same size
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import Protocol, cast
 
 from maru_core.keys import KEY_BYTES, Key, packed_layer_keys
 from maru_core.pool.slots import SlotFormat
 from maru_core.storage_format import StorageFormat
-
-if TYPE_CHECKING:
-    from .config import MaruConfig
 
 __all__ = [
     "STRATEGIES",
@@ -129,7 +126,15 @@ def strategy_for(storage: StorageFormat) -> StorageStrategy:
     return STRATEGIES[storage]
 
 
-def configured_format(cfg: MaruConfig) -> StorageFormat:
-    """The storage format ``cfg`` asks for (``maru_use_layerwise``): the one
-    place the connector reads it from its knobs."""
+class _FormatKnob(Protocol):
+    """What ``configured_format`` reads of a ``MaruConfig`` (typed structurally:
+    the config imports the transfer checks, which import this module)."""
+
+    @property
+    def fmt_name(self) -> str: ...
+
+
+def configured_format(cfg: _FormatKnob) -> StorageFormat:
+    """The storage format a ``MaruConfig`` asks for (``maru_use_layerwise``):
+    the one place the connector reads it from its knobs."""
     return StorageFormat.parse(cfg.fmt_name)

@@ -68,12 +68,13 @@ class HeadStart(abc.ABC):
         """No load will use it (a no-op once claimed); idempotent."""
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class TransferJob(Generic[Handle]):
     """One submitted load or store, as the backend's hooks see it.
 
     The first fields are set at submit; the rest belong to a backend (None
-    where it does not use them).
+    where it does not use them). Slotted: a backend that needs more state
+    per job adds a field here, typed, rather than an attribute of its own.
     """
 
     handle: Handle
