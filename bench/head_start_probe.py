@@ -22,7 +22,7 @@ import torch
 from kv_builders import make_kv_caches
 from maru_connector.kv_layout import detect_kv_layout
 from maru_connector.object_format import ObjectFormat
-from maru_connector.transfer import TransferEngine
+from maru_connector.transfer import create_engine
 
 CHUNK_TOKENS, BLOCK = 256, 16
 
@@ -62,7 +62,7 @@ def main() -> None:
           f"{fmt.layer_bytes * chunks >> 20} MiB per layer; ms, median of {args.repeats}")
     try:
         for head_mib in args.head_mib:
-            engine = TransferEngine.create(memoryview(pool), kv, fmt, head_start_bytes=head_mib << 20)
+            engine = create_engine(memoryview(pool), kv, fmt, head_start_bytes=head_mib << 20)
             for pinned in (False, True):
                 host = _inputs(pinned)
                 start, alone, beside = [], [], []

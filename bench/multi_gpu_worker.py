@@ -50,7 +50,7 @@ from maru_core.stats import ConnectorStats  # noqa: E402
 from maru_connector.metadata import StoreSpec  # noqa: E402
 from maru_connector.resolve import packed_object_keys, release_pins, resolve_load  # noqa: E402
 from maru_connector.store import Storer  # noqa: E402
-from maru_connector.transfer import TransferEngine  # noqa: E402
+from maru_connector.transfer import TransferEngine, create_engine  # noqa: E402
 
 WAIT_S = 120.0  # longest wait for one load's copies
 
@@ -213,7 +213,7 @@ class Rank:
             if register_host(ptr, size):
                 self.closers.append(lambda: (torch.cuda.synchronize(), unregister_host(ptr)))
         fmt = TransferEngine.detect(self.kv, self.chunk, cfg["format"] == "layerwise", self.bs)
-        self.engine = TransferEngine.create(self.pool.buffer, self.kv, fmt)
+        self.engine = create_engine(self.pool.buffer, self.kv, fmt)
         self.closers.append(self.engine.close)
         self.client = IndexClient(cfg["index_url"], token=cfg["index_token"],
                                   client_name="marucache-bench", timeout_s=30)

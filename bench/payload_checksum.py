@@ -36,7 +36,7 @@ import torch
 from maru_core.pool import ChecksumKind, Pool
 from maru_core.pool.checksum import payload_checksums
 
-from maru_connector.transfer import ChunkLoad, PayloadCheck, TransferEngine
+from maru_connector.transfer import ChunkLoad, PayloadCheck, TransferEngine, create_engine
 
 LAYERS, HEADS, HEAD, BLOCK, CHUNK = 4, 8, 64, 32, 256  # BENCH_SPEC of the TTFT table
 
@@ -81,7 +81,7 @@ def main() -> None:
         nbytes = n_objects * fmt.object_bytes
         # Normal priority: at idle priority (the default) the load thread runs only
         # where the other processes of a busy machine leave a core idle.
-        engine = TransferEngine.create(pool.buffer, kv, fmt, copy_priority="normal")
+        engine = create_engine(pool.buffer, kv, fmt, copy_priority="normal")
 
         def checksum_all() -> None:
             for off in offsets:

@@ -30,7 +30,7 @@ import torch
 from maru_core.pool import Pool
 from payload_checksum import BLOCK, CHUNK, make_kv  # the layout of the CPU TTFT table
 
-from maru_connector.transfer import ChunkLoad, TransferEngine
+from maru_connector.transfer import ChunkLoad, TransferEngine, create_engine
 
 
 def timed_round(path: str, fmt, kv, offsets: list[int], prefault: bool, what: str) -> dict:
@@ -38,7 +38,7 @@ def timed_round(path: str, fmt, kv, offsets: list[int], prefault: bool, what: st
     seconds to map the pool ahead, seconds of the copies."""
     pool = Pool.attach(path)
     start = time.perf_counter()
-    engine = TransferEngine.create(pool.buffer, kv, fmt, prefault=prefault)
+    engine = create_engine(pool.buffer, kv, fmt, prefault=prefault)
     try:
         ahead_s = 0.0
         if prefault:  # from the engine's start until the whole pool is mapped

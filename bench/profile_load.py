@@ -24,7 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 from transfer_gpu import Pool, chunks_of, make_kv, place
 from maru_connector.kv_layout import detect_kv_layout
 from maru_connector.object_format import ObjectFormat
-from maru_connector.transfer import ChunkLoad, ChunkStore, TransferEngine
+from maru_connector.transfer import ChunkLoad, ChunkStore, create_engine
 
 
 def main():
@@ -46,7 +46,7 @@ def main():
     perm = list(range((1 + n) * blocks))
     random.Random(0).shuffle(perm)
     offsets = place(fmt, chunks)
-    engine = TransferEngine.create(pool.buffer, kv, fmt)
+    engine = create_engine(pool.buffer, kv, fmt)
     try:
         assert engine.submit_store(chunks_of(perm[:blocks], offsets, chunk // bs,
                                              ChunkStore)).wait(60)
@@ -81,14 +81,14 @@ def host_profile(engine, load, rows, repeats=50):
     import cProfile
     import pstats
 
-    from maru_connector.transfer.engine import _Job
+    from maru_connector.transfer.backend import TransferJob
     from maru_connector.transfer.handles import LoadHandle
     from maru_connector.transfer.plan import check_chunks
 
     def one():
         blocks = check_chunks(engine.fmt, load, "load")
         handle = LoadHandle(engine.layout.num_layers, 0)
-        job = _Job(handle, blocks, [c[1] for c in load])
+        job = TransferJob(handle, blocks, [c[1] for c in load])
         engine._prepare(job)
         t = time.perf_counter()
         engine._run_load(job)

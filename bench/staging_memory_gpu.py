@@ -26,7 +26,7 @@ from transfer_gpu import Pool, chunks_of, make_kv, place  # noqa: E402
 
 from maru_connector.kv_layout import detect_kv_layout  # noqa: E402
 from maru_connector.object_format import ObjectFormat  # noqa: E402
-from maru_connector.transfer import ChunkLoad, ChunkStore, TransferEngine  # noqa: E402
+from maru_connector.transfer import ChunkLoad, ChunkStore, create_engine  # noqa: E402
 
 MIB = 1 << 20
 
@@ -46,7 +46,7 @@ def measure(layerwise: bool, tokens: int, chunk_tokens: int) -> dict:
     ids = list(range(blocks))
     offsets = place(fmt, chunks)
     base = allocated()
-    engine = TransferEngine.create(pool.buffer, kv, fmt)
+    engine = create_engine(pool.buffer, kv, fmt)
     row = {"format": "layerwise" if layerwise else "chunkwise", "after_create_mib": (allocated() - base) / MIB}
     try:
         engine.submit_store(chunks_of(ids[:chunks * bpc], offsets, bpc, ChunkStore)).wait()

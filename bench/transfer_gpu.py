@@ -27,7 +27,7 @@ import torch
 
 from maru_connector.kv_layout import detect_kv_layout
 from maru_connector.object_format import ObjectFormat
-from maru_connector.transfer import ChunkLoad, ChunkStore, TransferEngine
+from maru_connector.transfer import ChunkLoad, ChunkStore, create_engine
 
 GB = 1e9
 # physical order of [L, *logical per-layer dims]
@@ -260,7 +260,7 @@ def main():
 
     def engine_for(fmt, **options):
         t = time.perf_counter()
-        engines.append(TransferEngine.create(pool.buffer, kv, fmt, timing=True, **options))
+        engines.append(create_engine(pool.buffer, kv, fmt, timing=True, **options))
         if len(engines) == 1:
             result["register_and_create_s"] = time.perf_counter() - t
         return engines[-1]

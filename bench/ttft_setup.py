@@ -14,7 +14,7 @@ from maru_connector.lookup import LookupService
 from maru_connector.scheduler import MaruSchedulerHalf
 from maru_connector.stats import open_stats
 from maru_tools.index_process import IndexProcess
-from maru_connector.transfer import TransferEngine
+from maru_connector.transfer import TransferEngine, create_engine
 from maru_connector.worker import MaruWorkerHalf, WorkerResources
 
 from ttft_driver import Engine
@@ -113,7 +113,7 @@ class Cluster:
         def resources(cfg, kv, block_size):
             fmt_ = TransferEngine.detect(kv, cfg.maru_kv_chunk_tokens, cfg.maru_use_layerwise,
                                          block_size)
-            engine = TransferEngine.create(self.pool.buffer, kv, fmt_, **options)
+            engine = create_engine(self.pool.buffer, kv, fmt_, **options)
             return WorkerResources(_SharedPool(self.pool), engine, client,
                                    open_stats(cfg, "worker"))
 
@@ -138,7 +138,7 @@ class Cluster:
     def transfer_engine(self, kv_caches: dict, layerwise: bool) -> TransferEngine:
         fmt = TransferEngine.detect(kv_caches, self.args.chunk_tokens, layerwise,
                                     self.args.block_size)
-        return TransferEngine.create(self.pool.buffer, kv_caches, fmt)
+        return create_engine(self.pool.buffer, kv_caches, fmt)
 
     @staticmethod
     def close_engine(engine: Engine) -> None:

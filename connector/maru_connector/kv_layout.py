@@ -301,7 +301,7 @@ def _common_layer_stride(tensors: list[torch.Tensor]) -> int | None:
     for a, b in zip(offsets, offsets[1:]):
         if b - a != stride:
             return None
-    return stride
+    return int(stride)
 
 
 def detect_kv_layout(

@@ -32,18 +32,29 @@ them every ``_DEVICE_POLL_S``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from maru_core.stats import ConnectorStats
 
 from maru_connector.metadata import LoadSpec
 from maru_connector.resolve import LoadFailure, PinnedLoad, copy_failure_reason, release_pins, resolve_load
+from maru_connector.transfer.backend import Transfer, TransferBackend
+
+if TYPE_CHECKING:
+    from maru_core.index.client import IndexClient
+    from maru_core.pool import Pool
+
+    from maru_connector.early_pins import EarlyPin
+    from maru_connector.transfer.handles import LoadHandle
+
+_T = TypeVar("_T")
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +64,15 @@ _DEVICE_POLL_S = 0.002  # device copies complete without waking anyone
 _HOST_WAKE_S = 0.05
 
 
-def wait_done(handle: Any) -> None:
+class _Waitable(Protocol):
+    """What ``wait_done`` needs of a load handle."""
+
+    def wait_all(self, timeout: float | None = None) -> bool: ...
+
+    def done(self) -> bool: ...
+
+
+def wait_done(handle: _Waitable) -> None:
     """Block until a transfer handle finished, successfully or not."""
     handle.wait_all()
     while not handle.done():  # a failed copy: its events are set as it stops
@@ -64,14 +83,28 @@ def wait_done(handle: Any) -> None:
 class _Load:
     spec: LoadSpec
     started: float
-    early: Any = None  # the lookup's EarlyPin for this load, now the loader's
+    early: EarlyPin | None = None  # the lookup's pin for this load, now the loader's
     pinned: PinnedLoad | None = None
-    handle: Any = None
+    handle: LoadHandle | None = None
     released: bool = False
     aborted: bool = False
     late_failure_recorded: bool = False  # failed after release, waiting to be reported
     wakes_loader: bool = False  # its handle wakes the loader thread whenever it moves
     done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def copies(self) -> LoadHandle:
+        """The handle of its copies: every load submitted to the engine has one."""
+        if self.handle is None:
+            raise RuntimeError(f"the load of {self.spec.req_id} has no copies yet")
+        return self.handle
+
+    @property
+    def pins(self) -> PinnedLoad:
+        """What it pinned: every load past its resolve has it."""
+        if self.pinned is None:
+            raise RuntimeError(f"the load of {self.spec.req_id} pinned nothing yet")
+        return self.pinned
 
 
 @dataclass
@@ -100,16 +133,16 @@ class AsyncLoader:
 
     def __init__(
         self,
-        client_factory: Callable[[], Any],
-        pool: Any,
-        engine: Any,
+        client_factory: Callable[[], IndexClient],
+        pool: Pool,
+        engine: Transfer,
         tp_rank: int,
         release_after_layers: int,
         stats: ConnectorStats,
         verify_payload: bool = False,
     ) -> None:
         self._client_factory = client_factory
-        self._client: Any = None
+        self._client: IndexClient | None = None
         self._pool = pool
         self._engine = engine
         self._fmt = engine.fmt
@@ -120,7 +153,7 @@ class AsyncLoader:
         self._verify_payload = verify_payload
         self._inbox: queue.Queue[_Load | None] = queue.Queue()
         self._wake = threading.Event()  # the loader thread has something to look at
-        self._host_copies = getattr(engine, "backend", None) == "cpu"  # a landed layer is ready
+        self._host_copies = engine.backend == TransferBackend.CPU  # a landed layer is ready
         self._results_ready = threading.Event()  # set while _results holds something
         self._lock = threading.Lock()
         self._loads: dict[str, _Load] = {}  # in flight: queued, copying or released
@@ -133,7 +166,7 @@ class AsyncLoader:
 
     # ---- engine thread ----------------------------------------------------
 
-    def submit(self, spec: LoadSpec, early: Any = None) -> None:
+    def submit(self, spec: LoadSpec, early: EarlyPin | None = None) -> None:
         """Queue a parked request's load; ``early``: its early pin (now ours)."""
         load = _Load(spec, time.monotonic(), early)
         with self._lock:
@@ -193,11 +226,11 @@ class AsyncLoader:
         failed = []
         for load in loads:
             # CUDA: the forward's stream waits on the copy event, not the host.
-            if not load.handle.wait_layer_on_device(position):
+            if not load.copies.wait_layer_on_device(position):
                 failed.append(load)
         waited = time.perf_counter() - start
         for load in failed:  # counted once, whoever sees it first
-            self._late_failure(load, copy_failure_reason(load.handle.error))
+            self._late_failure(load, copy_failure_reason(load.copies.error))
         return waited
 
     def drain(self, req_ids: Iterable[str]) -> None:
@@ -270,12 +303,12 @@ class AsyncLoader:
                 if item is None:
                     stopping = True
                     break
-                self._guarded(item, lambda ld=item: self._start(ld, active))
-            active = [ld for ld in active if self._guarded(ld, lambda ld=ld: not self._advance(ld))]
+                self._guarded(item, functools.partial(self._start, item, active))
+            active = [ld for ld in active if self._guarded(ld, functools.partial(self._still_active, ld))]
             if not stopping:
                 self._wake.wait(self._wake_after(active))
         for load in active:  # shutting down: copies from pinned slots still finish
-            wait_done(load.handle)
+            wait_done(load.copies)
             self._finish(load)
 
     @staticmethod
@@ -286,7 +319,7 @@ class AsyncLoader:
             return None
         return _HOST_WAKE_S if all(ld.wakes_loader for ld in active) else _DEVICE_POLL_S
 
-    def _guarded(self, load: _Load, step: Callable[[], Any]) -> Any:
+    def _guarded(self, load: _Load, step: Callable[[], _T]) -> _T | bool:
         """Run one step of one load; an exception fails that load only
         (recompute), and the thread goes on serving the others. Returns the
         step's result, or False once the load has been failed."""
@@ -342,14 +375,18 @@ class AsyncLoader:
             load.wakes_loader = self._host_copies
         active.append(load)
 
+    def _still_active(self, load: _Load) -> bool:
+        """``_advance``, True while ``load`` is not done."""
+        return not self._advance(load)
+
     def _advance(self, load: _Load) -> bool:
         """Release and finish ``load`` as far as its copies allow; True when done."""
-        handle = load.handle
+        handle = load.copies
         if not load.released:
             if handle.error is not None:
                 if not handle.done():
                     return False
-                release_pins(self._client, load.pinned)
+                release_pins(self._client, load.pins)
                 self._fail(load, copy_failure_reason(handle.error), repr(handle.error))
                 return True
             need = self._num_layers if load.aborted else self._release_after
@@ -387,8 +424,8 @@ class AsyncLoader:
             self._results_ready.set()
 
     def _finish(self, load: _Load) -> None:
-        release_pins(self._client, load.pinned)
-        self._stats.record_load(load.handle.nbytes, time.monotonic() - load.started)
+        release_pins(self._client, load.pins)
+        self._stats.record_load(load.copies.nbytes, time.monotonic() - load.started)
         with self._lock:
             self._loads.pop(load.spec.req_id, None)
         load.done.set()

@@ -6,10 +6,12 @@ back to back, as ``KVCacheLayout.block_view`` yields them.
 
 - layer extent: the ``blocks_per_chunk`` block extents of one layer of one
   chunk, in block order (``layer_bytes`` long).
-- chunkwise (default): one object per chunk holding every layer, layer-major:
-  layer ``i``'s extent is at ``i * layer_bytes``. A layer's slice across
-  several chunks is therefore a strided piece (one row per chunk).
-- layerwise: one object per (chunk, layer), holding that layer extent only.
+- the storage format (``StorageFormat``) cuts a chunk's layer extents into
+  objects; its strategy (``formats.py``) says where each extent sits, and
+  everything below follows from that. Chunkwise (default): one object per
+  chunk holding every layer, layer-major, so a layer's slice across several
+  chunks is a strided piece (one row per chunk). Layerwise: one object per
+  (chunk, layer), holding that layer extent only.
 
 Objects hold raw KV bytes in the layout's own order, so only instances with
 the same layout, dtype, block size and chunk size can share them; the key
@@ -22,6 +24,11 @@ import hashlib
 from dataclasses import dataclass
 from functools import cached_property
 
+import numpy as np
+
+from maru_core.storage_format import StorageFormat
+
+from .formats import StorageStrategy, strategy_for
 from .kv_layout import KVCacheLayout
 
 __all__ = ["ObjectFormat"]
@@ -33,9 +40,14 @@ class ObjectFormat:
 
     layout: KVCacheLayout
     chunk_tokens: int
-    layerwise: bool
+    storage: StorageFormat
 
     def __post_init__(self) -> None:
+        if isinstance(self.storage, bool):  # a layerwise flag, as older callers pass it
+            object.__setattr__(self, "storage",
+                               StorageFormat.LAYERWISE if self.storage else StorageFormat.CHUNKWISE)
+        else:
+            object.__setattr__(self, "storage", StorageFormat.parse(self.storage))
         bs = self.layout.block_size
         if self.chunk_tokens <= 0 or self.chunk_tokens % bs:
             raise ValueError(
@@ -45,8 +57,18 @@ class ObjectFormat:
 
     @property
     def name(self) -> str:
-        """``"layerwise"`` or ``"chunkwise"``, as the key namespace spells it."""
-        return "layerwise" if self.layerwise else "chunkwise"
+        """The storage format as the key namespace spells it."""
+        return self.storage.value
+
+    @cached_property
+    def strategy(self) -> StorageStrategy:
+        """The storage format's answers (``formats.py``)."""
+        return strategy_for(self.storage)
+
+    @property
+    def layerwise(self) -> bool:
+        """One object per (chunk, layer): the flag the CUDA checksum kernel takes."""
+        return self.storage is StorageFormat.LAYERWISE
 
     @cached_property
     def fingerprint(self) -> int:
@@ -79,20 +101,45 @@ class ObjectFormat:
         """Bytes of one layer of one chunk."""
         return self.blocks_per_chunk * self.layout.block_bytes_per_layer
 
-    @property
+    @cached_property
     def objects_per_chunk(self) -> int:
-        """1 (chunkwise) or ``num_layers`` (layerwise)."""
-        return self.num_layers if self.layerwise else 1
+        """Objects of one chunk (the format's; 1 chunkwise, ``num_layers`` layerwise)."""
+        return self.strategy.objects_per_chunk(self.num_layers)
 
     @property
     def object_bytes(self) -> int:
-        """Size of one object."""
-        return self.layer_bytes if self.layerwise else self.layer_bytes * self.num_layers
+        """Size of one object (a format's objects are all the same size)."""
+        return self.chunk_bytes // self.objects_per_chunk
 
     @property
     def chunk_bytes(self) -> int:
         """Bytes of every object of one chunk together."""
         return self.layer_bytes * self.num_layers
+
+    @cached_property
+    def layer_places(self) -> tuple[tuple[int, int], ...]:
+        """Per layer position: (object of its chunk, byte offset in that object)."""
+        return tuple(self.strategy.layer_place(layer, self.layer_bytes) for layer in range(self.num_layers))
+
+    @cached_property
+    def _due_at(self) -> tuple[tuple[int, ...], ...]:
+        """Per layer position: the objects of a chunk whose last extent it is."""
+        last = {obj: layer for layer, (obj, _) in enumerate(self.layer_places)}
+        return tuple(tuple(sorted(obj for obj, at in last.items() if at == layer))
+                     for layer in range(self.num_layers))
+
+    def objects_due(self, num_chunks: int, layer: int) -> np.ndarray:
+        """The objects of a load of ``num_chunks`` chunks (numbered chunk-major)
+        whose every extent has arrived once layer ``layer`` has (layers land
+        in true order)."""
+        due = np.asarray(self._due_at[layer], dtype=np.int64)
+        firsts = np.arange(num_chunks, dtype=np.int64) * self.objects_per_chunk
+        return (firsts[:, None] + due[None, :]).ravel()
+
+    def describe(self, obj: int) -> str:
+        """Object ``obj`` of a load (numbered chunk-major), for a failure message."""
+        chunk, which = divmod(obj, self.objects_per_chunk)
+        return self.strategy.describe(chunk, which)
 
     def layer_extent(self, layer: int) -> tuple[int, int]:
         """``(offset, length)`` of layer ``layer``'s bytes inside its object.
@@ -102,13 +149,10 @@ class ObjectFormat:
         """
         if not 0 <= layer < self.num_layers:
             raise IndexError(f"layer {layer} out of range 0..{self.num_layers - 1}")
-        if self.layerwise:
-            return 0, self.layer_bytes
-        return layer * self.layer_bytes, self.layer_bytes
+        return self.layer_places[layer][1], self.layer_bytes
 
     def layer_source(self, sources: tuple[int, ...], layer: int) -> int:
         """Pool offset of layer ``layer``'s bytes of one chunk, given the
-        chunk's object offsets (one for chunkwise, one per layer layerwise)."""
-        if self.layerwise:
-            return sources[layer]
-        return sources[0] + self.layer_extent(layer)[0]
+        chunk's object offsets (one per object of the chunk)."""
+        obj, offset = self.layer_places[layer]
+        return sources[obj] + offset

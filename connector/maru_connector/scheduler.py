@@ -14,11 +14,11 @@ import logging
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from maru_core.keys import packed_layer_keys
 from maru_core.stats import ConnectorStats
 
 from maru_connector.config import MaruConfig
 from maru_connector.early_pins import PinHandoff
+from maru_connector.formats import configured_format, strategy_for
 from maru_connector.identity import (
     AdapterIdentities,
     AdapterUnreadable,
@@ -75,8 +75,8 @@ class MaruSchedulerHalf:
         namespaces: one key namespace per TP rank (index = rank).
         block_size: vLLM's KV block size (divides ``cfg.maru_kv_chunk_tokens``).
         lookup: the time-bounded ``match_prefix`` service.
-        num_layers: the model's layer count; in the layerwise format a chunk
-            counts as stored only when the objects of all its layers are.
+        num_layers: the model's layer count; a chunk counts as stored only
+            when every object of it is (one per layer in the layerwise format).
         stats: where lookups, hit tokens, parked requests and recomputed
             tokens are counted (in memory when None).
         handoff: the engine's early-pin handoff in this process; while a worker
@@ -90,7 +90,7 @@ class MaruSchedulerHalf:
         namespaces: tuple["KeyNamespace", ...],
         block_size: int,
         lookup: LookupService,
-        num_layers: int = 1,
+        num_layers: int | None = 1,
         stats: ConnectorStats | None = None,
         handoff: PinHandoff | None = None,
     ) -> None:
@@ -104,7 +104,12 @@ class MaruSchedulerHalf:
         self._chunk = cfg.maru_kv_chunk_tokens
         self._blocks_per_chunk = cfg.maru_kv_chunk_tokens // block_size
         self._lookup = lookup
-        self._layers = tuple(range(num_layers)) if cfg.maru_use_layerwise else None
+        self._storage = strategy_for(configured_format(cfg))
+        self._layers = tuple(range(num_layers or 0))  # None: not known (only a chunkwise cache does without)
+        self._objects_per_chunk = self._storage.objects_per_chunk(len(self._layers))
+        if self._objects_per_chunk < 1:
+            raise ValueError(f"the {self._storage.storage.value} format needs the model's layer count "
+                             f"(num_layers), not {num_layers!r}")
         self._handoff = handoff
         self.stats = stats if stats is not None else ConnectorStats(role="scheduler")
         self._reqs: dict[str, _RequestState] = {}
@@ -146,8 +151,7 @@ class MaruSchedulerHalf:
             state.lookup_first_chunk = base
             return None, False
         state.lookup_first_chunk = None
-        if self._layers is not None:
-            matched //= len(self._layers)
+        matched //= self._objects_per_chunk
         self.stats.record_lookup()
         hit_end = min((base + matched) * self._chunk, request.num_tokens - 1)
         ext = max(0, hit_end - num_computed_tokens)
@@ -172,7 +176,7 @@ class MaruSchedulerHalf:
         one worker half in this process (one rank; its keys are the lookup's)."""
         if self._handoff is None or len(self._namespaces) != 1 or not self._handoff.worker_attached:
             return 0
-        return len(self._layers) if self._layers is not None else 1
+        return self._objects_per_chunk
 
     def _should_park(self, state: _RequestState) -> bool:
         """Whether a hit loads while its request waits parked (vLLM's
@@ -430,11 +434,9 @@ class MaruSchedulerHalf:
 
     def _lookup_keys(self, keys: RequestKeys, first: int) -> list[bytes]:
         """Keys to match from chunk ``first``, packed end to end per TP rank:
-        chunk keys, or (layerwise) the chunk-major layer keys of every chunk."""
+        the keys of every chunk's objects, chunk-major (the storage format's)."""
         lists = keys.slice(first, keys.num_chunks)
-        if self._layers is None:
-            return [b"".join(k) for k in lists]
-        return [packed_layer_keys(k, self._layers) for k in lists]
+        return [self._storage.object_keys(k, self._layers) for k in lists]
 
     def _chunk_blocks(
         self, block_ids: list[int], first: int, end: int

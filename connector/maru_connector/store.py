@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from maru_core.index.api import IndexApi, IndexRejected
-from maru_core.pool.slots import SlotFormat, SlotHeader
+from maru_core.pool.slots import SlotHeader
 from maru_core.protocol import ErrorType
 from maru_core.stats import ConnectorStats
 
@@ -88,7 +88,7 @@ class Storer:
         self._pool = pool
         self._engine = engine
         self._fmt = engine.fmt
-        self._slot_fmt = SlotFormat.LAYERWISE if engine.fmt.layerwise else SlotFormat.CHUNKWISE
+        self._slot_fmt = engine.fmt.strategy.slot_format
         self._tp_rank = tp_rank
         self._stats = stats
         self._async = async_store

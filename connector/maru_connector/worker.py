@@ -37,12 +37,13 @@ import time
 from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING
 
 from maru_core.stats import ConnectorStats
 
 from maru_connector.config import MaruConfig, MaruConfigError
 from maru_connector.early_pins import EarlyPin, PinHandoff
+from maru_connector.formats import configured_format
 from maru_connector.loader import AsyncLoader, wait_done
 from maru_connector.metadata import LoadSpec, MaruConnectorMetadata, MaruWorkerMetadata
 from maru_connector.resolve import (
@@ -55,6 +56,15 @@ from maru_connector.resolve import (
 )
 from maru_connector.stats import open_stats
 from maru_connector.store import Storer
+from maru_connector.transfer.backend import Transfer
+
+if TYPE_CHECKING:
+    import torch
+    from maru_core.index.client import IndexClient
+    from maru_core.pool import Pool
+
+    from maru_connector.object_format import ObjectFormat
+    from maru_connector.transfer.handles import LoadHandle
 
 logger = logging.getLogger(__name__)
 
@@ -71,13 +81,19 @@ _IDLE_STEP_MAX_WAIT_S = 0.05
 
 @dataclass
 class WorkerResources:
-    """What a worker needs from the outside world; built at ``register_kv_caches``."""
+    """What a worker needs from the outside world, in one place; built at
+    ``register_kv_caches`` (tests build their own around fakes)."""
 
-    pool: Any  # maru_core.pool.Pool: buffer, read_slot_header, write_slot_header
-    engine: Any  # maru_connector.transfer.TransferEngine
-    client_factory: Callable[[str], Any]  # role name -> a new index client (own lease)
+    pool: Pool  # the attached pool: its buffer and slot headers
+    engine: Transfer  # the transfer engine over the pool and vLLM's KV cache
+    client_factory: Callable[[str], IndexClient]  # role name -> a new index client (own lease)
     # The worker's counters: in the sidecar's stats directory when the pool came from it.
     stats: ConnectorStats = field(default_factory=lambda: ConnectorStats(role="worker"))
+
+    @property
+    def fmt(self) -> ObjectFormat:
+        """The object format of this worker's KV (the engine's)."""
+        return self.engine.fmt
 
     def close(self) -> None:
         self.engine.close()
@@ -99,15 +115,13 @@ def copy_cpus_for(cfg: MaruConfig) -> frozenset[int] | None:
     return cpus
 
 
-def open_resources(cfg: MaruConfig, kv_caches: dict[str, Any], block_size: int) -> WorkerResources:
+def open_resources(cfg: MaruConfig, kv_caches: dict[str, torch.Tensor], block_size: int) -> WorkerResources:
     """Attach the pool, detect the KV layout and build the transfer engine."""
     from maru_core.index.client import IndexClient
 
-    from maru_connector.transfer import TransferEngine
+    from maru_connector.transfer import TransferEngine, create_engine
 
-    fmt = TransferEngine.detect(
-        kv_caches, cfg.maru_kv_chunk_tokens, cfg.maru_use_layerwise, block_size
-    )
+    fmt = TransferEngine.detect(kv_caches, cfg.maru_kv_chunk_tokens, configured_format(cfg), block_size)
     token = cfg.resolve_token()
     if cfg.maru_sidecar_socket is not None:
         from maru_core.handoff import fetch_pool
@@ -118,18 +132,19 @@ def open_resources(cfg: MaruConfig, kv_caches: dict[str, Any], block_size: int) 
     else:
         from maru_core.pool import Pool
 
+        assert cfg.maru_pool_path is not None, "MaruConfig requires one of the two"
         pool = Pool.attach(cfg.maru_pool_path)
         stats = open_stats(cfg, "worker")
-    engine = TransferEngine.create(pool.buffer, kv_caches, fmt,
-                                   prefault=cfg.prefault_pool(pool.buffer.nbytes),
-                                   copy_cpus=copy_cpus_for(cfg),
-                                   copy_priority=cfg.maru_copy_priority)
+    engine = create_engine(pool.buffer, kv_caches, fmt,
+                           prefault=cfg.prefault_pool(pool.buffer.nbytes),
+                           copy_cpus=copy_cpus_for(cfg),
+                           copy_priority=cfg.maru_copy_priority)
 
     from maru_core.pool.pool_identity import PoolIdentity
 
     mapped = PoolIdentity.of_pool(pool)  # an index serving another region is refused (WrongPool)
 
-    def client_factory(role: str) -> Any:
+    def client_factory(role: str) -> IndexClient:
         return IndexClient(
             cfg.maru_index_url,
             token=token,
@@ -145,7 +160,7 @@ def open_resources(cfg: MaruConfig, kv_caches: dict[str, Any], block_size: int) 
 class _SyncLoad:
     spec: LoadSpec
     pinned: PinnedLoad
-    handle: Any
+    handle: LoadHandle
     overlapped: bool  # the forward may start before it landed, waiting per layer
 
 
@@ -177,7 +192,7 @@ class MaruWorkerHalf:
         # The resources' counters from register_kv_caches on (nothing is recorded before).
         self.stats = ConnectorStats(role="worker")
         self._res: WorkerResources | None = None
-        self._sync_client: Any = None
+        self._sync_client: IndexClient | None = None
         self._unpinner: ThreadPoolExecutor | None = None  # the sync loads' unpins
         self._loader: AsyncLoader | None = None
         self._storer: Storer | None = None
@@ -188,15 +203,15 @@ class MaruWorkerHalf:
         self._asleep = False  # vLLM released the KV cache (sleep mode) until restore
         self._refused_async: set[str] = set()  # parked loads refused while asleep, to report
 
-    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         res = self._res = self._resources_factory(self.cfg, kv_caches, self._block_size)
         self.stats = res.stats
-        self._layout = res.engine.fmt.layout
+        self._layout = res.fmt.layout
         device_bytes = getattr(res.engine, "device_bytes", None)
         if device_bytes is not None:  # taken after vLLM sized its KV cache
             logger.info("MaruCache takes %d MiB of device memory beside the KV cache (staging)",
                         device_bytes() >> 20)
-        self._verify_payload = self.cfg.verify_payload(res.engine.backend, res.engine.fmt)
+        self._verify_payload = self.cfg.verify_payload(res.engine.backend, res.fmt)
         if self.cfg.maru_async_load:
             release_after = (
                 self.cfg.maru_overlap_release_after_layers
@@ -369,9 +384,9 @@ class MaruWorkerHalf:
         scheduler's thread, before vLLM allocates its blocks)."""
         res = self._res
         locations = pin.reply_if_back() if res is not None else None
-        if locations is None:
+        if res is None or locations is None:
             return
-        sources = head_sources(locations, num_chunks, res.engine.fmt.objects_per_chunk)
+        sources = head_sources(locations, num_chunks, res.fmt.objects_per_chunk)
         if sources is not None:
             pin.attach_head(res.engine.start_head(sources))
 
@@ -392,7 +407,7 @@ class MaruWorkerHalf:
             if self._sync_client is None:
                 self._sync_client = res.client_factory("sync")
             pinned = resolve_load(
-                self._sync_client, res.pool, res.engine.fmt, spec.keys(self._tp_rank), spec.block_ids,
+                self._sync_client, res.pool, res.fmt, spec.keys(self._tp_rank), spec.block_ids,
                 verify_payload=self._verify_payload, early=early,
             )
         except LoadFailure as exc:

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from kv_builders import make_kv_caches
 from maru_connector.config import MaruConfigError, parse_config
-from maru_connector.transfer import TransferEngine, prefault
+from maru_connector.transfer import TransferEngine, create_engine, prefault
 from maru_connector.transfer.copy_cpus import (
     CopyCpusError,
     openmp_cpus,
@@ -121,12 +121,12 @@ def settled(read, expected, timeout_s: float = 10.0):
 @contextlib.contextmanager
 def round_tripped(seed: int, **options):
     """The CPU engines a store-and-load round trip built with ``options`` for
-    ``TransferEngine.create`` (its bytes compared), still open; closed after."""
+    ``create_engine`` (its bytes compared), still open; closed after."""
     pool = ShmPool(1 << 20)
     made = []
 
     def engine_with_options(*args, **kwargs):
-        made.append(TransferEngine.create(*args, **options, **kwargs))
+        made.append(create_engine(*args, **options, **kwargs))
         return made[-1]
 
     try:
@@ -163,7 +163,7 @@ def test_the_prefaulter_runs_on_the_copy_cores(monkeypatch):
     pool = ShmPool(8 << 20)
     try:
         kv = make_kv_caches("cpu", layers=2, blocks=8)
-        engine = TransferEngine.create(pool.buffer, kv, TransferEngine.detect(kv, 32, False),
+        engine = create_engine(pool.buffer, kv, TransferEngine.detect(kv, 32, False),
                                        copy_cpus=cpus)
         try:
             assert engine.prefaulter.wait(timeout=30)

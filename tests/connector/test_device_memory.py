@@ -44,7 +44,7 @@ def test_staging_holds_whole_layer_rows():
                     "bench/RESULTS.md (CUDA tests)")
 def test_the_engine_allocates_what_it_declares():
     from kv_builders import make_kv_caches
-    from maru_connector.transfer import TransferEngine
+    from maru_connector.transfer import create_engine
     from maru_connector.kv_layout import detect_kv_layout
     from maru_connector.object_format import ObjectFormat
 
@@ -54,7 +54,7 @@ def test_the_engine_allocates_what_it_declares():
     pool = mmap.mmap(-1, 64 * MIB, mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    engine = TransferEngine.create(memoryview(pool), kv, fmt)
+    engine = create_engine(memoryview(pool), kv, fmt)
     try:
         torch.cuda.synchronize()
         taken = torch.cuda.memory_allocated() - before

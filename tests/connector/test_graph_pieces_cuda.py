@@ -31,7 +31,7 @@ from maru_core.pool import Pool  # noqa: E402
 from maru_connector.config import parse_config  # noqa: E402
 from maru_connector.metadata import LoadSpec, MaruConnectorMetadata, StoreSpec  # noqa: E402
 from maru_connector.stats import open_stats  # noqa: E402
-from maru_connector.transfer import TransferEngine  # noqa: E402
+from maru_connector.transfer import TransferEngine, create_engine  # noqa: E402
 from maru_connector.worker import MaruWorkerHalf, WorkerResources  # noqa: E402
 from worker_env import finished, save  # noqa: E402
 
@@ -68,7 +68,7 @@ def env():
             fmt = TransferEngine.detect(kv_caches, cfg.maru_kv_chunk_tokens,
                                         cfg.maru_use_layerwise, block_size)
             attached = Pool.attach(path)
-            engine = TransferEngine.create(attached.buffer, kv_caches, fmt)
+            engine = create_engine(attached.buffer, kv_caches, fmt)
             return WorkerResources(attached, engine, index.client, open_stats(cfg, "worker"))
 
         half = MaruWorkerHalf(cfg, tp_rank=0, block_size=BLOCK, resources_factory=resources)

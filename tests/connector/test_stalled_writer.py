@@ -32,7 +32,7 @@ import torch
 from maru_connector.config import parse_config
 from maru_connector.resolve import object_keys
 from maru_connector.stats import open_stats
-from maru_connector.transfer import TransferEngine
+from maru_connector.transfer import TransferEngine, create_engine
 from maru_connector.worker import MaruWorkerHalf, WorkerResources
 
 from kv_builders import make_kv_caches
@@ -85,7 +85,7 @@ class Cluster:
         def resources(cfg, kv_caches, block_size):
             fmt = TransferEngine.detect(kv_caches, cfg.maru_kv_chunk_tokens, cfg.maru_use_layerwise, block_size)
             pool = Pool.attach(self.path)
-            engine = TransferEngine.create(pool.buffer, kv_caches, fmt)
+            engine = create_engine(pool.buffer, kv_caches, fmt)
             engine = wrap_engine(engine) if wrap_engine is not None else engine
             return WorkerResources(pool, engine, lambda role: self.client(f"{role}-{seed}"),
                                    open_stats(cfg, "worker"))

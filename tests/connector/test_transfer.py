@@ -5,6 +5,8 @@ handling and the shared load queue."""
 import mmap
 import os
 import random
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -20,11 +22,16 @@ from maru_connector.object_format import ObjectFormat
 from maru_connector.transfer import (
     ChunkLoad,
     ChunkStore,
-    TransferEngine,
+    LoadHandle,
+    TransferBackend,
     TransferError,
+    TransferJob,
     TransferRequestError,
+    create_engine,
 )
+from maru_connector.transfer.factory import BACKEND_CLASSES, backend_class
 from maru_connector.transfer.plan import Run, layer_pieces, layer_runs, split_runs
+from maru_core.storage_format import StorageFormat
 
 
 def same_bytes(a, b):
@@ -69,7 +76,7 @@ def engines(make_pool):  # engines close before their pools are unmapped
     made = []
 
     def make(*args, **kwargs):
-        made.append(TransferEngine.create(*args, **kwargs))
+        made.append(create_engine(*args, **kwargs))
         return made[-1]
 
     yield make
@@ -101,7 +108,7 @@ def round_trip(engines, pool, kind, layerwise, chunks, rng, adjacent, blocks=16,
     before = {n: t.clone() for n, t in dst.items()}
     layout = detect_kv_layout(src)
     fmt = ObjectFormat(layout, chunk_tokens=blocks_per_chunk * layout.block_size,
-                       layerwise=layerwise)
+                       storage=StorageFormat.LAYERWISE if layerwise else StorageFormat.CHUNKWISE)
     need = chunks * fmt.blocks_per_chunk
     src_ids = rng.sample(range(blocks), need)
     dst_ids = rng.sample(range(blocks), need)
@@ -219,7 +226,7 @@ def test_layer_events_fire_in_order_and_after_the_bytes_landed(engines, make_poo
     dst = make_kv_caches("cpu", layers=layers, blocks=blocks, heads=4, block_size=32,
                          head_size=64, seed=2)
     layout = detect_kv_layout(src)
-    fmt = ObjectFormat(layout, 4 * layout.block_size, layerwise=False)
+    fmt = ObjectFormat(layout, 4 * layout.block_size, storage=StorageFormat.CHUNKWISE)
     chunks = blocks // 4
     pool = make_pool(chunks * fmt.object_bytes)
     ids = list(range(blocks))
@@ -246,7 +253,7 @@ def test_layer_events_fire_in_order_and_after_the_bytes_landed(engines, make_poo
 
 def test_failed_copy_releases_every_waiter_with_an_error(engines, make_pool):
     kv = make_kv_caches("cpu", layers=6, blocks=8)
-    fmt = ObjectFormat(detect_kv_layout(kv), 16, layerwise=True)
+    fmt = ObjectFormat(detect_kv_layout(kv), 16, storage=StorageFormat.LAYERWISE)
     pool = make_pool(64 * fmt.object_bytes)
     engine = engines(pool.buffer, kv, fmt)
     sources = [i * fmt.object_bytes for i in range(6)]
@@ -275,7 +282,7 @@ def test_failed_copy_releases_every_waiter_with_an_error(engines, make_pool):
 
 def test_failed_store_reports_an_error(engines, make_pool):
     kv = make_kv_caches("cpu", layers=2, blocks=8)
-    fmt = ObjectFormat(detect_kv_layout(kv), 32, layerwise=False)
+    fmt = ObjectFormat(detect_kv_layout(kv), 32, storage=StorageFormat.CHUNKWISE)
     pool = make_pool(2 * fmt.object_bytes)
     engine = engines(pool.buffer, kv, fmt)
     handle = engine.submit_store([ChunkStore((0, 1), (fmt.object_bytes + 1,))])
@@ -287,7 +294,7 @@ def test_failed_store_reports_an_error(engines, make_pool):
 def test_wait_times_out_without_hanging(engines, make_pool):
     layers = 8
     kv = make_kv_caches("cpu", layers=layers, blocks=256, heads=8, block_size=32, head_size=128)
-    fmt = ObjectFormat(detect_kv_layout(kv), 32 * 64, layerwise=False)
+    fmt = ObjectFormat(detect_kv_layout(kv), 32 * 64, storage=StorageFormat.CHUNKWISE)
     pool = make_pool(4 * fmt.object_bytes)
     engine = engines(pool.buffer, kv, fmt)
     # Queue a lot of work; the last layer cannot have landed within 1 ms.
@@ -306,7 +313,7 @@ def test_concurrent_loads_share_one_queue_in_submission_order(engines, make_pool
     src = make_kv_caches("packed_lbnhc", layers=4, blocks=64, heads=2, block_size=16,
                          head_size=64, seed=5)
     layout = detect_kv_layout(src)
-    fmt = ObjectFormat(layout, 4 * layout.block_size, layerwise=True)
+    fmt = ObjectFormat(layout, 4 * layout.block_size, storage=StorageFormat.LAYERWISE)
     pool = make_pool(16 * 4 * fmt.object_bytes)
     storer = engines(pool.buffer, src, fmt)
     plans = []
@@ -346,7 +353,7 @@ def test_concurrent_loads_share_one_queue_in_submission_order(engines, make_pool
 
 def test_requests_that_do_not_fit_the_format_are_refused(engines, make_pool):
     kv = make_kv_caches("cpu", layers=2, blocks=8)
-    fmt = ObjectFormat(detect_kv_layout(kv), 32, layerwise=True)
+    fmt = ObjectFormat(detect_kv_layout(kv), 32, storage=StorageFormat.LAYERWISE)
     pool = make_pool(1 << 16)
     engine = engines(pool.buffer, kv, fmt)
     with pytest.raises(TransferRequestError, match="needs 2"):
@@ -362,15 +369,15 @@ def test_requests_that_do_not_fit_the_format_are_refused(engines, make_pool):
 
 def test_create_checks_device_and_buffer(make_pool):
     kv = make_kv_caches("cpu", layers=2, blocks=8)
-    fmt = ObjectFormat(detect_kv_layout(kv), 32, layerwise=False)
+    fmt = ObjectFormat(detect_kv_layout(kv), 32, storage=StorageFormat.CHUNKWISE)
     pool = make_pool(1 << 16)
     with pytest.raises(ValueError, match="KV cache is on the CPU"):
-        TransferEngine.create(pool.buffer, kv, fmt, device="cuda")
+        create_engine(pool.buffer, kv, fmt, device="cuda")
     with pytest.raises(ValueError, match="device must be"):
-        TransferEngine.create(pool.buffer, kv, fmt, device="tpu")
+        create_engine(pool.buffer, kv, fmt, device="tpu")
     with pytest.raises(ValueError, match="read-only"):
-        TransferEngine.create(memoryview(bytes(1 << 16)), kv, fmt)
-    engine = TransferEngine.create(pool.buffer, kv, fmt)
+        create_engine(memoryview(bytes(1 << 16)), kv, fmt)
+    engine = create_engine(pool.buffer, kv, fmt)
     assert engine.backend == "cpu"
     engine.close()
     with pytest.raises(TransferError, match="closed"):
@@ -394,7 +401,7 @@ def test_the_cpu_backend_starts_no_head_and_drops_one_handed_to_it(engines, make
     a load copies everything itself and lets go of a head it was given."""
     pool = make_pool(1 << 20)
     kv = make_kv_caches("flash_nhd", layers=2, blocks=8, seed=1)
-    fmt = ObjectFormat(detect_kv_layout(kv), chunk_tokens=32, layerwise=False)
+    fmt = ObjectFormat(detect_kv_layout(kv), chunk_tokens=32, storage=StorageFormat.CHUNKWISE)
     engine = engines(pool.buffer, kv, fmt)
     assert engine.start_head([(0,)]) is None
     head = _RecordedHead()
@@ -408,7 +415,7 @@ def test_a_load_that_claims_its_head_says_so_on_its_handle(engines, make_pool):
     exactly when the backend claimed the head for the load."""
     pool = make_pool(1 << 20)
     kv = make_kv_caches("flash_nhd", layers=2, blocks=8, seed=1)
-    fmt = ObjectFormat(detect_kv_layout(kv), chunk_tokens=32, layerwise=False)
+    fmt = ObjectFormat(detect_kv_layout(kv), chunk_tokens=32, storage=StorageFormat.CHUNKWISE)
     engine = engines(pool.buffer, kv, fmt)
     claimed = []
     engine._claim_head = lambda head, job: claimed.append(head) or head  # as CUDA's, for matching sources
@@ -417,3 +424,123 @@ def test_a_load_that_claims_its_head_says_so_on_its_handle(engines, make_pool):
     assert loaded.head_start and len(claimed) == 1
     plain = engine.submit_load([ChunkLoad((2, 3), (0,))])
     assert plain.wait_all(10) and not plain.head_start
+
+
+# ------------------------------------------------------------- backend seam
+def test_the_engine_base_imports_no_backend_and_the_backends_import_it():
+    """The factory imports a backend by its kind; the base and the seam module
+    import none, so no module of the engine and its backends imports another
+    that imports it back."""
+    import grimp
+
+    graph = grimp.build_graph("maru_connector")
+    for backend in ("cpu", "cuda"):
+        module = f"maru_connector.transfer.{backend}"
+        for base in ("maru_connector.transfer.engine", "maru_connector.transfer.backend"):
+            assert graph.find_shortest_chain(importer=base, imported=module) is None, (base, module)
+        assert graph.find_shortest_chain(importer=module, imported="maru_connector.transfer.engine")
+    transfer = [m for m in graph.modules if m.startswith("maru_connector.transfer")]
+    cycles = [(a, b) for a in transfer for b in transfer if a < b
+              and graph.find_shortest_chain(importer=a, imported=b)
+              and graph.find_shortest_chain(importer=b, imported=a)]
+    assert cycles == []
+
+
+def test_a_cpu_engine_is_built_without_importing_the_cuda_backend():
+    code = (
+        "import sys\n"
+        "from kv_builders import make_kv_caches\n"
+        "from maru_connector.transfer import TransferBackend, TransferEngine, create_engine\n"
+        "kv = make_kv_caches('cpu', layers=2, blocks=8)\n"
+        "buf = memoryview(bytearray(1 << 16))\n"
+        "engine = create_engine(buf, kv, TransferEngine.detect(kv, 32, False), prefault=False)\n"
+        "assert engine.backend is TransferBackend.CPU, engine.backend\n"
+        "engine.close()\n"
+        "assert 'maru_connector.transfer.cpu' in sys.modules\n"
+        "assert 'maru_connector.transfer.cuda' not in sys.modules\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+
+
+def test_the_backend_is_chosen_by_its_kind():
+    assert TransferBackend.for_device("auto", on_cuda=False) is TransferBackend.CPU
+    assert TransferBackend.for_device("auto", on_cuda=True) is TransferBackend.CUDA
+    assert TransferBackend.for_device("cuda", on_cuda=True) is TransferBackend.CUDA
+    assert TransferBackend.for_device(TransferBackend.CPU, on_cuda=False) is TransferBackend.CPU
+    with pytest.raises(ValueError, match=r"device must be 'auto', 'cpu' or 'cuda', not 'tpu'"):
+        TransferBackend.for_device("tpu", on_cuda=False)
+    with pytest.raises(ValueError, match="KV cache is on a CUDA device"):
+        TransferBackend.for_device("cpu", on_cuda=True)
+    for kind in TransferBackend:  # every kind names an engine class of that kind
+        module, name = BACKEND_CLASSES[kind]
+        assert module.startswith("maru_connector.transfer.") and name.endswith("TransferEngine")
+    assert backend_class(TransferBackend.CPU).backend is TransferBackend.CPU
+
+
+def test_the_job_record_holds_every_field_a_backend_sets_and_nothing_else():
+    job = TransferJob(LoadHandle(2, 0), [0, 1], [(0,)])
+    assert (job.check, job.head, job.rest, job.ready, job.host_ids, job.check_state) == (None,) * 6
+    assert not job.issue_failed and not job.beside_long_forward
+    job.check_state = [0]  # a backend's own state goes in its field
+    with pytest.raises(AttributeError):
+        job.scratch = 1  # not an attribute of the backend's own making
+
+
+# ----------------------------------------------------------- format seam
+class PairwiseFormat:
+    """A format the product does not have: two layers per object. The engine
+    must move and verify it from the strategy alone."""
+
+    storage = StorageFormat.CHUNKWISE  # stands in for a new enum value
+    slot_format = None
+
+    def objects_per_chunk(self, num_layers):
+        assert num_layers % 2 == 0
+        return num_layers // 2
+
+    def layer_place(self, layer, layer_bytes):
+        return layer // 2, (layer % 2) * layer_bytes
+
+    def object_keys(self, chunk_keys, layers):
+        raise NotImplementedError
+
+    def describe(self, chunk, obj):
+        return f"pair {obj} of chunk {chunk} of the load"
+
+
+@pytest.mark.parametrize("adjacent", [True, False], ids=["adjacent", "scattered"])
+def test_a_third_format_round_trips_and_verifies_through_its_strategy_alone(engines, make_pool, monkeypatch,
+                                                                             adjacent):
+    from maru_connector import formats
+    from maru_connector.transfer import ChecksumMismatch, PayloadCheck
+
+    monkeypatch.setitem(formats.STRATEGIES, StorageFormat.CHUNKWISE, PairwiseFormat())
+    rng = random.Random(f"pairs{adjacent}")
+    layers, blocks, bpc, chunks = 4, 16, 2, 3
+    src = make_kv_caches("flash_hnd", layers=layers, blocks=blocks, seed=1)
+    dst = make_kv_caches("flash_hnd", layers=layers, blocks=blocks, seed=2)
+    layout = detect_kv_layout(src)
+    fmt = ObjectFormat(layout, bpc * layout.block_size, StorageFormat.CHUNKWISE)
+    assert fmt.objects_per_chunk == 2 and fmt.object_bytes == 2 * fmt.layer_bytes
+    assert [tuple(fmt.objects_due(2, layer)) for layer in range(layers)] == [(), (0, 2), (), (1, 3)]
+    pool = make_pool(1 << 20)
+    offsets = place_objects(fmt, chunks, adjacent, rng, pool.map.size())
+    src_ids, dst_ids = rng.sample(range(blocks), chunks * bpc), rng.sample(range(blocks), chunks * bpc)
+    stored = engines(pool.buffer, src, fmt).submit_store(
+        [ChunkStore(tuple(src_ids[c * bpc:(c + 1) * bpc]), offsets[c]) for c in range(chunks)])
+    assert stored.wait(10) and stored.error is None and len(stored.checksums) == chunks * 2
+    loader = engines(pool.buffer, dst, ObjectFormat(detect_kv_layout(dst), fmt.chunk_tokens, StorageFormat.CHUNKWISE))
+    load = [ChunkLoad(tuple(dst_ids[c * bpc:(c + 1) * bpc]), offsets[c]) for c in range(chunks)]
+    handle = loader.submit_load(load, check=PayloadCheck.of(stored.checksums))
+    assert handle.wait_all(10) and handle.error is None
+    for name in layout.layer_names:
+        for s, d in zip(src_ids, dst_ids):
+            assert torch.equal(block_bytes("flash_hnd", dst[name], d), block_bytes("flash_hnd", src[name], s))
+    # A flipped byte in layer 3 of chunk 1 is pair 1 of chunk 1: layers 0-2 land, layer 3 never.
+    at = fmt.layer_source(offsets[1], 3) + 5
+    pool.buffer[at] ^= 0x01
+    handle = loader.submit_load(load, check=PayloadCheck.of(stored.checksums))
+    assert not handle.wait_all(10) and isinstance(handle.error, ChecksumMismatch)
+    assert "pair 1 of chunk 1 of the load" in str(handle.error)
+    assert [handle.wait_layer(i, timeout=10) for i in range(layers)] == [True, True, True, False]

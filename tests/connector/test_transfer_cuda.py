@@ -14,7 +14,7 @@ import torch
 from kv_builders import ALL_KINDS, block_bytes, make_kv_caches
 from maru_connector.kv_layout import detect_kv_layout
 from maru_connector.object_format import ObjectFormat
-from maru_connector.transfer import ChunkLoad, ChunkStore, TransferEngine, TransferError
+from maru_connector.transfer import ChunkLoad, ChunkStore, TransferError, create_engine
 
 pytestmark = [
     pytest.mark.cuda,
@@ -51,7 +51,7 @@ def engines(pool):
     made = []
 
     def make(kv, fmt, **options):
-        made.append(TransferEngine.create(pool.buffer, kv, fmt, **options))
+        made.append(create_engine(pool.buffer, kv, fmt, **options))
         return made[-1]
 
     yield make
@@ -199,9 +199,9 @@ def test_small_staging_splits_pieces_and_both_copy_paths(engines, pool, copy_2d)
 def test_pool_is_registered_once_and_released(pool):
     kv = make_kv_caches("cpu", layers=2, blocks=8, device="cuda")
     fmt = ObjectFormat(detect_kv_layout(kv), 32, False)
-    engine = TransferEngine.create(pool.buffer, kv, fmt)
+    engine = create_engine(pool.buffer, kv, fmt)
     assert engine._registered and engine.pool.is_pinned()
-    second = TransferEngine.create(pool.buffer, kv, fmt)
+    second = create_engine(pool.buffer, kv, fmt)
     assert not second._registered  # the first engine owns the registration
     second.close()
     assert engine.pool.is_pinned()

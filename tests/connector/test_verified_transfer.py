@@ -29,7 +29,7 @@ from maru_core.pool.checksum import position_sum
 from kv_builders import ALL_KINDS, block_bytes, make_kv_caches
 from maru_connector.kv_layout import detect_kv_layout
 from maru_connector.object_format import ObjectFormat
-from maru_connector.transfer import ChecksumMismatch, ChunkLoad, ChunkStore, PayloadCheck, TransferEngine
+from maru_connector.transfer import ChecksumMismatch, ChunkLoad, ChunkStore, PayloadCheck, create_engine
 from maru_connector.transfer import device_checksum
 from test_transfer_cuda import ShmPool
 
@@ -52,7 +52,7 @@ def engines(pool):
     made = []
 
     def make(kv, fmt, **options):
-        made.append(TransferEngine.create(pool.buffer, kv, fmt, **options))
+        made.append(create_engine(pool.buffer, kv, fmt, **options))
         return made[-1]
 
     yield make

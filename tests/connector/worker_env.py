@@ -18,7 +18,7 @@ from maru_connector.config import parse_config
 from maru_connector.stats import open_stats
 from maru_connector.metadata import LoadSpec, MaruConnectorMetadata, StoreSpec
 from maru_tools.cluster import wait_until
-from maru_connector.transfer import TransferEngine
+from maru_connector.transfer import TransferEngine, create_engine
 from maru_connector.worker import MaruWorkerHalf, WorkerResources
 
 from fake_index import FakeIndex
@@ -59,7 +59,7 @@ class WorkerEnv:
             fmt = TransferEngine.detect(kv_caches, cfg.maru_kv_chunk_tokens,
                                         cfg.maru_use_layerwise, block_size)
             pool = Pool.attach(self.pool_path)
-            engine = TransferEngine.create(pool.buffer, kv_caches, fmt)
+            engine = create_engine(pool.buffer, kv_caches, fmt)
             if wrap_engine is not None:
                 engine = wrap_engine(engine)
             return WorkerResources(pool, engine, self.index.client, open_stats(cfg, "worker"))

@@ -1,12 +1,15 @@
 """Moves KV bytes between the pool and vLLM's paged KV cache.
 
-``TransferEngine.create`` picks the CPU backend (a copy thread per direction)
-or the CUDA backend (registered pool, one load stream, staging + scatter) from
-the KV cache's device; both behave the same behind this interface.
+``create_engine`` picks the CPU backend (a copy thread per direction) or the
+CUDA backend (registered pool, one load stream, staging + scatter) from the
+KV cache's device (``TransferBackend``), importing only that backend; both
+behave the same behind the ``TransferEngine`` interface.
 """
 
-from .engine import TransferEngine
+from .backend import HeadStart, Transfer, TransferBackend, TransferJob
 from .checks import PayloadCheck
+from .engine import TransferEngine
+from .factory import create_engine
 from .handles import ChecksumMismatch, LoadHandle, StoreHandle, TransferError
 from .plan import ChunkLoad, ChunkStore, TransferRequestError
 
@@ -14,10 +17,15 @@ __all__ = [
     "ChecksumMismatch",
     "ChunkLoad",
     "ChunkStore",
+    "HeadStart",
     "LoadHandle",
     "PayloadCheck",
     "StoreHandle",
+    "Transfer",
+    "TransferBackend",
     "TransferEngine",
     "TransferError",
+    "TransferJob",
     "TransferRequestError",
+    "create_engine",
 ]

@@ -63,24 +63,17 @@ def checkable(fmt: ObjectFormat) -> bool:
 def piece_of(fmt: ObjectFormat, chunk: int, layer: int) -> tuple[int, int]:
     """(object index, first word) of the extent of layer position ``layer`` of the
     load's chunk ``chunk``."""
-    if fmt.layerwise:
-        return chunk * fmt.num_layers + layer, 0
-    return chunk, layer * fmt.layer_bytes // 4
+    obj, offset = fmt.layer_places[layer]
+    return chunk * fmt.objects_per_chunk + obj, offset // 4
 
 
 def objects_due(fmt: ObjectFormat, num_chunks: int, layer: int) -> np.ndarray:
     """The objects whose every piece has arrived once layer ``layer`` has (layers
     land in true order): that layer's objects (layerwise), every object after
     the last layer (chunkwise), else none."""
-    if fmt.layerwise:
-        return np.arange(num_chunks, dtype=np.int64) * fmt.num_layers + layer
-    if layer == fmt.num_layers - 1:
-        return np.arange(num_chunks, dtype=np.int64)
-    return np.empty(0, dtype=np.int64)
+    return fmt.objects_due(num_chunks, layer)
 
 
 def describe(fmt: ObjectFormat, obj: int) -> str:
     """An object of a load, for a failure message."""
-    if fmt.layerwise:
-        return f"the object of chunk {obj // fmt.num_layers}, layer {obj % fmt.num_layers} of the load"
-    return f"the object of chunk {obj} of the load"
+    return fmt.describe(obj)

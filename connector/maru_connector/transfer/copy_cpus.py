@@ -139,7 +139,7 @@ def resolve_copy_cpus(setting: str, environ: Mapping[str, str] | None = None,
         return None
     environ = os.environ if environ is None else environ
     allowed = process_cpus() if allowed is None else allowed
-    if value == "auto":
+    if isinstance(value, str):  # "auto", the one other word
         team = openmp_cpus(environ)
         free = allowed - team if team is not None else set()
         return frozenset(free) if free else None

@@ -14,14 +14,18 @@ the store be lost."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import torch
 
 from maru_core.pool.checksum import position_sum, position_sum_rows, warm_up
 
+from ..object_format import ObjectFormat
+from .backend import LoadJob, StoreJob, TransferBackend
 from .checks import checkable, describe, objects_due, piece_of
 from .copy_cpus import idle_this_thread, pin_this_thread
-from .engine import TransferEngine, _Job
+from .engine import TransferEngine
 from .handles import ChecksumMismatch
 from .plan import Run
 from .prefault import PoolPrefaulter
@@ -30,9 +34,10 @@ __all__ = ["CpuTransferEngine"]
 
 
 class CpuTransferEngine(TransferEngine):
-    backend = "cpu"
+    backend = TransferBackend.CPU
 
-    def __init__(self, pool_buffer, kv_caches, fmt, prefault: bool = True,
+    def __init__(self, pool_buffer: memoryview, kv_caches: dict[str, torch.Tensor], fmt: ObjectFormat,
+                 prefault: bool = True,
                  copy_cpus: frozenset[int] | None = None, copy_priority: str = "idle") -> None:
         """``prefault``: map the pool's pages ahead of the first hits, in the
         background (``prefault.py``). ``copy_cpus``: the cores the copy
@@ -76,13 +81,13 @@ class CpuTransferEngine(TransferEngine):
             for start in starts
         ]
 
-    def _block_ranges(self, run: Run, views: list[torch.Tensor]):
+    def _block_ranges(self, run: Run, views: list[torch.Tensor]) -> Iterator[tuple[torch.Tensor, int, int]]:
         first = run.first_block
         for view in views:
             yield view, first, first + view.shape[0]
             first += view.shape[0]
 
-    def _run_load(self, job: _Job) -> None:
+    def _run_load(self, job: LoadJob) -> None:
         # One copy per run of consecutive block ids: a byte-wise index_copy_
         # moves about 0.1 GB/s on the CPU, a copy of whole blocks GB/s. A
         # verified load sums each run's blocks as they lie in the KV cache
@@ -117,13 +122,14 @@ class CpuTransferEngine(TransferEngine):
             sums[obj] += position_sum_rows(rows, base + k * block_words)
             first, n, position = first + take, n - take, position + take
 
-    def _verify(self, job: _Job, sums: list[int], layer: int) -> None:
+    def _verify(self, job: LoadJob, sums: list[int], layer: int) -> None:
         check = job.check
+        assert check is not None, "only a verified load is checked"
         for obj in objects_due(self.fmt, len(job.offsets), layer).tolist():
             if check.verify[obj] and sums[obj] % 2**64 != int(check.expected[obj]):
                 raise ChecksumMismatch(f"{describe(self.fmt, obj)} does not match the checksum its writer recorded")
 
-    def _run_store(self, job: _Job) -> None:
+    def _run_store(self, job: StoreJob) -> None:
         # A gather on one thread, like the loads' copies (see _copy); the ids
         # were checked against the KV cache at submit, so "clip" never clips
         # (and spares numpy the bounds-checking buffered path).
@@ -150,7 +156,7 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     np.copyto(dst.numpy(), src.numpy())
 
 
-def _consecutive(block_ids: list[int], a: int, b: int):
+def _consecutive(block_ids: list[int], a: int, b: int) -> Iterator[tuple[int, int, int]]:
     """``(first block id, count, offset from a)`` for each run of consecutive
     ids in ``block_ids[a:b]``."""
     start = a

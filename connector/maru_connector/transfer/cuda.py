@@ -30,6 +30,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
+from typing import cast
 
 import numpy as np
 import torch
@@ -37,13 +39,15 @@ import torch
 from . import device_checksum
 from .checks import checkable
 from .cudart import D2H, H2D, find_memcpy, find_memcpy2d, register_host, unregister_host
-from .engine import HeadStart, TransferEngine, _Job
-from .handles import TransferError
+from ..object_format import ObjectFormat
+from .backend import HeadStart, LoadJob, StoreJob, TransferBackend
+from .engine import TransferEngine
+from .handles import LoadHandle, TransferError
 from .plan import Run, layer_pieces
 
 __all__ = ["CudaTransferEngine"]
 
-_FAILED = object()  # a load whose issue failed on the submitting thread
+_Job = LoadJob  # a load job, as the checksum functions name it
 
 DEFAULT_STAGING_BYTES = 64 << 20  # the largest fill; >= 64 MiB copies reach peak
 STAGING_FILLS = 2  # the ring holds this many of the largest fills
@@ -207,9 +211,10 @@ def staging_sizes(fmt, staging_bytes: int = DEFAULT_STAGING_BYTES,
 
 
 class CudaTransferEngine(TransferEngine):
-    backend = "cuda"
+    backend = TransferBackend.CUDA
 
-    def __init__(self, pool_buffer, kv_caches, fmt, staging_bytes: int = DEFAULT_STAGING_BYTES,
+    def __init__(self, pool_buffer: memoryview, kv_caches: dict[str, torch.Tensor], fmt: ObjectFormat,
+                 staging_bytes: int = DEFAULT_STAGING_BYTES,
                  copy_2d: bool = True, timing: bool = False,
                  load_priority: int = HIGH_PRIORITY,
                  inline_load_bytes: int = INLINE_LOAD_BYTES,
@@ -289,13 +294,13 @@ class CudaTransferEngine(TransferEngine):
     def _event(self) -> torch.cuda.Event:
         return torch.cuda.Event(enable_timing=self._timing)
 
-    def _prepare(self, job: _Job) -> None:
-        job.ready = self._event()
-        job.ready.record(torch.cuda.current_stream(self.device))
-        if self._timing:
-            job.handle._device_start = job.ready
+    def _prepare(self, job: LoadJob | StoreJob) -> None:
+        job.ready = ready = self._event()
+        ready.record(torch.cuda.current_stream(self.device))
+        if self._timing and isinstance(job.handle, LoadHandle):
+            job.handle._device_start = ready
 
-    def _device_ids(self, job: _Job, stream: torch.cuda.Stream) -> torch.Tensor:
+    def _device_ids(self, job: LoadJob | StoreJob, stream: torch.cuda.Stream) -> torch.Tensor:
         """The job's block ids on the device, copied on ``stream`` (the one
         that reads them), through pinned buffers kept for the engine: a
         fresh pinned allocation costs a small load a good part of its time."""
@@ -308,8 +313,9 @@ class CudaTransferEngine(TransferEngine):
                 return host.to(self.device, non_blocking=True)
         slot = ring.next
         ring.next ^= 1
-        if ring.copied[slot] is not None:
-            ring.copied[slot].synchronize()  # the copy from this buffer two jobs ago
+        last_copy = ring.copied[slot]
+        if last_copy is not None:
+            last_copy.synchronize()  # the copy from this buffer two jobs ago
         host = ring.host[slot][:n]
         host.numpy()[:] = job.block_ids
         # One device buffer per stream: the next job's ids are written after
@@ -317,8 +323,8 @@ class CudaTransferEngine(TransferEngine):
         dev = ring.device[:n]
         with torch.cuda.stream(stream):
             dev.copy_(host, non_blocking=True)
-        ring.copied[slot] = self._event()
-        ring.copied[slot].record(stream)
+        ring.copied[slot] = copied = self._event()
+        copied.record(stream)
         return dev
 
     def _check(self, pieces: list[list[Run]], layer: int) -> None:
@@ -435,7 +441,7 @@ class CudaTransferEngine(TransferEngine):
         finally:
             self._issue_lock.release()
 
-    def _claim_head(self, head: HeadStart, job: _Job) -> HeadStart | None:
+    def _claim_head(self, head: HeadStart, job: LoadJob) -> HeadStart | None:
         return head.claim(job.offsets)
 
     def _release_head(self, head: _CudaHeadStart) -> None:
@@ -443,7 +449,7 @@ class CudaTransferEngine(TransferEngine):
             if self._head_owner is head:
                 self._head_owner = None
 
-    def _issue_here(self, job: _Job) -> bool:
+    def _issue_here(self, job: LoadJob) -> bool:
         """Issue a load on the submitting thread when nothing is queued before
         it: all of it up to ``inline_load_bytes`` (see INLINE_LOAD_BYTES)
         unless a long forward follows, else its first ``inline_head_fills``
@@ -475,23 +481,23 @@ class CudaTransferEngine(TransferEngine):
                     if not whole and done >= self._inline_head_fills:
                         break
         except BaseException as exc:  # as on the copy thread: the handle fails
-            job.rest = _FAILED
+            job.issue_failed = True
             self._fail(job, exc)
         finally:
             self._issue_lock.release()
         return True
 
-    def _run_load(self, job: _Job) -> None:
+    def _run_load(self, job: LoadJob) -> None:
         with self._issue_lock:
-            rest = job.rest
-            if rest is _FAILED:
+            if job.issue_failed:
                 return
+            rest = job.rest
             torch.cuda.set_device(self.device)
             torch.cuda.set_stream(self.scatter_stream)  # the scatters run on this stream
             for _ in rest if rest is not None else self._issue_fills(job):
                 pass
 
-    def _issue_fills(self, job: _Job):
+    def _issue_fills(self, job: LoadJob) -> Iterator[None]:
         """Queue a load's copies and scatters, yielding after each fill's
         copies, so that issuing can stop after any fill and go on later on
         another thread (under the issue lock, nothing else issued between).
@@ -506,7 +512,8 @@ class CudaTransferEngine(TransferEngine):
         busy, resumed = 0.0, time.perf_counter()
         ids = None
         pending: deque = deque()  # fills copied, not yet scattered
-        head_fills = deque(job.head.fills if job.head is not None else ())  # copied already
+        head = cast("_CudaHeadStart | None", job.head)  # this engine's heads are its own
+        head_fills = deque(head.fills if head is not None else ())  # copied already
         if head_fills:
             self.heads_used += 1
 
@@ -546,8 +553,8 @@ class CudaTransferEngine(TransferEngine):
                 scatter_oldest()
             raise
         finally:
-            if job.head is not None:  # its scatters are queued (or never will be)
-                self._release_head(job.head)
+            if head is not None:  # its scatters are queued (or never will be)
+                self._release_head(head)
         self.last_issue_s = busy + time.perf_counter() - resumed
         job.handle.issued_at = time.monotonic()
 
@@ -640,7 +647,7 @@ class CudaTransferEngine(TransferEngine):
                     return None
                 start = run.offset if start is None else start
                 end = run.offset + run.rows * row
-        return (start, end - start) if start is not None else None
+        return (start, end - start) if start is not None and end is not None else None
 
     def _wide_run(self, pieces: list[list[Run]]) -> Run | None:
         """One run of rows ``len(pieces)`` layers wide, when every layer is
@@ -766,22 +773,25 @@ class CudaTransferEngine(TransferEngine):
         """Layers ``layer0 .. layer0 + count - 1`` as one view
         ``[count, blocks, segments, segment_bytes]`` (their common stride)."""
         key = (layer0, count)
-        view = self._stacked.get(key)
+        stacked, layer_stride = self._stacked, self.layout.layer_stride_bytes
+        assert stacked is not None and layer_stride is not None, "only evenly spaced layers stack"
+        view = stacked.get(key)
         if view is None:
             first = self._wide_views[layer0]
-            stride = self.layout.layer_stride_bytes // self._elem.itemsize
+            stride = layer_stride // self._elem.itemsize
             view = torch.as_strided(first, (count, *first.shape), (stride, *first.stride()),
                                     first.storage_offset())
-            self._stacked[key] = view
+            stacked[key] = view
         return view
 
     # ------------------------------------------------------------------ store
-    def _run_store(self, job: _Job) -> None:
+    def _run_store(self, job: StoreJob) -> None:
         torch.cuda.set_device(self.device)
         stream = self.store_stream
         row = self.fmt.layer_bytes
         staging = self._store_staging
         ids = self._device_ids(job, stream)
+        assert job.ready is not None, "set at submit (_prepare)"
         stream.wait_event(job.ready)
         torch.cuda.set_stream(stream)
         pieces_of = layer_pieces(self.fmt, job.offsets, self._rows_cap)

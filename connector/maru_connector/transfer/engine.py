@@ -13,12 +13,16 @@ from __future__ import annotations
 import abc
 import queue
 import threading
-from typing import Sequence
+from collections.abc import Callable
+from typing import ClassVar, Sequence
 
 import torch
 
+from maru_core.storage_format import StorageFormat
+
 from ..kv_layout import KVCacheLayout, detect_kv_layout
 from ..object_format import ObjectFormat
+from .backend import HeadStart, LoadJob, StoreJob, TransferBackend, TransferJob
 from .checks import PayloadCheck, checkable
 from .handles import LoadHandle, StoreHandle, TransferError
 from .plan import ChunkLoad, ChunkStore, Run, TransferRequestError, check_chunks, layer_runs
@@ -28,43 +32,16 @@ __all__ = ["HeadStart", "TransferEngine"]
 _STOP = object()
 
 
-class _Job:
-    """One submitted load or store, as the copy thread sees it."""
-
-    def __init__(self, handle, block_ids: list[int], offsets: list[tuple[int, ...]],
-                 beside_long_forward: bool = False):
-        self.handle = handle
-        self.block_ids = block_ids
-        self.offsets = offsets
-        self.beside_long_forward = beside_long_forward
-        # A backend that issued the first part of a load on the submitting
-        # thread leaves the rest here for the copy thread.
-        self.rest = None
-        self.head = None  # the load's head start, when it uses one (CUDA)
-        self.check: PayloadCheck | None = None  # a verified load's checksums
-
-
-class HeadStart(abc.ABC):
-    """The first fills of a load, copied before the load was submitted."""
-
-    @abc.abstractmethod
-    def claim(self, sources: list[tuple[int, ...]]) -> "HeadStart | None":
-        """This head for the load of ``sources`` (None, and dropped, when it
-        was started for other sources): from now on the load's to use."""
-
-    @abc.abstractmethod
-    def drop(self) -> None:
-        """No load will use it (a no-op once claimed); idempotent."""
-
-
 class TransferEngine(abc.ABC):
     """Copies chunks between the pool and the KV cache; see the module doc.
 
-    Build one with ``TransferEngine.create``. Subclasses implement
-    ``_run_load`` and ``_run_store`` (one job, on the copy thread).
+    Build one with ``factory.create_engine``. A backend subclasses it: it
+    implements ``_run_load`` and ``_run_store`` (one job, on the copy
+    thread) and may override the hooks below (``_prepare``, ``_issue_here``,
+    ``_claim_head``, ``_copy_thread_started``, ``_release``).
     """
 
-    backend = "abstract"
+    backend: ClassVar[TransferBackend]
 
     def __init__(self, pool_buffer: memoryview, kv_caches: dict[str, torch.Tensor],
                  fmt: ObjectFormat) -> None:
@@ -79,9 +56,9 @@ class TransferEngine(abc.ABC):
         self.block_views = [self.layout.block_view(t) for t in self.kv_caches]
         self._closed = False
         self._submit_lock = threading.Lock()
-        self._load_queue: queue.Queue = queue.Queue()
+        self._load_queue: queue.Queue[LoadJob | object] = queue.Queue()
         self._loads_queued = 0  # queued or running on the copy thread
-        self._store_queue: queue.Queue = queue.Queue()
+        self._store_queue: queue.Queue[StoreJob | object] = queue.Queue()
         self._threads = [
             threading.Thread(target=self._serve, args=(self._load_queue, self._run_load),
                              name="maru-load", daemon=True),
@@ -93,52 +70,15 @@ class TransferEngine(abc.ABC):
         for thread in self._threads:
             thread.start()
 
-    # ------------------------------------------------------------------ create
-    @classmethod
-    def create(cls, pool_buffer: memoryview, kv_caches: dict[str, torch.Tensor],
-               fmt: ObjectFormat, device: str = "auto", prefault: bool = True,
-               copy_cpus: frozenset[int] | None = None, copy_priority: str = "idle",
-               **options) -> "TransferEngine":
-        """Build the engine for the device the KV cache lives on.
-
-        Args:
-            pool_buffer: a writable memoryview of the whole pool mapping.
-            kv_caches: the tensors vLLM handed to ``register_kv_caches``.
-            fmt: the object format; its layout must match ``kv_caches``.
-            device: ``"auto"`` (the KV cache's device), ``"cpu"`` or ``"cuda"``.
-            prefault: CPU: map the pool's pages in the background at start
-                (``prefault.py``); CUDA registers the pool, which maps them.
-            copy_cpus: CPU: the cores for the copy threads, None: unpinned
-                (``copy_cpus.py``); CUDA's copies run on its copy engines.
-            copy_priority: CPU: ``"idle"`` (the load thread runs only where
-                a core is otherwise idle) or ``"normal"``.
-            options: backend options (CUDA: ``staging_bytes``).
-        """
-        on_cuda = any(t.is_cuda for t in kv_caches.values())
-        if device == "auto":
-            device = "cuda" if on_cuda else "cpu"
-        if device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', not {device!r}")
-        if (device == "cuda") != on_cuda:
-            where = "a CUDA device" if on_cuda else "the CPU"
-            raise ValueError(f"device={device!r} but the KV cache is on {where}")
-        if device == "cuda":
-            from .cuda import CudaTransferEngine as engine_cls
-        else:
-            from .cpu import CpuTransferEngine as engine_cls
-            options.update(prefault=prefault, copy_cpus=copy_cpus, copy_priority=copy_priority)
-        engine = engine_cls(pool_buffer, kv_caches, fmt, **options)
-        engine._start()
-        return engine
-
     @staticmethod
-    def detect(kv_caches: dict[str, torch.Tensor], chunk_tokens: int, layerwise: bool,
+    def detect(kv_caches: dict[str, torch.Tensor], chunk_tokens: int, storage: StorageFormat | bool,
                block_size: int | None = None) -> ObjectFormat:
-        """Shortcut: the object format for these KV caches."""
-        return ObjectFormat(detect_kv_layout(kv_caches, block_size), chunk_tokens, layerwise)
+        """Shortcut: the object format for these KV caches (``storage``: the
+        storage format, or a layerwise flag)."""
+        return ObjectFormat(detect_kv_layout(kv_caches, block_size), chunk_tokens, storage)  # type: ignore[arg-type]
 
     # ----------------------------------------------------------------- submit
-    def start_head(self, sources: Sequence[tuple[int, ...]]) -> "HeadStart | None":
+    def start_head(self, sources: Sequence[tuple[int, ...]]) -> HeadStart | None:
         """Start copying the first layers of a load of ``sources`` (its
         chunks' pool offsets, as its ``ChunkLoad``s will carry them) before
         its blocks are allocated; ``None`` when the backend does not or
@@ -150,7 +90,7 @@ class TransferEngine(abc.ABC):
         return None
 
     def submit_load(self, chunks: Sequence[ChunkLoad], beside_long_forward: bool = False,
-                    head: "HeadStart | None" = None, check: PayloadCheck | None = None) -> LoadHandle:
+                    head: HeadStart | None = None, check: PayloadCheck | None = None) -> LoadHandle:
         """Queue copies pool -> KV cache for ``chunks``; returns at once.
 
         On CUDA the writes into the blocks are ordered after the work queued
@@ -179,8 +119,8 @@ class TransferEngine(abc.ABC):
         nbytes = len(blocks) * self.layout.block_bytes_per_layer * self.layout.num_layers
         handle = LoadHandle(self.layout.num_layers if chunks else 0, nbytes)
         if chunks:
-            job = _Job(handle, blocks, [c[1] for c in chunks], beside_long_forward)
-            job.check = check if check is not None and check.verify.any() else None
+            job = TransferJob(handle, blocks, [c[1] for c in chunks], beside_long_forward,
+                              check=check if check is not None and check.verify.any() else None)
             job.head = self._claim_head(head, job) if head is not None else None
             handle.head_start = job.head is not None
             self._prepare(job)
@@ -199,12 +139,12 @@ class TransferEngine(abc.ABC):
                 f"layout {self.layout.kind} has segments of {self.layout.segment_bytes} bytes: payload "
                 "checksums need whole 32-bit words; set maru_verify_payload: false for this model")
 
-    def _claim_head(self, head: "HeadStart", job: _Job) -> "HeadStart | None":
+    def _claim_head(self, head: HeadStart, job: LoadJob) -> HeadStart | None:
         """Backend hook: ``head`` for ``job``, or None (and dropped)."""
         head.drop()
         return None
 
-    def _issue_here(self, job: _Job) -> bool:
+    def _issue_here(self, job: LoadJob) -> bool:
         """Backend hook: run ``job`` on the submitting thread instead of the
         copy thread; True when it did (its failures end in its handle)."""
         return False
@@ -221,16 +161,17 @@ class TransferEngine(abc.ABC):
         nbytes = len(blocks) * self.layout.block_bytes_per_layer * self.layout.num_layers
         handle = StoreHandle(nbytes)
         if chunks:
-            job = _Job(handle, blocks, [c[1] for c in chunks])
-            self._prepare(job)
-            self._enqueue(self._store_queue, job)
+            store = TransferJob(handle, blocks, [c[1] for c in chunks])
+            self._prepare(store)
+            self._enqueue(self._store_queue, store)
         return handle
 
-    def _prepare(self, job: _Job) -> None:
+    def _prepare(self, job: LoadJob | StoreJob) -> None:
         """Hook run on the caller's thread at submit (CUDA records an event
         on the caller's current stream that the copies wait for)."""
 
-    def _enqueue(self, q: queue.Queue, job: _Job) -> None:
+    def _enqueue(self, q: "queue.Queue[LoadJob | object] | queue.Queue[StoreJob | object]",
+                 job: LoadJob | StoreJob) -> None:
         with self._submit_lock:  # nothing may queue behind the stop marker
             if self._closed:
                 raise TransferError("the transfer engine is closed")
@@ -239,12 +180,14 @@ class TransferEngine(abc.ABC):
             q.put(job)
 
     # ------------------------------------------------------------ copy thread
-    def _serve(self, q: queue.Queue, run) -> None:
+    def _serve(self, q: "queue.Queue[LoadJob | object] | queue.Queue[StoreJob | object]",
+               run: Callable[..., None]) -> None:
         self._copy_thread_started(loads=q is self._load_queue)
         while True:
             job = q.get()
             if job is _STOP:
                 return
+            assert isinstance(job, TransferJob)
             try:
                 run(job)
             except BaseException as exc:  # every waiter must be released
@@ -259,13 +202,13 @@ class TransferEngine(abc.ABC):
         (CPU: pins it to its cores, and sets the load thread's priority)."""
 
     @staticmethod
-    def _fail(job: _Job, exc: BaseException) -> None:
+    def _fail(job: LoadJob | StoreJob, exc: BaseException) -> None:
         if isinstance(job.handle, LoadHandle):
             job.handle._fail(exc)
         else:
             job.handle._finish(exc)
 
-    def _runs(self, job: _Job, layer: int) -> list[Run]:
+    def _runs(self, job: LoadJob | StoreJob, layer: int) -> list[Run]:
         runs = layer_runs(self.fmt, job.offsets, layer)
         row = self.fmt.layer_bytes
         for run in runs:
@@ -277,11 +220,11 @@ class TransferEngine(abc.ABC):
         return runs
 
     @abc.abstractmethod
-    def _run_load(self, job: _Job) -> None:
+    def _run_load(self, job: LoadJob) -> None:
         """Copy a load job's layers, pool -> KV cache, completing each layer's event."""
 
     @abc.abstractmethod
-    def _run_store(self, job: _Job) -> None:
+    def _run_store(self, job: StoreJob) -> None:
         """Copy a store job's chunks, KV cache -> pool, then finish its handle."""
 
     # ------------------------------------------------------------------ close
@@ -298,7 +241,7 @@ class TransferEngine(abc.ABC):
                 thread.join()
         self._release()
         # Drop every view of the mapping so the pool can be unmapped.
-        self.pool = None
+        self.pool = None  # type: ignore[assignment]  # closed: nothing reads the pool after this
         self.block_views = []
 
     def _release(self) -> None:

@@ -35,7 +35,8 @@ class TransferRequestError(ValueError):
 
 class ChunkLoad(NamedTuple):
     """Load one chunk: ``sources`` are the pool data offsets of its objects
-    (chunkwise: ``(offset,)``; layerwise: one per layer position)."""
+    (``ObjectFormat.objects_per_chunk`` of them: chunkwise ``(offset,)``;
+    layerwise one per layer position)."""
 
     block_ids: tuple[int, ...]
     sources: tuple[int, ...]
@@ -139,15 +140,20 @@ def _layer_shifts(fmt: ObjectFormat, offsets: Sequence[Sequence[int]]) -> list[i
     same for every chunk (else None): then every layer's runs are layer 0's,
     shifted.
 
-    Chunkwise objects hold the layers back to back: always. Layerwise
-    objects: when each chunk's layer objects were placed alike, as one
-    store's reserve places them (chunk-major, side by side)."""
-    if not fmt.layerwise:
-        return [layer * fmt.layer_bytes for layer in range(fmt.num_layers)]
-    table = np.asarray(offsets, dtype=np.int64).reshape(len(offsets), fmt.num_layers)
-    shifts = table - table[:, :1]
+    A format of one object per chunk holds the layers at fixed offsets in
+    it: always. Several objects per chunk (layerwise): when each chunk's
+    objects were placed alike, as one store's reserve places them
+    (chunk-major, side by side)."""
+    places = fmt.layer_places
+    if fmt.objects_per_chunk == 1:
+        return [offset - places[0][1] for _, offset in places]
+    table = np.asarray(offsets, dtype=np.int64).reshape(len(offsets), fmt.objects_per_chunk)
+    objs = np.fromiter((obj for obj, _ in places), dtype=np.int64, count=len(places))
+    within = np.fromiter((offset for _, offset in places), dtype=np.int64, count=len(places))
+    sources = table[:, objs] + within
+    shifts = sources - sources[:, :1]
     if len(table) and (shifts == shifts[0]).all():
-        return shifts[0].tolist()
+        return shifts[0].tolist()  # type: ignore[no-any-return]
     return None
 
 
