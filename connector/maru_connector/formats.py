@@ -22,9 +22,9 @@ here, and its row in ``STRATEGIES``. Its objects must all be the same size
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Protocol, cast
+from typing import Protocol
 
-from maru_core.keys import KEY_BYTES, Key, packed_layer_keys
+from maru_core.keys import KEY_BYTES, packed_layer_keys
 from maru_core.pool.slots import SlotFormat
 from maru_core.storage_format import StorageFormat
 
@@ -108,7 +108,7 @@ class LayerwiseFormat:
         return layer, 0
 
     def object_keys(self, chunk_keys: Iterable[bytes], layers: Sequence[int]) -> bytes:
-        return packed_layer_keys(cast("Iterable[Key]", chunk_keys), layers)
+        return packed_layer_keys(chunk_keys, layers)
 
     def describe(self, chunk: int, obj: int) -> str:
         return f"the object of chunk {chunk}, layer {obj} of the load"

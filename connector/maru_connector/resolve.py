@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Union, cast
 
 import numpy as np
 from maru_core.index.api import IndexApi, Keys
-from maru_core.keys import KEY_BYTES, Key, packed_layer_keys, split_keys
+from maru_core.keys import KEY_BYTES, Key, split_keys
 from maru_core.pool.slot_check import SlotHeaderCheck
 from maru_core.pool.slots import ChecksumKind, SlotHeader, SlotState
 from maru_core.protocol import Location, LocationList
@@ -75,12 +75,7 @@ def packed_object_keys(fmt: ObjectFormat, chunk_keys: Sequence[bytes]) -> bytes:
     """The keys of the objects of these chunks, end to end: chunk-major, then
     true layer. Packed, a load's keys cost no object per key on their way to
     the index (a layerwise 16k-token hit has 2,048)."""
-    if fmt.layerwise:
-        return packed_layer_keys(chunk_keys, fmt.layout.layer_indices)
-    packed = b"".join(chunk_keys)
-    if len(packed) != KEY_BYTES * len(chunk_keys):
-        raise ValueError(f"chunk keys must be {KEY_BYTES} bytes each")
-    return packed
+    return fmt.strategy.object_keys(chunk_keys, fmt.layout.layer_indices)
 
 
 def object_keys(fmt: ObjectFormat, chunk_keys: Sequence[bytes]) -> list[bytes]:
@@ -399,10 +394,13 @@ def head_sources(locations: Locations, num_chunks: int, per_chunk: int) -> list[
     return _chunk_sources(reply, num_chunks, per_chunk)
 
 
-def release_pins(client: IndexApi, pinned: PinnedLoad) -> None:
-    """Unpin after every copy from those slots completed (invariant 8)."""
+def release_pins(client: IndexApi | None, pinned: PinnedLoad) -> None:
+    """Unpin after every copy from those slots completed (invariant 8); early
+    pins go back through their own lookup client, others through ``client``."""
     if pinned.early is not None:
         pinned.early.release()
         return
+    if client is None:
+        raise AssertionError("pins taken by a retrieve without the client that took them")
     _HELD.remove(client, pinned)
     unpin_quietly(client, pinned.object_keys)

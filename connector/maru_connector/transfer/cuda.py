@@ -47,7 +47,6 @@ from .plan import Run, layer_pieces
 
 __all__ = ["CudaTransferEngine"]
 
-_Job = LoadJob  # a load job, as the checksum functions name it
 
 DEFAULT_STAGING_BYTES = 64 << 20  # the largest fill; >= 64 MiB copies reach peak
 STAGING_FILLS = 2  # the ring holds this many of the largest fills
@@ -666,7 +665,7 @@ class CudaTransferEngine(TransferEngine):
                 return None
         return first
 
-    def _scatter_unit(self, job: _Job, ids: torch.Tensor, unit, copied) -> None:
+    def _scatter_unit(self, job: LoadJob, ids: torch.Tensor, unit, copied) -> None:
         """Scatter one fill into the blocks of its layers (one index copy
         through the layers' common stride for a group), then free the
         staging buffer; the fill's last event lands its layers. A verified
@@ -706,14 +705,17 @@ class CudaTransferEngine(TransferEngine):
                 job.handle._mark_layer(layer, freed, check)
 
     # ------------------------------------------------------------ checksums
-    def _check_state(self, job: _Job) -> list:
+    def _check_state(self, job: LoadJob) -> list:
         """A verified load's device state, made at its first fill: [sums,
         expected, verify, pinned flags, comparisons so far], the first three
-        per object of the load (``[chunk, layer]`` views when layerwise), from
-        one pinned host array in one copy on the scatter stream."""
-        state = getattr(job, "check_state", None)
+        one int64 per object of the load, from one pinned host array in one
+        copy on the scatter stream."""
+        state = job.check_state
         if state is None:
-            check, n = job.check, len(job.check)
+            check = job.check
+            if check is None:
+                raise AssertionError("a load without a check has no check state")
+            n = len(check)
             if getattr(self, "_compare_counter", None) is None:  # the kernel's ticket counter
                 self._compare_counter = torch.zeros(1, dtype=torch.int32, device=self.device)
             host = np.zeros(3 * n, dtype=np.int64)  # sums start at 0
@@ -726,7 +728,7 @@ class CudaTransferEngine(TransferEngine):
             state = job.check_state = [device[:n], device[n:2 * n], device[2 * n:], flags, 0]
         return state
 
-    def _due(self, job: _Job, layers: list[int]) -> "tuple[device_checksum.Compare, str] | None":
+    def _due(self, job: LoadJob, layers: list[int]) -> "tuple[device_checksum.Compare, str] | None":
         """What to compare once the fill completing ``layers`` is summed
         (``checks.objects_due``): the comparison and what it checks, or None
         when no object is due (a chunkwise load before its last layer)."""
@@ -747,7 +749,7 @@ class CudaTransferEngine(TransferEngine):
                                           first=first, cols=cols)
         return compare, what
 
-    def _sum_fill(self, job: _Job, unit, copied, due) -> None:
+    def _sum_fill(self, job: LoadJob, unit, copied, due) -> None:
         """Add one fill's rows to its objects' sums, then compare the objects
         ``due`` (if any), on the scatter stream (one launch with Triton)."""
         layers, pieces, _ = unit

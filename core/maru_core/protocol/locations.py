@@ -16,7 +16,7 @@ import itertools
 import sys
 from array import array
 from collections.abc import Sequence
-from typing import Iterable, Iterator, NamedTuple, TypeVar, overload
+from typing import Any, Iterable, Iterator, NamedTuple, TypeVar, overload
 
 
 class Location(NamedTuple):
@@ -79,7 +79,7 @@ class _PackedList(Sequence):
 
     __slots__ = ("_wire", "_array")
     _width = 1
-    _type: type = tuple
+    _type: Any = tuple  # the NamedTuple of an entry (its ``_make``)
 
     def __init__(self, wire: bytes | memoryview) -> None:
         self._wire = wire
@@ -201,14 +201,14 @@ class SlotList(_PackedList):
         return self._words[1::2]
 
 
-def pack_locations(locations: "LocationList | list") -> bytes:
+def pack_locations(locations: "LocationList | list") -> bytes | memoryview:
     """Pack a ``LocationList`` or ``[Location | None, ...]`` (3-tuples) into the wire form."""
     if isinstance(locations, LocationList):
         return locations.to_wire()
     return _pack(locations, 3, "location")
 
 
-def pack_slots(slots: "SlotList | list") -> bytes:
+def pack_slots(slots: "SlotList | list") -> bytes | memoryview:
     """Pack a ``SlotList`` or ``[Slot | None, ...]`` (2-tuples) into the wire form."""
     if isinstance(slots, SlotList):
         return slots.to_wire()
