@@ -53,7 +53,7 @@ from maru_core.index.api import IndexApi
 from maru_core.keys import KEY_BYTES
 from maru_core.protocol import LocationList
 
-from maru_connector.resolve import LoadFailure, forget_held, index_failure, unpin_quietly
+from maru_connector.held_pins import LoadFailure, forget_held, index_failure, unpin_quietly
 
 if TYPE_CHECKING:
     from maru_connector.transfer.engine import HeadStart

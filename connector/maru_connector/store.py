@@ -20,6 +20,7 @@ reused (:meth:`Storer.drain`).
 
 from __future__ import annotations
 
+import enum
 import logging
 import queue
 import threading
@@ -39,14 +40,26 @@ from maru_connector.transfer import ChunkStore
 
 logger = logging.getLogger(__name__)
 
-_QUEUED, _RESERVING, _COPYING, _AWAITING_VERDICT, _DONE, _CANCELLED = range(6)
-_READING_BLOCKS = (_QUEUED, _RESERVING, _COPYING)
+class JobState(enum.Enum):
+    """Where a store job is: its blocks are read while queued, reserving or
+    copying; after that it waits for its step's verdict, then is done.
+    A job cancelled before it read a block is skipped."""
+
+    QUEUED = enum.auto()
+    RESERVING = enum.auto()
+    COPYING = enum.auto()
+    AWAITING_VERDICT = enum.auto()
+    DONE = enum.auto()
+    CANCELLED = enum.auto()
+
+
+_READING_BLOCKS = (JobState.QUEUED, JobState.RESERVING, JobState.COPYING)
 
 
 @dataclass
 class _StoreJob:
     spec: StoreSpec
-    state: int = _QUEUED
+    state: JobState = JobState.QUEUED
     done: threading.Event = field(default_factory=threading.Event)
     blocks_read: threading.Event = field(default_factory=threading.Event)  # no block read any more
     started: float = 0.0
@@ -128,9 +141,9 @@ class Storer:
         with self._lock:
             for req_id in req_ids:
                 for job in self._jobs.get(req_id, ()):
-                    if job.state in (_QUEUED, _RESERVING):
-                        job.state = _CANCELLED  # no block read yet: skip it
-                    elif job.state == _COPYING:
+                    if job.state in (JobState.QUEUED, JobState.RESERVING):
+                        job.state = JobState.CANCELLED  # no block read yet: skip it
+                    elif job.state == JobState.COPYING:
                         waits.append(job.blocks_read)
         for event in waits:
             event.wait()
@@ -187,7 +200,7 @@ class Storer:
         job.started = time.monotonic()
         reserved: list[bytes] = []
         try:
-            if self._set_state(job, _QUEUED, _RESERVING):
+            if self._set_state(job, JobState.QUEUED, JobState.RESERVING):
                 self._copy(job, reserved)
         except _Cancelled:
             self._stats.record_store_failure("aborted")
@@ -201,7 +214,7 @@ class Storer:
             self._stats.record_store_failure("other")
             self._abort(reserved)
         job.blocks_read.set()
-        if job.to_commit and self._set_state(job, _COPYING, _AWAITING_VERDICT):
+        if job.to_commit and self._set_state(job, JobState.COPYING, JobState.AWAITING_VERDICT):
             with self._lock:
                 self._by_step.setdefault(job.spec.step, []).append(job)
         else:
@@ -215,7 +228,7 @@ class Storer:
         if not chunks:
             return
         reserved.extend(k for k, _ in chunk_keys)
-        if not self._set_state(job, _RESERVING, _COPYING):
+        if not self._set_state(job, JobState.RESERVING, JobState.COPYING):
             raise _Cancelled()
         for _, slot in chunk_keys:  # an old header must never describe half-new data
             self._pool.invalidate_slot(slot.offset, self._fmt.object_bytes)
@@ -277,7 +290,7 @@ class Storer:
     def _finish(self, job: _StoreJob) -> None:
         job.blocks_read.set()
         with self._lock:
-            job.state = _DONE
+            job.state = JobState.DONE
             jobs = self._jobs.get(job.spec.req_id)
             if jobs is not None and job in jobs:
                 jobs.remove(job)
@@ -324,7 +337,7 @@ class Storer:
         except Exception as exc:  # reservations also lapse with the lease
             logger.warning("abort of %d reservations failed (%s)", len(keys), exc)
 
-    def _set_state(self, job: _StoreJob, expected: int, new: int) -> bool:
+    def _set_state(self, job: _StoreJob, expected: JobState, new: JobState) -> bool:
         with self._lock:
             if job.state != expected:
                 return False

@@ -10,7 +10,6 @@ admission review lists nothing.
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import dataclasses
 import logging
@@ -22,57 +21,17 @@ import kopf
 
 from . import API_VERSION, GROUP, KIND, LABEL_CACHE, MANAGED_BY, PLURAL, VERSION, reconciler, upkeep
 from .conditions import now_rfc3339, phase, refresh_index
+from .context import OperatorContext, Written
 from .injection import cache_info
 from .inventory import NodeInfo, parse_node
-from .k8s import ApiError, Conflict, KubeApi, LedgerStore, object_path
+from .k8s import ApiError, Conflict, KubeApi, object_path
 from .ledger import rebuild
-from .metrics import OperatorMetrics
 from .models import CacheRef
 from .pods import PodView, pod_view, pods_mapping
 from .results import EventType, ReconcileResult
-from .usage import UsageReader
 from .webhook import refusal_event
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class Written:
-    """The status this process last wrote for a cache, and what it was computed from."""
-
-    generation: int
-    result: ReconcileResult  # the reconcile result it came from
-    status: dict[str, Any]
-    available: bool  # whether the index Deployment was available
-
-
-@dataclasses.dataclass
-class OperatorContext:
-    """Everything the handlers share; built once by the composition root (`cli`)."""
-
-    api: KubeApi
-    ledger: LedgerStore
-    metrics: OperatorMetrics
-    resync_seconds: float = 5.0
-    full_resync_seconds: float = 60.0  # a cache that is not Ready gets its children checked this often
-    last_full: dict[str, float] = dataclasses.field(default_factory=dict)
-    written: dict[str, Written] = dataclasses.field(default_factory=dict)
-    generations: dict[str, int] = dataclasses.field(default_factory=dict)  # newest generation reconciled
-    locks: dict[str, asyncio.Lock] = dataclasses.field(default_factory=dict)
-    native_mode: str = "auto"  # native sidecars: auto (from the API server's version), always, never
-    native_sidecars: bool = False  # what `native_mode` resolved to at start
-    usage_reader: UsageReader | None = None  # None: status.used is not written
-    usage_seconds: float = 30.0
-    last_usage: dict[str, float] = dataclasses.field(default_factory=dict)
-    stale_reported: set[str] = dataclasses.field(default_factory=set)  # "pod uid:reason:placement" with an Event
-
-    def lock(self, uid: str) -> asyncio.Lock:
-        return self.locks.setdefault(uid, asyncio.Lock())
-
-    def forget(self, uid: str) -> None:
-        """Drop what is kept about a deleted cache."""
-        for table in (self.locks, self.last_full, self.written, self.generations, self.last_usage):
-            table.pop(uid, None)
 
 
 def _nodes(index: Any) -> Iterable[NodeInfo]:

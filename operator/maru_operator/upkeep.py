@@ -25,7 +25,7 @@ from .results import EventType
 from .usage import quantity
 
 if TYPE_CHECKING:
-    from .handlers import OperatorContext
+    from .context import OperatorContext
 
 log = logging.getLogger(__name__)
 WriteStatus = Callable[["OperatorContext", Mapping[str, Any], Mapping[str, Any]], Awaitable[bool]]

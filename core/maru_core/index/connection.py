@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any, Generator
+from typing import TYPE_CHECKING, Any, Generator, Protocol
 
 from maru_core.protocol import ErrorType, FrameError, FrameTooLarge, ProtocolError, error_reply
 from maru_core.protocol.framing import MAX_FRAME_BYTES, FrameBuffer, FrameWriter
 
 if TYPE_CHECKING:
-    from maru_core.index.server import IndexServer
+    from maru_core.index.limits import ServerLimits
+    from maru_core.index.listen import RateLimitedLog
 
 #: Pending reply bytes above which a connection stops reading until its peer has read them.
 WRITE_HIGH_WATER = 4 * 1024 * 1024
@@ -47,10 +48,30 @@ Reply = dict[str, Any]
 Job = Generator[None, None, Reply]
 
 
+class ConnectionHost(Protocol):
+    """What a connection needs of the server that accepted it (``IndexServer``)."""
+
+    limits: "ServerLimits"
+    refusals: "RateLimitedLog"
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop: ...
+
+    def handle(self, conn: "Connection", message: Any) -> Reply | Job: ...
+
+    def admit(self, conn: "Connection") -> None: ...
+
+    def forget(self, conn: "Connection") -> None: ...
+
+    def closing(self, conn: "Connection", reason: str) -> None: ...
+
+    def check_receive_growth(self, current: int, wanted: int) -> None: ...
+
+
 class Connection(asyncio.BufferedProtocol):
     """One client connection (see the module docstring)."""
 
-    def __init__(self, server: "IndexServer", peer_key: str = "unknown", hello_prepaid: bool = False) -> None:
+    def __init__(self, server: ConnectionHost, peer_key: str = "unknown", hello_prepaid: bool = False) -> None:
         self._server = server
         self.peer_key = peer_key  # whose budgets it spends (``maru_core.index.peers``)
         self.hello_prepaid = hello_prepaid  # its peer paid for its hello at accept (refunded if right)
