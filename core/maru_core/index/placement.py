@@ -77,7 +77,6 @@ class Placement:
         candidates &= first
         if not candidates.any():
             return SlotList(bytes(len(joined)))
-        self._lease(lease_id)
         idx, starts, pages = self._place_candidates(self._lease(lease_id), candidates, lengths)
         self._reserved_pages += int(pages.sum())  # placed, not recorded yet: counted as reserved meanwhile
         done = 0
