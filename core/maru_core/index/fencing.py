@@ -31,9 +31,7 @@ import numpy as np
 
 #: A key as one comparable element (its two 64-bit words), for ``np.isin``.
 _KEY = np.dtype([("w0", "<u8"), ("w1", "<u8")])
-#: Fenced runs taken out: ``(first pages, page counts)``.
-Runs = tuple[np.ndarray, np.ndarray]
-#: Fenced runs taken out with the numbers of the leases that held them.
+#: Fenced runs taken out: ``(first pages, page counts, numbers of the leases that held them)``.
 OwnedRuns = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
