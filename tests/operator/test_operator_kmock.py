@@ -61,7 +61,8 @@ def test_spec_change_updates_children_but_never_the_token(kube: Kube, operator: 
     def updated():
         cm = kube.objects("v1/configmaps")[("default", "edit-maru-config")]
         extra = json.loads(cm["data"]["kv-transfer-config.json"])["kv_connector_extra_config"]
-        return extra["maru_format"] == "layerwise" and extra["maru_kv_chunk_tokens"] == 128
+        # the format's older spelling, which every release's connector reads (docs/operator.md)
+        return extra["maru_use_layerwise"] is True and extra["maru_kv_chunk_tokens"] == 128
     wait_for(updated, what="config map update")
     wait_for(lambda: str(6 * GiB) in kube.objects("apps/v1/deployments")[("default", "edit-maru-index")][
         "spec"]["template"]["spec"]["containers"][0]["command"], what="index Deployment on the new region")
