@@ -13,19 +13,9 @@ shift
 stages=${*:-cuda-tests transfer profile ttft}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=connector:core:tools:tests/connector
-failed=0
+source bench/device_run.sh
 
-run() {  # NAME SECONDS COMMAND...: the command's output into OUT_DIR/NAME.txt
-    local name=$1 limit=$2
-    shift 2
-    echo "== $name: $*"
-    if ! timeout "$limit" "$@" >"$out/$name.txt" 2>&1; then
-        echo "!! $name failed (exit $?)"
-        failed=1
-    fi
-}
-
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >"$out/gpu.txt" 2>&1
+gpu_info
 for stage in $stages; do
     case $stage in
     cuda-tests)

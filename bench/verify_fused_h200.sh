@@ -16,22 +16,9 @@ set -u
 out=${1:?usage: verify_fused_h200.sh OUT_DIR}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=connector:core:tools:tests/connector:bench/.site
-failed=0
+source bench/device_run.sh
 
-run() {  # NAME SECONDS COMMAND...: the command's output into OUT_DIR/NAME.txt
-    local name=$1 limit=$2
-    shift 2
-    echo "== $name: $*"
-    if ! timeout "$limit" "$@" >"$out/$name.txt" 2>&1; then
-        echo "!! $name failed (exit $?)"
-        failed=1
-    fi
-    tail -3 "$out/$name.txt"
-}
-
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >"$out/gpu.txt" 2>&1
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
-    >>"$out/gpu.txt" 2>&1
+gpu_info
 run cuda_tests 170 python3 -m pytest --noconftest -p no:cacheprovider -m cuda -q \
     tests/connector/test_verified_transfer.py tests/connector/test_transfer_cuda.py \
     tests/connector/test_head_start_cuda.py tests/connector/test_device_memory.py

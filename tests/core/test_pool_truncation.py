@@ -20,32 +20,13 @@ import numpy as np
 
 from maru_core.index.client import IndexClient
 from maru_core.index.launcher import IndexProcess
-from maru_core.pool import Pool, SlotHeader
+from maru_core.pool import Pool
 from maru_core.pool.slot_check import SlotHeaderCheck
 from maru_core.pool.truncation import first_lost_page, missing_bytes
+from store_as_a_writer import assert_served_exactly, numbered_keys, write_objects
 
 TOKEN = "truncate-token-0123456789"
-OBJECT_BYTES = 4096
 INDEX_ARGS = ["--page-size", "4096", "--lease-ttl", "2"]
-
-
-def _keys(tag: int, n: int) -> list[bytes]:
-    return [bytes([tag]) + i.to_bytes(4, "little") + bytes(11) for i in range(n)]
-
-
-def _write(client: IndexClient, pool: Pool, keys: list[bytes], seed: int) -> tuple[dict, dict]:
-    """Reserve, copy and head every key as a connector's store does: (bytes, offsets) by key."""
-    slots = list(client.reserve([(k, OBJECT_BYTES) for k in keys]))
-    assert None not in slots
-    rng = np.random.default_rng(seed)
-    payloads, offsets = {}, {}
-    for key, slot in zip(keys, slots):
-        pool.invalidate_slot(slot.offset, OBJECT_BYTES)
-        payloads[key], offsets[key] = rng.bytes(OBJECT_BYTES), slot.offset
-        pool.view(slot.offset, OBJECT_BYTES)[:] = payloads[key]
-        checksum = pool.payload_checksum(slot.offset, OBJECT_BYTES)
-        pool.write_slot_header(slot.offset, SlotHeader(key, slot.generation, OBJECT_BYTES, checksum=checksum))
-    return payloads, offsets
 
 
 def _cut(pool: Pool, offsets: dict, keys: list[bytes]) -> tuple[list[bytes], list[bytes]]:
@@ -58,28 +39,17 @@ def _cut(pool: Pool, offsets: dict, keys: list[bytes]) -> tuple[list[bytes], lis
     return [k for k in keys if page(k) + 1 <= first], [k for k in keys if page(k) + 1 > first]
 
 
-def _served_exactly(client: IndexClient, pool: Pool, keys: list[bytes], payloads: dict) -> None:
-    found = client.retrieve(keys)
-    assert found.misses() == 0
-    offsets = np.array([loc.offset for loc in found], dtype=np.int64)
-    generations = np.array([loc.generation for loc in found], dtype=np.uint64)
-    assert SlotHeaderCheck(pool)(b"".join(keys), offsets, generations).all()
-    for key, loc in zip(keys, found):
-        assert bytes(pool.view(loc.offset, loc.length)) == payloads[key]
-    client.unpin(keys)
-
-
 def test_a_pool_truncated_under_a_running_index_gets_its_size_back_and_loses_only_the_cut_objects(
         pool_path, token_file):
     index = IndexProcess(pool_path, pool_size="64Mi", token_file=token_file, extra_args=INDEX_ARGS).start()
     try:
         with Pool.attach(pool_path) as pool, IndexClient(index.url, token=TOKEN) as writer, \
                 IndexClient(index.url, token=TOKEN) as reader:
-            stored = _keys(1, 200)
-            payloads, offsets = _write(writer, pool, stored, seed=1)
+            stored = numbered_keys(1, 200)
+            payloads, offsets = write_objects(writer, pool, stored, seed=1)
             assert writer.commit(stored) == [True] * len(stored)
-            in_flight = _keys(2, 20)  # reserved and written after the stored ones: all past the cut
-            _write(writer, pool, in_flight, seed=2)
+            in_flight = numbered_keys(2, 20)  # reserved and written after the stored ones: all past the cut
+            write_objects(writer, pool, in_flight, seed=2)
             pinned = reader.retrieve(stored[-10:])  # a reader holds pins on objects that will be lost
             assert pinned.misses() == 0
             kept, lost = _cut(pool, offsets, stored)
@@ -91,7 +61,7 @@ def test_a_pool_truncated_under_a_running_index_gets_its_size_back_and_loses_onl
             assert missing_bytes(pool) == 0 and index.proc.poll() is None
             # The writer's reservations past the cut are refused: its bytes there are gone.
             assert writer.commit(in_flight) == [False] * len(in_flight)
-            _served_exactly(reader, pool, kept, payloads)
+            assert_served_exactly(reader, pool, kept, payloads)
             assert reader.retrieve(lost[:-10]).misses() == len(lost) - 10
             # The pinned ones stay listed until unpinned, but no reader passes their cleared headers.
             offs = np.array([loc.offset for loc in pinned], dtype=np.int64)
@@ -100,10 +70,10 @@ def test_a_pool_truncated_under_a_running_index_gets_its_size_back_and_loses_onl
             reader.unpin(stored[-10:])
             # New clients attach and store as before.
             with Pool.attach(pool_path) as again:
-                more = _keys(3, 50)
-                more_payloads, _ = _write(writer, again, more, seed=3)
+                more = numbered_keys(3, 50)
+                more_payloads, _ = write_objects(writer, again, more, seed=3)
                 assert writer.commit(more) == [True] * len(more)
-                _served_exactly(reader, again, more, more_payloads)
+                assert_served_exactly(reader, again, more, more_payloads)
     finally:
         index.stop()
 
@@ -112,8 +82,8 @@ def test_an_index_starts_over_a_pool_file_truncated_while_it_was_down(pool_path,
     first = IndexProcess(pool_path, pool_size="64Mi", token_file=token_file, extra_args=INDEX_ARGS).start()
     try:
         with Pool.attach(pool_path) as pool, IndexClient(first.url, token=TOKEN) as writer:
-            stored = _keys(4, 200)
-            payloads, offsets = _write(writer, pool, stored, seed=4)
+            stored = numbered_keys(4, 200)
+            payloads, offsets = write_objects(writer, pool, stored, seed=4)
             assert writer.commit(stored) == [True] * len(stored)
             first.kill()
             kept, lost = _cut(pool, offsets, stored)
@@ -124,7 +94,7 @@ def test_an_index_starts_over_a_pool_file_truncated_while_it_was_down(pool_path,
         with Pool.attach(pool_path) as pool, IndexClient(second.url, token=TOKEN) as reader:
             assert missing_bytes(pool) == 0
             assert reader.stats()["keys"] == len(kept)
-            _served_exactly(reader, pool, kept, payloads)
+            assert_served_exactly(reader, pool, kept, payloads)
             assert reader.retrieve(lost).misses() == len(lost)
     finally:
         second.stop()
