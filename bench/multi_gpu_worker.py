@@ -51,6 +51,7 @@ from maru_connector.metadata import StoreSpec  # noqa: E402
 from maru_connector.resolve import packed_object_keys, release_pins, resolve_load  # noqa: E402
 from maru_connector.store import Storer  # noqa: E402
 from maru_connector.transfer import TransferEngine, create_engine  # noqa: E402
+from ttft_gpu import pinned_peak_gbps  # noqa: E402
 
 WAIT_S = 120.0  # longest wait for one load's copies
 
@@ -121,21 +122,6 @@ def forward(model: LlamaStack, rows: list, batch: Batch, reduce, wait=None) -> t
 def prompt(prefix: int, n: int, vocab: int) -> list[int]:
     g = torch.Generator().manual_seed(7919 * (prefix + 1))
     return torch.randint(1, vocab, (n,), generator=g).tolist()
-
-
-def pinned_peak_gbps(nbytes: int = 1 << 30) -> float:
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    best = float("inf")
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dev.copy_(host, non_blocking=True)
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1000)
-    del host, dev
-    return nbytes / best / 1e9
 
 
 def position_weights(n: int, layer: int, device) -> torch.Tensor:

@@ -2,16 +2,22 @@
 # Verified loads on the GPU, in one go (run from the project root on a machine
 # with one NVIDIA GPU, torch with CUDA, Triton, no vLLM):
 #
-#   bash bench/verify_h200.sh OUT_DIR
+#   bash bench/verify_h200.sh OUT_DIR [fused-ab]
 #
-# 1. the CUDA tests of verified loads and of the CUDA engine
+# 1. the CUDA tests of verified loads, of the CUDA engine and of its memory
 #    (test_verified_transfer.py -m cuda, test_transfer_cuda.py,
-#    test_head_start_cuda.py) -> OUT_DIR/cuda_tests.txt
+#    test_head_start_cuda.py, test_device_memory.py) -> OUT_DIR/cuda_tests.txt
 # 2. the checksum kernel's cost per GB against the pinned copy of the same
 #    bytes (bench/checksum_gpu.py) -> OUT_DIR/checksum_gpu.json
 # 3. verified against unverified hits of 4k, 16k and 32k tokens, both formats,
 #    sync and overlapped, in the GPU harness (bench/ttft_gpu.py)
 #    -> OUT_DIR/ttft_{chunkwise,layerwise}/ and .txt
+#
+# With `fused-ab`, steps 2 and 3 make way for the A/B of a verified fill's sum
+# and comparison in one launch (as shipped) against the comparison as torch
+# operations after the sum (before, --torch-compare), in the same lease:
+# verified against unverified 4k and 16k hits (4k only for the before), both
+# formats, 7 repeats -> OUT_DIR/ttft_{FORMAT}{,_torch_compare}/ and .txt.
 #
 # The index (step 3) needs `sortedcontainers` (pure Python): where it is not
 # installed, put a copy of the package in bench/.site/ (git ignores it). The
@@ -19,7 +25,8 @@
 # tests no hypothesis. About 6 minutes in all; each step has its own time
 # limit, and a step that fails does not stop the others (the exit code says).
 set -u
-out=${1:?usage: verify_h200.sh OUT_DIR}
+out=${1:?usage: verify_h200.sh OUT_DIR [fused-ab]}
+mode=${2:-all}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=connector:core:tools:tests/connector:bench/.site
 source bench/device_run.sh
@@ -27,7 +34,19 @@ source bench/device_run.sh
 gpu_info
 run cuda_tests 170 python3 -m pytest --noconftest -p no:cacheprovider -m cuda -q \
     tests/connector/test_verified_transfer.py tests/connector/test_transfer_cuda.py \
-    tests/connector/test_head_start_cuda.py
+    tests/connector/test_head_start_cuda.py tests/connector/test_device_memory.py
+if [ "$mode" = fused-ab ]; then
+    ab="sync_overlap_graphs sync_overlap_graphs_unverified"
+    for fmt in chunkwise layerwise; do
+        run "ttft_$fmt" 150 python3 bench/ttft_gpu.py --formats "$fmt" --repeats 7 --sizes 4096 16384 \
+            --partial 4096 512 --modes $ab --out "$out/ttft_$fmt"
+        grep '^|' "$out/ttft_$fmt.txt"
+        run "ttft_${fmt}_torch_compare" 100 python3 bench/ttft_gpu.py --formats "$fmt" --repeats 7 \
+            --sizes 4096 --partial 4096 512 --modes $ab --torch-compare --out "$out/ttft_${fmt}_torch_compare"
+        grep '^|' "$out/ttft_${fmt}_torch_compare.txt"
+    done
+    exit $failed
+fi
 run checksum_gpu 40 python3 bench/checksum_gpu.py --gib 2 --out "$out/checksum_gpu.json"
 for fmt in chunkwise layerwise; do
     run "ttft_$fmt" 140 python3 bench/ttft_gpu.py --formats "$fmt" --repeats 3 --sizes 4096 16384 32768 \

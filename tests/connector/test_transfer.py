@@ -31,6 +31,7 @@ from maru_connector.transfer import (
 )
 from maru_connector.transfer.factory import BACKEND_CLASSES, backend_class
 from maru_connector.transfer.plan import Run, layer_pieces, layer_runs, split_runs
+from maru_core.keys import packed_layer_keys
 from maru_core.storage_format import StorageFormat
 
 
@@ -503,7 +504,7 @@ class PairwiseFormat:
         return layer // 2, (layer % 2) * layer_bytes
 
     def object_keys(self, chunk_keys, layers):
-        raise NotImplementedError
+        return packed_layer_keys(chunk_keys, layers[::2])  # a pair is keyed by its first layer
 
     def describe(self, chunk, obj):
         return f"pair {obj} of chunk {chunk} of the load"

@@ -242,7 +242,7 @@ def _triton_for_the_interpreter() -> str:
 
 def test_the_triton_kernel_s_arithmetic_equals_numpy_in_triton_s_interpreter():
     """The kernel's sums and its fused comparison, run by Triton's interpreter
-    on the CPU (the GPU runs the same source: bench/verify_fused_h200.sh)."""
+    on the CPU (the GPU runs the same source: bench/verify_h200.sh fused-ab)."""
     triton_path = _triton_for_the_interpreter()
     script = textwrap.dedent("""
         import test_verified_transfer as t

@@ -252,6 +252,7 @@ class CudaTransferEngine(TransferEngine):
         self._head_freed: torch.cuda.Event | None = None  # the last scatter that read the buffer
         self.heads_used = 0  # loads that reused a head start's copies
         self.last_issue_s = 0.0  # host time spent queueing the last load's copies
+        self._compare_counter: torch.Tensor | None = None  # see _ticket_counter
 
     def _setup(self, fmt, staging_bytes: int, copy_2d: bool, load_priority: int) -> None:
         self.load_stream = torch.cuda.Stream(self.device, priority=load_priority)
@@ -716,8 +717,6 @@ class CudaTransferEngine(TransferEngine):
             if check is None:
                 raise AssertionError("a load without a check has no check state")
             n = len(check)
-            if getattr(self, "_compare_counter", None) is None:  # the kernel's ticket counter
-                self._compare_counter = torch.zeros(1, dtype=torch.int32, device=self.device)
             host = np.zeros(3 * n, dtype=np.int64)  # sums start at 0
             host[n:2 * n] = check.expected.view(np.int64)
             host[2 * n:] = check.verify
@@ -727,6 +726,13 @@ class CudaTransferEngine(TransferEngine):
             flags = torch.zeros(self.layout.num_layers, dtype=torch.int32, pin_memory=True)
             state = job.check_state = [device[:n], device[n:2 * n], device[2 * n:], flags, 0]
         return state
+
+    def _ticket_counter(self) -> torch.Tensor:
+        """The fused comparison's ticket counter (``device_checksum.Compare``),
+        made at the first verified load: the scatter stream runs one fill at a time."""
+        if self._compare_counter is None:
+            self._compare_counter = torch.zeros(1, dtype=torch.int32, device=self.device)
+        return self._compare_counter
 
     def _due(self, job: LoadJob, layers: list[int]) -> "tuple[device_checksum.Compare, str] | None":
         """What to compare once the fill completing ``layers`` is summed
@@ -745,7 +751,7 @@ class CudaTransferEngine(TransferEngine):
             return None
         state[4] = index + 1
         compare = device_checksum.Compare(expected=expected, verify=verify, flag=flags[index:index + 1],
-                                          counter=self._compare_counter, rows=rows, stride=stride,
+                                          counter=self._ticket_counter(), rows=rows, stride=stride,
                                           first=first, cols=cols)
         return compare, what
 

@@ -118,10 +118,11 @@ class Connection(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         if self._transport is None or self._transport.is_closing():
             return  # closed on a bad header: these bytes went to a throwaway buffer
+        now = time.monotonic()
         if not self._frames.pending_bytes:
-            self.frame_started_at = time.monotonic()
+            self.frame_started_at = now
         self._frames.advance(nbytes)
-        self.last_active = time.monotonic()
+        self.last_active = now
         if nbytes >= _DECODE_LATER_BYTES:
             self._yield_turn()  # this callback copied a lot already: decode in the next pass
             return
