@@ -20,6 +20,9 @@ log = logging.getLogger(__name__)
 ATTACH_RETRY_S = 1.0
 # How often the index is probed for `maru_sidecar_index_reachable` (never for readiness).
 INDEX_PROBE_INTERVAL_S = 5.0
+# How often the stats regions are scanned between scrapes, so that a region is seen with a
+# live writer (and folded when it ends) even when its process lives less than a scrape interval.
+STATS_SCAN_INTERVAL_S = 2.0
 
 
 class PoolAttacher:
@@ -103,7 +106,9 @@ class Sidecar:
                            mapped=self.attacher.identity)
         self.index_watch = IndexWatch(probe, INDEX_PROBE_INTERVAL_S, self._stop)
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(ConnectorCollector(RegionAggregator(config.stats_dir).scan, config.labels))
+        self.regions = RegionAggregator(config.stats_dir, attested=True)
+        self._region_scans = threading.Thread(target=self._scan_regions, name="maru-stats-scan", daemon=True)
+        self.registry.register(ConnectorCollector(self.regions.scan, config.labels))
         self.registry.register(
             SidecarCollector(lambda: self.attacher.attached, self._handoff_results, config.labels)
         )
@@ -115,6 +120,7 @@ class Sidecar:
         self.attacher.start()
         self.handoff.start()
         self.index_watch.start()
+        self._region_scans.start()
         self.endpoints.start()
 
     def readiness(self) -> tuple[bool, str]:
@@ -139,6 +145,13 @@ class Sidecar:
         thread = self.handoff._thread  # noqa: SLF001 - the accept loop; None before start()
         return thread is not None and thread.is_alive()
 
+    def _scan_regions(self) -> None:
+        while not self._stop.wait(STATS_SCAN_INTERVAL_S):
+            try:
+                self.regions.scan()
+            except OSError as exc:  # the next scrape reports it as a scan error
+                log.debug("stats scan failed: %s", exc)
+
     def wait(self, timeout_s: float | None = None) -> bool:
         return self._stop.wait(timeout_s)
 
@@ -156,6 +169,8 @@ class Sidecar:
         self.endpoints.stop()
         self.attacher.close()
         self.index_watch.close()
+        if self._region_scans.ident is not None:
+            self._region_scans.join()
 
     def _handoff_results(self) -> dict[str, int]:
         return dict(self.handoff.results)

@@ -102,6 +102,14 @@ class ConnectorCollector:
         regions.add_metric([*base, "foreign"], aggregate.foreign)
         regions.add_metric([*base, "invalid"], aggregate.invalid)
         yield regions
+        unattested = CounterMetricFamily(
+            "maru_sidecar_stats_regions_unattested",
+            "Stats region files removed uncounted because no scan saw their writer alive "
+            "(a process that lived less than a scan interval, or a file put there).",
+            labels=LABELS,
+        )
+        unattested.add_metric(base, aggregate.unattested_removed)
+        yield unattested
 
 
 class SidecarCollector:

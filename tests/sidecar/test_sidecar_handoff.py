@@ -227,3 +227,26 @@ def test_fetch_pool_waits_for_a_sidecar_that_starts_after_it(pool, sock_dir, sid
     assert "error" not in result, result
     with result["handoff"].open_pool() as mapped:
         assert mapped.geometry.uuid == pool.geometry.uuid
+
+
+def test_a_sidecar_folds_what_it_saw_alive_and_no_region_put_there(pool, sock_dir, sidecars, stats_writers):
+    sidecar = sidecars(pool.where, sock_dir / "maru.sock", NO_INDEX)
+    honest = stats_writers(sock_dir)
+    honest.do("lookup 7")
+    key = ("maru_lookup_hit_tokens_total", (("cache", "c1"),))
+
+    def hit_tokens() -> float:
+        return next(v for (name, _), v in sidecar.metrics().items() if name == key[0])
+
+    assert hit_tokens() == 7.0  # the scrape saw the writer alive
+    honest.kill()
+    injected = ConnectorStats(sock_dir)  # a region no writer will hold: made-up counters
+    injected.record_lookup(9 * 10**15)
+    injected.close()
+    deadline = time.monotonic() + 20
+    while injected.path.exists() and time.monotonic() < deadline:  # the sidecar's own scans remove it
+        time.sleep(0.1)
+    assert not injected.path.exists()
+    assert hit_tokens() == 7.0
+    removed = [v for (name, _), v in sidecar.metrics().items() if name == "maru_sidecar_stats_regions_unattested_total"]
+    assert removed == [1.0]

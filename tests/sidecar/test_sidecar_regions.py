@@ -74,3 +74,39 @@ def test_unreadable_retained_total_restarts_from_zero(tmp_path):
     s.record_lookup(2)
     assert decode(RegionAggregator(tmp_path).scan().values)["counters"]["lookup_hit_tokens"] == 2
     s.close()
+
+
+def _injected_region(directory, lookups: int):
+    """A region file with no writer, as any process with the shared directory could drop in."""
+    s = ConnectorStats(directory)
+    s.record_lookup(lookups)
+    s.close()
+    return s.path
+
+
+def test_an_attested_scan_never_folds_a_region_it_never_saw_alive(tmp_path):
+    injected = _injected_region(tmp_path, 9 * 10**15)
+    aggregator = RegionAggregator(tmp_path, attested=True)
+    aggregate = aggregator.scan()
+    assert decode(aggregate.values)["counters"]["lookup_hit_tokens"] == 0
+    assert (aggregate.folded, aggregate.unattested_removed) == (0, 1)
+    assert not injected.exists()
+    # nothing of it was retained for a later scan, by this sidecar or a restarted one
+    assert decode(RegionAggregator(tmp_path, attested=True).scan().values)["counters"]["lookup_hit_tokens"] == 0
+
+
+def test_an_attested_scan_folds_what_it_saw_alive_also_after_a_sidecar_restart(tmp_path, stats_writers):
+    a, b = stats_writers(tmp_path), stats_writers(tmp_path)
+    a.do("lookup 10")
+    b.do("lookup 5")
+    assert decode(RegionAggregator(tmp_path, attested=True).scan().values)["counters"]["lookup_hit_tokens"] == 15
+    a.kill()  # ends while no sidecar runs
+    restarted = RegionAggregator(tmp_path, attested=True)
+    aggregate = restarted.scan()
+    assert (aggregate.live, aggregate.folded, aggregate.unattested_removed) == (1, 1, 0)
+    assert decode(aggregate.values)["counters"]["lookup_hit_tokens"] == 15
+    b.kill()
+    assert decode(restarted.scan().values)["counters"]["lookup_hit_tokens"] == 15
+    record = msgpack.unpackb((tmp_path / RETAINED_NAME).read_bytes(), raw=False)
+    assert record["seen"] == []  # folded names leave the list of names seen live
+
