@@ -149,6 +149,8 @@ def test_prometheus_scrapes_every_metric_of_the_sidecar_and_the_index(index, soc
         assert prom.value('maru_pool_capacity_bytes{job="index"}') > 0
         assert prom.value('maru_pool_bytes{state="committed"}') >= 4096
         assert prom.value('maru_pool_bytes{state="free"} <= on() maru_pool_capacity_bytes') >= 0
+        # the pool-fill query of docs/metrics.md, as written there
+        assert 0 < prom.value('maru_pool_bytes{state="committed"} / ignoring (state) maru_pool_capacity_bytes') <= 1
         assert prom.value('maru_keys{job="index"}') >= 1
         assert prom.value('maru_leases{job="index"}') >= 1
         assert prom.value('maru_sidecar_stats_regions{state="live"}') == 1
