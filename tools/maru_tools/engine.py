@@ -84,7 +84,7 @@ class EngineProcess:
         self.log_path = Path(log_path)
         parent_sock, child_sock = socket.socketpair()
         env = dict(os.environ)
-        env.update(_engine_env(spec))
+        env.update(engine_env(spec))
         self._log = open(self.log_path, "ab")
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "maru_tools.engine_server", str(child_sock.fileno())],
@@ -233,7 +233,7 @@ def prefix_kv_mismatch(written: bytes | None, read: bytes | None, written_tokens
     return None
 
 
-def _engine_env(spec: EngineSpec) -> dict[str, str]:
+def engine_env(spec: EngineSpec) -> dict[str, str]:
     env = {
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
