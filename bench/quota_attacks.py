@@ -1,0 +1,151 @@
+"""What one client holding the cache's token could do to the others: the attacks of
+`bench/index_attacks.py` that need the token and, some of them, the pool.
+
+Each runs in its own process until ``stop`` is set, as ``attack(url, stop, pool_path)``:
+
+- ``pin_flood``: retrieves 20,000 keys of its own again and again, never unpinning,
+  keeping its lease alive (every occurrence of a pin used to be kept);
+- ``reserve_hog``: reserves as much of the pool as it is given and never commits,
+  heartbeating all along;
+- ``evict_wipe``: stores batches of 16,000 one-page objects back to back, so every
+  reserve evicts what others stored (the eviction bound used to be per call only);
+- ``token_connection_hoard``: opens 1,024 connections with the token and holds them;
+- ``token_slowloris``: 30 connections with the token, each announcing a 16 MiB frame
+  and sending one byte of it every 5 s.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+from maru_core.index.client import IndexClient
+from maru_core.pool import Pool, SlotHeader
+from maru_core.protocol import PROTOCOL_VERSION, encode_frame, parse_url
+from maru_core.protocol.framing import HEADER
+
+TOKEN = "bench-attack-token-0123456789abcdef"
+#: Source address of these attacks' connections: another peer than the normal clients.
+SOURCE_ADDRESS = "127.0.0.2"
+
+
+def _client(url: str, timeout_s: float = 30) -> IndexClient:
+    return IndexClient(url, token=TOKEN, timeout_s=timeout_s, client_name="attacker")
+
+
+def _keys(first: int, count: int) -> list[bytes]:
+    return [(first + i).to_bytes(16, "little") for i in range(count)]
+
+
+def _store(client: IndexClient, pool: Pool, keys: list[bytes]) -> int:
+    """Reserve, write the headers of and commit ``keys`` (one page each); how many committed."""
+    try:
+        slots = client.reserve([(k, 16) for k in keys])
+    except Exception:  # a quota or no space: this round stores nothing
+        return 0
+    placed = [(k, s) for k, s in zip(keys, slots) if s is not None]
+    for key, slot in placed:
+        pool.write_slot_header(slot.offset, SlotHeader(key=key, generation=slot.generation, length=16))
+    try:
+        return sum(client.commit([k for k, _ in placed]))
+    except Exception:
+        return 0
+
+
+def pin_flood(url: str, stop, pool_path: str) -> None:
+    keys = _keys(2 * 10**7, 20_000)
+    with _client(url) as client, Pool.attach(pool_path) as pool:
+        _store(client, pool, keys)
+        packed = b"".join(keys)
+        while not stop.is_set():
+            try:
+                client.retrieve(packed)  # pinned again, never unpinned
+            except Exception:  # refused by a quota: try again, as a broken connector would
+                time.sleep(0.01)
+
+
+def reserve_hog(url: str, stop, pool_path: str) -> None:
+    first = 3 * 10**7
+    with _client(url) as client:
+        while not stop.is_set():
+            try:
+                client.reserve([(k, 4096) for k in _keys(first, 8_000)])
+            except Exception:
+                stop.wait(0.05)
+            first += 8_000
+
+
+def evict_wipe(url: str, stop, pool_path: str) -> None:
+    first = 4 * 10**7
+    with _client(url) as client, Pool.attach(pool_path) as pool:
+        while not stop.is_set():
+            if not _store(client, pool, _keys(first, 16_000)):
+                stop.wait(0.05)
+            first += 16_000
+
+
+def _token_socket(url: str) -> socket.socket:
+    address = parse_url(url)
+    sock = socket.create_connection((address.host, address.port), timeout=10, source_address=(SOURCE_ADDRESS, 0))
+    sock.sendall(encode_frame({"id": 0, "op": "hello", "protocol": PROTOCOL_VERSION, "client": "attacker",
+                               "token": TOKEN}))  # fmt: skip
+    return sock
+
+
+def token_connection_hoard(url: str, stop, pool_path: str) -> None:
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+    socks: list[socket.socket] = []
+    while not stop.is_set():
+        while len(socks) < 1024 and not stop.is_set():
+            try:
+                socks.append(_token_socket(url))
+            except OSError:
+                break
+        stop.wait(0.5)
+        alive = []
+        for s in socks:  # the index may close some (displacement): open them again
+            try:
+                s.setblocking(False)
+                if s.recv(1 << 16) == b"":
+                    s.close()
+                    continue
+            except BlockingIOError:
+                pass
+            except OSError:
+                s.close()
+                continue
+            alive.append(s)
+        socks = alive
+
+
+def token_slowloris(url: str, stop, pool_path: str) -> None:
+    socks: dict[socket.socket, int] = {}
+    body = b"\x00" * (16 * 1024 * 1024)
+    while not stop.is_set():
+        while len(socks) < 30:
+            try:
+                s = _token_socket(url)
+                s.sendall(HEADER.pack(len(body)))
+                socks[s] = 0
+            except OSError:
+                break
+        for s, sent in list(socks.items()):
+            try:
+                s.sendall(body[sent : sent + 1])
+                socks[s] = sent + 1
+            except OSError:
+                s.close()
+                del socks[s]
+        stop.wait(5.0)
+
+
+ATTACKS = {
+    "pin_flood": pin_flood,
+    "reserve_hog": reserve_hog,
+    "evict_wipe": evict_wipe,
+    "token_connection_hoard": token_connection_hoard,
+    "token_slowloris": token_slowloris,
+}
