@@ -163,7 +163,9 @@ def test_a_real_engine_publishes_its_pool_stores_to_a_zmq_subscriber(farm, index
     endpoint = f"ipc://{workdir}/kv-events.sock"
     ctx, sub = _subscribe(endpoint)
     try:
-        engine = farm.get("kv-events", connector_config(index),
+        # vLLM's own engine-core process, whose loop keeps stepping while the
+        # connector has stores to settle (an in-process engine steps only for requests).
+        engine = farm.get("kv-events", connector_config(index), multiprocessing=True,
                           kv_events_config={"enable_kv_cache_events": True, "publisher": "zmq",
                                             "endpoint": endpoint})
         prompt = random_tokens(3 * CHUNK_TOKENS + 7, seed=next(_seeds))
