@@ -105,7 +105,8 @@ def test_committed_chunks_are_published_with_vllms_block_hashes(stepped, index, 
     assert [e.parent_block_hash for e in stored] == [None, hashes[1], hashes[3]]
     assert all(e.medium == "CPU" and e.block_size == BLOCK for e in stored)
     assert [e.token_ids for e in stored] == [prompt[c * CHUNK:(c + 1) * CHUNK] for c in range(3)]
-    # A second engine finds the chunks stored already: it commits nothing, publishes nothing.
+    # A second engine loads the chunks: it stores none of them, so it publishes nothing
+    # (the events name the engine that stored a chunk).
     other, other_events = stepped(index, async_store=async_store)
     _serve(other, "again", prompt + [1])
     other.run(max_steps=2000, until=lambda: not other.scheduler.connector.has_pending_push_work())
