@@ -9,6 +9,7 @@ messages of :mod:`maru_connector.metadata`.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -23,6 +24,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from maru_connector.config import MaruConfig, parse_config
 from maru_connector.early_pins import PinHandoff
 from maru_connector.identity import base_namespaces, block_size_of, check_engine_supported
+from maru_connector.kv_events import kv_events_enabled
 from maru_connector.lookup import LookupService
 from maru_connector.metadata import MaruConnectorMetadata
 from maru_connector.scheduler import MaruSchedulerHalf
@@ -32,6 +34,7 @@ from maru_connector.worker import MaruWorkerHalf
 if TYPE_CHECKING:
     import torch
     from maru_core.pool.pool_identity import PoolIdentity
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
@@ -114,10 +117,11 @@ class MaruKVConnector(KVConnectorBase_V1):
             num_layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
             self.scheduler_half = MaruSchedulerHalf(
                 cfg, namespaces, block_size, _make_lookup(cfg), num_layers=num_layers,
-                stats=open_stats(cfg, "scheduler"), handoff=handoff,
+                stats=open_stats(cfg, "scheduler"), handoff=handoff, kv_events=kv_events_enabled(vllm_config),
             )
         else:
-            self.worker_half = MaruWorkerHalf(cfg, _tp_rank(), block_size, handoff=handoff)
+            self.worker_half = MaruWorkerHalf(cfg, _tp_rank(), block_size, handoff=handoff,
+                                              report_settled_stores=kv_events_enabled(vllm_config))
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -233,6 +237,10 @@ class MaruKVConnector(KVConnectorBase_V1):
         self, request: "Request", block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler().request_finished(request, block_ids)
+
+    def take_events(self) -> Iterable["KVCacheEvent"]:
+        # Stored and removed pool chunks, for routers (kv_events.py).
+        return self._scheduler().take_events()
 
     def has_pending_push_work(self) -> bool:
         # Stores wait for a verdict that only a further step delivers.

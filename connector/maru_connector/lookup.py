@@ -146,6 +146,12 @@ class LookupService:
             return None
         return self._result(req_id, lookup.future)
 
+    @property
+    def index_down(self) -> bool:
+        """Lookups answer "miss" without asking the index (it failed lately):
+        the last answer may have been such a miss."""
+        return self._clock() < self._down_until
+
     def end_pass(self) -> None:
         """A scheduling pass ended: the next one may wait ``timeout_s`` again."""
         self._waited_s = 0.0

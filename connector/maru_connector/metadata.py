@@ -106,11 +106,16 @@ class MaruWorkerMetadata(KVConnectorWorkerMetadata):
     ``failed_load_req_ids``: requests whose load failed (a miss for them from
     now on). ``tainted``: this step's forward computed on top of a load that
     failed, so none of the step's stores may be committed.
+    ``settled_stores``: with KV events on, the store jobs whose outcome became
+    final since the last report, each as (step, request id, indices of the
+    chunks committed); every rank reports each of its jobs once, so the
+    aggregate holds one entry per rank (``kv_events.py``).
     """
 
     step: int = 0
     failed_load_req_ids: set[str] = field(default_factory=set)
     tainted: bool = False
+    settled_stores: tuple[tuple[int, str, tuple[int, ...]], ...] = ()
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "MaruWorkerMetadata":
         if not isinstance(other, MaruWorkerMetadata):
@@ -121,4 +126,5 @@ class MaruWorkerMetadata(KVConnectorWorkerMetadata):
             self.step,
             self.failed_load_req_ids | other.failed_load_req_ids,
             self.tainted or other.tainted,
+            self.settled_stores + other.settled_stores,
         )

@@ -26,6 +26,7 @@ from maru_connector.identity import (
     request_is_cacheable,
     request_keys,
 )
+from maru_connector.kv_events import StoreEventLedger, chunk_block_hashes, chunk_payloads
 from maru_connector.lookup import LookupService
 from maru_connector.metadata import (
     LoadSpec,
@@ -37,6 +38,7 @@ from maru_connector.request_params import PARK, SYNC, requested_load_mode, reque
 
 if TYPE_CHECKING:
     from maru_core.keys import KeyNamespace
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
@@ -82,6 +84,9 @@ class MaruSchedulerHalf:
         handoff: the engine's early-pin handoff in this process; while a worker
             half is attached to it, lookups pin what they match and the load
             plans hand those pins over (``early_pins.py``).
+        kv_events: vLLM publishes KV events: the stores committed on every
+            rank and the stored chunks lookups find gone are published
+            through :meth:`take_events` (``kv_events.py``).
     """
 
     def __init__(
@@ -93,6 +98,7 @@ class MaruSchedulerHalf:
         num_layers: int | None = 1,
         stats: ConnectorStats | None = None,
         handoff: PinHandoff | None = None,
+        kv_events: bool = False,
     ) -> None:
         if cfg.maru_kv_chunk_tokens % block_size:
             raise ValueError(
@@ -121,6 +127,7 @@ class MaruSchedulerHalf:
         self._verdicts: dict[int, bool] = {}
         self._held: set[str] = set()  # finished requests whose blocks vLLM keeps for stores
         self._adapters = AdapterIdentities()  # LoRA adapters named by their files
+        self._events = StoreEventLedger(len(namespaces)) if kv_events else None
 
     # ---- lookup -----------------------------------------------------------
 
@@ -152,6 +159,7 @@ class MaruSchedulerHalf:
             return None, False
         state.lookup_first_chunk = None
         matched //= self._objects_per_chunk
+        self._note_gone(request, keys, base + matched)
         self.stats.record_lookup()
         hit_end = min((base + matched) * self._chunk, request.num_tokens - 1)
         ext = max(0, hit_end - num_computed_tokens)
@@ -160,6 +168,14 @@ class MaruSchedulerHalf:
         if ext:
             self._start_head(request.request_id, first, -(-hit_end // self._chunk))
         return ext, state.park
+
+    def _note_gone(self, request: "Request", keys: RequestKeys, chunk: int) -> None:
+        """A lookup answered that ``chunk`` is the first chunk missing: if the
+        index was reached and this engine published it as stored, it is gone."""
+        if self._events is None or chunk >= keys.num_chunks or self._lookup.index_down:
+            return
+        hashes = chunk_block_hashes(request, chunk, self._blocks_per_chunk)
+        self._events.chunk_gone(keys.by_rank[0][chunk], hashes)
 
     def _start_head(self, req_id: str, first: int, end: int) -> None:
         """With an early pin, start the load's first copies now: vLLM
@@ -295,7 +311,12 @@ class MaruSchedulerHalf:
     def has_pending_push_work(self) -> bool:
         """True while stores wait for a verdict the workers have not been sent:
         vLLM keeps stepping until they have it."""
-        return bool(self._awaiting_verdict or self._verdicts or self._held)
+        unsettled = self._events is not None and self._events.unsettled  # stores whose events are due
+        return bool(self._awaiting_verdict or self._verdicts or self._held or unsettled)
+
+    def take_events(self) -> list["KVCacheEvent"]:
+        """KV events since the last call (none unless vLLM publishes them)."""
+        return self._events.take_events() if self._events is not None else []
 
     def _plan_store(self, req_id: str, num_tokens: int, block_state: Any) -> StoreSpec | None:
         state = self._reqs.get(req_id)
@@ -318,6 +339,9 @@ class MaruSchedulerHalf:
         keys = self._keys(state)
         state.stored_chunks = full
         state.store_sent = True
+        if self._events is not None:
+            self._events.plan(self._step, req_id, chunk_payloads(
+                request, start, keys.by_rank[0][start:full], self._chunk, self._chunk // self._blocks_per_chunk))
         return StoreSpec(
             req_id=req_id,
             keys_by_rank=keys.slice(start, full),
@@ -339,6 +363,9 @@ class MaruSchedulerHalf:
             for req_id in meta.failed_load_req_ids:
                 self._fail_request(req_id)
             self._decide(meta.step, commit=not meta.tainted)
+            if self._events is not None:
+                self._events.settle(meta.settled_stores)
+                self._events.expire(self._step)
         for req_id in connector_output.finished_recving or ():
             state = self._reqs.get(req_id)
             if state is not None:

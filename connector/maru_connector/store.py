@@ -34,6 +34,7 @@ from maru_core.pool.slots import SlotHeader
 from maru_core.protocol import ErrorType
 from maru_core.stats import ConnectorStats
 
+from maru_connector.kv_events import SettledStore
 from maru_connector.metadata import StoreSpec
 from maru_connector.resolve import object_keys
 from maru_connector.transfer import ChunkStore
@@ -65,6 +66,8 @@ class _StoreJob:
     started: float = 0.0
     nbytes: int = 0
     to_commit: list[bytes] = field(default_factory=list)  # reserved keys, copied and headed
+    planned: list[tuple[int, list[bytes]]] = field(default_factory=list)  # chunk index, its keys
+    committed: tuple[int, ...] = ()  # indices of the chunks the index committed
 
 
 class _Cancelled(Exception):
@@ -95,7 +98,10 @@ class Storer:
         tp_rank: int,
         stats: ConnectorStats,
         async_store: bool,
+        report_settled: bool = False,
     ) -> None:
+        """``report_settled``: keep, for :meth:`take_settled`, each job's
+        outcome once it is final (the KV events of ``kv_events.py``)."""
         self._client_factory = client_factory
         self._client: IndexApi | None = None
         self._pool = pool
@@ -110,6 +116,8 @@ class Storer:
         self._held: set[str] = set()  # finished requests vLLM keeps blocks for
         self._by_step: dict[int, list[_StoreJob]] = {}  # copied, awaiting their step's verdict
         self._inbox: queue.Queue[_StoreJob | dict[int, bool] | None] = queue.Queue()
+        self._report_settled = report_settled
+        self._settled: list[SettledStore] = []  # since the last take_settled
         self._thread: threading.Thread | None = None
         if async_store:
             self._thread = threading.Thread(target=self._serve, name="maru-storer", daemon=True)
@@ -170,6 +178,18 @@ class Storer:
             self._held -= ready
         return ready
 
+    def take_settled(self) -> list[SettledStore]:
+        """The jobs settled since the last call: (step, request, chunks committed)."""
+        with self._lock:
+            settled, self._settled = self._settled, []
+        return settled
+
+    def settle_unrun(self, specs: Iterable[StoreSpec]) -> None:
+        """Stores that were never submitted (sleep mode) settle with nothing committed."""
+        if self._report_settled:
+            with self._lock:
+                self._settled.extend((spec.step, spec.req_id, ()) for spec in specs)
+
     @property
     def num_tracked(self) -> int:
         with self._lock:
@@ -224,7 +244,7 @@ class Storer:
         """Reserve, copy and write the slot headers; the keys wait in ``job.to_commit``."""
         keys = object_keys(self._fmt, job.spec.keys(self._tp_rank))
         slots = self._reserve(keys)
-        chunks, chunk_keys = self._plan(job.spec, keys, slots)
+        chunks, chunk_keys = self._plan(job.spec, keys, slots, job.planned)
         if not chunks:
             return
         reserved.extend(k for k, _ in chunk_keys)
@@ -282,6 +302,7 @@ class Storer:
             logger.warning("the index refused %d of %d committed objects; they are not stored",
                            refused, len(keys))
         for job in jobs:
+            job.committed = tuple(i for i, chunk in job.planned if all(done.get(k) for k in chunk))
             if any(done.get(k) for k in job.to_commit):
                 self._stats.record_store(job.nbytes, time.monotonic() - job.started)
             else:
@@ -290,6 +311,8 @@ class Storer:
     def _finish(self, job: _StoreJob) -> None:
         job.blocks_read.set()
         with self._lock:
+            if self._report_settled:
+                self._settled.append((job.spec.step, job.spec.req_id, job.committed))
             job.state = JobState.DONE
             jobs = self._jobs.get(job.spec.req_id)
             if jobs is not None and job in jobs:
@@ -310,10 +333,11 @@ class Storer:
         return slots
 
     def _plan(
-        self, spec: StoreSpec, keys: list[bytes], slots: list[Any]
+        self, spec: StoreSpec, keys: list[bytes], slots: list[Any], planned: list[tuple[int, list[bytes]]]
     ) -> tuple[list[ChunkStore], list[tuple[bytes, Any]]]:
         """Copies for chunks whose every object got a slot; the rest is skipped
-        (already stored or being stored by another engine)."""
+        (already stored or being stored by another engine). ``planned`` gets
+        the index and keys of each chunk copied."""
         per = self._fmt.objects_per_chunk
         chunks: list[ChunkStore] = []
         to_commit: list[tuple[bytes, Any]] = []
@@ -324,6 +348,7 @@ class Storer:
             if all(s is not None for s in chunk_slots):
                 chunks.append(ChunkStore(tuple(blocks), tuple(s.offset for s in chunk_slots)))
                 to_commit.extend(zip(chunk_keys, chunk_slots))
+                planned.append((i, chunk_keys))
             else:
                 partial.extend(k for k, s in zip(chunk_keys, chunk_slots) if s is not None)
         self._abort(partial)

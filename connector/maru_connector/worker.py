@@ -174,6 +174,8 @@ class MaruWorkerHalf:
         resources_factory: builds the pool, engine and clients (tests inject).
         handoff: the engine's early-pin handoff in this process: the worker
             attaches to it and claims the pins its load plans name.
+        report_settled_stores: vLLM publishes KV events: report each store's
+            committed chunks to the scheduler half (``kv_events.py``).
     """
 
     def __init__(
@@ -183,9 +185,11 @@ class MaruWorkerHalf:
         block_size: int,
         resources_factory: Callable[..., WorkerResources] = open_resources,
         handoff: PinHandoff | None = None,
+        report_settled_stores: bool = False,
     ) -> None:
         self.cfg = cfg
         self._handoff = handoff
+        self._report_settled_stores = report_settled_stores
         self._tp_rank = tp_rank
         self._block_size = block_size
         self._resources_factory = resources_factory
@@ -234,6 +238,7 @@ class MaruWorkerHalf:
             self._tp_rank,
             res.stats,
             self.cfg.maru_async_store,
+            report_settled=self._report_settled_stores,
         )
         if self._handoff is not None:
             self._handoff.attach_worker(head_start=self._start_head)
@@ -290,6 +295,7 @@ class MaruWorkerHalf:
         if self._asleep:  # the blocks hold nothing: store nothing of them
             for _ in meta.stores:
                 self.stats.record_store_failure("aborted")
+            self._storer.settle_unrun(meta.stores)
             meta = replace(meta, stores=[])
         if meta.store_verdicts:
             self._storer.apply_verdicts(meta.store_verdicts)
@@ -334,7 +340,8 @@ class MaruWorkerHalf:
     def build_worker_meta(self, meta: MaruConnectorMetadata) -> MaruWorkerMetadata:
         """This step's report; sent every step, so the scheduler can judge the step's stores."""
         self._finish_sync_loads()
-        report = MaruWorkerMetadata(meta.step, self._failed_req_ids, self._tainted)
+        settled = tuple(self._storer.take_settled()) if self._storer is not None else ()
+        report = MaruWorkerMetadata(meta.step, self._failed_req_ids, self._tainted, settled)
         self._failed_req_ids, self._tainted = set(), False
         return report
 

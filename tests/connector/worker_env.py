@@ -48,7 +48,7 @@ class WorkerEnv:
         )
 
     def worker(self, seed: int = 0, wrap_engine=None, dtype: torch.dtype = torch.bfloat16, handoff=None,
-               **knobs: object) -> tuple[MaruWorkerHalf, dict[str, torch.Tensor]]:
+               report_settled_stores: bool = False, **knobs: object) -> tuple[MaruWorkerHalf, dict[str, torch.Tensor]]:
         raw = {"maru_index_url": "tcp://127.0.0.1:1", "maru_pool_path": self.pool_path,
                "maru_kv_chunk_tokens": CHUNK, **knobs}
         cfg = parse_config(raw, BLOCK)
@@ -64,7 +64,8 @@ class WorkerEnv:
                 engine = wrap_engine(engine)
             return WorkerResources(pool, engine, self.index.client, open_stats(cfg, "worker"))
 
-        half = MaruWorkerHalf(cfg, tp_rank=0, block_size=BLOCK, resources_factory=resources, handoff=handoff)
+        half = MaruWorkerHalf(cfg, tp_rank=0, block_size=BLOCK, resources_factory=resources, handoff=handoff,
+                              report_settled_stores=report_settled_stores)
         half.register_kv_caches(kv)
         self.workers.append(half)
         return half, kv

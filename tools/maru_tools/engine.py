@@ -54,6 +54,8 @@ class EngineSpec:
     # vLLM's speculative_config (e.g. n-gram): with one, vLLM collects each
     # step's connector report before it calls wait_for_save.
     speculative_config: dict[str, Any] | None = None
+    # vLLM's kv_events_config (e.g. a ZMQ publisher's endpoint): the engine publishes KV events.
+    kv_events_config: dict[str, Any] | None = None
     env: dict[str, str] = field(default_factory=dict)
 
 

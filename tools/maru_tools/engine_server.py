@@ -39,6 +39,10 @@ def _build_engine(spec: dict[str, Any]):
         kwargs["kv_transfer_config"] = spec["kv_transfer_config"]
     if spec["speculative_config"] is not None:
         kwargs["speculative_config"] = spec["speculative_config"]
+    if spec.get("kv_events_config") is not None:
+        from vllm.config.kv_events import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(**spec["kv_events_config"])
     return LLM(**kwargs)
 
 

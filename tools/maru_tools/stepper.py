@@ -90,6 +90,8 @@ class SteppedEngine:
             vLLM does with a speculative config.
         scheduler_options: more ``SchedulerConfig`` fields (e.g. vLLM 0.34's
             ``max_num_inflight_kv_loads``).
+        kv_events_config: vLLM's ``kv_events_config`` dict: the scheduler
+            collects KV events (swap ``scheduler.kv_event_publisher`` to see them).
     """
 
     def __init__(
@@ -106,6 +108,7 @@ class SteppedEngine:
         wrap_resources: Callable[[Any], Any] | None = None,
         defer_finalize: bool = False,
         scheduler_options: dict[str, Any] | None = None,
+        kv_events_config: dict[str, Any] | None = None,
     ) -> None:
         from vllm.config import ModelConfig
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -123,6 +126,11 @@ class SteppedEngine:
         with _runs_no_kernel():
             self.vllm_config = self._make_config(model, block_size, max_num_batched_tokens, max_num_seqs,
                                                  kv_transfer_config, scheduler_options)
+        if kv_events_config is not None:
+            from vllm.config.kv_events import KVEventsConfig
+
+            self.vllm_config.kv_events_config = KVEventsConfig(**kv_events_config)
+        self._block_hasher = _block_hasher(block_size) if kv_events_config is not None else None
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
         names = [LAYER_NAME.format(i) for i in range(self.num_layers)]
         spec = FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads,
@@ -170,7 +178,7 @@ class SteppedEngine:
         from vllm.v1.request import Request
 
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        request = Request(req_id, list(prompt), params, None)
+        request = Request(req_id, list(prompt), params, None, block_hasher=self._block_hasher)
         self.requests[req_id] = ToyRequest(req_id, list(prompt), max_tokens)
         self.scheduler.add_request(request)
 
@@ -305,6 +313,17 @@ class SteppedEngine:
         connector = getattr(self.scheduler, "connector", None)
         if connector is not None:
             connector.shutdown()
+
+
+def _block_hasher(block_size: int) -> Any:
+    """The block hasher EngineCore gives every request (with a connector, or
+    prefix caching): the block hashes vLLM's KV events name blocks by."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    hash_fn = get_hash_fn_by_name("sha256")
+    init_none_hash(hash_fn)
+    return get_request_block_hasher(block_size, hash_fn)
 
 
 def _runs_no_kernel():
