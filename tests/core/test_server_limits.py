@@ -30,6 +30,15 @@ def serve(pool, **limits) -> ThreadedIndex:
     return ThreadedIndex(pool, token=TOKEN, limits=ServerLimits(**limits))
 
 
+def raw_from(url: str, source: str) -> Raw:
+    """A ``Raw`` connection from another loopback address: another peer."""
+    raw = Raw.__new__(Raw)
+    address = parse_url(url)
+    raw.sock = socket.create_connection((address.host, address.port), timeout=5, source_address=(source, 0))
+    raw.decoder, raw.pending, raw.next_id = FrameDecoder(), [], 1
+    return raw
+
+
 def server_of(index):
     return index.service.server
 
@@ -271,9 +280,10 @@ def test_a_pipelining_connection_does_not_hold_the_others_back(pool):
 
 
 def test_a_request_that_arrives_during_a_flood_s_turn_is_answered_before_its_next_turn(pool):
-    """The flood yields its turn behind the I/O that became ready meanwhile, not ahead of it."""
+    """The flood yields its turn behind the I/O that became ready meanwhile, not ahead of it
+    (the normal client is another peer: connections of one peer share its turns)."""
     with ThreadedIndex(pool, token=TOKEN, limits=ServerLimits(turn_s=1e-6)) as index:  # one request a turn
-        flood, normal = Raw(index.url), Raw(index.url)
+        flood, normal = raw_from(index.url, "127.0.0.2"), Raw(index.url)
         flood.hello(), normal.hello()
         order = _completion_order(index)
         server = server_of(index)
@@ -309,7 +319,7 @@ def _pin_many(raw: Raw, pool, count: int) -> list[bytes]:
 @pytest.mark.parametrize("op", ["bye", "unpin"])
 def test_releasing_many_pins_lets_other_connections_in(pool, op):
     with ThreadedIndex(pool, token=TOKEN) as index:
-        holder, normal = Raw(index.url), Raw(index.url)
+        holder, normal = Raw(index.url), raw_from(index.url, "127.0.0.2")  # another peer
         holder.hello(), normal.hello()
         keys = _pin_many(holder, pool, 12_000)  # 36,000 pins in one lease
         order = _completion_order(index)
