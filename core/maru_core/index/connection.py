@@ -135,10 +135,8 @@ class Connection(asyncio.BufferedProtocol):
         elif self._job is not None or self._yielded:
             return  # its next turn answers these bytes too
         elif self._has_complete_frame():
-            if self._server.turns.may_run_now(self):
-                self._answer_buffered()
-            else:
-                self._yield_turn()  # its peer had its turn this round
+            # now, or at its peer's next turn when the peer used its share of this round
+            self._server.turns.run_or_wait(self, self._answer_buffered, self._yield_turn)
 
     def _has_complete_frame(self) -> bool:
         try:
@@ -253,7 +251,7 @@ class Connection(asyncio.BufferedProtocol):
     def _after_ready_io(self, callback) -> None:
         """Run ``callback`` at this connection's next turn: its peer's next turn in the
         next round, which runs after the connections that became readable meanwhile."""
-        self._server.turns.wait(self, callback)
+        self._server.turns.wait_turn(self, callback)
 
     def _resume_turn(self) -> None:
         self._yielded = False

@@ -201,7 +201,7 @@ class IndexServer:
         listens on); anything else raises ``ListenError`` with a one-line message.
         """
         self._loop = asyncio.get_running_loop()
-        self._turns = PeerTurns(self._loop)
+        self._turns = PeerTurns(self._loop, self.limits.turn_s)
         if isinstance(address, UnixAddress):
             self._unix_listener = UnixListenerPath(address.path)
             sockets = [self._unix_listener.bind()]
