@@ -7,8 +7,9 @@ non-blocking listening socket with ``loop.add_reader`` and takes at most
 ``batch`` connections per callback; the rest wait in the kernel's backlog
 for the loop's next pass, after every other ready connection has had its
 turn. What to do with each accepted socket is the caller's: the server
-checks the peer's budget and either makes it a connection (it is taken) or
-closes it at once (refused).
+drops one whose peer closed it already (neither taken nor refused), checks
+the peer's budget and either makes it a connection (it is taken) or closes
+it at once (refused).
 
 A callback also stops after ``ACCEPT_TURN_S`` of work, refusals included:
 accepting and resetting a loopback connection costs about 100 µs of kernel
