@@ -55,10 +55,12 @@ class ConnectionHost(Protocol):
 
     limits: "ServerLimits"
     refusals: "RateLimitedLog"
-    turns: "PeerTurns"
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop: ...
+
+    @property
+    def turns(self) -> "PeerTurns": ...
 
     def handle(self, conn: "Connection", message: Any) -> Reply | Job: ...
 
