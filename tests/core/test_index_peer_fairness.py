@@ -133,21 +133,24 @@ def test_a_peer_with_twenty_pipelining_connections_gets_one_peer_s_share(index):
     with IndexClient(index.url, token=TOKEN, timeout_s=10, heartbeat=False) as client:
         client.connect()
         heartbeat_round_trips(client, 50)  # warm up
-        alone = heartbeat_round_trips(client, 400)
+        alone = heartbeat_round_trips(client, 600)
         attacker = start_attacker(_PIPELINING, index.url, "127.0.0.2")
         try:
             time.sleep(1.0)  # every connection has its backlog
-            attacked = heartbeat_round_trips(client, 400)
+            attacked = heartbeat_round_trips(client, 600)
         finally:
             stop(attacker)
-    base_p50, base_p99 = np.percentile(alone, [50, 99])
-    p50, p99 = np.percentile(attacked, [50, 99])
-    figures = f"alone p50 {base_p50:.2f} p99 {base_p99:.2f} ms; attacked p50 {p50:.2f} p99 {p99:.2f} ms"
+    base = np.percentile(alone, [50, 90, 99])
+    under = np.percentile(attacked, [50, 90, 99])
+    figures = "heartbeat p50/p90/p99 alone {:.2f}/{:.2f}/{:.2f} ms, attacked {:.2f}/{:.2f}/{:.2f} ms".format(
+        *base, *under)
     print(figures)
-    # One peer's share is a turn of 1 ms (twice at most) per request, plus what the attacker's CPU
-    # takes from a small machine (p50 3 ms, p99 14-16 ms on 2 cores); 20 shares were p50 41 ms, p99 132 ms.
-    assert p50 <= 3 * base_p50 + 10, figures
-    assert p99 <= 3 * base_p99 + 25, figures
+    # One peer's share is a turn of 1 ms (twice at most) per request, plus what the attacker's CPU takes
+    # from a small machine: p50 2-5 ms, p99 14-19 ms on a quiet 2-core VM, up to 80 ms when others load
+    # it (hence the generous p99 bound). Twenty shares were p50 41 ms, p99 132 ms.
+    assert under[0] <= 3 * base[0] + 10, figures
+    assert under[1] <= 3 * base[1] + 20, figures
+    assert under[2] <= 4 * base[2] + 60, figures
 
 
 async def _honest_client(url: str) -> None:
