@@ -9,8 +9,8 @@ order, so a pipelined client gets its replies in the order it sent them.
 
 Fairness: a connection answers buffered frames for at most ``turn_s`` of
 event-loop time, then stops reading and waits for its peer's next turn
-(``maru_core.index.turns``: every waiting peer gets one turn per round,
-however many connections it has); a sliced request (see ``IndexServer``)
+(``maru_core.index.turns``: every waiting peer gets one share of
+``turn_s`` per round, however many connections it has); a sliced request (see ``IndexServer``)
 likewise runs one slice per turn. So a peer that pipelines thousands of
 requests, on one connection or on twenty, delays the others by one turn,
 not by its whole backlog.
