@@ -8,7 +8,7 @@ alone, then while each attack runs in its own process. Also records the
 index's resident memory at the end of each scenario, the share of a core it
 used while measured (CPU), and whether it lived. Usage (repository root)::
 
-    python bench/index_attacks.py [--seconds 5] [--only NAME ...] [--out bench/results/index_attacks.json]
+    python bench/index_attacks.py [--seconds 5] [--only NAME ...] [--honest-clients 200] [--out ...]
     python bench/index_attacks.py --loop [--seconds 5] [--out ...]   # longest event-loop callbacks instead
 
 Each attack is what an unauthenticated peer, a broken client or a client
@@ -16,7 +16,10 @@ holding the token could do (see ``ATTACKS``); the index's limits are its
 defaults. The attacker's raw connections come from another loopback address
 than the normal client's (``--attacker-address``, default 127.0.0.2): another
 peer, as a hostile pod is; with 127.0.0.1 it shares the normal client's
-per-peer budgets.
+per-peer budgets. The ``*_same_address`` attacks always come from 127.0.0.1:
+a neighbour behind the normal clients' NAT. ``--honest-clients N`` adds N
+clients behind that address (a heartbeat every 0.5 s each) and reports how
+many got in and how many answers a second they got.
 """
 
 from __future__ import annotations
@@ -236,6 +239,47 @@ def brute_force(url: str, stop) -> None:
             pass
 
 
+def many_connections_pipelining(url: str, stop) -> None:
+    """20 connections with the token, each pipelining stats requests as ``stats_pipeline`` does."""
+    import threading
+
+    threads = [threading.Thread(target=stats_pipeline, args=(url, stop), daemon=True) for _ in range(20)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+def wrong_token_same_address(url: str, stop) -> None:
+    """Two wrong-token hellos a second from the normal clients' address (a neighbour behind
+    their NAT), each on its own connection, waiting for its answer."""
+    import threading
+
+    def guess(i: int) -> None:
+        try:
+            sock = _connect(url)
+            sock.sendall(_hello(sock, token=f"guess-{i}"))
+            sock.recv(1 << 16)
+            sock.close()
+        except OSError:
+            pass
+
+    i = 0
+    while not stop.wait(0.5):
+        threading.Thread(target=guess, args=(i,), daemon=True).start()
+        i += 1
+
+
+def connect_close_same_address(url: str, stop) -> None:
+    """Connections opened and closed at once, as fast as the index takes them, from the normal
+    clients' address."""
+    while not stop.is_set():
+        try:
+            _connect(url).close()
+        except OSError:
+            pass
+
+
 ATTACKS = {
     "preauth_memory": preauth_memory,
     "idle_flood": idle_flood,
@@ -246,7 +290,12 @@ ATTACKS = {
     "unpin_bye": unpin_bye,
     "nil_frames": nil_frames,
     "brute_force": brute_force,
+    "many_connections_pipelining": many_connections_pipelining,
+    "wrong_token_same_address": wrong_token_same_address,
+    "connect_close_same_address": connect_close_same_address,
 }
+#: Attacks from the normal clients' own address (127.0.0.1), whatever ``--attacker-address`` says.
+SAME_ADDRESS_ATTACKS = frozenset({"wrong_token_same_address", "connect_close_same_address"})
 
 
 # -- the normal client ---------------------------------------------------------------------------
@@ -294,6 +343,35 @@ def measure(url: str, keys: list[bytes], seconds: float) -> dict:
     }  # fmt: skip
 
 
+def honest_fleet(url: str, clients: int, seconds: float, results) -> None:
+    """``clients`` clients with the token behind the normal client's address, each connecting
+    and sending a heartbeat every 0.5 s for ``seconds`` (reconnecting by itself when refused);
+    puts on ``results`` how many got at least one answer, and the answers per second."""
+    import threading
+
+    answered = [0] * clients
+    failed = [0] * clients
+    end = time.monotonic() + seconds
+
+    def client(i: int) -> None:
+        with IndexClient(url, token=TOKEN, timeout_s=5, heartbeat=False) as index_client:
+            while time.monotonic() < end:
+                try:
+                    index_client.heartbeat()
+                    answered[i] += 1
+                except Exception:
+                    failed[i] += 1
+                time.sleep(0.5)
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(seconds + 15)
+    results.put({"fleet_clients_in": sum(1 for n in answered if n), "fleet_clients": clients,
+                 "fleet_requests_per_s": round(sum(answered) / seconds, 1), "fleet_failures": sum(failed)})
+
+
 def _pct(samples: list[float], q: int) -> float | None:
     if not samples:
         return None
@@ -317,15 +395,16 @@ def _cpu_s(pid: int) -> float:
 
 def _run_attack(name: str, url: str, stop, pool_path: str, source: str) -> None:
     global ATTACKER_ADDRESS
-    ATTACKER_ADDRESS = source
+    ATTACKER_ADDRESS = "127.0.0.1" if name in SAME_ADDRESS_ATTACKS else source
     if name == "unpin_bye":
         ATTACKS[name](url, stop, pool_path)
     else:
         ATTACKS[name](url, stop)
 
 
-def scenario(name: str, seconds: float, token_file: str, source: str) -> dict:
-    """A fresh index, the normal keys stored and held pinned, the attack (if any) running, the figures."""
+def scenario(name: str, seconds: float, token_file: str, source: str, honest_clients: int = 0) -> dict:
+    """A fresh index, the normal keys stored and held pinned, the attack (if any) running, the figures
+    (with ``honest_clients``, also those of a fleet of clients behind the normal client's address)."""
     pool_path = unique_shm_path("bench-attacks")
     index = IndexProcess(pool_path, pool_size="256Mi", token_file=token_file,
                          extra_args=["--page-size", "4Ki", "--log-level", "ERROR"]).start()  # fmt: skip
@@ -340,10 +419,17 @@ def scenario(name: str, seconds: float, token_file: str, source: str) -> dict:
             attacker.start()
             time.sleep(1.0)  # let the attack build up
         cpu_before = _cpu_s(index.proc.pid)
+        fleet, fleet_results = None, ctx.Queue()
+        if honest_clients:
+            fleet = ctx.Process(target=honest_fleet, args=(index.url, honest_clients, seconds, fleet_results))
+            fleet.start()
         try:
             figures = measure(index.url, keys, seconds)
         except Exception as exc:  # the index stopped answering altogether
             figures = {"error": f"{type(exc).__name__}: {exc}"}
+        if fleet is not None:
+            figures.update(fleet_results.get(timeout=seconds + 30))
+            fleet.join(10)
         if index.proc.poll() is None:
             figures["index_cpu_share"] = round((_cpu_s(index.proc.pid) - cpu_before) / seconds, 3)
         figures["index_rss_mb"] = _rss_mb(index.proc.pid) if index.proc.poll() is None else None
@@ -406,6 +492,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="write the figures as JSON here")
     parser.add_argument("--loop", action="store_true",
                         help="measure instead the longest event-loop callbacks (CPU ms) of an index in this process")
+    parser.add_argument("--honest-clients", type=int, default=0,
+                        help="also run this many clients behind the normal client's address, a heartbeat every "
+                             "0.5 s each, and report how many got in and their answers per second")
     parser.add_argument("--attacker-address", default=ATTACKER_ADDRESS,
                         help=f"loopback source address of the attacker's raw connections (default {ATTACKER_ADDRESS})")
     args = parser.parse_args(argv)
@@ -427,16 +516,19 @@ def main(argv: list[str] | None = None) -> int:
         fh.write(TOKEN)
     results = {}
     try:
-        print(f"{'scenario':16} {'hb p50':>7} {'hb p99':>7} {'ret p50':>7} {'ret p99':>7} {'fail':>4} {'RSS MB':>7} "
-              f"{'CPU':>5}")  # fmt: skip
+        fleet_header = f" {'fleet in':>9} {'fleet req/s':>11}" if args.honest_clients else ""
+        print(f"{'scenario':26} {'hb p50':>7} {'hb p99':>7} {'ret p50':>7} {'ret p99':>7} {'fail':>4} {'RSS MB':>7} "
+              f"{'CPU':>5}{fleet_header}")  # fmt: skip
         for name in ["alone", *(args.only or ATTACKS)]:
-            results[name] = f = scenario(name, args.seconds, token_file, args.attacker_address)
+            results[name] = f = scenario(name, args.seconds, token_file, args.attacker_address, args.honest_clients)
             if "error" in f:
-                print(f"{name:16} {f['error'][:80]} (index alive: {f['index_alive']})", flush=True)
+                print(f"{name:26} {f['error'][:80]} (index alive: {f['index_alive']})", flush=True)
                 continue
-            print(f"{name:16} {f['heartbeat_p50_ms']!s:>7} {f['heartbeat_p99_ms']!s:>7} {f['retrieve_p50_ms']!s:>7} "
+            fleet = (f" {f['fleet_clients_in']:>5}/{f['fleet_clients']:<3} {f['fleet_requests_per_s']:>11}"
+                     if args.honest_clients else "")  # fmt: skip
+            print(f"{name:26} {f['heartbeat_p50_ms']!s:>7} {f['heartbeat_p99_ms']!s:>7} {f['retrieve_p50_ms']!s:>7} "
                   f"{f['retrieve_p99_ms']!s:>7} {f['failures']:>4} {f['index_rss_mb']!s:>7} "
-                  f"{f.get('index_cpu_share')!s:>5}", flush=True)  # fmt: skip
+                  f"{f.get('index_cpu_share')!s:>5}{fleet}", flush=True)  # fmt: skip
     finally:
         os.unlink(token_file)
         os.rmdir(workdir)

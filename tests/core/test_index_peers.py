@@ -21,7 +21,7 @@ from maru_core.index.limits import ServerLimits
 from maru_core.index.peers import Budget, PeerLimiter, peer_of
 from maru_core.protocol import PROTOCOL_VERSION, FrameDecoder, SlotList, pack_lengths, parse_url
 from test_server import TOKEN, Raw, key
-from test_server_limits import _while_the_loop_is_blocked, server_of, wait_for
+from test_server_limits import _while_the_loop_is_blocked, raw_from, server_of, wait_for
 
 
 class Clock:
@@ -35,15 +35,6 @@ class Clock:
 @pytest.fixture
 def pool(make_pool):
     return make_pool("test-peers", 64 * 1024 * 1024, 4096)
-
-
-def raw_from(url: str, source: str) -> Raw:
-    """A ``Raw`` connection from another loopback address: another peer."""
-    raw = Raw.__new__(Raw)
-    address = parse_url(url)
-    raw.sock = socket.create_connection((address.host, address.port), timeout=5, source_address=(source, 0))
-    raw.decoder, raw.pending, raw.next_id = FrameDecoder(), [], 1
-    return raw
 
 
 def refused_at_accept(url: str) -> bool:
@@ -68,30 +59,35 @@ def test_a_peer_gets_its_burst_then_its_rate_and_others_are_not_affected() -> No
     assert [peers.admit("10.0.0.1") for _ in range(3)] == [None, None, "connections"]
 
 
-def test_auth_failures_close_a_peer_until_its_budget_refills() -> None:
+def test_auth_failures_never_refuse_a_peer_they_hold_back_its_failing_answers() -> None:
+    """Within its budget a failure is answered at once; beyond, the failing connection
+    waits the time the bucket needs to hold a token again. No connection is refused."""
     clock = Clock()
     peers = PeerLimiter(Budget(100.0, 100), Budget(0.5, 2), clock=clock)
-    for _ in range(2):
+    holds = []
+    for _ in range(4):
         assert peers.admit("p") is None
-        peers.auth_failed("p")
-    assert peers.admit("p") == "auth_failures"
-    clock.now += 2.0  # one failure's worth back
-    assert peers.admit("p") is None
+        holds.append(peers.auth_failed("p"))
+    assert holds == [0.0, 0.0, 2.0, 4.0]
+    clock.now += 6.0  # three failures' worth back
+    assert peers.auth_failed("p") == 0.0
 
 
-def test_a_peer_that_failed_pays_for_each_hello_when_it_connects() -> None:
-    """After a failure, a guesser cannot open a batch of connections on the
-    tokens it has left and fail on all of them: each pays as it is admitted."""
-    peers = PeerLimiter(Budget(100.0, 100), Budget(0.001, 3), clock=Clock())
-    assert peers.admit("p") is None and not peers.prepay_hello("p")  # a clean peer pays nothing up front
-    peers.auth_failed("p")
-    admitted = []
-    for _ in range(5):
-        if peers.admit("p") is None:
-            admitted.append(peers.prepay_hello("p"))
-    assert admitted == [True, True]  # the two tokens left, then refused at accept
-    peers.hello_succeeded("p")  # one had the right token: refunded
-    assert peers.admit("p") is None
+def test_the_back_off_of_failures_is_bounded() -> None:
+    peers = PeerLimiter(Budget(100.0, 100), Budget(1.0, 3), clock=Clock())
+    holds = [peers.auth_failed("p") for _ in range(100)]
+    assert max(holds) == 3.0  # as deep as the burst, no deeper
+
+
+def test_a_connection_closed_before_sending_a_byte_gets_its_token_back() -> None:
+    peers = PeerLimiter(Budget(0.001, 2), Budget(1.0, 3), clock=Clock())
+    for _ in range(10):  # a connect/close flood
+        assert peers.admit("p") is None
+        peers.refund("p")
+    assert peers.admit("p") is None and peers.admit("p") is None  # its budget is whole
+    assert peers.admit("p") == "connections"
+    peers.refund("p"), peers.refund("p"), peers.refund("p")
+    assert [peers.admit("p") for _ in range(3)] == [None, None, "connections"]  # never above its burst
 
 
 @settings(max_examples=100, deadline=None)
@@ -227,20 +223,43 @@ def test_a_peer_over_its_connection_budget_is_closed_at_accept_and_counted(pool,
             raw.close()
 
 
-def test_a_peer_guessing_tokens_is_closed_at_accept_even_with_the_right_one(pool) -> None:
-    limits = ServerLimits(peer_auth_failure_burst=2, peer_auth_failure_rate=0.01)
+def test_a_guessing_peer_waits_for_its_failures_and_its_neighbours_get_in_at_once(pool) -> None:
+    limits = ServerLimits(peer_auth_failure_burst=2, peer_auth_failure_rate=1.0)
     with ThreadedIndex(pool, token=TOKEN, limits=limits, with_metrics=True) as index:
         for _ in range(2):
             guess = Raw(index.url)
             assert guess.hello("wrong-guess")["error"]["type"] == "auth"
             guess.close()
-        assert refused_at_accept(index.url)  # even a right token would not be read
+        guess = Raw(index.url)
+        started = time.monotonic()
+        guess.send({"op": "hello", "protocol": PROTOCOL_VERSION, "client": "raw", "token": "wrong-again"})
+        neighbour = Raw(index.url)  # the same address, the right token: answered at once
+        assert neighbour.hello()["ok"] and time.monotonic() - started < 0.5
+        assert guess.recv()["error"]["type"] == "auth"
+        assert time.monotonic() - started >= 0.9  # one failure over the budget: held a second
+        assert guess.closed_by_peer()
         server = server_of(index)
-        assert wait_for(lambda: server.rate_limited["auth_failures"] == 1)
-        assert index.service.metrics.registry.get_sample_value("maru_index_auth_failures_total") == 2
-        elsewhere = raw_from(index.url, "127.0.0.3")
-        assert elsewhere.hello()["ok"]
-        elsewhere.close()
+        assert server.rate_limited["auth_failures"] == 1 and server.rate_limited["connections"] == 0
+        metrics = index.service.metrics.registry
+        assert metrics.get_sample_value("maru_index_auth_failures_total") == 3
+        assert metrics.get_sample_value("maru_index_rate_limited_total", {"reason": "auth_failures"}) == 1
+        assert neighbour.call(op="heartbeat")["ok"]
+        guess.close(), neighbour.close()
+
+
+def test_a_connection_its_peer_closes_unused_costs_no_budget(pool) -> None:
+    """A connect/close flood from an address leaves its budget whole for the clients behind it."""
+    limits = ServerLimits(peer_connection_burst=3, peer_connection_rate=0.01)
+    with ThreadedIndex(pool, token=TOKEN, limits=limits) as index:
+        address = parse_url(index.url)
+        for _ in range(30):
+            socket.create_connection((address.host, address.port), timeout=5).close()
+        time.sleep(0.3)  # the index saw them all go
+        served = [Raw(index.url) for _ in range(3)]
+        assert all(raw.hello()["ok"] for raw in served)
+        assert refused_at_accept(index.url)  # the budget of 3 still holds
+        for raw in served:
+            raw.close()
 
 
 def test_the_default_budgets_let_a_fleet_reconnect_at_once(pool) -> None:

@@ -30,6 +30,15 @@ def serve(pool, **limits) -> ThreadedIndex:
     return ThreadedIndex(pool, token=TOKEN, limits=ServerLimits(**limits))
 
 
+def raw_from(url: str, source: str) -> Raw:
+    """A ``Raw`` connection from another loopback address: another peer."""
+    raw = Raw.__new__(Raw)
+    address = parse_url(url)
+    raw.sock = socket.create_connection((address.host, address.port), timeout=5, source_address=(source, 0))
+    raw.decoder, raw.pending, raw.next_id = FrameDecoder(), [], 1
+    return raw
+
+
 def server_of(index):
     return index.service.server
 
@@ -271,9 +280,10 @@ def test_a_pipelining_connection_does_not_hold_the_others_back(pool):
 
 
 def test_a_request_that_arrives_during_a_flood_s_turn_is_answered_before_its_next_turn(pool):
-    """The flood yields its turn behind the I/O that became ready meanwhile, not ahead of it."""
+    """The flood yields its turn behind the I/O that became ready meanwhile, not ahead of it
+    (the normal client is another peer: connections of one peer share its turns)."""
     with ThreadedIndex(pool, token=TOKEN, limits=ServerLimits(turn_s=1e-6)) as index:  # one request a turn
-        flood, normal = Raw(index.url), Raw(index.url)
+        flood, normal = raw_from(index.url, "127.0.0.2"), Raw(index.url)
         flood.hello(), normal.hello()
         order = _completion_order(index)
         server = server_of(index)
@@ -294,6 +304,36 @@ def test_a_request_that_arrives_during_a_flood_s_turn_is_answered_before_its_nex
         flood.close(), normal.close()
 
 
+def test_many_clients_of_one_address_share_its_turns_not_one_request_a_round(pool):
+    """Turns go per peer: 20 pipelining connections of one peer get one peer's share
+    a round, and 50 clients behind another address (a NAT) with a request each are
+    answered within a round or two of that share, not one request a round."""
+    with ThreadedIndex(pool, token=TOKEN) as index:
+        flood = [raw_from(index.url, "127.0.0.2") for _ in range(20)]
+        fleet = [Raw(index.url) for _ in range(50)]
+        for raw in [*flood, *fleet]:
+            raw.hello()
+        order = _completion_order(index)
+        frames = b"".join(encode_frame({"id": i, "op": "stats"}) for i in range(200))
+
+        def send() -> None:
+            for raw in flood:
+                raw.sock.sendall(frames)
+            for raw in fleet:
+                raw.send({"op": "heartbeat"})
+
+        _while_the_loop_is_blocked(index, send)
+        assert all(raw.recv()["ok"] for raw in fleet)
+        last = len(order) - 1 - order[::-1].index("heartbeat")
+        stats_before = order[:last].count("stats")
+        # a round is about 1 ms of the flood's stats (16 before the last heartbeat); turns per
+        # connection let 352 through, one fleet request a round 996
+        assert stats_before < 200, stats_before
+        assert wait_for(lambda: order.count("stats") == 20 * 200, timeout_s=30)
+        for raw in [*flood, *fleet]:
+            raw.close()
+
+
 def _pin_many(raw: Raw, pool, count: int) -> list[bytes]:
     keys = [key(i) for i in range(count)]
     packed = b"".join(keys)
@@ -309,7 +349,7 @@ def _pin_many(raw: Raw, pool, count: int) -> list[bytes]:
 @pytest.mark.parametrize("op", ["bye", "unpin"])
 def test_releasing_many_pins_lets_other_connections_in(pool, op):
     with ThreadedIndex(pool, token=TOKEN) as index:
-        holder, normal = Raw(index.url), Raw(index.url)
+        holder, normal = Raw(index.url), raw_from(index.url, "127.0.0.2")  # another peer
         holder.hello(), normal.hello()
         keys = _pin_many(holder, pool, 12_000)  # 36,000 pins in one lease
         order = _completion_order(index)

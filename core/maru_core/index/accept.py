@@ -7,8 +7,9 @@ non-blocking listening socket with ``loop.add_reader`` and takes at most
 ``batch`` connections per callback; the rest wait in the kernel's backlog
 for the loop's next pass, after every other ready connection has had its
 turn. What to do with each accepted socket is the caller's: the server
-checks the peer's budget and either makes it a connection (it is taken) or
-closes it at once (refused).
+drops one whose peer closed it already (neither taken nor refused), checks
+the peer's budget and either makes it a connection (it is taken) or closes
+it at once (refused).
 
 A callback also stops after ``ACCEPT_TURN_S`` of work, refusals included:
 accepting and resetting a loopback connection costs about 100 µs of kernel
@@ -48,8 +49,9 @@ ACCEPT_RETRY_S = 1.0
 _OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 #: ``on_accepted(sock, address) -> taken``: a new connected socket (blocking mode
-#: unset: the caller makes a socket it takes non-blocking); false if it closed it.
-OnAccepted = Callable[[socket.socket, object], bool]
+#: unset: the caller makes a socket it takes non-blocking); false if it refused it,
+#: ``None`` if it dropped it because its peer had closed it already (neither).
+OnAccepted = Callable[[socket.socket, object], "bool | None"]
 
 
 def bind_tcp(host: str, port: int, backlog: int = LISTEN_BACKLOG) -> list[socket.socket]:
@@ -127,9 +129,10 @@ class Acceptor:
                 self._errors.warning("accept failed (%s): pausing for %g s", exc, ACCEPT_RETRY_S)
                 self._pause(ACCEPT_RETRY_S)
                 return
-            if self._on_accepted(conn, address):
+            outcome = self._on_accepted(conn, address)
+            if outcome:
                 taken += 1
-            else:
+            elif outcome is not None:
                 refused += 1
         if refused and not taken:
             self._pause(REFUSED_PAUSE_S)

@@ -187,13 +187,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"seconds a connection may send nothing (default {limits.idle_timeout_s:g})")
     parser.add_argument("--peer-connection-rate", type=_rate_arg, default=limits.peer_connection_rate, metavar="R",
                         help="new connections per second one peer (an IP address, or a Unix socket's user) may "
-                             f"open; beyond, they are closed at accept (default {limits.peer_connection_rate:g})")
+                             "open (one its peer closes before sending a byte is not counted); beyond, they are "
+                             f"closed at accept (default {limits.peer_connection_rate:g})")
     parser.add_argument("--peer-connection-burst", type=_count_arg, default=limits.peer_connection_burst,
                         metavar="N", help="new connections one peer may open at once, e.g. its workers reconnecting "
                                           f"after a restart (default {limits.peer_connection_burst})")
     parser.add_argument("--peer-auth-failure-rate", type=_rate_arg, default=limits.peer_auth_failure_rate,
-                        metavar="R", help="wrong-token hellos per second one peer may send; beyond, its new "
-                                          f"connections are closed at accept (default {limits.peer_auth_failure_rate:g})")
+                        metavar="R", help="wrong-token hellos per second one peer may send; beyond, the answer "
+                                          "to each failing connection is held back (never its neighbours' "
+                                          f"connections refused) (default {limits.peer_auth_failure_rate:g})")
     parser.add_argument("--peer-auth-failure-burst", type=_count_arg, default=limits.peer_auth_failure_burst,
                         metavar="N", help=f"wrong-token hellos one peer may send at once (default {limits.peer_auth_failure_burst})")
     parser.add_argument("--max-evict-fraction", type=_fraction_arg, default=MAX_EVICT_FRACTION, metavar="F",

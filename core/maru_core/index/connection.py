@@ -8,11 +8,12 @@ frame is decoded from there and answered in the same callback, with one
 order, so a pipelined client gets its replies in the order it sent them.
 
 Fairness: a connection answers buffered frames for at most ``turn_s`` of
-event-loop time, then stops reading and lets every other connection have a
-turn before it goes on (its next turn queued behind the I/O that became
-ready meanwhile); a sliced request (see ``IndexServer``) likewise runs one
-slice per turn. So a peer that pipelines thousands of requests delays the
-others by one turn, not by its whole backlog.
+event-loop time, then stops reading and waits for its peer's next turn
+(``maru_core.index.turns``: every waiting peer gets one share of
+``turn_s`` per round, however many connections it has); a sliced request (see ``IndexServer``)
+likewise runs one slice per turn. So a peer that pipelines thousands of
+requests, on one connection or on twenty, delays the others by one turn,
+not by its whole backlog.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from maru_core.protocol.framing import MAX_FRAME_BYTES, FrameBuffer, FrameWriter
 if TYPE_CHECKING:
     from maru_core.index.limits import ServerLimits
     from maru_core.index.listen import RateLimitedLog
+    from maru_core.index.turns import PeerTurns
 
 #: Pending reply bytes above which a connection stops reading until its peer has read them.
 WRITE_HIGH_WATER = 4 * 1024 * 1024
@@ -57,6 +59,9 @@ class ConnectionHost(Protocol):
     @property
     def loop(self) -> asyncio.AbstractEventLoop: ...
 
+    @property
+    def turns(self) -> "PeerTurns": ...
+
     def handle(self, conn: "Connection", message: Any) -> Reply | Job: ...
 
     def admit(self, conn: "Connection") -> None: ...
@@ -71,10 +76,11 @@ class ConnectionHost(Protocol):
 class Connection(asyncio.BufferedProtocol):
     """One client connection (see the module docstring)."""
 
-    def __init__(self, server: ConnectionHost, peer_key: str = "unknown", hello_prepaid: bool = False) -> None:
+    def __init__(self, server: ConnectionHost, peer_key: str = "unknown") -> None:
         self._server = server
-        self.peer_key = peer_key  # whose budgets it spends (``maru_core.index.peers``)
-        self.hello_prepaid = hello_prepaid  # its peer paid for its hello at accept (refunded if right)
+        self.peer_key = peer_key  # whose budgets and turns it uses (``maru_core.index.peers``, ``turns``)
+        self.received_bytes = 0  # a peer that closes before sending a byte costs its budget nothing
+        self.closed_by_server = False
         limits = server.limits
         self._frames = FrameBuffer(_INITIAL_BYTES, _INITIAL_BYTES, limits.pre_auth_frame_bytes, 2 * MAX_FRAME_BYTES,
                                    may_grow=server.check_receive_growth)
@@ -88,6 +94,7 @@ class Connection(asyncio.BufferedProtocol):
         self.client: str | None = None
         self.opened_leases: list[str] = []  # every lease this connection opened or resumed
         self.close_after_reply: str | None = None  # the reason, once a reply must be the last one
+        self.hold_last_reply_s = 0.0  # how long that last reply waits (a failing peer's back-off)
         self.connected_at = self.last_active = time.monotonic()
         # When the frame under way began to arrive, and when replies began to
         # wait for the peer to read them: deadlines run from there.
@@ -105,6 +112,7 @@ class Connection(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         # The peer went away; its lease lives on until it lapses.
         self._server.forget(self)
+        self._server.turns.forget(self)
         self._job = None
         self._transport = None
 
@@ -122,11 +130,22 @@ class Connection(asyncio.BufferedProtocol):
         if not self._frames.pending_bytes:
             self.frame_started_at = now
         self._frames.advance(nbytes)
+        self.received_bytes += nbytes
         self.last_active = now
         if nbytes >= _DECODE_LATER_BYTES:
             self._yield_turn()  # this callback copied a lot already: decode in the next pass
-            return
-        self._answer_buffered()
+        elif self._job is not None or self._yielded:
+            return  # its next turn answers these bytes too
+        elif self._has_complete_frame():
+            # now, or at its peer's next turn when the peer used its share of this round
+            self._server.turns.run_or_wait(self, self._answer_buffered, self._yield_turn)
+
+    def _has_complete_frame(self) -> bool:
+        try:
+            return self._frames.complete()
+        except FrameError as exc:
+            self._frame_error(exc)
+            return False
 
     def eof_received(self) -> bool:
         return False  # close our side too
@@ -193,11 +212,10 @@ class Connection(asyncio.BufferedProtocol):
                 self.frame_started_at = self.last_active  # the next frame's first bytes came with the last read
                 outcome = self._server.handle(self, message)
                 if isinstance(outcome, dict):
-                    self._send(outcome)
                     if self.close_after_reply is not None:
-                        self._server.closing(self, self.close_after_reply)
-                        self.close()
+                        self._last_reply(outcome)
                         return
+                    self._send(outcome)
                 else:
                     self._job = outcome
                     self._update_reading()
@@ -205,6 +223,20 @@ class Connection(asyncio.BufferedProtocol):
                     return
         except FrameError as exc:
             self._frame_error(exc)
+
+    def _last_reply(self, reply: Reply) -> None:
+        """Send the connection's last reply and close it: at once, or once
+        ``hold_last_reply_s`` has passed (a failing peer's back-off), reading nothing meanwhile."""
+        delay, self.hold_last_reply_s = self.hold_last_reply_s, 0.0
+        if delay > 0 and self._transport is not None:
+            self._yielded = True  # the wait is ours: no deadline runs on the peer meanwhile
+            self._update_reading()
+            self._server.loop.call_later(delay, self._last_reply, reply)
+            return
+        self._send(reply)
+        assert self.close_after_reply is not None
+        self._server.closing(self, self.close_after_reply)
+        self.close()
 
     def _frame_error(self, exc: FrameError) -> None:
         self._server.refusals.warning("closing connection from %s: %s", self.peer, exc)
@@ -219,12 +251,9 @@ class Connection(asyncio.BufferedProtocol):
         self._after_ready_io(self._resume_turn)
 
     def _after_ready_io(self, callback) -> None:
-        """Run ``callback`` in the loop's next pass, after the connections that became
-        readable meanwhile. ``call_soon`` would put it ahead of them (asyncio queues a
-        pass's I/O callbacks behind the callbacks already scheduled), so a request that
-        arrived during this connection's turn would wait for its next turn too; a timer
-        due now is queued after that I/O."""
-        self._server.loop.call_later(0, callback)
+        """Run ``callback`` at this connection's next turn: its peer's next turn in the
+        next round, which runs after the connections that became readable meanwhile."""
+        self._server.turns.wait_turn(self, callback)
 
     def _resume_turn(self) -> None:
         self._yielded = False
@@ -267,11 +296,13 @@ class Connection(asyncio.BufferedProtocol):
 
     def close(self) -> None:
         self._job = None
+        self.closed_by_server = True
         if self._transport is not None:
             self._transport.close()
 
     def abort(self) -> None:
         """Close now, dropping unsent replies (a peer that does not read them)."""
         self._job = None
+        self.closed_by_server = True
         if self._transport is not None:
             self._transport.abort()

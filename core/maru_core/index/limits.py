@@ -66,14 +66,17 @@ class ServerLimits:
     - ``max_leases_per_connection``: live leases one connection may have
       opened; another ``hello`` beyond it is refused (``bad_request``).
     - ``pre_auth_frame_bytes``: the largest frame before ``hello`` succeeds.
-    - ``turn_s``: how long one connection's pipelined requests may hold the
-      event loop before the others get a turn.
+    - ``turn_s``: one peer's share of the event loop per round
+      (``maru_core.index.turns``): how long its pipelined requests may hold
+      the loop before the other peers get a turn.
     - ``peer_connection_rate``/``peer_connection_burst``: new connections one
       peer (an IP address, or a Unix socket's user id) may open per second,
-      and at once; beyond, its connections are closed at accept.
+      and at once (one that the peer closes before sending a byte is not
+      counted); beyond, its connections are closed at accept.
     - ``peer_auth_failure_rate``/``peer_auth_failure_burst``: wrong-token
-      ``hello``s one peer may send per second, and at once; beyond, its new
-      connections are closed at accept until the budget refills.
+      ``hello``s one peer may send per second, and at once; beyond, each
+      failing connection's answer is held back (the time the budget needs
+      to refill, up to ``hello_timeout_s``); no connection is refused for it.
     - ``max_peers``: peers whose budgets are remembered (least recently seen
       forgotten first).
     """

@@ -119,8 +119,8 @@ class IndexMetrics:
         )
         self._rate_limited = Counter(
             "maru_index_rate_limited",
-            "New connections closed at accept because their peer was over its budget, by reason "
-            "(connections, auth_failures).",
+            "Peers held to their budgets, by reason: connections (a new connection closed at accept), "
+            "auth_failures (a wrong-token answer held back).",
             ["reason"],
             registry=self.registry,
         )

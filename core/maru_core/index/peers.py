@@ -2,16 +2,25 @@
 failed ``hello``s, one peer may cost.
 
 A peer is one client address: the IP address of a TCP connection, the user
-id (``SO_PEERCRED``) of a Unix socket connection. Each peer has two token
-buckets, for new connections and for auth failures. A connection is
-accepted while both hold a token (it spends a connection token); a peer
-whose auth failures have emptied its bucket, or that connects faster than
-its connection budget, has its new connections closed at accept, before a
-byte of them is read. A peer that failed recently also pays for each new
-connection's ``hello`` when it is admitted (refunded if the token is right),
-so it cannot open a batch of connections on one token. So a brute-force
-guesser gets a guess per refill, and a connection storm from one address
-costs the index an ``accept`` and a ``close`` per attempt, nothing more.
+id (``SO_PEERCRED``) of a Unix socket connection. Clients behind one address
+(a NAT, hostNetwork pods, one node's pods on a Unix socket) are one peer, so
+a budget must ration what a *misbehaving* client costs without shutting out
+its honest neighbours. Each peer has two token buckets:
+
+- new connections: a connection is accepted while its peer holds a token
+  (it spends one), and reset at accept, before a byte of it is read,
+  otherwise. A connection that its peer closed before sending a byte gets
+  its token back (a connect/close flood costs an ``accept`` and a ``close``,
+  bounded by the acceptor's pacing, and never empties the bucket); one that
+  sent something, or that the index closed, keeps it spent. So the budget
+  rations connections that send something: guesses, garbage, idle floods.
+- auth failures: each wrong-token ``hello`` spends one. They never refuse a
+  connection at accept (that locked every client of a shared address out
+  for a neighbour's two guesses a second). Once the bucket is empty, the
+  *failing connection* pays: its ``auth`` answer is held back for the time
+  the bucket needs to hold a token again, which grows with the failures
+  beyond the budget (up to the hello deadline). A client with the right
+  token is answered at once whatever its neighbours fail.
 
 The table holds at most ``max_peers`` peers (least recently seen dropped
 first): its memory is bounded whatever the number of addresses. A peer
@@ -28,7 +37,9 @@ import struct
 import time
 from typing import Callable
 
-#: Why a connection was refused at accept (the ``reason`` label of ``maru_index_rate_limited_total``).
+#: What a peer was held to (the ``reason`` label of ``maru_index_rate_limited_total``): a connection
+#: refused at accept, over its peer's connection budget; a wrong-token answer held back, over its
+#: peer's auth-failure budget.
 RATE_LIMIT_REASONS = ("connections", "auth_failures")
 #: Peers remembered at once (about 100 bytes each).
 DEFAULT_MAX_PEERS = 4096
@@ -101,35 +112,26 @@ class PeerLimiter:
 
     def admit(self, peer: str) -> str | None:
         """A new connection from ``peer``: ``None`` if it may be served (a connection
-        token is spent), else the reason it is refused (``RATE_LIMIT_REASONS``)."""
+        token is spent), else the reason it is refused (``"connections"``)."""
         buckets = self._buckets(peer)
-        if buckets.auth_failures < 1:
-            return "auth_failures"
         if buckets.connections < 1:
             return "connections"
         buckets.connections -= 1
         return None
 
-    def prepay_hello(self, peer: str) -> bool:
-        """For a connection just admitted: a peer that failed auth recently (its
-        bucket not full) pays for the connection's ``hello`` up front, so that it
-        cannot open many connections on one token before their failures count.
-        Returns whether it paid (then ``hello_succeeded`` refunds it)."""
+    def refund(self, peer: str) -> None:
+        """A connection admitted from ``peer`` went away before sending a byte: its token comes back."""
         buckets = self._buckets(peer)
-        if buckets.auth_failures >= self.auth_failures.burst:
-            return False
-        buckets.auth_failures = max(0.0, buckets.auth_failures - 1)
-        return True
+        buckets.connections = min(self.connections.burst, buckets.connections + 1)
 
-    def hello_succeeded(self, peer: str) -> None:
-        """A prepaid ``hello`` presented the right token: its token comes back."""
+    def auth_failed(self, peer: str) -> float:
+        """``peer`` presented a wrong or missing token: how long the failing connection's
+        answer is held back (0 while the peer's failures are within budget)."""
         buckets = self._buckets(peer)
-        buckets.auth_failures = min(self.auth_failures.burst, buckets.auth_failures + 1)
-
-    def auth_failed(self, peer: str) -> None:
-        """``peer`` presented a wrong or missing token (on a connection that did not prepay)."""
-        buckets = self._buckets(peer)
-        buckets.auth_failures = max(0.0, buckets.auth_failures - 1)
+        buckets.auth_failures = max(-float(self.auth_failures.burst), buckets.auth_failures - 1)
+        if buckets.auth_failures >= 0:
+            return 0.0
+        return -buckets.auth_failures / self.auth_failures.rate_per_s
 
 
 def peer_of(sock: socket.socket, address: object) -> str:

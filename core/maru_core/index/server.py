@@ -27,10 +27,13 @@ once (``Registry.retrieve_sliced``), so it stays all or nothing; a large
 a miss.
 
 Connections are accepted a few per event-loop callback
-(``maru_core.index.accept``). A peer (an IP address, or a Unix socket's
-user) over its budget of new connections or of auth failures
-(``maru_core.index.peers``) has its new connections closed at accept,
-unread, counted and logged a line per ten seconds.
+(``maru_core.index.accept``); one whose peer already closed it is dropped
+there, costing nothing more. A peer (an IP address, or a Unix socket's
+user) over its budget of new connections (``maru_core.index.peers``) has
+its new connections closed at accept, unread, counted and logged a line
+per ten seconds; a peer over its budget of auth failures has its failing
+connections' answers held back, never its other connections refused.
+Turns on the event loop are shared out per peer (``maru_core.index.turns``).
 
 Limits (``maru_core.index.limits``): a connection cap, a small frame limit
 until ``hello`` succeeds, deadlines for ``hello``, for a frame under way and
@@ -62,6 +65,7 @@ from maru_core.index.limits import SMALL_RECEIVE_BYTES, ServerLimits
 from maru_core.index.listen import RateLimitedLog, UnixListenerPath
 from maru_core.index.peers import peer_of
 from maru_core.index.registry import RegistryError
+from maru_core.index.turns import PeerTurns
 from maru_core.index.pool_watch import PoolSizeWatch
 from maru_core.pool.commit_records import CommitRecords
 from maru_core.pool.pool_identity import PoolIdentity
@@ -141,6 +145,7 @@ class IndexServer:
         self._handshakes: dict[asyncio.Task, socket.socket] = {}  # accepted sockets becoming connections
         self._peers = self.limits.peer_limiter()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._turns: PeerTurns | None = None
         self._tasks: list[asyncio.Task] = []
         self._connections: dict[Connection, None] = {}  # insertion order: oldest first
         self._unix_listener: Any = None
@@ -179,6 +184,11 @@ class IndexServer:
         return self._loop
 
     @property
+    def turns(self) -> PeerTurns:
+        assert self._turns is not None, "the server has not started"
+        return self._turns
+
+    @property
     def connection_count(self) -> int:
         return len(self._connections)
 
@@ -191,6 +201,7 @@ class IndexServer:
         listens on); anything else raises ``ListenError`` with a one-line message.
         """
         self._loop = asyncio.get_running_loop()
+        self._turns = PeerTurns(self._loop, self.limits.turn_s)
         if isinstance(address, UnixAddress):
             self._unix_listener = UnixListenerPath(address.path)
             sockets = [self._unix_listener.bind()]
@@ -227,9 +238,14 @@ class IndexServer:
         if self._unix_listener is not None:
             self._unix_listener.remove()
 
-    def _accepted(self, sock: socket.socket, address: object) -> bool:
-        """A socket just accepted: reset at once when its peer is over budget
-        (nothing of it read; no TIME_WAIT left here), else made a ``Connection``."""
+    def _accepted(self, sock: socket.socket, address: object) -> bool | None:
+        """A socket just accepted: dropped (``None``) when its peer closed it already
+        (a connect/close flood: no budget spent); reset at once (``False``) when its
+        peer is over budget (nothing of it read; no TIME_WAIT left here); else made a
+        ``Connection`` (``True``)."""
+        if _closed_by_peer(sock):
+            sock.close()
+            return None
         peer = peer_of(sock, address)
         refused = self._peers.admit(peer)
         if refused is not None:
@@ -238,8 +254,7 @@ class IndexServer:
             sock.close()
             return False
         sock.setblocking(False)
-        prepaid = self._peers.prepay_hello(peer)
-        protocol = lambda: Connection(self, peer, hello_prepaid=prepaid)  # noqa: E731
+        protocol = lambda: Connection(self, peer)  # noqa: E731
         task = self.loop.create_task(self.loop.connect_accepted_socket(protocol, sock))
         self._handshakes[task] = sock
         task.add_done_callback(self._handshake_done)
@@ -254,10 +269,12 @@ class IndexServer:
         self.rate_limited[reason] += 1
         if self._metrics is not None:
             self._metrics.count_rate_limited(reason)
-        flags = {"connections": "--peer-connection-rate/--peer-connection-burst",
-                 "auth_failures": "--peer-auth-failure-rate/--peer-auth-failure-burst"}  # fmt: skip
-        self._rate_limit_log.warning("closing new connections from %s at accept: over its budget of %s (%s)",
-                                     peer, reason.replace("_", " "), flags[reason])  # fmt: skip
+        if reason == "connections":
+            self._rate_limit_log.warning("closing new connections from %s at accept: over its budget of "
+                                         "connections (--peer-connection-rate/--peer-connection-burst)", peer)
+        else:
+            self._rate_limit_log.warning("holding back the answers to wrong tokens from %s: over its budget of auth "
+                                         "failures (--peer-auth-failure-rate/--peer-auth-failure-burst)", peer)
 
     async def _expire_periodically(self) -> None:
         while True:
@@ -326,7 +343,10 @@ class IndexServer:
         return new
 
     def forget(self, conn: Connection) -> None:
+        """``conn`` closed. If its peer closed it before sending a byte, its connection token comes back."""
         self._connections.pop(conn, None)
+        if not conn.received_bytes and not conn.closed_by_server:
+            self._peers.refund(conn.peer_key)
 
     def closing(self, conn: Connection, reason: str) -> None:
         """Count a connection the server closes, by reason."""
@@ -433,18 +453,16 @@ class IndexServer:
                 conn.close_after_reply = "auth"
                 self.refusals.warning("wrong or missing token from %s (client %r): closing the connection",
                                        conn.peer, str(args["client"])[:64])  # fmt: skip
-                if not conn.hello_prepaid:
-                    self._peers.auth_failed(conn.peer_key)
-                conn.hello_prepaid = False
+                backoff = min(self._peers.auth_failed(conn.peer_key), self.limits.hello_timeout_s)
+                if backoff > 0:  # the failing connection pays, not its neighbours
+                    conn.hold_last_reply_s = backoff
+                    self._count_rate_limited("auth_failures", conn.peer_key)
                 if self._metrics is not None:
                     self._metrics.count_auth_failure()
                 raise ProtocolError(
                     ErrorType.AUTH,
                     "wrong or missing token; use the token of this cache's index (its token file or Secret)",
                 )
-        if conn.hello_prepaid:
-            self._peers.hello_succeeded(conn.peer_key)
-            conn.hello_prepaid = False
         self._check_lease_cap(conn, args["lease_id"])
         conn.opened(self.registry.open_lease(args["client"], args["lease_id"]))
         conn.client = args["client"]
@@ -578,6 +596,16 @@ class IndexServer:
         lease_id, conn.lease_id = conn.lease_id, None
         closed = yield from self.registry.close_lease_sliced(lease_id)
         return {"closed": closed}
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """Whether the peer of a just accepted socket has closed it already (or reset it)."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (BlockingIOError, InterruptedError):
+        return False  # open, nothing sent yet
+    except OSError:
+        return True
 
 
 def prefix_reply(matched: int, locations: LocationList | None) -> dict[str, Any]:

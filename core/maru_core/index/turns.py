@@ -1,0 +1,113 @@
+"""Turns on the index's event loop, shared out per peer, not per connection.
+
+A connection answers its requests in turns (``maru_core.index.connection``):
+at most ``turn_s`` of pipelined frames, or one slice of a sliced request.
+Were every connection to queue its own next turn, a peer with twenty busy
+connections would get twenty turns for every one of a peer with one, and
+could make the others wait twenty turns per request. So a connection that
+wants another turn waits here, in its peer's queue (a peer:
+``maru_core.index.peers.peer_of``), and each *round* gives every waiting
+peer one share of ``turn_s``: its queue's connections run in order, each
+one turn, until the peer has used its share (one connection at least); a
+connection that wants more goes to the back of the queue. Round robin over
+peers, then over a peer's connections: many clients behind one address (a
+NAT) with a request each are answered many a round, a peer's twenty
+pipelining connections one turn a round.
+
+Fresh work (frames that arrived on a connection that had nothing under way)
+runs at once, as before, when its peer has share left this round and none
+of its connections waits; otherwise it waits for the peer's next turn. A
+round runs in the loop's next pass, after the I/O that became ready
+meanwhile, so a request that arrives while others hold turns is answered
+before any of them has a second turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from typing import Callable, Hashable, Protocol
+
+log = logging.getLogger(__name__)
+
+
+class TurnTaker(Hashable, Protocol):
+    """What waits for a turn: a connection, with the peer whose share it uses."""
+
+    peer_key: str
+
+
+class PeerTurns:
+    """The turns of one event loop (see the module docstring); ``turn_s`` is a peer's
+    share of a round (``ServerLimits.turn_s``)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, turn_s: float) -> None:
+        self._loop = loop
+        self._turn_s = turn_s
+        # per peer, its connections waiting for a turn, oldest first; peers in the order they began to wait
+        self._waiting: dict[str, collections.OrderedDict[TurnTaker, Callable[[], None]]] = {}
+        self._used: dict[str, float] = {}  # loop time each peer used this round
+        self._round: asyncio.TimerHandle | None = None
+
+    def __len__(self) -> int:
+        """Connections waiting for a turn."""
+        return sum(len(queue) for queue in self._waiting.values())
+
+    def run_or_wait(self, conn: TurnTaker, turn: Callable[[], None], wait: Callable[[], None]) -> None:
+        """``conn`` has fresh work: ``turn`` runs it now when its peer has share left this round and
+        none of its connections waits; else ``wait`` (which stops the connection and calls ``wait_turn``)."""
+        peer = conn.peer_key
+        if peer in self._waiting or self._used.get(peer, 0.0) >= self._turn_s:
+            wait()
+            return
+        self._run(peer, turn)
+        self._schedule_round()  # the round that ends this one
+
+    def wait_turn(self, conn: TurnTaker, turn: Callable[[], None]) -> None:
+        """Run ``turn`` at ``conn``'s next turn (a connection waits once at most: a second call replaces the first)."""
+        queue = self._waiting.setdefault(conn.peer_key, collections.OrderedDict())
+        queue.pop(conn, None)
+        queue[conn] = turn
+        self._schedule_round()
+
+    def forget(self, conn: TurnTaker) -> None:
+        """``conn`` closed: it waits no more."""
+        queue = self._waiting.get(conn.peer_key)
+        if queue is not None and queue.pop(conn, None) is not None and not queue:
+            del self._waiting[conn.peer_key]
+
+    def _run(self, peer: str, turn: Callable[[], None]) -> None:
+        started = time.perf_counter()
+        try:
+            turn()
+        except Exception:  # one connection's bug must not take the others' turns
+            log.exception("a connection's turn failed")
+        self._used[peer] = self._used.get(peer, 0.0) + time.perf_counter() - started
+
+    def _schedule_round(self) -> None:
+        if self._round is None:
+            # a timer due now runs after the I/O of the loop's next pass (``call_soon`` would run before it)
+            self._round = self._loop.call_later(0, self._next_round)
+
+    def _next_round(self) -> None:
+        """Every waiting peer's turn: its waiting connections, in order, until it has used ``turn_s``
+        (one at least; each connection once at most). A peer whose fresh work ran in this pass may
+        thus have had up to two shares in it; from the next pass on, one per round."""
+        self._round = None
+        self._used = {}
+        try:
+            for peer in list(self._waiting):
+                queue = self._waiting.get(peer)
+                for _ in range(len(queue) if queue else 0):
+                    if not queue or self._used.get(peer, 0.0) >= self._turn_s:
+                        break
+                    _, turn = queue.popitem(last=False)
+                    if not queue:
+                        del self._waiting[peer]
+                    self._run(peer, turn)  # a connection that wants more goes to the back of the queue
+                    queue = self._waiting.get(peer)
+        finally:
+            if self._waiting or self._used:
+                self._schedule_round()
