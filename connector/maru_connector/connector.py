@@ -29,6 +29,7 @@ from maru_connector.lookup import LookupService
 from maru_connector.metadata import MaruConnectorMetadata
 from maru_connector.scheduler import MaruSchedulerHalf
 from maru_connector.stats import open_stats
+from maru_connector.vllm_stats import MaruKVConnectorStats, MaruPromMetrics, StepStatsReader
 from maru_connector.worker import MaruWorkerHalf
 
 if TYPE_CHECKING:
@@ -37,6 +38,11 @@ if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -109,6 +115,7 @@ class MaruKVConnector(KVConnectorBase_V1):
         cfg = parse_config(self._kv_transfer_config.kv_connector_extra_config, block_size)
         self.scheduler_half: MaruSchedulerHalf | None = None
         self.worker_half: MaruWorkerHalf | None = None
+        self._step_stats = StepStatsReader()  # this half's figures for vLLM's own stats
         # Both halves of one engine find each other here when vLLM runs them in one process.
         engine_id = self._kv_transfer_config.engine_id
         handoff = PinHandoff.for_engine(engine_id) if cfg.maru_early_pins and engine_id else None
@@ -139,6 +146,27 @@ class MaruKVConnector(KVConnectorBase_V1):
         every layer landed.
         """
         return parse_config(extra_config).maru_overlap_load_with_compute
+
+    # ---- vLLM's connector stats (vllm_stats.py) -----------------------------
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """This half's counters since vLLM last asked (each worker and the scheduler, every step)."""
+        half = self.worker_half if self.worker_half is not None else self.scheduler_half
+        return self._step_stats.take(half.stats) if half is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return MaruKVConnectorStats(data=dict(data) if data is not None else {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: "VllmConfig",
+        metric_types: dict[type["PromMetric"], type["PromMetricT"]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> MaruPromMetrics:
+        return MaruPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ---- worker side --------------------------------------------------------
 
