@@ -192,3 +192,24 @@ def test_the_window_never_forgets_evictions_early_however_often_they_come(clock:
     assert window.pages(now, 10.0) == 10_000  # nothing within the last 10 s forgotten
     assert len(window._entries) <= 70  # a bounded number of entries
     assert window.pages(now + 10.2, 10.0) == 0
+
+
+def test_a_pin_planned_ahead_is_planned_again_when_the_lease_pinned_meanwhile(clock: Clock) -> None:
+    """A large retrieve plans its pin in steps ahead of it; another connection of
+    the same lease may pin other objects in between: the plan is made again."""
+    reg = Registry(geometry(200), clock=clock)
+    lease = reg.open_lease("a")
+    keys = [key(i) for i in range(100)]
+    store(reg, lease, keys)
+    steps = reg.retrieve_sliced(lease, b"".join(keys[:60]), 10)
+    others = iter(keys[60:])
+    try:
+        while True:
+            next(steps)
+            reg.retrieve(lease, [next(others)])  # a new object pinned between every two steps
+    except StopIteration as done:
+        assert done.value.misses() == 0
+    pinned_meanwhile = 100 - 60 - len(list(others))
+    assert [reg.describe(k).pins for k in keys[: 60 + pinned_meanwhile]] == [1] * (60 + pinned_meanwhile)
+    assert reg.unpin(lease, keys) == 60 + pinned_meanwhile
+    assert reg.stats().pinned_keys == 0 and reg._leases[lease].pins.pages == 0

@@ -40,13 +40,16 @@ class SortedBatch:
 
     Worth computing a step ahead of a pin (``Reads.retrieve_sliced``): the sort
     is most of a large batch's cost, and the rows of records that stay
-    committed do not change.
+    committed do not change. A stable sort (timsort) is near linear on the
+    ascending runs a stored batch's rows form.
     """
 
     __slots__ = ("rows", "occurrences", "distinct")
 
-    def __init__(self, rows: np.ndarray) -> None:
-        ordered = np.sort(np.asarray(rows, dtype=np.int64))
+    def __init__(self, rows: np.ndarray, *, presorted: bool = False) -> None:
+        ordered = np.asarray(rows, dtype=np.int64)
+        if not presorted:
+            ordered = np.sort(ordered, kind="stable")
         if len(ordered) < 2 or bool(np.all(ordered[1:] != ordered[:-1])):
             self.rows, self.occurrences, self.distinct = ordered, np.ones(len(ordered), dtype=np.int64), True
             return
@@ -60,12 +63,13 @@ class PinMerge:
     """Where a ``SortedBatch`` goes among a lease's pins: computed before the
     pin so the quota can be checked first (``LeasePins.plan``)."""
 
-    __slots__ = ("batch", "positions", "held")
+    __slots__ = ("batch", "positions", "held", "pins", "version")
 
-    def __init__(self, batch: SortedBatch, positions: np.ndarray, held: np.ndarray) -> None:
+    def __init__(self, batch: SortedBatch, positions: np.ndarray, held: np.ndarray, pins: LeasePins) -> None:
         self.batch = batch
         self.positions = positions  # where each row is, or would go, in the lease's sorted rows
         self.held = held  # whether the lease pins it already
+        self.pins, self.version = pins, pins.version  # planned against these pins as they were then
 
     @property
     def new_rows(self) -> np.ndarray:
@@ -82,10 +86,11 @@ class LeasePins:
     compaction of the held arrays when objects come or go.
     """
 
-    __slots__ = ("pages", "_rows", "_counts", "_batches", "_batch_keys")
+    __slots__ = ("pages", "version", "_rows", "_counts", "_batches", "_batch_keys")
 
     def __init__(self) -> None:
         self.pages = 0
+        self.version = 0  # changes whenever the rows held do: a plan made before is then stale
         self._rows = _EMPTY
         self._counts = _EMPTY
         # The keys of recent retrieves whose rows are distinct, joined, with
@@ -129,17 +134,24 @@ class LeasePins:
         positions = np.searchsorted(self._rows, batch.rows)
         held = positions < len(self._rows)
         held[held] = self._rows[positions[held]] == batch.rows[held]
-        return PinMerge(batch, positions, held)
+        return PinMerge(batch, positions, held, self)
+
+    def still_fits(self, merge: PinMerge) -> bool:
+        """Whether ``merge`` was planned against these pins as they still are."""
+        return merge.pins is self and merge.version == self.version
 
     def add(self, merge: PinMerge, joined_keys: bytes) -> None:
-        """Pin ``merge``'s batch (planned against the pins as they still are);
-        ``joined_keys`` are its keys, remembered for an unpin of the same batch."""
+        """Pin ``merge``'s batch (planned against the pins as they still are:
+        ``still_fits``); ``joined_keys`` are its keys, remembered for an unpin
+        of the same batch."""
+        assert self.still_fits(merge), "a pin planned against pins that changed since"
         batch, held = merge.batch, merge.held
         self._counts[merge.positions[held]] += batch.occurrences[held]
         if not held.all():
             new = ~held
             self._rows = np.insert(self._rows, merge.positions[new], batch.rows[new])
             self._counts = np.insert(self._counts, merge.positions[new], batch.occurrences[new])
+            self.version += 1
         if batch.distinct and len(batch.rows):
             self._remember(joined_keys, batch.rows)
 
@@ -152,6 +164,15 @@ class LeasePins:
         while self._batch_keys > BATCH_MEMORY_FACTOR * len(self._rows) and self._batches:
             oldest = next(iter(self._batches))  # insertion order: the oldest first
             self._batch_keys -= len(self._batches.pop(oldest)[1])
+
+    def remembered(self, joined_keys: bytes) -> SortedBatch | None:
+        """The ``SortedBatch`` of an earlier retrieve of exactly these keys that is
+        still pinned (its rows cannot have changed), so a retrieve of the same
+        keys again needs no sort; ``None`` when none is remembered."""
+        entry = self._batches.get(_fingerprint(joined_keys))
+        if entry is None or entry[0] != joined_keys:
+            return None
+        return SortedBatch(entry[1], presorted=True)
 
     def take_batch(self, joined_keys: bytes) -> tuple[int, np.ndarray] | None:
         """Unpin the objects of an earlier retrieve of exactly these keys (joined), once each:
@@ -191,12 +212,14 @@ class LeasePins:
         gone = self._rows[positions[zero]]
         keep = self._counts != 0
         self._rows, self._counts = self._rows[keep], self._counts[keep]
+        self.version += 1
         return gone
 
     def pop_all(self) -> list[np.ndarray]:
         """Every pinned object's row, once, in chunks of ``PIN_CHUNK_ROWS``; the lease then pins none."""
         rows = self._rows
         self._rows, self._counts, self.pages = _EMPTY, _EMPTY, 0
+        self.version += 1
         self._batches.clear()
         self._batch_keys = 0
         return [rows[start : start + PIN_CHUNK_ROWS] for start in range(0, len(rows), PIN_CHUNK_ROWS)]

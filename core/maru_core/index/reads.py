@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 
-from maru_core.index.leases import SortedBatch
+from maru_core.index.leases import PinMerge, SortedBatch
 from maru_core.index.records import KEY_BYTES, RecordTable, State
 from maru_core.index.registry_types import Keys, QuotaExceeded, joined_keys, run_to_end
 from maru_core.protocol.locations import LocationList
@@ -85,13 +85,13 @@ class Reads:
         joined = joined_keys(keys)
         removals = self._records.removals
         rows, committed = yield from self._committed_sliced(joined, slice_keys, stop_at_miss=False)
-        batch = (yield from _sorted_ahead(rows, slice_keys)) if committed.all() else None
+        merge = (yield from self._planned_ahead(lease_id, joined, rows, slice_keys)) if committed.all() else None
         if self._records.removals != removals and committed.all():
             # records went meanwhile (evicted, expired): their rows may hold other keys now
             committed = self._records.still_in_state(rows, joined, State.COMMITTED)
         if not committed.all():
             return self._locations(rows, committed)
-        self._pin(lease_id, rows, joined, batch)
+        self._pin(lease_id, rows, joined, merge)
         return self._locations(rows, None)
 
     def retrieve_prefix_sliced(
@@ -110,13 +110,13 @@ class Reads:
             return matched, None
         found = rows[:pinned]
         prefix = joined[: pinned * KEY_BYTES]
-        batch = yield from _sorted_ahead(found, slice_keys)
+        merge = yield from self._planned_ahead(lease_id, prefix, found, slice_keys)
         if self._records.removals != removals:
             # records went meanwhile: a row found before may hold another key now
             still = self._records.still_in_state(found, prefix, State.COMMITTED)
             if not still.all():
                 return matched, None
-        self._pin(lease_id, found, prefix, batch)
+        self._pin(lease_id, found, prefix, merge)
         return matched, self._locations(found, None)
 
     def retrieve_prefix(self, lease_id: str, keys: Keys, group: int) -> tuple[int, LocationList | None]:
@@ -135,13 +135,31 @@ class Reads:
         joined = joined_keys(keys)
         return run_to_end(self.retrieve_prefix_sliced(lease_id, joined, group, max(1, len(joined) // KEY_BYTES)))
 
-    def _pin(self, lease_id: str, rows: np.ndarray, joined: bytes, batch: SortedBatch | None) -> None:
+    def _planned_ahead(self, lease_id: str, joined: bytes, rows: np.ndarray,
+                       slice_keys: int) -> Generator[None, None, PinMerge | None]:  # fmt: skip
+        """For a retrieve of more than one slice, the plan of its pin (``rows``, of
+        ``joined``'s keys, all committed), in steps of their own: the sort of its
+        rows (none when the lease pinned exactly these keys before and still
+        does: ``LeasePins.remembered``), then their search among the lease's
+        pins. ``None`` for a smaller one: planned when pinned."""
+        if len(rows) <= slice_keys:
+            return None
+        yield
+        pins = self._lease(lease_id).pins
+        batch = pins.remembered(joined) or SortedBatch(rows)
+        yield
+        merge = pins.plan(batch)
+        yield
+        return merge
+
+    def _pin(self, lease_id: str, rows: np.ndarray, joined: bytes, merge: PinMerge | None) -> None:
         """Pin ``rows`` (committed records of ``joined``'s keys, in order) for the lease,
         counted once per object (``leases.LeasePins``); ``QuotaExceeded`` and nothing
         pinned when its distinct objects would pass ``max_lease_pin_pages``.
-        ``batch``: ``SortedBatch(rows)`` when computed a step ahead."""
+        ``merge``: the plan made a step ahead, used unless the lease's pins changed since."""
         lease = self._lease(lease_id)  # still live after the slices, or nothing is pinned
-        merge = lease.pins.plan(batch if batch is not None else SortedBatch(rows))
+        if merge is None or not lease.pins.still_fits(merge):
+            merge = lease.pins.plan(lease.pins.remembered(joined) or SortedBatch(rows))
         new = merge.new_rows
         rec = self._records
         new_pages = int(rec.pages.take(new).sum())
@@ -232,13 +250,3 @@ def _leading(committed: np.ndarray) -> int:
     """How many leading entries of ``committed`` are true."""
     return len(committed) if committed.all() else int(np.argmin(committed))
 
-
-def _sorted_ahead(rows: np.ndarray, slice_keys: int) -> Generator[None, None, SortedBatch | None]:
-    """A large batch's ``SortedBatch``, in a step of its own (the sort is most of
-    its pin's cost); ``None`` for a batch of one slice, sorted when pinned."""
-    if len(rows) <= slice_keys:
-        return None
-    yield
-    batch = SortedBatch(rows)
-    yield
-    return batch
