@@ -180,6 +180,24 @@ class Reads:
             self._records.pins[rows] -= 1
             lease.pins.pages -= int(self._records.pages.take(rows).sum())
 
+    def _release_pins(self, leases: list["Lease"]) -> Generator[None, None, int]:
+        """Release the pins of ended ``leases``, a chunk of distinct objects per step;
+        return how many objects were unpinned. Whatever is left when the steps are
+        abandoned (the connection of a ``bye`` gone) is released at once: an ended
+        lease's pin would otherwise keep its object from eviction for ever."""
+        chunks = [chunk for lease in leases for chunk in lease.pins.pop_all()]  # the leases pin nothing now
+        released = 0
+        try:
+            while chunks:
+                chunk = chunks.pop(0)
+                self._records.pins[chunk] -= 1  # distinct rows: this lease's one count each
+                released += len(chunk)
+                yield
+        finally:
+            for chunk in chunks:
+                self._records.pins[chunk] -= 1
+        return released
+
     def retrieve(self, lease_id: str, keys: Keys) -> LocationList:
         """One ``Location`` per key, in order, ``None`` for a key not committed.
 
@@ -249,4 +267,3 @@ class Reads:
 def _leading(committed: np.ndarray) -> int:
     """How many leading entries of ``committed`` are true."""
     return len(committed) if committed.all() else int(np.argmin(committed))
-

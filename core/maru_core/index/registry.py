@@ -163,10 +163,11 @@ class Registry(Reads, Placement):
             raise ValueError("lease_ttl_s and reservation_ttl_s must be positive")
         if not 0 < max_evict_fraction <= 1:
             raise ValueError(f"max_evict_fraction must be in (0, 1], got {max_evict_fraction}")
-        for name, fraction in (("max_lease_pages_fraction", max_lease_pages_fraction),
-                               ("max_lease_pin_fraction", max_lease_pin_fraction),
-                               ("max_lease_evict_fraction", max_lease_evict_fraction or 1.0)):  # fmt: skip
-            if not 0 < fraction <= 1:
+        fractions = {"max_lease_pages_fraction": max_lease_pages_fraction,
+                     "max_lease_pin_fraction": max_lease_pin_fraction,
+                     "max_lease_evict_fraction": max_lease_evict_fraction}  # fmt: skip
+        for name, fraction in fractions.items():
+            if fraction is not None and not 0 < fraction <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {fraction}")
         if not 0 < evict_window_s < math.inf:
             raise ValueError(f"evict_window_s must be a positive number of seconds, got {evict_window_s}")
@@ -181,8 +182,9 @@ class Registry(Reads, Placement):
         self._max_evict_pages = max(1, math.floor(max_evict_fraction * geometry.num_pages))
         self.max_lease_pages = max(1, math.floor(max_lease_pages_fraction * geometry.num_pages))
         self.max_lease_pin_pages = max(1, math.floor(max_lease_pin_fraction * geometry.num_pages))
-        self.max_lease_evict_pages = (None if max_lease_evict_fraction is None
-                                      else max(1, math.floor(max_lease_evict_fraction * geometry.num_pages)))  # fmt: skip
+        self.max_lease_evict_pages: int | None = None
+        if max_lease_evict_fraction is not None:
+            self.max_lease_evict_pages = max(1, math.floor(max_lease_evict_fraction * geometry.num_pages))
         self.evict_window_s = float(evict_window_s)
         self.quota_listener: QuotaListener | None = None
         self._clock = clock
@@ -283,24 +285,6 @@ class Registry(Reads, Placement):
         for lease in leases:
             self._fence.lease_ended(lease.number, now)
         return pins, reservations
-
-    def _release_pins(self, leases: list[Lease]) -> Generator[None, None, int]:
-        """Release the pins of ended ``leases``, a chunk of distinct objects per step;
-        return how many objects were unpinned. Whatever is left when the steps are
-        abandoned (the connection of a ``bye`` gone) is released at once: an ended
-        lease's pin would otherwise keep its object from eviction for ever."""
-        chunks = [chunk for lease in leases for chunk in lease.pins.pop_all()]  # the leases pin nothing now
-        released = 0
-        try:
-            while chunks:
-                chunk = chunks.pop(0)
-                self._records.pins[chunk] -= 1  # distinct rows: this lease's one count each
-                released += len(chunk)
-                yield
-        finally:
-            for chunk in chunks:
-                self._records.pins[chunk] -= 1
-        return released
 
     def expire(self) -> ExpiryReport:
         """Release lapsed leases (their pins and reservations) and reservations past their deadline."""
