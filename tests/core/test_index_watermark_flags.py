@@ -24,7 +24,9 @@ def _store(client, pool, key: bytes) -> None:
 
 
 def test_watermark_flags_drive_eviction():
-    with IndexProcess(pool_size="32Mi", extra_args=("--high-watermark", "0.5", "--low-watermark", "0.25")) as index:
+    # One writer evicts most of the pool within a second here: above a lease's default eviction window.
+    args = ("--high-watermark", "0.5", "--low-watermark", "0.25", "--max-lease-evict-fraction", "1")
+    with IndexProcess(pool_size="32Mi", extra_args=args) as index:
         client = index.client()
         try:
             with Pool.attach(index.pool_path) as pool:

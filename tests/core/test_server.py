@@ -291,8 +291,9 @@ def test_a_small_retrieve_is_answered_while_another_client_commits_a_large_batch
 
 
 def _commit_while_reading(path: str) -> None:
-    # One lease reserves 61 % of the pool here: above a lease's default quota.
-    args = ["--page-size", "4Ki", "--log-level", "WARNING", "--max-lease-pool-fraction", "1"]
+    # One lease reserves, and pins, 61 % of the pool here: above a lease's default quotas.
+    args = ["--page-size", "4Ki", "--log-level", "WARNING", "--max-lease-pool-fraction", "1",
+            "--max-lease-pin-fraction", "1"]
     with IndexProcess(path, pool_size="256Mi", extra_args=args) as index:
         with Pool.attach(path) as pool:
             writer, reader = Raw(index.url), Raw(index.url)

@@ -139,6 +139,7 @@ def one_line_errors(parser: argparse.ArgumentParser) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from maru_core.index.limits import PRE_AUTH_FRAME_BYTES, ServerLimits, default_max_connections
+    from maru_core.index.quotas import EVICT_WINDOW_S, MAX_LEASE_EVICT_FRACTION, MAX_LEASE_PIN_FRACTION
     from maru_core.index.registry import MAX_EVICT_FRACTION, MAX_FENCE_S, MAX_LEASE_POOL_FRACTION
 
     limits = ServerLimits()
@@ -203,6 +204,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-lease-pool-fraction", type=_fraction_arg, default=MAX_LEASE_POOL_FRACTION,
                         metavar="F", help="largest share of the pool one lease may hold reserved, or fenced "
                                           f"after a lapse (default {MAX_LEASE_POOL_FRACTION:g})")
+    parser.add_argument("--max-lease-pin-fraction", type=_fraction_arg, default=MAX_LEASE_PIN_FRACTION,
+                        metavar="F", help="largest share of the pool one lease may pin (the pages of the distinct "
+                                          "objects its retrieves pinned and it has not unpinned); beyond, a "
+                                          f"retrieve is refused with 'quota' (default {MAX_LEASE_PIN_FRACTION:g})")
+    parser.add_argument("--max-lease-evict-fraction", type=_fraction_arg, default=MAX_LEASE_EVICT_FRACTION,
+                        metavar="F", help="largest share of the pool one lease's reserves may evict within "
+                                          "--evict-window; beyond, its objects get no slot (default "
+                                          f"{MAX_LEASE_EVICT_FRACTION:g})")
+    parser.add_argument("--evict-window", type=_positive_seconds, default=EVICT_WINDOW_S, metavar="S",
+                        help="seconds over which --max-lease-evict-fraction counts a lease's evictions "
+                             f"(default {EVICT_WINDOW_S:g})")
     parser.add_argument("--max-fence", type=_positive_seconds, default=MAX_FENCE_S, metavar="S",
                         help="seconds a lapsed reservation's pages stay fenced while its writer's lease lives "
                              f"(default {MAX_FENCE_S:g})")
@@ -378,6 +390,9 @@ async def _serve(args: argparse.Namespace, pool: Any, token: str | None, fresh: 
         max_evict_fraction=args.max_evict_fraction,
         max_lease_pool_fraction=args.max_lease_pool_fraction,
         max_fence_s=args.max_fence,
+        max_lease_pin_fraction=args.max_lease_pin_fraction,
+        max_lease_evict_fraction=args.max_lease_evict_fraction,
+        evict_window_s=args.evict_window,
     )
     try:
         if args.metrics_port is not None:  # before listening: a taken port is reported before any client arrives

@@ -1,30 +1,238 @@
 """Leases: every client of the index holds one; what it holds lapses with it.
 
-A lease holds pins (rows pinned by its retrieves, as arrays so a batch of
-thousands of keys costs a few vectorised operations) and owns reservations
-(recorded in the records' ``owner`` column by lease number). When it lapses,
-both are released.
+A lease holds pins (``LeasePins``: a count per distinct object it pinned)
+and owns reservations (recorded in the records' ``owner`` column by lease
+number). When it lapses, both are released. It also carries what its quotas
+count: the pages it holds reserved or fenced (``held_pages``), the pages it
+pins (``pins.pages``) and the pages its reserves evicted lately
+(``evicted``, a ``maru_core.index.quotas.EvictionWindow``).
+
+Pins are counted once per object and lease: a second pin of an object the
+lease already pins adds one to that object's count and takes no memory, so
+what a lease's pins cost the index is set by how many distinct objects it
+pins (bounded by its quota), never by how often it pinned them. Counts, not a
+set: the connector's loads of one lease pin overlapping keys (two requests
+sharing a prefix, a lookup's early pin beside a load) and each unpins what it
+pinned (``maru_connector.held_pins``); a set would let the first unpin take
+the pin another load still copies under. An unpin takes one count per
+occurrence of a key, at most what the lease holds; the object stays pinned by
+the lease until its count is zero.
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Generator
-
 import numpy as np
+
+from maru_core.index.quotas import EvictionWindow
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
-
-#: Pins are kept in arrays of at most this many rows, so that releasing or
-#: searching them runs in slices of bounded time (see ``Registry.unpin_sliced``).
+#: Pinned objects released per step when a lease ends (``Registry.close_lease_sliced``).
 PIN_CHUNK_ROWS = 65536
+#: Keys of earlier retrieves a lease remembers for a cheap unpin, as a multiple
+#: of the distinct objects it pins (oldest batches forgotten first).
+BATCH_MEMORY_FACTOR = 4
+
+
+class SortedBatch:
+    """The rows of a batch, sorted and distinct, with how often each occurs.
+
+    Worth computing a step ahead of a pin (``Reads.retrieve_sliced``): the sort
+    is most of a large batch's cost, and the rows of records that stay
+    committed do not change. A stable sort (timsort) is near linear on the
+    ascending runs a stored batch's rows form.
+    """
+
+    __slots__ = ("rows", "occurrences", "distinct")
+
+    def __init__(self, rows: np.ndarray, *, presorted: bool = False) -> None:
+        ordered = np.asarray(rows, dtype=np.int64)
+        if not presorted:
+            ordered = np.sort(ordered, kind="stable")
+        if len(ordered) < 2 or bool(np.all(ordered[1:] != ordered[:-1])):
+            self.rows, self.occurrences, self.distinct = ordered, np.ones(len(ordered), dtype=np.int64), True
+            return
+        starts = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
+        self.rows = ordered[starts]
+        self.occurrences = np.diff(np.append(starts, len(ordered)))
+        self.distinct = False
+
+
+class PinMerge:
+    """Where a ``SortedBatch`` goes among a lease's pins: computed before the
+    pin so the quota can be checked first (``LeasePins.plan``)."""
+
+    __slots__ = ("batch", "positions", "held", "pins", "version")
+
+    def __init__(self, batch: SortedBatch, positions: np.ndarray, held: np.ndarray, pins: LeasePins) -> None:
+        self.batch = batch
+        self.positions = positions  # where each row is, or would go, in the lease's sorted rows
+        self.held = held  # whether the lease pins it already
+        self.pins, self.version = pins, pins.version  # planned against these pins as they were then
+
+    @property
+    def new_rows(self) -> np.ndarray:
+        """The rows the lease does not pin yet (what its quota is charged for)."""
+        return self.batch.rows[~self.held]
+
+
+class LeasePins:
+    """The objects one lease pins: sorted distinct record rows and a count each.
+
+    ``pages`` is kept by the registry (the pages of the distinct objects,
+    what the pin quota bounds). Every operation is a few vectorised passes:
+    a sort of the batch, a binary search in the rows held, and an insert or
+    compaction of the held arrays when objects come or go.
+    """
+
+    __slots__ = ("pages", "version", "_rows", "_counts", "_batches", "_batch_keys")
+
+    def __init__(self) -> None:
+        self.pages = 0
+        self.version = 0  # changes whenever the rows held do: a plan made before is then stale
+        self._rows = _EMPTY
+        self._counts = _EMPTY
+        # The keys of recent retrieves whose rows are distinct, joined, with
+        # their sorted rows: an unpin of the same keys (the usual case) is then
+        # found without a lookup. Filed under a cheap fingerprint (hashing 128 KB
+        # of keys would cost more than the lookup it saves) and confirmed by
+        # comparing the keys. Bounded (``BATCH_MEMORY_FACTOR``): a lease that
+        # pins the same objects under ever new batches cannot grow it.
+        self._batches: dict[tuple[int, bytes, bytes], tuple[bytes, np.ndarray]] = {}
+        self._batch_keys = 0
+
+    def __len__(self) -> int:
+        """Distinct objects pinned."""
+        return len(self._rows)
+
+    @property
+    def total(self) -> int:
+        """Pins held, counting each object as often as it is pinned."""
+        return int(self._counts.sum())
+
+    @property
+    def nbytes(self) -> int:
+        """Memory the pins take (arrays and remembered batches), for tests and inspection."""
+        batches = sum(len(keys) + rows.nbytes for keys, rows in self._batches.values())
+        return self._rows.nbytes + self._counts.nbytes + batches
+
+    @property
+    def rows(self) -> np.ndarray:
+        """The rows of the objects pinned, sorted (read-only: for checks and inspection)."""
+        view = self._rows.view()
+        view.flags.writeable = False
+        return view
+
+    def count_of(self, row: int) -> int:
+        """How often this lease pins the object at ``row``."""
+        i = int(np.searchsorted(self._rows, row))
+        return int(self._counts[i]) if i < len(self._rows) and self._rows[i] == row else 0
+
+    def plan(self, batch: SortedBatch) -> PinMerge:
+        """Where ``batch`` goes (nothing changes until ``add``)."""
+        positions = np.searchsorted(self._rows, batch.rows)
+        held = positions < len(self._rows)
+        held[held] = self._rows[positions[held]] == batch.rows[held]
+        return PinMerge(batch, positions, held, self)
+
+    def still_fits(self, merge: PinMerge) -> bool:
+        """Whether ``merge`` was planned against these pins as they still are."""
+        return merge.pins is self and merge.version == self.version
+
+    def add(self, merge: PinMerge, joined_keys: bytes) -> None:
+        """Pin ``merge``'s batch (planned against the pins as they still are:
+        ``still_fits``); ``joined_keys`` are its keys, remembered for an unpin
+        of the same batch."""
+        assert self.still_fits(merge), "a pin planned against pins that changed since"
+        batch, held = merge.batch, merge.held
+        self._counts[merge.positions[held]] += batch.occurrences[held]
+        if not held.all():
+            new = ~held
+            self._rows = np.insert(self._rows, merge.positions[new], batch.rows[new])
+            self._counts = np.insert(self._counts, merge.positions[new], batch.occurrences[new])
+            self.version += 1
+        if batch.distinct and len(batch.rows):
+            self._remember(joined_keys, batch.rows)
+
+    def _remember(self, joined_keys: bytes, rows: np.ndarray) -> None:
+        fingerprint = _fingerprint(joined_keys)
+        if fingerprint in self._batches:
+            return  # the batch remembered first is unpinned by the fast path first
+        self._batches[fingerprint] = (joined_keys, rows)
+        self._batch_keys += len(rows)
+        while self._batch_keys > BATCH_MEMORY_FACTOR * len(self._rows) and self._batches:
+            oldest = next(iter(self._batches))  # insertion order: the oldest first
+            self._batch_keys -= len(self._batches.pop(oldest)[1])
+
+    def remembered(self, joined_keys: bytes) -> SortedBatch | None:
+        """The ``SortedBatch`` of an earlier retrieve of exactly these keys that is
+        still pinned (its rows cannot have changed), so a retrieve of the same
+        keys again needs no sort; ``None`` when none is remembered."""
+        entry = self._batches.get(_fingerprint(joined_keys))
+        if entry is None or entry[0] != joined_keys:
+            return None
+        return SortedBatch(entry[1], presorted=True)
+
+    def take_batch(self, joined_keys: bytes) -> tuple[int, np.ndarray] | None:
+        """Unpin the objects of an earlier retrieve of exactly these keys (joined), once each:
+        ``(pins dropped, rows no longer pinned)``; ``None`` when no such retrieve is remembered."""
+        fingerprint = _fingerprint(joined_keys)
+        entry = self._batches.get(fingerprint)
+        if entry is None or entry[0] != joined_keys:
+            return None
+        del self._batches[fingerprint]
+        rows = entry[1]
+        self._batch_keys -= len(rows)
+        # Every remembered batch still holds its pin on each of its rows: a
+        # general unpin, which could take them, forgets every batch.
+        positions = np.searchsorted(self._rows, rows)
+        self._counts[positions] -= 1
+        return len(rows), self._drop_zeros(positions)
+
+    def take(self, rows: np.ndarray) -> tuple[int, np.ndarray]:
+        """Drop one pin per occurrence in ``rows`` (-1: not found, ignored) of an object this
+        lease pins, at most its count: ``(pins dropped, rows no longer pinned)``."""
+        self._batches.clear()  # their pins may be among those taken
+        self._batch_keys = 0
+        rows = rows[rows >= 0]
+        if not len(rows) or not len(self._rows):
+            return 0, _EMPTY
+        merge = self.plan(SortedBatch(rows))
+        positions = merge.positions[merge.held]
+        taken = np.minimum(merge.batch.occurrences[merge.held], self._counts[positions])
+        self._counts[positions] -= taken
+        return int(taken.sum()), self._drop_zeros(positions)
+
+    def _drop_zeros(self, positions: np.ndarray) -> np.ndarray:
+        """Forget the objects at ``positions`` whose count reached zero; return their rows."""
+        zero = self._counts[positions] == 0
+        if not zero.any():
+            return _EMPTY
+        gone = self._rows[positions[zero]]
+        keep = self._counts != 0
+        self._rows, self._counts = self._rows[keep], self._counts[keep]
+        self.version += 1
+        return gone
+
+    def pop_all(self) -> list[np.ndarray]:
+        """Every pinned object's row, once, in chunks of ``PIN_CHUNK_ROWS``; the lease then pins none."""
+        rows = self._rows
+        self._rows, self._counts, self.pages = _EMPTY, _EMPTY, 0
+        self.version += 1
+        self._batches.clear()
+        self._batch_keys = 0
+        return [rows[start : start + PIN_CHUNK_ROWS] for start in range(0, len(rows), PIN_CHUNK_ROWS)]
+
+
+def _fingerprint(joined_keys: bytes) -> tuple[int, bytes, bytes]:
+    return len(joined_keys), joined_keys[:16], joined_keys[-16:]
 
 
 class Lease:
     """One client's lease. ``number`` is its compact id in the records' ``owner`` column."""
 
-    __slots__ = ("lease_id", "client", "number", "expires_at", "held_pages", "_pins", "_distinct", "_batch_keys")
+    __slots__ = ("lease_id", "client", "number", "expires_at", "held_pages", "pins", "evicted")
 
     def __init__(self, lease_id: str, client: str, number: int, expires_at: float) -> None:
         self.lease_id = lease_id
@@ -32,101 +240,8 @@ class Lease:
         self.number = number
         self.expires_at = expires_at
         self.held_pages = 0  # pool pages it holds reserved or fenced: what its quota bounds
-        # Arrays of pinned rows (a retrieve's rows, split into chunks of at most
-        # PIN_CHUNK_ROWS), and whether the rows of each are distinct.
-        self._pins: list[np.ndarray] = []
-        self._distinct: list[bool] = []
-        # The keys of each retrieve whose rows are distinct, joined, with its
-        # chunks: an unpin of the same keys (the usual case) is then found
-        # without a lookup. Filed under a cheap fingerprint (hashing 128 KB of
-        # keys would cost more than the lookup it saves) and confirmed by
-        # comparing the keys.
-        self._batch_keys: dict[tuple[int, bytes, bytes], tuple[bytes, list[np.ndarray]]] = {}
-
-    @staticmethod
-    def _fingerprint(joined_keys: bytes) -> tuple[int, bytes, bytes]:
-        return len(joined_keys), joined_keys[:16], joined_keys[-16:]
-
-    @property
-    def pin_count(self) -> int:
-        return sum(len(chunk) for chunk in self._pins)
-
-    def add_pins(self, rows: np.ndarray, distinct: bool, joined_keys: bytes) -> None:
-        if not len(rows):
-            return
-        chunks = [rows[i : i + PIN_CHUNK_ROWS] for i in range(0, len(rows), PIN_CHUNK_ROWS)]
-        self._pins += chunks
-        self._distinct += [distinct] * len(chunks)
-        if distinct:
-            self._batch_keys.setdefault(self._fingerprint(joined_keys), (joined_keys, chunks))
-
-    def take_batch(self, joined_keys: bytes) -> np.ndarray | None:
-        """The rows of an earlier retrieve of exactly these keys (joined), unpinned; else ``None``."""
-        fingerprint = self._fingerprint(joined_keys)
-        entry = self._batch_keys.get(fingerprint)
-        if entry is None or entry[0] != joined_keys:
-            return None
-        del self._batch_keys[fingerprint]
-        chunks = entry[1]
-        held = {id(chunk): i for i, chunk in enumerate(self._pins)}
-        if any(id(chunk) not in held or self._pins[held[id(chunk)]] is not chunk for chunk in chunks):
-            return None  # partly unpinned by a general unpin since: take the general path
-        for i in sorted((held[id(chunk)] for chunk in chunks), reverse=True):
-            del self._pins[i], self._distinct[i]
-        return chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
-
-    def take_pins_sliced(self, rows: np.ndarray) -> Generator[np.ndarray, None, None]:
-        """Drop one pin per occurrence of a row in ``rows`` that this lease holds.
-
-        Yields, chunk by chunk, the rows whose pin was dropped (once per
-        dropped pin), so the caller can decrement their counts and let other
-        work run between chunks. Chunks are searched in the order they were
-        pinned; the search stops once every wanted pin was found.
-        """
-        self._batch_keys.clear()  # chunks are about to change
-        if not len(rows):
-            return
-        want_rows, remaining = np.unique(rows, return_counts=True)
-        i = 0
-        while i < len(self._pins) and remaining.any():
-            chunk = self._pins[i]
-            taken = _take_from_chunk(chunk, want_rows, remaining)
-            if len(taken):
-                keep = np.ones(len(chunk), dtype=bool)
-                keep[taken] = False
-                self._pins[i] = chunk[keep]
-                yield chunk[taken]
-            if not len(self._pins[i]):
-                del self._pins[i], self._distinct[i]
-            else:
-                i += 1
-
-    def pop_pin_chunks(self) -> list[np.ndarray]:
-        """Every pinned row, as chunks (a row pinned twice appears twice); the lease then holds none."""
-        chunks = self._pins
-        self._pins, self._distinct = [], []
-        self._batch_keys.clear()
-        return chunks
-
-    def clear_pins(self) -> np.ndarray:
-        chunks = self.pop_pin_chunks()
-        return np.concatenate(chunks) if chunks else _EMPTY
-
-
-def _take_from_chunk(chunk: np.ndarray, want_rows: np.ndarray, remaining: np.ndarray) -> np.ndarray:
-    """Positions in ``chunk`` of pins to drop: for each row of ``want_rows`` (sorted),
-    up to ``remaining`` of its occurrences; ``remaining`` is decremented in place."""
-    candidates = np.flatnonzero(np.isin(chunk, want_rows[remaining > 0]))
-    if not len(candidates):
-        return candidates
-    values = chunk[candidates]
-    order = np.argsort(values, kind="stable")
-    ordered = values[order]
-    rank = np.arange(len(ordered)) - np.searchsorted(ordered, ordered, side="left")
-    slot = np.searchsorted(want_rows, ordered)
-    take = rank < remaining[slot]
-    np.subtract.at(remaining, slot[take], 1)
-    return np.sort(candidates[order[take]])
+        self.pins = LeasePins()
+        self.evicted = EvictionWindow()  # pages its reserves evicted lately
 
 
 def new_lease_id() -> str:

@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from maru_core.index.peers import RATE_LIMIT_REASONS
+from maru_core.index.quotas import QUOTAS
 from maru_core.protocol import OPS, REPLY_ERROR_TYPES
 
 log = logging.getLogger(__name__)
@@ -126,6 +127,15 @@ class IndexMetrics:
         )
         for reason in RATE_LIMIT_REASONS:
             self._rate_limited.labels(reason)
+        self._quota_refusals = Counter(
+            "maru_index_quota_refusals",
+            "Calls a lease's quota refused (error 'quota') or cut short (some objects got no slot), by quota "
+            "(reservations, pins, evictions).",
+            ["quota"],
+            registry=self.registry,
+        )
+        for quota in QUOTAS:
+            self._quota_refusals.labels(quota)
         self._objects_lost = Counter(
             "maru_index_pool_truncated_objects",
             "Objects dropped because something truncated the pool file under the index (which then gave "
@@ -151,6 +161,9 @@ class IndexMetrics:
 
     def count_rate_limited(self, reason: str) -> None:
         self._rate_limited.labels(reason).inc()
+
+    def count_quota_refusal(self, quota: str) -> None:
+        self._quota_refusals.labels(quota).inc()
 
     def count_truncated_objects(self, objects: int) -> None:
         self._objects_lost.inc(objects)

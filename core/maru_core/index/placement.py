@@ -7,7 +7,7 @@ apart because it is the one part that decides about space.
 from __future__ import annotations
 
 from collections.abc import Generator, Sequence
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, NoReturn
 
 import numpy as np
 
@@ -41,14 +41,19 @@ class Placement:
     _quarantine_until: float
     _reserved_pages: int
     _evictions: int
+    _evicted_pages: int
     _max_evict_pages: int
     max_lease_pages: int
+    max_lease_evict_pages: int | None
+    evict_window_s: float
     _high_pages: int
     _low_pages: int
     _lease: Callable[[str], "Lease"]
     absent_keys: Callable[[Keys], np.ndarray]
     _add_reserved: Callable[..., np.ndarray]
     _release: Callable[[np.ndarray, State], None]
+    _refuse: Callable[["Lease", QuotaExceeded], NoReturn]
+    _cut_short: Callable[["Lease", QuotaExceeded], None]
 
     def reserve_sliced(self, lease_id: str, keys: Keys, lengths: Sequence[int] | np.ndarray,
                        slice_keys: int) -> Generator[None, None, SlotList]:  # fmt: skip
@@ -123,7 +128,7 @@ class Placement:
                           lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
         """``(idx, starts, pages)`` of the candidates that were given pages (allocated, not
         recorded); ``Quarantined`` in quarantine, ``QuotaExceeded`` past the lease's
-        quota of pages, ``NoSpace`` when none could be placed."""
+        quota of pages or of evictions, ``NoSpace`` when none could be placed."""
         if self._clock() < self._quarantine_until:
             raise Quarantined(
                 f"the index restarted over a pool in use; it hands out no slot for {self.quarantine_s:g} s "
@@ -141,14 +146,16 @@ class Placement:
         # The lease's quota, when it is below the whole pool: the prefix of the batch that fits it.
         within = np.cumsum(pages) <= self.max_lease_pages - lease.held_pages
         if self.max_lease_pages < g.num_pages and not within.all():
+            error = QuotaExceeded(
+                f"this lease holds {lease.held_pages} pages reserved or fenced and asks for {int(pages.sum())} "
+                f"more; a lease may hold {self.max_lease_pages} of the pool's {g.num_pages} pages "
+                "(--max-lease-pool-fraction): commit or abort what it holds first"
+            )
             if not within.any():
-                raise QuotaExceeded(
-                    f"this lease holds {lease.held_pages} pages reserved or fenced and asks for {int(pages[0])} "
-                    f"more; a lease may hold {self.max_lease_pages} of the pool's {g.num_pages} pages "
-                    "(--max-lease-pool-fraction): commit or abort what it holds first"
-                )
+                self._refuse(lease, error)
+            self._cut_short(lease, error)
             cand_idx, pages = cand_idx[within], pages[within]
-        starts = self._place(pages)
+        starts = self._place_in_window(lease, pages)
         placed = starts >= 0
         if not placed.any():
             raise NoSpace(
@@ -156,6 +163,36 @@ class Placement:
                 f"{g.num_pages} pages: the rest is pinned or reserved"
             )
         return cand_idx[placed], starts[placed], pages[placed]
+
+    def _place_in_window(self, lease: Lease, pages: np.ndarray) -> np.ndarray:
+        """``_place`` within what the lease may still evict in its window: the
+        pages evicted are charged to it; a batch the window left without room
+        is cut short, or refused (``QuotaExceeded``) when nothing of it fit
+        while there were objects to evict."""
+        limit, now = self.max_lease_evict_pages, self._clock()
+        if limit is None:
+            return self._place(pages, self._max_evict_pages)
+        evicted = lease.evicted.pages(now, self.evict_window_s)
+        budget = min(self._max_evict_pages, max(0, limit - evicted))
+        before = self._evicted_pages
+        starts = self._place(pages, budget)
+        lease.evicted.add(self._evicted_pages - before, now, self.evict_window_s)
+        if budget >= self._max_evict_pages or (starts >= 0).all():
+            return starts
+        error = QuotaExceeded(
+            f"this lease's reserves evicted {lease.evicted.pages(now, self.evict_window_s)} pages in the last "
+            f"{self.evict_window_s:g} s; a lease may evict {limit} of the pool's {self.geometry.num_pages} pages "
+            f"per window (--max-lease-evict-fraction per --evict-window): {int((starts < 0).sum())} of "
+            f"{len(pages)} objects got no slot; store them later", quota="evictions")  # fmt: skip
+        if not (starts >= 0).any() and self._evictable():
+            self._refuse(lease, error)
+        self._cut_short(lease, error)
+        return starts
+
+    def _evictable(self) -> bool:
+        """Whether any object could be evicted (committed, unpinned)."""
+        rec, hw = self._records, self._records.high_water
+        return bool(np.any((rec.state[:hw] == State.COMMITTED) & (rec.pins[:hw] == 0)))
 
     # -- space --------------------------------------------------------------------------------
 
@@ -182,12 +219,12 @@ class Placement:
         freed = int(rec.pages[chosen].sum())
         self._release(chosen, State.COMMITTED)
         self._evictions += len(chosen)
+        self._evicted_pages += freed
         return freed
 
-    def _place(self, pages: np.ndarray) -> np.ndarray:
+    def _place(self, pages: np.ndarray, budget: int) -> np.ndarray:
         """First page for each object (-1 where none fits), evicting as the watermarks
-        say but never more than ``max_evict_pages`` in one call."""
-        budget = self._max_evict_pages
+        say but never more than ``budget`` pages (at most ``max_evict_pages``)."""
         need = int(pages.sum())
         used = self._alloc.used_pages
         if used + need > self._high_pages:

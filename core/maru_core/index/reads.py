@@ -12,24 +12,29 @@ table's removal count, before it pins.
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 
+from maru_core.index.leases import PinMerge, SortedBatch
 from maru_core.index.records import KEY_BYTES, RecordTable, State
-from maru_core.index.registry_types import Keys, joined_keys, run_to_end
+from maru_core.index.registry_types import Keys, QuotaExceeded, joined_keys, run_to_end
 from maru_core.protocol.locations import LocationList
 
 if TYPE_CHECKING:
     from maru_core.index.leases import Lease
+    from maru_core.pool.geometry import PoolGeometry
 
 
 class Reads:
     """Readers and pins of a ``Registry`` (which provides the state below)."""
 
+    geometry: "PoolGeometry"
+    max_lease_pin_pages: int
     _records: RecordTable
     _tick: int
     _lease: Callable[[str], "Lease"]
+    _refuse: Callable[["Lease", QuotaExceeded], NoReturn]
 
     def _lookup_in_state(self, keys: Keys, state: State) -> tuple[np.ndarray, np.ndarray]:
         return self._records.lookup_in_state(joined_keys(keys), state)
@@ -80,12 +85,13 @@ class Reads:
         joined = joined_keys(keys)
         removals = self._records.removals
         rows, committed = yield from self._committed_sliced(joined, slice_keys, stop_at_miss=False)
+        merge = (yield from self._planned_ahead(lease_id, joined, rows, slice_keys)) if committed.all() else None
         if self._records.removals != removals and committed.all():
             # records went meanwhile (evicted, expired): their rows may hold other keys now
             committed = self._records.still_in_state(rows, joined, State.COMMITTED)
         if not committed.all():
             return self._locations(rows, committed)
-        self._pin(lease_id, rows, joined)
+        self._pin(lease_id, rows, joined, merge)
         return self._locations(rows, None)
 
     def retrieve_prefix_sliced(
@@ -104,12 +110,13 @@ class Reads:
             return matched, None
         found = rows[:pinned]
         prefix = joined[: pinned * KEY_BYTES]
+        merge = yield from self._planned_ahead(lease_id, prefix, found, slice_keys)
         if self._records.removals != removals:
             # records went meanwhile: a row found before may hold another key now
             still = self._records.still_in_state(found, prefix, State.COMMITTED)
             if not still.all():
                 return matched, None
-        self._pin(lease_id, found, prefix)
+        self._pin(lease_id, found, prefix, merge)
         return matched, self._locations(found, None)
 
     def retrieve_prefix(self, lease_id: str, keys: Keys, group: int) -> tuple[int, LocationList | None]:
@@ -128,53 +135,111 @@ class Reads:
         joined = joined_keys(keys)
         return run_to_end(self.retrieve_prefix_sliced(lease_id, joined, group, max(1, len(joined) // KEY_BYTES)))
 
-    def _pin(self, lease_id: str, rows: np.ndarray, joined: bytes) -> None:
-        """Pin ``rows`` (committed records of ``joined``'s keys, in order) for the lease."""
+    def _planned_ahead(self, lease_id: str, joined: bytes, rows: np.ndarray,
+                       slice_keys: int) -> Generator[None, None, PinMerge | None]:  # fmt: skip
+        """For a retrieve of more than one slice, the plan of its pin (``rows``, of
+        ``joined``'s keys, all committed), in steps of their own: the sort of its
+        rows (none when the lease pinned exactly these keys before and still
+        does: ``LeasePins.remembered``), then their search among the lease's
+        pins. ``None`` for a smaller one: planned when pinned."""
+        if len(rows) <= slice_keys:
+            return None
+        yield
+        pins = self._lease(lease_id).pins
+        batch = pins.remembered(joined) or SortedBatch(rows)
+        yield
+        merge = pins.plan(batch)
+        yield
+        return merge
+
+    def _pin(self, lease_id: str, rows: np.ndarray, joined: bytes, merge: PinMerge | None) -> None:
+        """Pin ``rows`` (committed records of ``joined``'s keys, in order) for the lease,
+        counted once per object (``leases.LeasePins``); ``QuotaExceeded`` and nothing
+        pinned when its distinct objects would pass ``max_lease_pin_pages``.
+        ``merge``: the plan made a step ahead, used unless the lease's pins changed since."""
         lease = self._lease(lease_id)  # still live after the slices, or nothing is pinned
-        distinct = self._touch(rows)
-        if distinct:
-            self._records.pins[rows] += 1
-        else:
-            np.add.at(self._records.pins, rows, 1)
-        lease.add_pins(rows, distinct, joined)
+        if merge is None or not lease.pins.still_fits(merge):
+            merge = lease.pins.plan(lease.pins.remembered(joined) or SortedBatch(rows))
+        new = merge.new_rows
+        rec = self._records
+        new_pages = int(rec.pages.take(new).sum())
+        if lease.pins.pages + new_pages > self.max_lease_pin_pages:
+            self._refuse(lease, QuotaExceeded(
+                f"this lease pins {len(lease.pins)} objects ({lease.pins.pages} pages) and this retrieve would "
+                f"pin {len(new)} more ({new_pages} pages); a lease may pin {self.max_lease_pin_pages} of the "
+                f"pool's {self.geometry.num_pages} pages (--max-lease-pin-fraction): unpin what it has read",
+                quota="pins"))  # fmt: skip
+        self._touch(rows)
+        lease.pins.add(merge, joined)
+        rec.pins[new] += 1  # the leases pinning each object: one more for the new ones
+        lease.pins.pages += new_pages
+
+    def _unpinned(self, lease: "Lease", rows: np.ndarray) -> None:
+        """``lease`` no longer pins the objects at ``rows`` (distinct)."""
+        if len(rows):
+            self._records.pins[rows] -= 1
+            lease.pins.pages -= int(self._records.pages.take(rows).sum())
+
+    def _release_pins(self, leases: list["Lease"]) -> Generator[None, None, int]:
+        """Release the pins of ended ``leases``, a chunk of distinct objects per step;
+        return how many objects were unpinned. Whatever is left when the steps are
+        abandoned (the connection of a ``bye`` gone) is released at once: an ended
+        lease's pin would otherwise keep its object from eviction for ever."""
+        chunks = [chunk for lease in leases for chunk in lease.pins.pop_all()]  # the leases pin nothing now
+        released = 0
+        try:
+            while chunks:
+                chunk = chunks.pop(0)
+                self._records.pins[chunk] -= 1  # distinct rows: this lease's one count each
+                released += len(chunk)
+                yield
+        finally:
+            for chunk in chunks:
+                self._records.pins[chunk] -= 1
+        return released
 
     def retrieve(self, lease_id: str, keys: Keys) -> LocationList:
         """One ``Location`` per key, in order, ``None`` for a key not committed.
 
-        All or nothing: when every key is committed, each is pinned (once per
-        occurrence) for ``lease_id`` until ``unpin`` or the lease ends, and
+        All or nothing: when every key is committed, each is pinned (its
+        lease's count of it grows by each occurrence; see ``leases.LeasePins``)
+        for ``lease_id`` until ``unpin`` or the lease ends, and
         becomes most recently used (earlier keys more recent than later ones,
         so a prefix's tail is evicted before its head). When any key is
         missing, nothing is pinned and the locations returned must not be
-        read.
+        read. ``QuotaExceeded`` (nothing pinned) when the lease would pin more
+        than ``max_lease_pin_pages`` pages of distinct objects.
         """
         joined = joined_keys(keys)
         return run_to_end(self.retrieve_sliced(lease_id, joined, max(1, len(joined) // KEY_BYTES)))
 
     def unpin(self, lease_id: str, keys: Keys) -> int:
         """Drop one of ``lease_id``'s pins per key occurrence; return how many were dropped."""
-        return run_to_end(self.unpin_sliced(lease_id, keys))
+        joined = joined_keys(keys)
+        return run_to_end(self.unpin_sliced(lease_id, joined, max(1, len(joined) // KEY_BYTES)))
 
-    def unpin_sliced(self, lease_id: str, keys: Keys) -> Generator[None, None, int]:
-        """``unpin`` in slices: yields between chunks of the lease's pins
-        (``leases.PIN_CHUNK_ROWS`` rows each), returns how many were dropped.
+    def unpin_sliced(self, lease_id: str, keys: Keys, slice_keys: int) -> Generator[None, None, int]:
+        """``unpin`` with its keys looked up a slice of ``slice_keys`` per step;
+        the last step drops the pins (a sort of the keys' rows and a search in
+        the lease's); returns how many were dropped.
 
         Unpinning exactly the keys of one earlier retrieve (the usual case)
-        costs one step; any other set of keys is searched for chunk by chunk,
-        so a lease holding millions of pins never holds the caller for long.
+        needs no lookup: one step. A record removed between slices may have
+        its row reused by another key: rows are then checked again, as a
+        retrieve's are, so a pin is never taken for another key.
         """
         lease = self._lease(lease_id)
         joined = joined_keys(keys)
-        batch = lease.take_batch(joined)
-        if batch is not None:
-            self._records.pins[batch] -= 1
-            return len(batch)
-        rows, _ = self._lookup_in_state(joined, State.COMMITTED)
-        dropped = 0
-        for taken in lease.take_pins_sliced(rows[rows >= 0]):
-            np.subtract.at(self._records.pins, taken, 1)
-            dropped += len(taken)
-            yield
+        taken = lease.pins.take_batch(joined)
+        if taken is None:
+            removals = self._records.removals
+            rows, committed = yield from self._committed_sliced(joined, slice_keys, stop_at_miss=False)
+            if self._records.removals != removals:
+                committed &= self._records.still_in_state(rows, joined, State.COMMITTED)
+            lease = self._lease(lease_id)
+            taken = lease.pins.take(np.where(committed, rows, -1))
+        dropped, released = taken
+        self._unpinned(lease, released)
         return dropped
 
     def _locations(self, rows: np.ndarray, present: np.ndarray | None) -> LocationList:

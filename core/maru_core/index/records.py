@@ -46,7 +46,7 @@ _FIELDS: dict[str, tuple[str, int | float]] = {
     "page": ("i8", 0),  # first page of the object
     "pages": ("i8", 0),  # pages it spans
     "state": ("i1", State.FREE),
-    "pins": ("i4", 0),  # pins held on it, over all leases
+    "pins": ("i4", 0),  # leases pinning it (each counts its own pins: leases.LeasePins)
     "owner": ("i4", -1),  # number of the lease holding the reservation
     "last_used": ("i8", 0),  # LRU tick of its last commit or retrieve
     "deadline": ("f8", 0.0),  # when an uncommitted reservation lapses

@@ -12,7 +12,8 @@ Rules it keeps:
   committed nor reserved; an uncommitted key is invisible; ``commit`` makes a
   reserved key visible once, and only for the lease that reserved it.
 - A pinned object is never evicted and its pages never reused; pins belong to
-  a lease and go when it is closed or lapses.
+  a lease, counted once per object and lease (``leases.LeasePins``), and go
+  when it is closed or lapses, in time set by the distinct objects it pins.
 - Reservations go when aborted, when their lease lapses, or
   ``reservation_ttl_s`` after ``reserve`` if still uncommitted. The pages of
   a reservation that lapsed are fenced (``maru_core.index.fencing``): not
@@ -24,8 +25,14 @@ Rules it keeps:
   least recently used first, until used pages plus the reserve fit under
   ``low_watermark``. When free space is fragmented, more are evicted until
   each object fits. One reserve never evicts more than
-  ``max_evict_fraction`` of the pool's pages: the items that do not fit
-  then get no slot, so one batch cannot wipe the cache.
+  ``max_evict_fraction`` of the pool's pages, and one lease's reserves never
+  more than ``max_lease_evict_fraction`` of them within ``evict_window_s``:
+  the items that do not fit then get no slot, so neither one batch nor a few
+  in a row can wipe the cache.
+- Quotas per lease (``maru_core.index.quotas``): pages held reserved or
+  fenced, pages of the objects pinned, pages evicted lately. A call past one
+  raises ``QuotaExceeded``; one cut short by one answers what fit. Both are
+  told to ``quota_listener`` (the server counts and logs them).
 - After ``restore`` (an index restarted over a pool that was in use) no slot
   is handed out for ``quarantine_s``: copies that were in flight across the
   restart, whose pins and reservations died with the old index, finish first.
@@ -36,6 +43,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Generator, Iterable, Sequence
+from typing import NoReturn
 
 import numpy as np
 
@@ -43,6 +51,7 @@ from maru_core.index.allocator import ExtentAllocator
 from maru_core.index.fencing import LapsedFence
 from maru_core.index.leases import Lease, new_lease_id
 from maru_core.index.placement import Placement
+from maru_core.index.quotas import EVICT_WINDOW_S
 from maru_core.index.reads import Reads
 from maru_core.index.restore import select_restorable
 from maru_core.index.records import RecordTable, State
@@ -61,6 +70,7 @@ from maru_core.index.registry_types import (
     NoSpace,
     ObjectInfo,
     Quarantined,
+    QuotaExceeded,
     RegistryError,
     RegistryStats,
 )
@@ -86,6 +96,9 @@ Verify = Callable[[bytes, np.ndarray, np.ndarray], Sequence[bool] | np.ndarray]
 
 #: ``record(offsets)``: record the commit of the objects at these data offsets (see ``Registry.commit``).
 Record = Callable[[np.ndarray], object]
+
+#: ``listener(quota, client, message)``: a quota refused or cut short a call of ``client``'s lease.
+QuotaListener = Callable[[str, str, str], object]
 
 __all__ = [
     "BadRequest",
@@ -114,9 +127,13 @@ class Registry(Reads, Placement):
     counter; ``max_evict_fraction`` bounds what one reserve may evict (a
     share of the pool's pages); ``max_lease_pages_fraction`` the share of the
     pool's pages one lease may hold reserved or fenced, and ``max_fence_s`` how
-    long a lapsed reservation stays fenced while its writer's lease lives (no
-    bound by default here; the index's defaults, ``MAX_LEASE_POOL_FRACTION``
-    and ``MAX_FENCE_S``, are set by ``build_service``).
+    long a lapsed reservation stays fenced while its writer's lease lives;
+    ``max_lease_pin_fraction`` the share of the pool's pages one lease may pin
+    (its distinct objects' pages); ``max_lease_evict_fraction`` the share one
+    lease's reserves may evict within ``evict_window_s`` (``None``: no window).
+    No quota binds by default here; the index's defaults
+    (``MAX_LEASE_POOL_FRACTION``, ``MAX_FENCE_S`` and those of
+    ``maru_core.index.quotas``) are set by ``build_service``.
     """
 
     def __init__(
@@ -134,6 +151,9 @@ class Registry(Reads, Placement):
         max_evict_fraction: float = MAX_EVICT_FRACTION,
         max_fence_s: float = math.inf,
         max_lease_pages_fraction: float = 1.0,
+        max_lease_pin_fraction: float = 1.0,
+        max_lease_evict_fraction: float | None = None,
+        evict_window_s: float = EVICT_WINDOW_S,
     ) -> None:
         if not 0 < low_watermark <= high_watermark <= 1:
             raise ValueError(
@@ -143,8 +163,14 @@ class Registry(Reads, Placement):
             raise ValueError("lease_ttl_s and reservation_ttl_s must be positive")
         if not 0 < max_evict_fraction <= 1:
             raise ValueError(f"max_evict_fraction must be in (0, 1], got {max_evict_fraction}")
-        if not 0 < max_lease_pages_fraction <= 1:
-            raise ValueError(f"max_lease_pages_fraction must be in (0, 1], got {max_lease_pages_fraction}")
+        fractions = {"max_lease_pages_fraction": max_lease_pages_fraction,
+                     "max_lease_pin_fraction": max_lease_pin_fraction,
+                     "max_lease_evict_fraction": max_lease_evict_fraction}  # fmt: skip
+        for name, fraction in fractions.items():
+            if fraction is not None and not 0 < fraction <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {fraction}")
+        if not 0 < evict_window_s < math.inf:
+            raise ValueError(f"evict_window_s must be a positive number of seconds, got {evict_window_s}")
         if first_generation < 1:
             raise ValueError(f"first_generation must be at least 1, got {first_generation}")
         self.geometry = geometry
@@ -155,6 +181,12 @@ class Registry(Reads, Placement):
         self._low_pages = math.floor(low_watermark * geometry.num_pages)
         self._max_evict_pages = max(1, math.floor(max_evict_fraction * geometry.num_pages))
         self.max_lease_pages = max(1, math.floor(max_lease_pages_fraction * geometry.num_pages))
+        self.max_lease_pin_pages = max(1, math.floor(max_lease_pin_fraction * geometry.num_pages))
+        self.max_lease_evict_pages: int | None = None
+        if max_lease_evict_fraction is not None:
+            self.max_lease_evict_pages = max(1, math.floor(max_lease_evict_fraction * geometry.num_pages))
+        self.evict_window_s = float(evict_window_s)
+        self.quota_listener: QuotaListener | None = None
         self._clock = clock
         self._records = RecordTable()
         self._alloc = ExtentAllocator(geometry.num_pages)
@@ -168,6 +200,7 @@ class Registry(Reads, Placement):
         self._committed_pages = 0
         self._committed_keys = 0
         self._evictions = 0
+        self._evicted_pages = 0
         self._quarantine_until = -math.inf
         grace = self.reservation_ttl_s if fence_grace_s is None else fence_grace_s
         self._fence = LapsedFence(grace, max(grace, max_fence_s))
@@ -233,13 +266,7 @@ class Registry(Reads, Placement):
         for lease in leases:
             del self._leases[lease.lease_id]
             del self._lease_by_number[lease.number]
-        pins = 0
-        for lease in leases:
-            for chunk in lease.pop_pin_chunks():
-                # A row's count stays above zero until this lease's last pin on it is gone.
-                np.subtract.at(self._records.pins, chunk, 1)
-                pins += len(chunk)
-                yield
+        pins = yield from self._release_pins(leases)
         rec = self._records
         numbers = np.fromiter((lease.number for lease in leases), dtype=rec.owner.dtype, count=len(leases))
         reservations = 0
@@ -278,6 +305,18 @@ class Registry(Reads, Placement):
             reservations += len(stale)
         self._free_fenced(self._fence.due(now))
         return ExpiryReport(tuple(lease.lease_id for lease in lapsed), pins, reservations)
+
+    # -- quotas ---------------------------------------------------------------------------------
+
+    def _refuse(self, lease: Lease, error: QuotaExceeded) -> NoReturn:
+        """A quota refuses a call of ``lease``: tell the listener, raise ``error``."""
+        self._cut_short(lease, error)
+        raise error
+
+    def _cut_short(self, lease: Lease, error: QuotaExceeded) -> None:
+        """A quota cut a call of ``lease`` short (it answers what fit): tell the listener."""
+        if self.quota_listener is not None:
+            self.quota_listener(error.quota, lease.client, str(error))
 
     # -- writers --------------------------------------------------------------------------------
 
@@ -517,12 +556,13 @@ class Registry(Reads, Placement):
             return None
         rec = self._records
         owner = self._lease_by_number.get(int(rec.owner[row]))
+        pins = sum(lease.pins.count_of(row) for lease in self._leases.values()) if rec.pins[row] else 0
         return ObjectInfo(
             state="committed" if rec.state[row] == State.COMMITTED else "reserved",
             offset=int(rec.offset[row]),
             length=int(rec.length[row]),
             generation=int(rec.generation[row]),
-            pins=int(rec.pins[row]),
+            pins=pins,
             lease_id=owner.lease_id if owner else None,
         )
 

@@ -38,10 +38,15 @@ class Quarantined(NoSpace):
 
 
 class QuotaExceeded(RegistryError):
-    """The lease would hold more pool pages (reserved, or fenced after a lapse)
-    than its quota; the message names the quota and the flag that sets it."""
+    """The lease would pass one of its quotas (``maru_core.index.quotas``):
+    pages held reserved or fenced, pages pinned, or pages evicted lately;
+    ``quota`` names which, the message names the flag that sets it."""
 
     error_type = "quota"
+
+    def __init__(self, message: str, quota: str = "reservations") -> None:
+        super().__init__(message)
+        self.quota = quota
 
 
 class BadRequest(RegistryError, ValueError):
@@ -72,7 +77,7 @@ class RegistryStats:
 
 @dataclasses.dataclass(frozen=True)
 class ExpiryReport:
-    """What one ``expire`` released."""
+    """What one ``expire`` released (``pins_released``: objects the lapsed leases pinned)."""
 
     lapsed_leases: tuple[str, ...] = ()
     pins_released: int = 0
@@ -81,7 +86,8 @@ class ExpiryReport:
 
 @dataclasses.dataclass(frozen=True)
 class ObjectInfo:
-    """One record, for inspection: ``state`` is ``"reserved"`` or ``"committed"``."""
+    """One record, for inspection: ``state`` is ``"reserved"`` or ``"committed"``;
+    ``pins`` the pins on it, over all leases (each lease's count)."""
 
     state: str
     offset: int

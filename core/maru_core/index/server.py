@@ -38,7 +38,10 @@ Turns on the event loop are shared out per peer (``maru_core.index.turns``).
 Limits (``maru_core.index.limits``): a connection cap, a small frame limit
 until ``hello`` succeeds, deadlines for ``hello``, for a frame under way and
 for an idle connection, a cap on the leases one connection opens, and the
-per-peer budgets. A periodic sweep enforces the deadlines.
+per-peer budgets. A periodic sweep enforces the deadlines. The registry's
+quotas per lease (``maru_core.index.quotas``) answer ``quota``; each refusal,
+and each call one cut short, is counted by quota and logged at most a line
+per ten seconds.
 
 Leases: ``hello`` opens (or resumes) the connection's lease; every later
 request renews it. A connection that drops keeps its lease until it lapses,
@@ -153,6 +156,9 @@ class IndexServer:
         self.refusals = RateLimitedLog(log)  # at most a line a second about bad peers
         self.rate_limited: collections.Counter[str] = collections.Counter()
         self._rate_limit_log = RateLimitedLog(log, interval_s=10.0)  # a flood of refusals: a line per 10 s
+        self.quota_refusals: collections.Counter[str] = collections.Counter()
+        self._quota_logs: dict[str, RateLimitedLog] = {}  # a line per 10 s and quota
+        registry.quota_listener = self._quota_refused
         self._handlers: dict[Op, Callable[[Connection, dict], Reply]] = {
             Op.HELLO: self._hello,
             Op.HEARTBEAT: self._heartbeat,
@@ -276,6 +282,14 @@ class IndexServer:
             self._rate_limit_log.warning("holding back the answers to wrong tokens from %s: over its budget of auth "
                                          "failures (--peer-auth-failure-rate/--peer-auth-failure-burst)", peer)
 
+    def _quota_refused(self, quota: str, client: str, message: str) -> None:
+        """A lease's quota refused a call or cut it short: count it, log it (rate-limited)."""
+        self.quota_refusals[quota] += 1
+        if self._metrics is not None:
+            self._metrics.count_quota_refusal(quota)
+        quota_log = self._quota_logs.setdefault(quota, RateLimitedLog(log, interval_s=10.0))
+        quota_log.warning("quota %s of client %r: %s", quota, client[:64], message)
+
     async def _expire_periodically(self) -> None:
         while True:
             await asyncio.sleep(self._expiry_interval_s)
@@ -291,7 +305,7 @@ class IndexServer:
                 continue
             if report.lapsed_leases or report.reservations_released:
                 log.info(
-                    "expired %d lapsed lease(s), released %d pin(s) and %d reservation(s)",
+                    "expired %d lapsed lease(s), released the pins on %d object(s) and %d reservation(s)",
                     len(report.lapsed_leases), report.pins_released, report.reservations_released,
                 )
 
@@ -583,7 +597,7 @@ class IndexServer:
         return {"slots": pack_slots(slots)}
 
     def _unpin_sliced(self, conn: Connection, args: dict) -> Generator[None, None, dict]:
-        unpinned = yield from self.registry.unpin_sliced(self._renewed(conn), args["keys"])
+        unpinned = yield from self.registry.unpin_sliced(self._renewed(conn), args["keys"], self._lookup_slice_keys)
         return {"unpinned": unpinned}
 
     def _stats(self, conn: Connection, args: dict) -> dict:

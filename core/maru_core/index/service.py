@@ -9,6 +9,7 @@ from typing import Any
 
 from maru_core.index.metrics import IndexMetrics
 from maru_core.index.limits import ServerLimits
+from maru_core.index.quotas import EVICT_WINDOW_S, MAX_LEASE_EVICT_FRACTION, MAX_LEASE_PIN_FRACTION
 from maru_core.index.registry import MAX_EVICT_FRACTION, MAX_FENCE_S, MAX_LEASE_POOL_FRACTION, Registry
 from maru_core.index.server import IndexServer
 from maru_core.pool.slots import SlotState
@@ -68,6 +69,9 @@ def build_service(
     max_evict_fraction: float = MAX_EVICT_FRACTION,
     max_lease_pool_fraction: float = MAX_LEASE_POOL_FRACTION,
     max_fence_s: float = MAX_FENCE_S,
+    max_lease_pin_fraction: float = MAX_LEASE_PIN_FRACTION,
+    max_lease_evict_fraction: float | None = MAX_LEASE_EVICT_FRACTION,
+    evict_window_s: float = EVICT_WINDOW_S,
 ) -> IndexService:
     """Build the index of ``pool``; call inside the running loop that will serve it.
 
@@ -77,13 +81,16 @@ def build_service(
     ``limits`` bound what one connection may cost; ``max_evict_fraction`` what
     one reserve may evict; ``max_lease_pool_fraction`` the share of the pool
     one lease may hold reserved or fenced; ``max_fence_s`` how long a live
-    writer's lapsed reservation stays fenced.
+    writer's lapsed reservation stays fenced; ``max_lease_pin_fraction`` the
+    share one lease may pin; ``max_lease_evict_fraction`` the share one lease's
+    reserves may evict per ``evict_window_s`` (``None``: no such bound).
     """
     high, low = watermarks
     registry = Registry(pool.geometry, lease_ttl_s=lease_ttl_s, reservation_ttl_s=reservation_ttl_s,
                         high_watermark=high, low_watermark=low,
                         max_evict_fraction=max_evict_fraction, max_lease_pages_fraction=max_lease_pool_fraction,
-                        max_fence_s=max_fence_s)  # fmt: skip
+                        max_fence_s=max_fence_s, max_lease_pin_fraction=max_lease_pin_fraction,
+                        max_lease_evict_fraction=max_lease_evict_fraction, evict_window_s=evict_window_s)  # fmt: skip
     restored = 0
     if not fresh_pool:
         restored = restore_registry(registry, pool)
