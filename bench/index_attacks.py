@@ -16,10 +16,20 @@ holding the token could do (see ``ATTACKS``); the index's limits are its
 defaults. The attacker's raw connections come from another loopback address
 than the normal client's (``--attacker-address``, default 127.0.0.2): another
 peer, as a hostile pod is; with 127.0.0.1 it shares the normal client's
-per-peer budgets. The ``*_same_address`` attacks always come from 127.0.0.1:
+per-peer budgets. The attacks of ``bench/quota_attacks.py`` (a client with
+the token: pins without end, reservations never committed, evictions,
+connections held, a slow frame) join ``ATTACKS``. The ``*_same_address`` attacks always come from 127.0.0.1:
 a neighbour behind the normal clients' NAT. ``--honest-clients N`` adds N
 clients behind that address (a heartbeat every 0.5 s each) and reports how
 many got in and how many answers a second they got.
+
+``--alternate`` runs the baseline (no attack) before each attack, so each is
+judged against a baseline measured just before it; ``--pin-cores`` (on a
+machine with 4 cores or more) puts the index, the attacker, the honest fleet
+and the normal client on cores of their own. Each scenario also reports the
+index's resident memory over time (its growth from before the attack), the
+CPU time of the index, the attacker and the fleet, and how many of 2,000
+objects stored before the attack (not pinned) are still there after it.
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ from maru_core.index.launcher import IndexProcess, unique_shm_path
 from maru_core.pool import Pool, SlotHeader
 from maru_core.protocol import MAX_BATCH_KEYS, PROTOCOL_VERSION, FrameDecoder, encode_frame, pack_lengths, parse_url
 from maru_core.protocol.framing import HEADER
+from quota_attacks import ATTACKS as TOKEN_ATTACKS
 
 TOKEN = "bench-attack-token-0123456789abcdef"
 NORMAL_KEYS = 8000
@@ -294,6 +305,14 @@ ATTACKS = {
     "wrong_token_same_address": wrong_token_same_address,
     "connect_close_same_address": connect_close_same_address,
 }
+ATTACKS.update(TOKEN_ATTACKS)
+#: Attacks that also need the pool's path (they write slot headers, as a token holder's pod can).
+POOL_ATTACKS = frozenset({"unpin_bye", *TOKEN_ATTACKS})
+#: The cores of the index, the attacker, the honest fleet and the normal client (``--pin-cores``).
+CORES = {"index": 0, "attacker": 1, "fleet": 2, "client": 3}
+#: Objects stored before each attack and not pinned: how many are left after it says what it cost others.
+KEPT_KEYS = 2000
+
 #: Attacks from the normal clients' own address (127.0.0.1), whatever ``--attacker-address`` says.
 SAME_ADDRESS_ATTACKS = frozenset({"wrong_token_same_address", "connect_close_same_address"})
 
@@ -369,7 +388,8 @@ def honest_fleet(url: str, clients: int, seconds: float, results) -> None:
     for thread in threads:
         thread.join(seconds + 15)
     results.put({"fleet_clients_in": sum(1 for n in answered if n), "fleet_clients": clients,
-                 "fleet_requests_per_s": round(sum(answered) / seconds, 1), "fleet_failures": sum(failed)})
+                 "fleet_requests_per_s": round(sum(answered) / seconds, 1), "fleet_failures": sum(failed),
+                 "fleet_cpu_s": round(time.process_time(), 2)})
 
 
 def _pct(samples: list[float], q: int) -> float | None:
@@ -396,44 +416,102 @@ def _cpu_s(pid: int) -> float:
 def _run_attack(name: str, url: str, stop, pool_path: str, source: str) -> None:
     global ATTACKER_ADDRESS
     ATTACKER_ADDRESS = "127.0.0.1" if name in SAME_ADDRESS_ATTACKS else source
-    if name == "unpin_bye":
+    if name in POOL_ATTACKS:
         ATTACKS[name](url, stop, pool_path)
     else:
         ATTACKS[name](url, stop)
 
 
-def scenario(name: str, seconds: float, token_file: str, source: str, honest_clients: int = 0) -> dict:
+def _pin(pid: int, role: str, pin_cores: bool) -> None:
+    if pin_cores:
+        os.sched_setaffinity(pid, {CORES[role]})
+
+
+class _RssSampler:
+    """The index's resident memory every 0.25 s, on a thread, while the scenario runs."""
+
+    def __init__(self, pid: int):
+        import threading
+
+        self.samples: list[float] = []
+        self._pid, self._stop = pid, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.25):
+            try:
+                self.samples.append(_rss_mb(self._pid))
+            except OSError:
+                return
+
+    def stop(self) -> list[float]:
+        self._stop.set()
+        self._thread.join()
+        return self.samples
+
+
+def _kept_left(url: str, keys: list[bytes]) -> int:
+    """How many of ``keys`` are still committed (each retrieved alone: a miss pins nothing)."""
+    with IndexClient(url, token=TOKEN, timeout_s=30, heartbeat=False) as client:
+        left = 0
+        for key in keys:
+            if client.retrieve(key).misses() == 0:
+                client.unpin(key)
+                left += 1
+    return left
+
+
+def scenario(name: str, seconds: float, token_file: str, source: str, honest_clients: int = 0,
+             pin_cores: bool = False) -> dict:  # fmt: skip
     """A fresh index, the normal keys stored and held pinned, the attack (if any) running, the figures
     (with ``honest_clients``, also those of a fleet of clients behind the normal client's address)."""
     pool_path = unique_shm_path("bench-attacks")
     index = IndexProcess(pool_path, pool_size="256Mi", token_file=token_file,
                          extra_args=["--page-size", "4Ki", "--log-level", "ERROR"]).start()  # fmt: skip
+    _pin(index.proc.pid, "index", pin_cores)
     ctx = multiprocessing.get_context("spawn")
     stop, attacker = ctx.Event(), None
     try:
         keys = _store(index.url, pool_path, NORMAL_KEYS)
+        kept = _store(index.url, pool_path, KEPT_KEYS, first=10**8)
         holder = IndexClient(index.url, token=TOKEN, timeout_s=30)  # keeps the normal keys pinned: always a hit
         holder.retrieve(b"".join(keys))
+        rss = _RssSampler(index.proc.pid)
+        rss_before = _rss_mb(index.proc.pid)
         if name != "alone":
             attacker = ctx.Process(target=_run_attack, args=(name, index.url, stop, pool_path, source), daemon=True)
             attacker.start()
+            _pin(attacker.pid, "attacker", pin_cores)
             time.sleep(1.0)  # let the attack build up
         cpu_before = _cpu_s(index.proc.pid)
+        attacker_cpu_before = _cpu_s(attacker.pid) if attacker is not None else 0.0
         fleet, fleet_results = None, ctx.Queue()
         if honest_clients:
             fleet = ctx.Process(target=honest_fleet, args=(index.url, honest_clients, seconds, fleet_results))
             fleet.start()
+            _pin(fleet.pid, "fleet", pin_cores)
         try:
             figures = measure(index.url, keys, seconds)
         except Exception as exc:  # the index stopped answering altogether
             figures = {"error": f"{type(exc).__name__}: {exc}"}
+        if attacker is not None and attacker.is_alive():
+            figures["attacker_cpu_share"] = round((_cpu_s(attacker.pid) - attacker_cpu_before) / seconds, 3)
         if fleet is not None:
             figures.update(fleet_results.get(timeout=seconds + 30))
             fleet.join(10)
         if index.proc.poll() is None:
             figures["index_cpu_share"] = round((_cpu_s(index.proc.pid) - cpu_before) / seconds, 3)
+        samples = rss.stop()
         figures["index_rss_mb"] = _rss_mb(index.proc.pid) if index.proc.poll() is None else None
+        figures["index_rss_growth_mb"] = round(max(samples, default=rss_before) - rss_before, 1)
+        figures["index_rss_mb_over_time"] = samples
         figures["index_alive"] = index.proc.poll() is None
+        stop.set()  # the attack ends before what it left is counted
+        if attacker is not None:
+            attacker.join(10)
+        if figures["index_alive"]:
+            figures["kept_lost"] = KEPT_KEYS - _kept_left(index.url, kept)
         holder.close()
     finally:
         stop.set()
@@ -495,9 +573,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--honest-clients", type=int, default=0,
                         help="also run this many clients behind the normal client's address, a heartbeat every "
                              "0.5 s each, and report how many got in and their answers per second")
+    parser.add_argument("--alternate", action="store_true",
+                        help="run the baseline (no attack) before each attack, each judged against the one before it")
+    parser.add_argument("--pin-cores", action="store_true",
+                        help="index, attacker, honest fleet and normal client each on a core of its own (4+ cores)")
     parser.add_argument("--attacker-address", default=ATTACKER_ADDRESS,
                         help=f"loopback source address of the attacker's raw connections (default {ATTACKER_ADDRESS})")
     args = parser.parse_args(argv)
+    if args.pin_cores:
+        if (os.cpu_count() or 1) < len(CORES):
+            parser.error(f"--pin-cores needs {len(CORES)} cores, this machine has {os.cpu_count()}")
+        _pin(0, "client", True)
     load = {"load_average_before": os.getloadavg()}
     if args.loop:
         loop_results = {}
@@ -518,9 +604,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         fleet_header = f" {'fleet in':>9} {'fleet req/s':>11}" if args.honest_clients else ""
         print(f"{'scenario':26} {'hb p50':>7} {'hb p99':>7} {'ret p50':>7} {'ret p99':>7} {'fail':>4} {'RSS MB':>7} "
-              f"{'CPU':>5}{fleet_header}")  # fmt: skip
-        for name in ["alone", *(args.only or ATTACKS)]:
-            results[name] = f = scenario(name, args.seconds, token_file, args.attacker_address, args.honest_clients)
+              f"{'+RSS':>6} {'lost':>5} {'CPU':>5}{fleet_header}")  # fmt: skip
+        attacks = list(args.only or ATTACKS)
+        order = ([run for a in attacks for run in (f"alone#{a}", a)] if args.alternate else ["alone", *attacks])
+        for run in order:
+            name = run.split("#")[0]
+            results[run] = f = scenario(name, args.seconds, token_file, args.attacker_address, args.honest_clients,
+                                        args.pin_cores)  # fmt: skip
+            name = run
             if "error" in f:
                 print(f"{name:26} {f['error'][:80]} (index alive: {f['index_alive']})", flush=True)
                 continue
@@ -528,13 +619,15 @@ def main(argv: list[str] | None = None) -> int:
                      if args.honest_clients else "")  # fmt: skip
             print(f"{name:26} {f['heartbeat_p50_ms']!s:>7} {f['heartbeat_p99_ms']!s:>7} {f['retrieve_p50_ms']!s:>7} "
                   f"{f['retrieve_p99_ms']!s:>7} {f['failures']:>4} {f['index_rss_mb']!s:>7} "
+                  f"{f['index_rss_growth_mb']!s:>6} {f.get('kept_lost')!s:>5} "
                   f"{f.get('index_cpu_share')!s:>5}{fleet}", flush=True)  # fmt: skip
     finally:
         os.unlink(token_file)
         os.rmdir(workdir)
     if args.out:
         with open(args.out, "w") as fh:
-            json.dump({"machine": os.uname().machine, "python": sys.version.split()[0], "cpus": os.cpu_count(), "seconds": args.seconds,
+            json.dump({"machine": os.uname().machine, "python": sys.version.split()[0], "cpus": os.cpu_count(),
+                       "pinned_cores": CORES if args.pin_cores else None, "seconds": args.seconds,
                        "attacker_address": args.attacker_address, **load, "load_average_after": os.getloadavg(),
                        "results": results}, fh, indent=2)  # fmt: skip
     return 0
