@@ -21,7 +21,6 @@ reused (:meth:`Storer.drain`).
 from __future__ import annotations
 
 import enum
-import logging
 import queue
 import threading
 import time
@@ -34,11 +33,12 @@ from maru_core.pool.slots import SlotHeader
 from maru_core.protocol import ErrorType
 from maru_core.stats import ConnectorStats
 
+from maru_connector.log import get_logger
 from maru_connector.metadata import StoreSpec
 from maru_connector.resolve import object_keys
 from maru_connector.transfer import ChunkStore
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 class JobState(enum.Enum):
     """Where a store job is: its blocks are read while queued, reserving or
