@@ -61,12 +61,13 @@ def sidecar(index, tmp_path_factory) -> Iterator[SidecarProcess]:
 def _resolve_vllm_config(model_dir: str, kv: dict) -> VllmConfig:
     """vLLM's configuration resolution, as ``vllm serve`` or ``LLM(...)`` runs it before
     starting the engine. vLLM 0.34 asks the connector in every set-up; 0.32 when
-    CUDA graphs are on (the GPU default: the CPU platform is presented as one)."""
+    CUDA graphs are on (the GPU default: the CPU platform is presented as one).
+    The platform's own adjustments are left out (0.34's CPU platform wants Triton)."""
+    platform = type(current_platform)
     patches = contextlib.ExitStack()
+    patches.enter_context(mock.patch.object(platform, "check_and_update_config", classmethod(lambda c, v: None)))
     if not hasattr(KVConnectorBase_V1, "kv_cache_access"):
-        platform = type(current_platform)
         patches.enter_context(mock.patch.object(platform, "support_static_graph_mode", classmethod(lambda c: True)))
-        patches.enter_context(mock.patch.object(platform, "check_and_update_config", classmethod(lambda c, v: None)))
     with patches:
         return VllmConfig(
             model_config=ModelConfig(model=model_dir, tokenizer=model_dir, dtype="float32", skip_tokenizer_init=True),
@@ -106,6 +107,21 @@ def test_what_the_sidecar_refuses_stops_vllm_before_the_model_loads(model_dir, i
     kv = _sidecar_config(sidecar, **({} if "token" in knobs else {"token_file": index.token_file}), **knobs)
     with _stops_vllm(words):
         _resolve_vllm_config(model_dir, kv)
+
+
+def test_without_cuda_graphs_vllm_0_32_is_stopped_before_it_sizes_the_kv_cache(model_dir, index, sidecar):
+    """vLLM 0.32 with CUDA graphs off (the CPU build, ``--enforce-eager``) asks the
+    connector's class first for its KV cache layout, right after loading the
+    weights and before profiling and sizing the KV cache (``EngineCore._initialize_kv_caches``)."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_kv_connector_cache_layout
+
+    config = _resolve_vllm_config(model_dir, _sidecar_config(sidecar, token_file=index.token_file))
+    assert config.kv_transfer_config is not None
+    extra = config.kv_transfer_config.kv_connector_extra_config
+    del extra["maru_token_file"]
+    extra["maru_token"] = "not-the-token"
+    with pytest.raises(MaruConfigError, match="refused the hand-off.*set maru_token or maru_token_file"):
+        get_kv_connector_cache_layout(config)
 
 
 def test_an_unreadable_token_file_stops_vllm_before_the_model_loads(model_dir, sidecar, tmp_path):
