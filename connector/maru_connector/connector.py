@@ -23,8 +23,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from maru_connector.config import MaruConfig, parse_config
 from maru_connector.early_pins import PinHandoff
 from maru_connector.identity import base_namespaces, block_size_of, check_engine_supported
-from maru_connector.lookup import LookupService
 from maru_connector.log import get_logger, repeats
+from maru_connector.lookup import LookupService
 from maru_connector.metadata import MaruConnectorMetadata
 from maru_connector.preflight import check_before_load, startup_line
 from maru_connector.scheduler import MaruSchedulerHalf
