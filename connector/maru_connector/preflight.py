@@ -109,7 +109,10 @@ def startup_line(role: str, checked: Checked) -> str:
              else f"pool file {cfg.maru_pool_path}")
     if pool is not None:
         where += f" (pool {pool.uuid}, {pool.size / (1 << 30):.2f} GiB at offset {pool.offset or 0})"
-    index = checked.index_url or "from the sidecar's hand-off"
+    if checked.index_url is None:
+        index = "the one the sidecar's hand-off names"
+    else:
+        index = checked.index_url + (" (the sidecar's)" if cfg.maru_index_url is None else "")
     load = "parked while other requests run" if cfg.maru_async_load else "in the step that computes it"
     verify = {None: "on (default)", True: "on", False: "off"}[cfg.maru_verify_payload]
     return (f"MaruCache connector ({role}): cache {cfg.maru_cache_name!r}, {where}, index {index}, "

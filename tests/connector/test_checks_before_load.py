@@ -26,7 +26,7 @@ from vllm.platforms import current_platform
 from kv_builders import make_kv_caches
 from maru_connector.config import MaruConfigError, make_kv_transfer_config, parse_config
 from maru_connector.connector import _make_lookup
-from maru_connector.preflight import check_before_load
+from maru_connector.preflight import check_before_load, startup_line
 from maru_connector.worker import open_resources
 from maru_core.pool import SlotHeader
 from maru_tools.index_process import IndexProcess
@@ -145,7 +145,9 @@ def test_the_index_address_comes_from_the_sidecar_s_hand_off(index, sidecar):
     extra = raw["kv_connector_extra_config"]
     assert "maru_index_url" not in extra
     cfg = parse_config(extra, BLOCK)
-    assert check_before_load(extra).index_url == index.url
+    checked = check_before_load(extra)
+    assert checked.index_url == index.url
+    assert f"index {index.url} (the sidecar's)" in startup_line("worker", checked)
     res = open_resources(cfg, make_kv_caches("cpu", layers=2, blocks=8, heads=2, block_size=BLOCK, head_size=8),
                          BLOCK)
     client = res.client_factory("store")
