@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
@@ -17,3 +18,13 @@ def pytest_configure(config: pytest.Config) -> None:
         if vllm.__version__ != expected:
             raise pytest.UsageError(f"expected vLLM {expected} on the path, found {vllm.__version__} "
                                     f"at {vllm.__file__}")
+
+
+@pytest.fixture(autouse=True)
+def _connector_warnings_not_held_back():
+    """The connector collapses repeated warnings process-wide (maru_connector.log): a test
+    asserting one must not find it held back because an earlier test logged its kind."""
+    log = sys.modules.get("maru_connector.log")
+    if log is not None:
+        log.repeats.reset()
+    yield

@@ -13,7 +13,6 @@ else in the connector reads the raw dict.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,13 +23,16 @@ from maru_core.connector_config import (
     CONNECTOR_NAME,
     ConnectorConfigError,
     ConnectorKnobs,
+    check_index_url,
     kv_transfer_config,
     parse_knobs,
+    same_index,
 )
 
+from .log import get_logger
 from .transfer.copy_cpus import CopyCpusError, check_priority, parse_setting
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 __all__ = ["CONNECTOR_MODULE", "CONNECTOR_NAME", "MaruConfig", "MaruConfigError", "PREFAULT_UNSET_MAX_BYTES",
            "align_chunk_tokens", "make_kv_transfer_config", "parse_config"]
@@ -84,6 +86,28 @@ class MaruConfig(ConnectorKnobs):
             return self.maru_prefault_pool
         return pool_bytes <= PREFAULT_UNSET_MAX_BYTES
 
+    def resolve_index_url(self, handoff_url: str | None = None) -> str:
+        """The index address: ``maru_index_url``, or the one the sidecar's hand-off carries.
+
+        With both, they must name the same index: the sidecar's is where its
+        pool's objects are indexed, so a connector asking another index would
+        be refused every object (or, worse, find none); the error says which
+        to change. Direct attach (no hand-off): ``maru_index_url``, which
+        :func:`parse_config` requires there.
+        """
+        if handoff_url is None:
+            if self.maru_index_url is None:
+                raise MaruConfigError("maru_index_url is not set and no sidecar hand-off gave an index address; "
+                                      "set maru_index_url (tcp://HOST:PORT or unix:///PATH)")
+            return self.maru_index_url
+        check_index_url(f"the index address the sidecar at {self.maru_sidecar_socket} hands over", handoff_url)
+        if self.maru_index_url is not None and not same_index(self.maru_index_url, handoff_url):
+            raise MaruConfigError(
+                f"maru_index_url={self.maru_index_url!r} differs from the index the sidecar at "
+                f"{self.maru_sidecar_socket} serves its pool with ({handoff_url!r}); remove maru_index_url "
+                "(the sidecar's hand-off carries it) or make the two agree")
+        return handoff_url
+
     def resolve_token(self) -> str | None:
         """The index token: inline, or read from ``maru_token_file``."""
         if self.maru_token is not None:
@@ -133,7 +157,8 @@ def parse_config(raw: Mapping[str, Any] | None, block_size: int | None = None) -
 
     Raises:
         MaruConfigError: on an unknown key (with the closest known name), a
-            missing ``maru_index_url``, an ill-typed value or a conflict.
+            missing ``maru_index_url`` (optional with ``maru_sidecar_socket``),
+            an ill-typed value or a conflict.
     """
     cfg = parse_knobs(raw, MaruConfig)
     _check_copy_settings(cfg)
@@ -144,7 +169,7 @@ def parse_config(raw: Mapping[str, Any] | None, block_size: int | None = None) -
 
 
 def make_kv_transfer_config(
-    index_url: str,
+    index_url: str | None,
     pool_path: str | None = None,
     *,
     sidecar_socket: str | None = None,
@@ -153,7 +178,8 @@ def make_kv_transfer_config(
     """The complete ``--kv-transfer-config`` for MaruCache, validated.
 
     Args:
-        index_url: the index, ``tcp://HOST:PORT`` or ``unix:///PATH``.
+        index_url: the index, ``tcp://HOST:PORT`` or ``unix:///PATH``; None
+            with ``sidecar_socket``: the sidecar's hand-off carries it.
         pool_path: the pool file (direct attach), or
         sidecar_socket: the sidecar's Unix socket (fd hand-off).
         **knobs: further knobs, with or without their ``maru_`` prefix
@@ -165,7 +191,7 @@ def make_kv_transfer_config(
         failures are recomputed (``kv_load_failure_policy="recompute"``).
         The extra config holds exactly the knobs given.
     """
-    extra: dict[str, Any] = {"maru_index_url": index_url}
+    extra: dict[str, Any] = {} if index_url is None else {"maru_index_url": index_url}
     if pool_path is not None:
         extra["maru_pool_path"] = str(pool_path)
     if sidecar_socket is not None:

@@ -25,8 +25,10 @@ from maru_connector.config import MaruConfig, parse_config
 from maru_connector.early_pins import PinHandoff
 from maru_connector.identity import base_namespaces, block_size_of, check_engine_supported
 from maru_connector.kv_events import kv_events_enabled
+from maru_connector.log import get_logger, repeats
 from maru_connector.lookup import LookupService
 from maru_connector.metadata import MaruConnectorMetadata
+from maru_connector.preflight import check_before_load, startup_line
 from maru_connector.scheduler import MaruSchedulerHalf
 from maru_connector.stats import open_stats
 from maru_connector.vllm_stats import MaruKVConnectorStats, MaruPromMetrics, StepStatsReader
@@ -37,7 +39,7 @@ if TYPE_CHECKING:
     from maru_core.pool.pool_identity import PoolIdentity
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.attention.backend import AttentionMetadata
-    from vllm.config import VllmConfig
+    from vllm.config import KVTransferConfig, VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
         KVConnectorStats,
         PromMetric,
@@ -50,6 +52,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+logger = get_logger(__name__)
+
 
 def _tp_rank() -> int:
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -60,27 +64,27 @@ def _tp_rank() -> int:
         return 0
 
 
-def _workers_pool(cfg: MaruConfig, token: str | None) -> PoolIdentity:
-    """The pool region this engine's workers map, found without mapping it: from the
-    sidecar's hand-off (its descriptor closed at once) or from the pool file's header."""
+def _workers_pool(cfg: MaruConfig, token: str | None) -> tuple[PoolIdentity, str]:
+    """The pool region this engine's workers map, found without mapping it, and its index:
+    from the sidecar's hand-off (its descriptor closed at once) or from the pool file's header."""
     from maru_core.pool.pool_identity import PoolIdentity
 
     if cfg.maru_sidecar_socket is None:
         assert cfg.maru_pool_path is not None, "parse_config sets exactly one of the two"
-        return PoolIdentity.read(cfg.maru_pool_path)
+        return PoolIdentity.read(cfg.maru_pool_path), cfg.resolve_index_url()
     from maru_core.handoff import fetch_pool
 
     handoff = fetch_pool(cfg.maru_sidecar_socket, token, cfg.maru_cache_name,
                          timeout_s=max(1.0, cfg.maru_lookup_timeout_s))
     os.close(handoff.fd)
-    return handoff.pool_identity()
+    return handoff.pool_identity(), cfg.resolve_index_url(handoff.index_url)
 
 
 def _make_lookup(cfg: MaruConfig) -> LookupService:
     from maru_core.index.client import IndexClient
 
     token = cfg.resolve_token()
-    pool: list[PoolIdentity] = []  # found on the first lookup (on the lookup's thread), then kept
+    pool: list[tuple[PoolIdentity, str]] = []  # found on the first lookup (on the lookup's thread), then kept
 
     def client() -> IndexClient:
         # The lookup's hits and early pins name offsets the workers read in their
@@ -88,11 +92,11 @@ def _make_lookup(cfg: MaruConfig) -> LookupService:
         if not pool:
             pool.append(_workers_pool(cfg, token))
         return IndexClient(
-            cfg.maru_index_url,
+            pool[0][1],
             token=token,
             client_name=f"maru-scheduler-{os.getpid()}",
             timeout_s=max(1.0, cfg.maru_lookup_timeout_s),
-            pool=pool[0],
+            pool=pool[0][0],
         )
 
     return LookupService(client, timeout_s=cfg.maru_lookup_timeout_s)
@@ -112,7 +116,9 @@ class MaruKVConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         check_engine_supported(vllm_config, kv_cache_config)
         block_size = block_size_of(kv_cache_config)
-        cfg = parse_config(self._kv_transfer_config.kv_connector_extra_config, block_size)
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        cfg = parse_config(extra, block_size)
+        checked = check_before_load(extra)  # done already if vLLM asked the class before loading the model
         self.scheduler_half: MaruSchedulerHalf | None = None
         self.worker_half: MaruWorkerHalf | None = None
         self._step_stats = StepStatsReader()  # this half's figures for vLLM's own stats
@@ -126,9 +132,13 @@ class MaruKVConnector(KVConnectorBase_V1):
                 cfg, namespaces, block_size, _make_lookup(cfg), num_layers=num_layers,
                 stats=open_stats(cfg, "scheduler"), handoff=handoff, kv_events=kv_events_enabled(vllm_config),
             )
+            logger.info("%s", startup_line("scheduler", checked))
         else:
-            self.worker_half = MaruWorkerHalf(cfg, _tp_rank(), block_size, handoff=handoff,
+            tp_rank = _tp_rank()
+            self.worker_half = MaruWorkerHalf(cfg, tp_rank, block_size, handoff=handoff,
                                               report_settled_stores=kv_events_enabled(vllm_config))
+            if tp_rank == 0:
+                logger.info("%s", startup_line("worker", checked))
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -143,9 +153,26 @@ class MaruKVConnector(KVConnectorBase_V1):
         ``wait_for_layer_load``, so the forward would read blocks still being
         written; PIECEWISE keeps attention (and our waits) outside the graphs.
         Only ``maru_overlap_load_with_compute`` lets a forward start before
-        every layer landed.
+        every layer landed. vLLM asks while it resolves its configuration,
+        before it loads the model: the whole configuration is checked here
+        (preflight.py).
         """
-        return parse_config(extra_config).maru_overlap_load_with_compute
+        return check_before_load(extra_config).cfg.maru_overlap_load_with_compute
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: "KVTransferConfig") -> Any:
+        """vLLM's own answer (0.34 on); vLLM asks while it resolves its configuration,
+        in every set-up, before it loads the model: the configuration is checked here."""
+        check_before_load(kv_transfer_config.kv_connector_extra_config)
+        return getattr(super(), "kv_cache_access")(kv_transfer_config)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
+        """No layout required. vLLM 0.32 without CUDA graphs asks this first (after
+        the weights, before it sizes the KV cache): the configuration is checked here."""
+        if vllm_config.kv_transfer_config is not None:
+            check_before_load(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        return super().get_required_kvcache_layout(vllm_config)
 
     # ---- vLLM's connector stats (vllm_stats.py) -----------------------------
 
@@ -234,6 +261,7 @@ class MaruKVConnector(KVConnectorBase_V1):
             self.worker_half.shutdown()
         if self.scheduler_half is not None:
             self.scheduler_half.shutdown()
+        repeats.flush()  # the counts of warnings still held back
 
     # ---- scheduler side -----------------------------------------------------
 

@@ -41,7 +41,6 @@ load, after its slot-header checks.
 from __future__ import annotations
 
 import itertools
-import logging
 import threading
 import time
 from collections.abc import Callable
@@ -54,11 +53,12 @@ from maru_core.keys import KEY_BYTES
 from maru_core.protocol import LocationList
 
 from maru_connector.held_pins import LoadFailure, forget_held, index_failure, unpin_quietly
+from maru_connector.log import get_logger
 
 if TYPE_CHECKING:
     from maru_connector.transfer.engine import HeadStart
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 # An offered pin no worker claimed for this long is released: its plan never
 # reached a worker of this process (it cannot, short of a bug), and a pinned

@@ -4,7 +4,6 @@ the failure a load ends with (``LoadFailure``)."""
 
 from __future__ import annotations
 
-import logging
 import threading
 import weakref
 from typing import Protocol
@@ -12,7 +11,9 @@ from typing import Protocol
 from maru_core.index.api import IndexApi, Keys
 from maru_core.keys import Key, split_keys
 
-logger = logging.getLogger(__name__)
+from .log import get_logger
+
+logger = get_logger(__name__)
 
 
 class LoadFailure(Exception):

@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import logging
 import threading
 import time
 from collections import OrderedDict
@@ -39,6 +38,7 @@ import msgpack
 from maru_core.keys import KeyNamespace, chunk_keys_of_namespaces
 
 from maru_connector.config import MaruConfig, MaruConfigError
+from maru_connector.log import get_logger
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig, VllmConfig
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 # ---------------------------------------------------------------- start-up checks
 
@@ -343,7 +343,7 @@ class AdapterIdentities:
                 self._warned_at.clear()
             self._warned_at[path] = now
             logger.warning("MaruCache neither looks up nor stores the KV of requests with LoRA adapter %s",
-                           why)
+                           why, extra={"repeat_kind": path})  # paced per adapter here
 
 
 # ---------------------------------------------------------------- namespaces

@@ -25,7 +25,6 @@ Who knows what:
 
 from __future__ import annotations
 
-import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -33,11 +32,13 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
 
+from maru_connector.log import get_logger
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.request import Request
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 #: The ``medium`` of every MaruCache event: the pool is host (or CXL) memory.
 MARU_MEDIUM = MEDIUM_CPU

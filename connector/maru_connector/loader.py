@@ -33,7 +33,6 @@ them every ``_DEVICE_POLL_S``.
 from __future__ import annotations
 
 import functools
-import logging
 import queue
 import threading
 import time
@@ -43,6 +42,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from maru_core.stats import ConnectorStats
 
+from maru_connector.log import get_logger
 from maru_connector.metadata import LoadSpec
 from maru_connector.resolve import LoadFailure, PinnedLoad, copy_failure_reason, release_pins, resolve_load
 from maru_connector.transfer.backend import Transfer, TransferBackend
@@ -56,7 +56,7 @@ if TYPE_CHECKING:
 
 _T = TypeVar("_T")
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _POLL_S = 0.002  # how often a failed handle's stopped copies are checked
 _DEVICE_POLL_S = 0.002  # device copies complete without waking anyone
@@ -426,6 +426,8 @@ class AsyncLoader:
     def _finish(self, load: _Load) -> None:
         release_pins(self._client, load.pins)
         self._stats.record_load(load.copies.nbytes, time.monotonic() - load.started)
+        logger.debug("hit %s: %d tokens, %d bytes loaded (park)", load.spec.req_id,
+                     load.spec.num_chunks * self._fmt.chunk_tokens, load.copies.nbytes)
         with self._lock:
             self._loads.pop(load.spec.req_id, None)
         load.done.set()

@@ -37,7 +37,6 @@ up again or is forgotten.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -49,9 +48,10 @@ from maru_core.keys import KEY_BYTES
 from maru_core.protocol import ErrorType
 
 from maru_connector.early_pins import MISSED, EarlyPin, PinReply
+from maru_connector.log import get_logger
 from maru_connector.resolve import hold, misses_in, unpin_hidden
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 #: One key list of a lookup: keys, or the keys packed end to end.

@@ -25,24 +25,23 @@ Without it the engine's knobs decide. One engine serving the modes side by
 side is how to compare them without the spread between two engine processes,
 and how an operator tries a mode on live traffic without a restart. Every
 mode gives the same KV, so a mode the engine was not started for, or an
-unknown value, falls back to the engine's choice with a warning (once per
-distinct value, for the first few): the scheduler has no way to reject a request.
+unknown value, falls back to the engine's choice with a warning (through
+vLLM's log, each kind at most once per ``log.REPEAT_INTERVAL_S`` with the
+count of the others): the scheduler has no way to reject a request.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
-logger = logging.getLogger(__name__)
+from .log import get_logger
+
+logger = get_logger(__name__)
 
 LOAD_PARAM = "maru_load"
 STORE_PARAM = "maru_store"
 SYNC, OVERLAP, PARK = "sync", "overlap", "park"
 MODES = (SYNC, OVERLAP, PARK)
-
-_MAX_WARNINGS = 32  # distinct warnings logged; values come from clients, so bounded
-_warned: set[str] = set()
 
 
 def requested_load_mode(kv_transfer_params: Any, async_load: bool, overlap: bool) -> str | None:
@@ -57,13 +56,13 @@ def requested_load_mode(kv_transfer_params: Any, async_load: bool, overlap: bool
         return None
     mode = kv_transfer_params[LOAD_PARAM]
     if mode not in MODES:
-        _warn_once(f"unknown {LOAD_PARAM}={mode!r:.64}: use one of {', '.join(map(repr, MODES))}; "
-                   "the engine's own load mode is used")
+        logger.warning("MaruCache: unknown %s=%.64r in a request's kv_transfer_params: use one of %s; "
+                       "the engine's own load mode is used", LOAD_PARAM, mode, ", ".join(map(repr, MODES)))
         return None
     needs = {OVERLAP: ("maru_overlap_load_with_compute", overlap), PARK: ("maru_async_load", async_load)}
     if mode in needs and not needs[mode][1]:
-        _warn_once(f"{LOAD_PARAM}={mode!r} needs the engine started with {needs[mode][0]}=true; "
-                   "the engine's own load mode is used")
+        logger.warning("MaruCache: %s=%r needs the engine started with %s=true; "
+                       "the engine's own load mode is used", LOAD_PARAM, mode, needs[mode][0])
         return None
     return mode
 
@@ -74,13 +73,8 @@ def requested_store(kv_transfer_params: Any) -> bool:
         return True
     choice = kv_transfer_params[STORE_PARAM]
     if not isinstance(choice, bool):
-        _warn_once(f"{STORE_PARAM}={choice!r:.64} is not true or false; read as false: the request's KV "
-                   "is not stored")
+        logger.warning("MaruCache: %s=%.64r in a request's kv_transfer_params is not true or false; "
+                       "read as false: the request's KV is not stored", STORE_PARAM, choice)
         return False
     return choice
 
-
-def _warn_once(message: str) -> None:
-    if message not in _warned and len(_warned) < _MAX_WARNINGS:
-        _warned.add(message)
-        logger.warning("MaruCache: %s", message)

@@ -12,7 +12,6 @@ pinned (never a pin another load of the same lease holds) and raises
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Union, cast
@@ -32,6 +31,7 @@ from maru_connector.held_pins import (  # LoadFailure and hold are imported from
     unpin_hidden,
     unpin_quietly,
 )
+from maru_connector.log import get_logger
 from maru_connector.transfer import ChecksumMismatch, ChunkLoad, PayloadCheck
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 #: tests build it: one ``Location`` or ``None`` per key.
 Locations = Union[LocationList, Sequence[Union[Location, None]]]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,6 @@ the number of live requests: per-request state is dropped in
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +26,7 @@ from maru_connector.identity import (
     request_keys,
 )
 from maru_connector.kv_events import StoreEventLedger, chunk_block_hashes, chunk_payloads
+from maru_connector.log import get_logger
 from maru_connector.lookup import LookupService
 from maru_connector.metadata import (
     LoadSpec,
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 # Steps whose stores may wait for their workers' report at once; vLLM reports
 # every step, so only a broken report path ever reaches this.

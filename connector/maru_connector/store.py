@@ -21,7 +21,6 @@ reused (:meth:`Storer.drain`).
 from __future__ import annotations
 
 import enum
-import logging
 import queue
 import threading
 import time
@@ -35,11 +34,12 @@ from maru_core.protocol import ErrorType
 from maru_core.stats import ConnectorStats
 
 from maru_connector.kv_events import SettledStore
+from maru_connector.log import get_logger
 from maru_connector.metadata import StoreSpec
 from maru_connector.resolve import object_keys
 from maru_connector.transfer import ChunkStore
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 class JobState(enum.Enum):
     """Where a store job is: its blocks are read while queued, reserving or

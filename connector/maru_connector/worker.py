@@ -31,7 +31,6 @@ is reported ``tainted``: the scheduler then drops every store of that step.
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from collections.abc import Callable, Collection
@@ -45,6 +44,7 @@ from maru_connector.config import MaruConfig, MaruConfigError
 from maru_connector.early_pins import EarlyPin, PinHandoff
 from maru_connector.formats import configured_format
 from maru_connector.loader import AsyncLoader, wait_done
+from maru_connector.log import get_logger
 from maru_connector.metadata import LoadSpec, MaruConnectorMetadata, MaruWorkerMetadata
 from maru_connector.resolve import (
     LoadFailure,
@@ -66,7 +66,7 @@ if TYPE_CHECKING:
     from maru_connector.object_format import ObjectFormat
     from maru_connector.transfer.handles import LoadHandle
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 # The longest a step that computed nothing waits for a parked load to be
 # released or to fail; either ends the wait at once. Every step taken while
@@ -127,12 +127,18 @@ def open_resources(cfg: MaruConfig, kv_caches: dict[str, torch.Tensor], block_si
         from maru_core.handoff import fetch_pool
 
         handoff = fetch_pool(cfg.maru_sidecar_socket, token, cfg.maru_cache_name)
+        try:
+            index_url = cfg.resolve_index_url(handoff.index_url)
+        except MaruConfigError:
+            os.close(handoff.fd)
+            raise
         pool = handoff.open_pool()
         stats = open_stats(cfg, "worker", handoff.stats_dir)
     else:
         from maru_core.pool import Pool
 
         assert cfg.maru_pool_path is not None, "MaruConfig requires one of the two"
+        index_url = cfg.resolve_index_url()
         pool = Pool.attach(cfg.maru_pool_path)
         stats = open_stats(cfg, "worker")
     engine = create_engine(pool.buffer, kv_caches, fmt,
@@ -146,7 +152,7 @@ def open_resources(cfg: MaruConfig, kv_caches: dict[str, torch.Tensor], block_si
 
     def client_factory(role: str) -> IndexClient:
         return IndexClient(
-            cfg.maru_index_url,
+            index_url,
             token=token,
             client_name=f"maru-worker-{role}-{os.getpid()}",
             timeout_s=cfg.maru_load_timeout_s,
@@ -451,6 +457,9 @@ class MaruWorkerHalf:
                 self._fail_sync(load.spec, copy_failure_reason(load.handle.error), repr(load.handle.error))
                 continue
             self.stats.record_load(load.handle.nbytes, time.monotonic() - started)
+            logger.debug("hit %s: %d tokens, %d bytes loaded (%s)", load.spec.req_id,
+                         load.spec.num_chunks * self.cfg.maru_kv_chunk_tokens, load.handle.nbytes,
+                         "overlap" if load.overlapped else "sync")
 
     def _release_later(self, pinned: PinnedLoad) -> None:
         """Give a finished sync load's pins back off the engine thread: every

@@ -59,8 +59,9 @@ def _doc(default: _T, doc: str) -> _T:
 class ConnectorKnobs:
     """The validated knobs (DESIGN §5 names); the connector's ``MaruConfig`` adds behaviour only."""
 
-    maru_index_url: str = dataclasses.field(
-        metadata={"doc": "the index: tcp://HOST:PORT or unix:///PATH (required)"})
+    # Optional with maru_sidecar_socket: the sidecar's hand-off carries the address.
+    maru_index_url: str | None = _doc(
+        None, "the index: tcp://HOST:PORT or unix:///PATH (with a sidecar: from its hand-off)")
     maru_pool_path: str | None = _doc(None, "attach the pool file directly; exactly one of this and the socket")
     maru_sidecar_socket: str | None = _doc(None, "receive the pool from the sidecar over this Unix socket")
     maru_token: str | None = _doc(None, "the cache's index token, inline")
@@ -189,13 +190,27 @@ def _replace_deprecated(raw: Mapping[str, object]) -> dict[str, object]:
     return out
 
 
+def check_index_url(where: str, url: str) -> None:
+    """``url`` as the index client parses it; ``where`` names its source in the error."""
+    try:
+        parse_url(url)  # the index client's own check of its address
+    except ValueError as exc:
+        raise ConnectorConfigError(f"{where}: {exc} (it must look like tcp://HOST:PORT or unix:///PATH)") from None
+
+
+def same_index(a: str, b: str) -> bool:
+    """Whether two index addresses name the same endpoint (spelled alike once parsed)."""
+    return parse_url(a) == parse_url(b)
+
+
 def check_combination(knobs: ConnectorKnobs) -> None:
     """Refuse combinations no connector can run with (each message says what to change)."""
-    try:
-        parse_url(knobs.maru_index_url)  # the index client's own check of its address
-    except ValueError as exc:
+    if knobs.maru_index_url is not None:
+        check_index_url("maru_index_url", knobs.maru_index_url)
+    elif knobs.maru_sidecar_socket is None:
         raise ConnectorConfigError(
-            f"maru_index_url: {exc} (it must look like tcp://HOST:PORT or unix:///PATH)") from None
+            "kv_connector_extra_config needs 'maru_index_url' (tcp://HOST:PORT or unix:///PATH of the "
+            "MaruCache index); only with maru_sidecar_socket may it be left out (the sidecar's hand-off carries it)")
     if (knobs.maru_pool_path is None) == (knobs.maru_sidecar_socket is None):
         raise ConnectorConfigError(
             "set exactly one of maru_pool_path (attach the pool file directly) "
@@ -222,14 +237,11 @@ def parse_knobs(raw: Mapping[str, object] | None, into: type[KnobsT]) -> KnobsT:
 
     Raises:
         ConnectorConfigError: on an unknown key (with the closest known name),
-            a missing ``maru_index_url``, an ill-typed value or a conflict.
+            a missing ``maru_index_url`` (needed without ``maru_sidecar_socket``),
+            an ill-typed value or a conflict.
     """
     raw = dict(raw or {})
     _reject_unknown(raw)
-    if "maru_index_url" not in raw:
-        raise ConnectorConfigError(
-            "kv_connector_extra_config needs 'maru_index_url' (tcp://HOST:PORT or "
-            "unix:///PATH of the MaruCache index)")
     values = {name: _check_value(name, value) for name, value in _replace_deprecated(raw).items()}
     knobs = into(**values)  # type: ignore[arg-type]  # each value checked against its field's type above
     check_combination(knobs)
@@ -252,7 +264,7 @@ def _json(value: KnobValue) -> JsonKnob:
 
 def extra_config(knobs: ConnectorKnobs, names: Iterable[str] | None = None) -> dict[str, JsonKnob]:
     """``knobs`` as ``kv_connector_extra_config``: the knobs in ``names`` (in that order),
-    by default those set to other than their default (and ``maru_index_url``).
+    by default those set to other than their default.
 
     Raises:
         ValueError: a name that is no knob, or a knob set to other than its

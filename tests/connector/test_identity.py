@@ -291,7 +291,7 @@ def test_an_unreadable_adapter_gives_no_keys_and_one_warning(models, tmp_path, c
     empty = tmp_path / "empty"
     empty.mkdir()
     for path, why in ((tmp_path / "missing", "is no directory here"), (empty, "holds no weight file")):
-        with caplog.at_level("WARNING", logger="maru_connector.identity"):
+        with caplog.at_level("WARNING", logger="vllm.maru_connector.identity"):
             for _ in range(3):
                 with pytest.raises(AdapterUnreadable, match=why):
                     _lora_keys(ns, path, adapters)

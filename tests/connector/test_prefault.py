@@ -110,7 +110,7 @@ def test_a_kernel_that_refuses_ends_it_quietly(shm_file, monkeypatch, caplog):
     monkeypatch.setattr(prefault, "_madvise", refuse)
     with mmap.mmap(shm_file, SIZE, mmap.MAP_SHARED) as m:
         pages = np.frombuffer(m, dtype=np.uint8)
-        with caplog.at_level("INFO", logger=prefault.__name__):
+        with caplog.at_level("INFO", logger=prefault.logger.name):
             filler = PoolPrefaulter(pages.ctypes.data, SIZE)
             assert filler.wait(timeout=10)
         assert filler.populated == 0 and filler.error.errno == errno.EINVAL

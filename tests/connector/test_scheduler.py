@@ -284,7 +284,7 @@ def test_a_request_that_asks_not_to_be_stored_still_loads_its_hit(index, choice,
     commit_prefix(index, half, request("x", 100), 1)
     params = SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": {"maru_store": choice}})
     req = Request("a", list(range(1, 101)), params, None)
-    with caplog.at_level("WARNING", logger="maru_connector.request_params"):
+    with caplog.at_level("WARNING", logger="vllm.maru_connector.request_params"):
         assert half.get_num_new_matched_tokens(req, 0) == (CHUNK, False)
     half.update_state_after_alloc(req, Blocks(range(7)), CHUNK)
     req.num_computed_tokens = CHUNK
@@ -303,7 +303,7 @@ def test_a_load_mode_the_engine_cannot_honour_falls_back_to_the_engine_s_choice(
     commit_prefix(index, half, request("x", 100), 2)
     half.get_num_new_matched_tokens(request("other", 100, start=500), 0)  # a live request beside it
     req = asking("a", 100, mode)
-    with caplog.at_level("WARNING", logger="maru_connector.request_params"):
+    with caplog.at_level("WARNING", logger="vllm.maru_connector.request_params"):
         matched = half.get_num_new_matched_tokens(req, 0)
     assert matched == (64, knobs.get("maru_async_load", False))  # the engine's choice: park if async
     half.update_state_after_alloc(req, Blocks(range(7)), 64)

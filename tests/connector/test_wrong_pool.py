@@ -130,7 +130,7 @@ def test_an_index_serving_another_region_is_refused_by_every_client(device, inde
     # The scheduler's lookup (which maps no pool) checks the pool named by its config: a miss, logged.
     lookup = _make_lookup(cfg)
     try:
-        with caplog.at_level(logging.WARNING, logger="maru_connector.lookup"):
+        with caplog.at_level(logging.WARNING, logger="vllm.maru_connector.lookup"):
             assert lookup.match("r", [[b"k" * 16]]) == 0
         assert any("WrongPool" in r.getMessage() and served_uuid in r.getMessage() for r in caplog.records)
     finally:
@@ -151,7 +151,7 @@ def test_the_scheduler_checks_the_region_the_sidecar_hands_over(device, index_at
                                       token=index_at_32mi.token, cache_name="c1", lookup_timeout_s=2.0)
         lookup = _make_lookup(parse_config(raw["kv_connector_extra_config"], BLOCK))
         try:
-            with caplog.at_level(logging.WARNING, logger="maru_connector.lookup"):
+            with caplog.at_level(logging.WARNING, logger="vllm.maru_connector.lookup"):
                 assert lookup.match("r", [[b"k" * 16]]) == (1 if hits else 0)
             refused = [r.getMessage() for r in caplog.records if "WrongPool" in r.getMessage()]
             assert bool(refused) is not hits, refused

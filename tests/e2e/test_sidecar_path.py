@@ -45,10 +45,11 @@ def test_hit_through_sidecars_equals_recompute_and_reaches_metrics(farm, index, 
     assert b[("maru_load_failures_total", _labels("pod-b", reason="miss"))] == 0
     # Scheduler and worker halves each write a region, and both are counted.
     assert b[("maru_sidecar_stats_regions", _labels("pod-b", state="live"))] == 2
-    # Three hand-offs: the scheduler half's (its stats directory), its lookup
-    # client's (the pool's identity, to check the index serves that region)
-    # and the worker's (the pool itself).
-    assert b[("maru_sidecar_handoffs_total", _labels("pod-b", result="ok"))] == 3
+    # Four hand-offs: the configuration check before the KV cache is sized
+    # (the token and cache name, and the index address), the scheduler half's
+    # (its stats directory), its lookup client's (the pool's identity, to check
+    # the index serves that region) and the worker's (the pool itself).
+    assert b[("maru_sidecar_handoffs_total", _labels("pod-b", result="ok"))] == 4
 
     a = sidecars.of(engine_a).metrics()
     assert a[("maru_store_bytes_total", _labels("pod-a"))] > 0

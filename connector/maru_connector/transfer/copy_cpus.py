@@ -21,12 +21,13 @@ unpinned), ``"none"`` (unpinned), or a list such as ``"3"`` or ``"2,6-7"``.
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 from typing import Mapping
 
-logger = logging.getLogger(__name__)
+from ..log import get_logger
+
+logger = get_logger(__name__)
 
 __all__ = ["CopyCpusError", "openmp_cpus", "parse_cpu_list", "parse_setting", "pin_this_thread",
            "process_cpus", "resolve_copy_cpus"]

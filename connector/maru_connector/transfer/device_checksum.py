@@ -26,10 +26,11 @@ a torch expression computes the same sums, several passes over the bytes.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
+
+from ..log import get_logger
 
 try:  # pragma: no cover - depends on the machine
     import triton
@@ -39,7 +40,7 @@ except ImportError:  # pragma: no cover
 
 __all__ = ["BACKEND", "Compare", "add_row_sums", "as_uint64", "warm_up"]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _MASK = (1 << 64) - 1
 _BLOCK = 1024  # words per step of one program

@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import logging
 import os
 import threading
 
+from ..log import get_logger
 from .copy_cpus import pin_this_thread
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 MADV_POPULATE_READ = 22  # linux/mman.h, since 5.14
 SLICE_BYTES = 64 << 20  # one call: 7-13 ms of kernel time on a 2-core VM
