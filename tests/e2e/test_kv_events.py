@@ -114,8 +114,9 @@ def test_committed_chunks_are_published_with_vllms_block_hashes(stepped, index, 
 
 
 def test_a_chunk_a_lookup_finds_evicted_is_published_removed_then_stored_again(stepped, workdir):
-    # A pool of a few dozen chunks: storing more evicts the least recently used.
-    with IndexProcess(pool_size="4Mi", log_dir=workdir) as small:
+    # A pool of a few dozen chunks: storing more evicts the least recently used. One engine
+    # turns it over many times in seconds, past the index's eviction window: lifted here.
+    with IndexProcess(pool_size="4Mi", log_dir=workdir, extra_args=("--evict-window", "0.001")) as small:
         engine, recorder = stepped(small, async_store=False)
         first = random_tokens(4 * CHUNK + 5, seed=next(_seeds))
         _serve(engine, "first", first)
