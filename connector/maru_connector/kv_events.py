@@ -38,14 +38,12 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.request import Request
 
+    from maru_connector.store import SettledStore
+
 logger = get_logger(__name__)
 
 #: The ``medium`` of every MaruCache event: the pool is host (or CXL) memory.
 MARU_MEDIUM = MEDIUM_CPU
-
-#: (scheduler step, request id, indices of the store's chunks this rank committed):
-#: one per store job, once its outcome is final on the rank that reports it.
-SettledStore = tuple[int, str, tuple[int, ...]]
 
 # Store plans whose settlement never came back are dropped this many steps
 # later (a worker that died mid-step); only their events are lost.

@@ -33,13 +33,17 @@ from maru_core.pool.slots import SlotHeader
 from maru_core.protocol import ErrorType
 from maru_core.stats import ConnectorStats
 
-from maru_connector.kv_events import SettledStore
 from maru_connector.log import get_logger
 from maru_connector.metadata import StoreSpec
 from maru_connector.resolve import object_keys
 from maru_connector.transfer import ChunkStore
 
 logger = get_logger(__name__)
+
+#: (scheduler step, request id, indices of the store's chunks this rank committed):
+#: one per store job, once its outcome is final on the rank that reports it.
+SettledStore = tuple[int, str, tuple[int, ...]]
+
 
 class JobState(enum.Enum):
     """Where a store job is: its blocks are read while queued, reserving or
