@@ -140,7 +140,9 @@ def one_line_errors(parser: argparse.ArgumentParser) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from maru_core.index.limits import PRE_AUTH_FRAME_BYTES, ServerLimits, default_max_connections
     from maru_core.index.quotas import EVICT_WINDOW_S, MAX_LEASE_EVICT_FRACTION, MAX_LEASE_PIN_FRACTION
+    from maru_core.index.quotas import MAX_PEER_EVICT_FRACTION, MAX_PEER_PIN_FRACTION
     from maru_core.index.registry import MAX_EVICT_FRACTION, MAX_FENCE_S, MAX_LEASE_POOL_FRACTION
+    from maru_core.index.registry import MAX_PEER_POOL_FRACTION
 
     limits = ServerLimits()
     one_line_errors(parser)
@@ -212,9 +214,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="F", help="largest share of the pool one lease's reserves may evict within "
                                           "--evict-window; beyond, its objects get no slot (default "
                                           f"{MAX_LEASE_EVICT_FRACTION:g})")
+    parser.add_argument("--max-peer-pool-fraction", type=_fraction_arg, default=MAX_PEER_POOL_FRACTION,
+                        metavar="F", help="largest share of the pool all the leases of one peer (an IP address, "
+                                          "or a Unix socket's user) may hold reserved or fenced together "
+                                          f"(default {MAX_PEER_POOL_FRACTION:g})")
+    parser.add_argument("--max-peer-pin-fraction", type=_fraction_arg, default=MAX_PEER_PIN_FRACTION,
+                        metavar="F", help="largest share of the pool all the leases of one peer may pin together "
+                                          "(each lease's distinct objects, summed); beyond, a retrieve is refused "
+                                          f"with 'quota' (default {MAX_PEER_PIN_FRACTION:g})")
+    parser.add_argument("--max-peer-evict-fraction", type=_fraction_arg, default=MAX_PEER_EVICT_FRACTION,
+                        metavar="F", help="largest share of the pool the reserves of one peer's leases may evict "
+                                          "within --evict-window, whatever leases or connections they came from "
+                                          f"(default {MAX_PEER_EVICT_FRACTION:g})")
     parser.add_argument("--evict-window", type=_positive_seconds, default=EVICT_WINDOW_S, metavar="S",
-                        help="seconds over which --max-lease-evict-fraction counts a lease's evictions "
-                             f"(default {EVICT_WINDOW_S:g})")
+                        help="seconds over which --max-lease-evict-fraction and --max-peer-evict-fraction count "
+                             f"evictions (default {EVICT_WINDOW_S:g})")
     parser.add_argument("--max-fence", type=_positive_seconds, default=MAX_FENCE_S, metavar="S",
                         help="seconds a lapsed reservation's pages stay fenced while its writer's lease lives "
                              f"(default {MAX_FENCE_S:g})")
@@ -393,6 +407,9 @@ async def _serve(args: argparse.Namespace, pool: Any, token: str | None, fresh: 
         max_lease_pin_fraction=args.max_lease_pin_fraction,
         max_lease_evict_fraction=args.max_lease_evict_fraction,
         evict_window_s=args.evict_window,
+        max_peer_pool_fraction=args.max_peer_pool_fraction,
+        max_peer_pin_fraction=args.max_peer_pin_fraction,
+        max_peer_evict_fraction=args.max_peer_evict_fraction,
     )
     try:
         if args.metrics_port is not None:  # before listening: a taken port is reported before any client arrives
