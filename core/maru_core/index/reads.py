@@ -172,7 +172,8 @@ class Reads:
                 f"pool's {self.geometry.num_pages} pages (--max-lease-pin-fraction): unpin what it has read",
                 quota="pins"))  # fmt: skip
         account = lease.account
-        if account.pin_pages + new_pages > self.max_peer_pin_pages:
+        # Summed over leases (two that pin one object count it twice), so the whole pool is no bound: none.
+        if self.max_peer_pin_pages < self.geometry.num_pages and account.pin_pages + new_pages > self.max_peer_pin_pages:
             self._refuse(lease, QuotaExceeded(
                 f"the {account.leases} leases of peer {account.peer} pin {account.pin_pages} pages and this "
                 f"retrieve would pin {new_pages} more; one peer's leases together may pin "
