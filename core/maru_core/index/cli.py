@@ -140,9 +140,7 @@ def one_line_errors(parser: argparse.ArgumentParser) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from maru_core.index.limits import PRE_AUTH_FRAME_BYTES, ServerLimits, default_max_connections
     from maru_core.index.quotas import EVICT_WINDOW_S, MAX_LEASE_EVICT_FRACTION, MAX_LEASE_PIN_FRACTION
-    from maru_core.index.quotas import MAX_PEER_EVICT_FRACTION, MAX_PEER_PIN_FRACTION
     from maru_core.index.registry import MAX_EVICT_FRACTION, MAX_FENCE_S, MAX_LEASE_POOL_FRACTION
-    from maru_core.index.registry import MAX_PEER_POOL_FRACTION
 
     limits = ServerLimits()
     one_line_errors(parser)
@@ -214,18 +212,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="F", help="largest share of the pool one lease's reserves may evict within "
                                           "--evict-window; beyond, its objects get no slot (default "
                                           f"{MAX_LEASE_EVICT_FRACTION:g})")
-    parser.add_argument("--max-peer-pool-fraction", type=_fraction_arg, default=MAX_PEER_POOL_FRACTION,
-                        metavar="F", help="largest share of the pool all the leases of one peer (an IP address, "
-                                          "or a Unix socket's user) may hold reserved or fenced together "
-                                          f"(default {MAX_PEER_POOL_FRACTION:g})")
-    parser.add_argument("--max-peer-pin-fraction", type=_fraction_arg, default=MAX_PEER_PIN_FRACTION,
-                        metavar="F", help="largest share of the pool all the leases of one peer may pin together "
-                                          "(each lease's distinct objects, summed); beyond, a retrieve is refused "
-                                          f"with 'quota' (default {MAX_PEER_PIN_FRACTION:g})")
-    parser.add_argument("--max-peer-evict-fraction", type=_fraction_arg, default=MAX_PEER_EVICT_FRACTION,
-                        metavar="F", help="largest share of the pool the reserves of one peer's leases may evict "
-                                          "within --evict-window, whatever leases or connections they came from "
-                                          f"(default {MAX_PEER_EVICT_FRACTION:g})")
+    parser.add_argument("--max-peer-pool-fraction", type=_fraction_arg, metavar="F",
+                        help="largest share of the pool all the leases of one peer (an IP address, or a Unix "
+                             "socket's user) may hold reserved or fenced together (default: as "
+                             f"--max-lease-pool-fraction, {MAX_LEASE_POOL_FRACTION:g})")
+    parser.add_argument("--max-peer-pin-fraction", type=_fraction_arg, metavar="F",
+                        help="largest share of the pool all the leases of one peer may pin together (each "
+                             "lease's distinct objects, summed; 1: no bound); beyond, a retrieve is refused with "
+                             f"'quota' (default: as --max-lease-pin-fraction, {MAX_LEASE_PIN_FRACTION:g})")
+    parser.add_argument("--max-peer-evict-fraction", type=_fraction_arg, metavar="F",
+                        help="largest share of the pool the reserves of one peer's leases may evict within "
+                             "--evict-window, whatever leases or connections they came from (default: as "
+                             f"--max-lease-evict-fraction, {MAX_LEASE_EVICT_FRACTION:g})")
     parser.add_argument("--evict-window", type=_positive_seconds, default=EVICT_WINDOW_S, metavar="S",
                         help="seconds over which --max-lease-evict-fraction and --max-peer-evict-fraction count "
                              f"evictions (default {EVICT_WINDOW_S:g})")

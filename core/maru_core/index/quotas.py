@@ -16,9 +16,11 @@ line per ten seconds (``docs/security.md``, Reservations and Eviction):
 The same three bound the sum over the leases one peer opened
 (``peer_reservations``, ``peer_pins``, ``peer_evictions``: flags
 ``--max-peer-pool-fraction``, ``--max-peer-pin-fraction``,
-``--max-peer-evict-fraction``, by default as large as a lease's), kept in
+``--max-peer-evict-fraction``, by default as large as a lease's: an honest
+engine holds one lease, so it meets its lease's first), kept in
 ``maru_core.index.peer_accounts``: a client cannot multiply its quotas by
-opening more leases.
+opening more leases. Engines that share one address share these
+(``docs/security.md``, What identifies a client).
 
 Pure: no I/O; every time is passed in.
 """
@@ -41,12 +43,6 @@ MAX_LEASE_PIN_FRACTION = 0.5
 #: few calls.
 MAX_LEASE_EVICT_FRACTION = 0.25
 EVICT_WINDOW_S = 10.0
-#: The same shares for all the leases of one peer together: an honest engine
-#: holds one lease (its connector's), so it meets the per-lease quota first;
-#: a peer that opens more leases gets no more of the pool. Engines that share
-#: one address share these (``docs/security.md``, What identifies a client).
-MAX_PEER_PIN_FRACTION = MAX_LEASE_PIN_FRACTION
-MAX_PEER_EVICT_FRACTION = MAX_LEASE_EVICT_FRACTION
 #: Evictions within ``window / WINDOW_SLOTS`` of an entry's first share it (it
 #: expires with its last: counted up to that much longer, never shorter), so a
 #: window holds at most about that many entries however many reserves evict.

@@ -89,8 +89,6 @@ MAX_EVICT_FRACTION = 0.25
 #: engine reserves one step's stores at a time, far below it; a client that
 #: reserves without committing cannot take the pool from the others.
 MAX_LEASE_POOL_FRACTION = 0.5
-#: The same share for all the leases of one peer together (``peer_accounts``).
-MAX_PEER_POOL_FRACTION = MAX_LEASE_POOL_FRACTION
 #: How long a lapsed reservation's pages stay fenced while its writer's lease
 #: lives (after the lease ends: ``fence_grace_s``). Loads verify payloads, so a
 #: copy that lands later is caught at read time (``fencing.py``).
@@ -141,8 +139,8 @@ class Registry(Reads, Placement):
     together (``open_lease``'s ``peer``), whose accounts outlive their last
     lease by ``evict_window_s`` (``max_idle_peer_accounts`` of them at most).
     No quota binds by default here; the index's defaults
-    (``MAX_LEASE_POOL_FRACTION``, ``MAX_PEER_POOL_FRACTION``, ``MAX_FENCE_S``
-    and those of ``maru_core.index.quotas``) are set by ``build_service``.
+    (``MAX_LEASE_POOL_FRACTION``, ``MAX_FENCE_S`` and those of
+    ``maru_core.index.quotas``, per lease and per peer) are set by ``build_service``.
     """
 
     def __init__(

@@ -9,20 +9,8 @@ from typing import Any
 
 from maru_core.index.metrics import IndexMetrics
 from maru_core.index.limits import ServerLimits
-from maru_core.index.quotas import (
-    EVICT_WINDOW_S,
-    MAX_LEASE_EVICT_FRACTION,
-    MAX_LEASE_PIN_FRACTION,
-    MAX_PEER_EVICT_FRACTION,
-    MAX_PEER_PIN_FRACTION,
-)
-from maru_core.index.registry import (
-    MAX_EVICT_FRACTION,
-    MAX_FENCE_S,
-    MAX_LEASE_POOL_FRACTION,
-    MAX_PEER_POOL_FRACTION,
-    Registry,
-)
+from maru_core.index.quotas import EVICT_WINDOW_S, MAX_LEASE_EVICT_FRACTION, MAX_LEASE_PIN_FRACTION
+from maru_core.index.registry import MAX_EVICT_FRACTION, MAX_FENCE_S, MAX_LEASE_POOL_FRACTION, Registry
 from maru_core.index.server import IndexServer
 from maru_core.pool.slots import SlotState
 from maru_core.protocol import Location
@@ -84,9 +72,9 @@ def build_service(
     max_lease_pin_fraction: float = MAX_LEASE_PIN_FRACTION,
     max_lease_evict_fraction: float | None = MAX_LEASE_EVICT_FRACTION,
     evict_window_s: float = EVICT_WINDOW_S,
-    max_peer_pool_fraction: float = MAX_PEER_POOL_FRACTION,
-    max_peer_pin_fraction: float = MAX_PEER_PIN_FRACTION,
-    max_peer_evict_fraction: float | None = MAX_PEER_EVICT_FRACTION,
+    max_peer_pool_fraction: float | None = None,
+    max_peer_pin_fraction: float | None = None,
+    max_peer_evict_fraction: float | None = None,
 ) -> IndexService:
     """Build the index of ``pool``; call inside the running loop that will serve it.
 
@@ -100,9 +88,14 @@ def build_service(
     share one lease may pin; ``max_lease_evict_fraction`` the share one lease's
     reserves may evict per ``evict_window_s`` (``None``: no such bound);
     ``max_peer_pool_fraction``, ``max_peer_pin_fraction`` and
-    ``max_peer_evict_fraction`` the same for all the leases of one peer.
+    ``max_peer_evict_fraction`` the same for all the leases of one peer
+    (``None``: as its lease's, so raising a lease's quota never leaves an
+    engine, one lease of its peer, held to a lower one).
     """
     high, low = watermarks
+    max_peer_pool_fraction = max_peer_pool_fraction or max_lease_pool_fraction
+    max_peer_pin_fraction = max_peer_pin_fraction or max_lease_pin_fraction
+    max_peer_evict_fraction = max_peer_evict_fraction or max_lease_evict_fraction
     registry = Registry(pool.geometry, lease_ttl_s=lease_ttl_s, reservation_ttl_s=reservation_ttl_s,
                         high_watermark=high, low_watermark=low,
                         max_evict_fraction=max_evict_fraction, max_lease_pages_fraction=max_lease_pool_fraction,
