@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import subprocess
+import sys
 import urllib.request
 from collections.abc import Iterator
+
+import pytest
 
 from maru_core.index.client import IndexClient
 from maru_core.index.client_ops import IndexRejected
@@ -63,16 +67,21 @@ def _refusals(metrics_port: int, quota: str) -> float:
     return float(line.split()[-1])
 
 
-def _metrics_args() -> tuple[int, tuple[str, ...]]:
-    port = free_port()
-    return port, ("--page-size", "4Ki", "--metrics-port", str(port), "--metrics-addr", "127.0.0.1")
+def serve(*args: str) -> tuple[IndexProcess, int]:
+    """An index process (4 KiB pages, 32 MiB) and its metrics port, apart from its own
+    (``free_port`` may name one port twice while nothing listens on it)."""
+    port = metrics_port = free_port()
+    while metrics_port == port:
+        metrics_port = free_port()
+    args = ("--page-size", "4Ki", "--metrics-port", str(metrics_port), "--metrics-addr", "127.0.0.1", *args)
+    return IndexProcess(pool_size="32Mi", port=port, extra_args=args), metrics_port
 
 
 def test_four_leases_of_one_peer_pin_no_more_than_its_share():
     """Before, each lease had half the pool to pin and half to hold reserved:
     a client with two leases took all of it from the others."""
-    metrics_port, args = _metrics_args()
-    with IndexProcess(pool_size="32Mi", extra_args=args) as index, Pool.attach(index.pool_path) as pool:
+    process, metrics_port = serve()
+    with process as index, Pool.attach(index.pool_path) as pool:
         honest = honest_client(index)
         hogs = [index.client() for _ in range(4)]  # four connections of 127.0.0.1, a lease each
         try:
@@ -108,8 +117,8 @@ def test_four_leases_of_one_peer_pin_no_more_than_its_share():
 
 
 def test_four_leases_of_one_peer_hold_no_more_reserved_than_its_share():
-    metrics_port, args = _metrics_args()
-    with IndexProcess(pool_size="32Mi", extra_args=args) as index, Pool.attach(index.pool_path) as pool:
+    process, metrics_port = serve()
+    with process as index, Pool.attach(index.pool_path) as pool:
         honest = honest_client(index)
         hogs = [index.client() for _ in range(4)]
         try:
@@ -140,9 +149,8 @@ def test_four_leases_of_one_peer_hold_no_more_reserved_than_its_share():
 def test_one_peers_leases_evict_no_more_than_its_window_and_a_new_lease_does_not_reset_it():
     """Before, the window was a lease's: four leases, or one lease closed and
     opened again, evicted a quarter of the pool each per window."""
-    metrics_port, args = _metrics_args()
-    args = (*args, "--evict-window", "60")
-    with IndexProcess(pool_size="32Mi", extra_args=args) as index, Pool.attach(index.pool_path) as pool:
+    process, metrics_port = serve("--evict-window", "60")
+    with process as index, Pool.attach(index.pool_path) as pool:
         honest = honest_client(index)
         wipers = [index.client() for _ in range(4)]
         try:
@@ -174,3 +182,13 @@ def test_one_peers_leases_evict_no_more_than_its_window_and_a_new_lease_does_not
         finally:
             for client in (honest, *wipers):
                 client.close()
+
+
+@pytest.mark.parametrize("flag", ["--max-peer-pool-fraction", "--max-peer-pin-fraction", "--max-peer-evict-fraction"])
+def test_a_bad_peer_quota_flag_is_refused_naming_it(flag):
+    from maru_tools.index_process import unique_pool_path
+
+    run = subprocess.run([sys.executable, "-m", "maru_core.cli", "index", "--pool", unique_pool_path(),
+                          "--pool-size", "16Mi", "--listen", "tcp://127.0.0.1:0", flag, "0"],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert run.returncode == 2 and flag in run.stderr and "'0' is not a" in run.stderr

@@ -323,6 +323,12 @@ def _make_region_pool(path: str, size: int | None, page_size: int, offset: int, 
     return Pool.create(path, size, page_size, offset=offset, force=True, creator="marucache index")
 
 
+def _peer_quotas(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``--max-peer-*`` flags given; the others follow their lease's (``build_service``)."""
+    flags = ("max_peer_pool_fraction", "max_peer_pin_fraction", "max_peer_evict_fraction")
+    return {flag: getattr(args, flag) for flag in flags if getattr(args, flag) is not None}
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from maru_core.index.limits import ServerLimits
@@ -405,9 +411,7 @@ async def _serve(args: argparse.Namespace, pool: Any, token: str | None, fresh: 
         max_lease_pin_fraction=args.max_lease_pin_fraction,
         max_lease_evict_fraction=args.max_lease_evict_fraction,
         evict_window_s=args.evict_window,
-        max_peer_pool_fraction=args.max_peer_pool_fraction,
-        max_peer_pin_fraction=args.max_peer_pin_fraction,
-        max_peer_evict_fraction=args.max_peer_evict_fraction,
+        **_peer_quotas(args),
     )
     try:
         if args.metrics_port is not None:  # before listening: a taken port is reported before any client arrives

@@ -30,14 +30,6 @@ if TYPE_CHECKING:
     from maru_core.pool.geometry import PoolGeometry
 
 
-class _Room(QuotaExceeded):
-    """A quota of pages held, with the room it leaves (raised as is when it binds)."""
-
-    def __init__(self, room: int, message: str, quota: str = "reservations") -> None:
-        super().__init__(message, quota)
-        self.room = room
-
-
 class Placement:
     """Placement and eviction of a ``Registry`` (which provides the state below)."""
 
@@ -155,10 +147,11 @@ class Placement:
         pages = -(-lengths[cand_idx] // g.page_size)
         # The quotas of the lease and its peer, when below the whole pool: the prefix of the batch that fits both.
         cumulative = np.cumsum(pages)
-        for error in self._reservation_quotas(lease, int(pages.sum())):
-            within = cumulative <= error.room
+        for room, quota in self._reservation_rooms(lease):
+            within = cumulative <= room
             if within.all():
                 continue
+            error = self._reservation_refusal(lease, quota, int(pages.sum()))
             if not within.any():
                 self._refuse(lease, error)
             self._cut_short(lease, error)
@@ -172,22 +165,28 @@ class Placement:
             )
         return cand_idx[placed], starts[placed], pages[placed]
 
-    def _reservation_quotas(self, lease: Lease, asked: int) -> list[_Room]:
-        """The lease's and its peer's quotas of pages held, where below the whole
-        pool, each as the error it raises carrying the room left (``room``)."""
-        total, account, quotas = self.geometry.num_pages, lease.account, []
+    def _reservation_rooms(self, lease: Lease) -> list[tuple[int, str]]:
+        """``(pages left, quota)`` of the lease's and its peer's quotas of pages held,
+        those below the whole pool (the lease's first)."""
+        total, rooms = self.geometry.num_pages, []
         if self.max_lease_pages < total:
-            quotas.append(_Room(self.max_lease_pages - lease.held_pages,
+            rooms.append((self.max_lease_pages - lease.held_pages, "reservations"))
+        if self.max_peer_pages < total:
+            rooms.append((self.max_peer_pages - lease.account.held_pages, "peer_reservations"))
+        return rooms
+
+    def _reservation_refusal(self, lease: Lease, quota: str, asked: int) -> QuotaExceeded:
+        total, account = self.geometry.num_pages, lease.account
+        if quota == "reservations":
+            return QuotaExceeded(
                 f"this lease holds {lease.held_pages} pages reserved or fenced and asks for {asked} more; a "
                 f"lease may hold {self.max_lease_pages} of the pool's {total} pages (--max-lease-pool-fraction): "
-                "commit or abort what it holds first"))  # fmt: skip
-        if self.max_peer_pages < total:
-            quotas.append(_Room(self.max_peer_pages - account.held_pages,
-                f"the {account.leases} leases of peer {account.peer} hold {account.held_pages} pages reserved or "
-                f"fenced and this one asks for {asked} more; one peer's leases together may hold "
-                f"{self.max_peer_pages} of the pool's {total} pages (--max-peer-pool-fraction): commit or abort "
-                "what they hold first", quota="peer_reservations"))  # fmt: skip
-        return quotas
+                "commit or abort what it holds first")  # fmt: skip
+        return QuotaExceeded(
+            f"the {account.leases} leases of peer {account.peer} hold {account.held_pages} pages reserved or "
+            f"fenced and this one asks for {asked} more; one peer's leases together may hold "
+            f"{self.max_peer_pages} of the pool's {total} pages (--max-peer-pool-fraction): commit or abort "
+            "what they hold first", quota)  # fmt: skip
 
     def _place_in_window(self, lease: Lease, pages: np.ndarray) -> np.ndarray:
         """``_place`` within what the lease and its peer may still evict in their
