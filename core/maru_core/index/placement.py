@@ -195,8 +195,8 @@ class Placement:
         window that bound) when nothing of it fit while there were objects to
         evict."""
         now, window_s, account = self._clock(), self.evict_window_s, lease.account
-        windows = [(lease.evicted, self.max_lease_evict_pages), (account.evicted, self.max_peer_evict_pages)]
-        windows = [(evicted, limit) for evicted, limit in windows if limit is not None]
+        bounds = [(lease.evicted, self.max_lease_evict_pages), (account.evicted, self.max_peer_evict_pages)]
+        windows = [(evicted, limit) for evicted, limit in bounds if limit is not None]
         lefts = [max(0, limit - evicted.pages(now, window_s)) for evicted, limit in windows]
         budget = min([self._max_evict_pages, *lefts])
         before = self._evicted_pages
