@@ -16,8 +16,9 @@ line per ten seconds (``docs/security.md``, Reservations and Eviction):
 The same three bound the sum over the leases one peer opened
 (``peer_reservations``, ``peer_pins``, ``peer_evictions``: flags
 ``--max-peer-pool-fraction``, ``--max-peer-pin-fraction``,
-``--max-peer-evict-fraction``, by default as large as a lease's: an honest
-engine holds one lease, so it meets its lease's first), kept in
+``--max-peer-evict-fraction``, by default as large as a lease's: an
+engine's few leases hold a step's stores and its loads in flight at once,
+far below them, and evict what it stores), kept in
 ``maru_core.index.peer_accounts``: a client cannot multiply its quotas by
 opening more leases. Engines that share one address share these
 (``docs/security.md``, What identifies a client).
