@@ -589,9 +589,9 @@ class RegistryMachine(RuleBasedStateMachine):
 
     # -- rules
 
-    @rule()
-    def open_lease(self) -> None:
-        lease = self.reg.open_lease("client")
+    @rule(peer=st.sampled_from(["10.0.0.1", "10.0.0.2"]))
+    def open_lease(self, peer: str) -> None:
+        lease = self.reg.open_lease("client", peer=peer)
         assert lease not in self.leases
         self.leases[lease] = self.clock.now + LEASE_TTL
         self.pins[lease] = Counter()
@@ -731,6 +731,19 @@ class RegistryMachine(RuleBasedStateMachine):
             want = sum(-(-r[2] // ps) for r in self.reserved.values() if r[0] == lease)
             want += sum(-(-e[3] // ps) for e in self.fenced if e[1] == lease)
             assert live.held_pages == want
+
+    @invariant()
+    def each_peer_holds_and_pins_what_its_live_leases_do(self) -> None:
+        """What a peer's quotas count: the sums over the leases it opened that have not ended."""
+        for peer in ("10.0.0.1", "10.0.0.2"):
+            account = self.reg.peer_accounts.get(peer)
+            leases = [lease for lease in self.reg._leases.values() if lease.account.peer == peer]
+            if account is None:
+                assert not leases
+                continue
+            assert account.held_pages == sum(lease.held_pages for lease in leases)
+            assert account.pin_pages == sum(lease.pins.pages for lease in leases)
+            assert account.leases == len(leases)
 
     @invariant()
     def live_objects_never_overlap(self) -> None:

@@ -212,9 +212,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="F", help="largest share of the pool one lease's reserves may evict within "
                                           "--evict-window; beyond, its objects get no slot (default "
                                           f"{MAX_LEASE_EVICT_FRACTION:g})")
+    parser.add_argument("--max-peer-pool-fraction", type=_fraction_arg, metavar="F",
+                        help="largest share of the pool all the leases of one peer (an IP address, or a Unix "
+                             "socket's user) may hold reserved or fenced together (default: as "
+                             f"--max-lease-pool-fraction, {MAX_LEASE_POOL_FRACTION:g})")
+    parser.add_argument("--max-peer-pin-fraction", type=_fraction_arg, metavar="F",
+                        help="largest share of the pool all the leases of one peer may pin together (each "
+                             "lease's distinct objects, summed; 1: no bound); beyond, a retrieve is refused with "
+                             f"'quota' (default: as --max-lease-pin-fraction, {MAX_LEASE_PIN_FRACTION:g})")
+    parser.add_argument("--max-peer-evict-fraction", type=_fraction_arg, metavar="F",
+                        help="largest share of the pool the reserves of one peer's leases may evict within "
+                             "--evict-window, whatever leases or connections they came from (default: as "
+                             f"--max-lease-evict-fraction, {MAX_LEASE_EVICT_FRACTION:g})")
     parser.add_argument("--evict-window", type=_positive_seconds, default=EVICT_WINDOW_S, metavar="S",
-                        help="seconds over which --max-lease-evict-fraction counts a lease's evictions "
-                             f"(default {EVICT_WINDOW_S:g})")
+                        help="seconds over which --max-lease-evict-fraction and --max-peer-evict-fraction count "
+                             f"evictions (default {EVICT_WINDOW_S:g})")
     parser.add_argument("--max-fence", type=_positive_seconds, default=MAX_FENCE_S, metavar="S",
                         help="seconds a lapsed reservation's pages stay fenced while its writer's lease lives "
                              f"(default {MAX_FENCE_S:g})")
@@ -311,6 +323,12 @@ def _make_region_pool(path: str, size: int | None, page_size: int, offset: int, 
     return Pool.create(path, size, page_size, offset=offset, force=True, creator="marucache index")
 
 
+def _peer_quotas(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``--max-peer-*`` flags given; the others follow their lease's (``build_service``)."""
+    flags = ("max_peer_pool_fraction", "max_peer_pin_fraction", "max_peer_evict_fraction")
+    return {flag: getattr(args, flag) for flag in flags if getattr(args, flag) is not None}
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from maru_core.index.limits import ServerLimits
@@ -393,6 +411,7 @@ async def _serve(args: argparse.Namespace, pool: Any, token: str | None, fresh: 
         max_lease_pin_fraction=args.max_lease_pin_fraction,
         max_lease_evict_fraction=args.max_lease_evict_fraction,
         evict_window_s=args.evict_window,
+        **_peer_quotas(args),
     )
     try:
         if args.metrics_port is not None:  # before listening: a taken port is reported before any client arrives

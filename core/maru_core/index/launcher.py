@@ -112,7 +112,9 @@ class ThreadedIndex:
     ``service_kwargs`` go to ``maru_core.index.service.build_service``; the
     pool is the caller's (it stays open after ``stop``). One lease may hold,
     pin and evict the whole pool unless ``max_lease_pool_fraction``,
-    ``max_lease_pin_fraction`` and ``max_lease_evict_fraction`` say otherwise:
+    ``max_lease_pin_fraction`` and ``max_lease_evict_fraction`` say otherwise,
+    nor one peer's leases together unless the ``max_peer_*`` ones do (the
+    clients of a test share one address):
     the small pools this runs on are often filled by one writer on purpose.
     """
 
@@ -121,7 +123,9 @@ class ThreadedIndex:
         self._listen = parse_url(listen)
         self._kwargs = {"token": None, "lease_ttl_s": 10.0, "reservation_ttl_s": 30.0,
                         "with_metrics": False, "fresh_pool": True, "max_lease_pool_fraction": 1.0,
-                        "max_lease_pin_fraction": 1.0, "max_lease_evict_fraction": None, **service_kwargs}  # fmt: skip
+                        "max_lease_pin_fraction": 1.0, "max_lease_evict_fraction": None,
+                        "max_peer_pool_fraction": 1.0, "max_peer_pin_fraction": 1.0, "max_peer_evict_fraction": None,
+                        **service_kwargs}  # fmt: skip
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="maru-index", daemon=True)
         self.service: Any = None

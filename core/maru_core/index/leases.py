@@ -5,7 +5,10 @@ and owns reservations (recorded in the records' ``owner`` column by lease
 number). When it lapses, both are released. It also carries what its quotas
 count: the pages it holds reserved or fenced (``held_pages``), the pages it
 pins (``pins.pages``) and the pages its reserves evicted lately
-(``evicted``, a ``maru_core.index.quotas.EvictionWindow``).
+(``evicted``, a ``maru_core.index.quotas.EvictionWindow``). The first two
+are charged to its peer's account as well, as they change (``account``,
+``maru_core.index.peer_accounts``): what a peer's live leases hold is the sum
+of theirs whichever way it changes.
 
 Pins are counted once per object and lease: a second pin of an object the
 lease already pins adds one to that object's count and takes no memory, so
@@ -24,6 +27,7 @@ from __future__ import annotations
 import uuid
 import numpy as np
 
+from maru_core.index.peer_accounts import PeerAccount
 from maru_core.index.quotas import EvictionWindow
 
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -81,15 +85,17 @@ class LeasePins:
     """The objects one lease pins: sorted distinct record rows and a count each.
 
     ``pages`` is kept by the registry (the pages of the distinct objects,
-    what the pin quota bounds). Every operation is a few vectorised passes:
+    what the pin quota bounds); each change of it is charged to ``account``
+    (the peer's, when given). Every operation is a few vectorised passes:
     a sort of the batch, a binary search in the rows held, and an insert or
     compaction of the held arrays when objects come or go.
     """
 
-    __slots__ = ("pages", "version", "_rows", "_counts", "_batches", "_batch_keys")
+    __slots__ = ("account", "_pages", "version", "_rows", "_counts", "_batches", "_batch_keys")
 
-    def __init__(self) -> None:
-        self.pages = 0
+    def __init__(self, account: PeerAccount | None = None) -> None:
+        self.account = account
+        self._pages = 0
         self.version = 0  # changes whenever the rows held do: a plan made before is then stale
         self._rows = _EMPTY
         self._counts = _EMPTY
@@ -101,6 +107,17 @@ class LeasePins:
         # pins the same objects under ever new batches cannot grow it.
         self._batches: dict[tuple[int, bytes, bytes], tuple[bytes, np.ndarray]] = {}
         self._batch_keys = 0
+
+    @property
+    def pages(self) -> int:
+        """Pages of the distinct objects pinned."""
+        return self._pages
+
+    @pages.setter
+    def pages(self, pages: int) -> None:
+        if self.account is not None:
+            self.account.pin_pages += pages - self._pages
+        self._pages = pages
 
     def __len__(self) -> int:
         """Distinct objects pinned."""
@@ -230,18 +247,31 @@ def _fingerprint(joined_keys: bytes) -> tuple[int, bytes, bytes]:
 
 
 class Lease:
-    """One client's lease. ``number`` is its compact id in the records' ``owner`` column."""
+    """One client's lease. ``number`` is its compact id in the records' ``owner`` column;
+    ``account`` that of the peer that opened it (kept when another peer resumes it)."""
 
-    __slots__ = ("lease_id", "client", "number", "expires_at", "held_pages", "pins", "evicted")
+    __slots__ = ("lease_id", "client", "number", "expires_at", "account", "_held_pages", "pins", "evicted")
 
-    def __init__(self, lease_id: str, client: str, number: int, expires_at: float) -> None:
+    def __init__(self, lease_id: str, client: str, number: int, expires_at: float,
+                 account: PeerAccount | None = None) -> None:  # fmt: skip
         self.lease_id = lease_id
         self.client = client
         self.number = number
         self.expires_at = expires_at
-        self.held_pages = 0  # pool pages it holds reserved or fenced: what its quota bounds
-        self.pins = LeasePins()
+        self.account = account if account is not None else PeerAccount(client)
+        self._held_pages = 0
+        self.pins = LeasePins(self.account)
         self.evicted = EvictionWindow()  # pages its reserves evicted lately
+
+    @property
+    def held_pages(self) -> int:
+        """Pool pages it holds reserved or fenced (what its quota bounds), charged to its peer too."""
+        return self._held_pages
+
+    @held_pages.setter
+    def held_pages(self, pages: int) -> None:
+        self.account.held_pages += pages - self._held_pages
+        self._held_pages = pages
 
 
 def new_lease_id() -> str:

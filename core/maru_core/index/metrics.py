@@ -130,7 +130,8 @@ class IndexMetrics:
         self._quota_refusals = Counter(
             "maru_index_quota_refusals",
             "Calls a lease's quota refused (error 'quota') or cut short (some objects got no slot), by quota "
-            "(reservations, pins, evictions).",
+            "(reservations, pins, evictions; peer_reservations, peer_pins, peer_evictions: the quotas of all "
+            "the leases of one peer together).",
             ["quota"],
             registry=self.registry,
         )

@@ -45,6 +45,8 @@ class Placement:
     _max_evict_pages: int
     max_lease_pages: int
     max_lease_evict_pages: int | None
+    max_peer_pages: int
+    max_peer_evict_pages: int | None
     evict_window_s: float
     _high_pages: int
     _low_pages: int
@@ -128,7 +130,7 @@ class Placement:
                           lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
         """``(idx, starts, pages)`` of the candidates that were given pages (allocated, not
         recorded); ``Quarantined`` in quarantine, ``QuotaExceeded`` past the lease's
-        quota of pages or of evictions, ``NoSpace`` when none could be placed."""
+        or its peer's quota of pages or of evictions, ``NoSpace`` when none could be placed."""
         if self._clock() < self._quarantine_until:
             raise Quarantined(
                 f"the index restarted over a pool in use; it hands out no slot for {self.quarantine_s:g} s "
@@ -143,18 +145,17 @@ class Placement:
                 f"{g.capacity_bytes} bytes of data: use a larger pool or smaller chunks"
             )
         pages = -(-lengths[cand_idx] // g.page_size)
-        # The lease's quota, when it is below the whole pool: the prefix of the batch that fits it.
-        within = np.cumsum(pages) <= self.max_lease_pages - lease.held_pages
-        if self.max_lease_pages < g.num_pages and not within.all():
-            error = QuotaExceeded(
-                f"this lease holds {lease.held_pages} pages reserved or fenced and asks for {int(pages.sum())} "
-                f"more; a lease may hold {self.max_lease_pages} of the pool's {g.num_pages} pages "
-                "(--max-lease-pool-fraction): commit or abort what it holds first"
-            )
+        # The quotas of the lease and its peer, when below the whole pool: the prefix of the batch that fits both.
+        cumulative = np.cumsum(pages)
+        for room, quota in self._reservation_rooms(lease):
+            within = cumulative <= room
+            if within.all():
+                continue
+            error = self._reservation_refusal(lease, quota, int(pages.sum()))
             if not within.any():
                 self._refuse(lease, error)
             self._cut_short(lease, error)
-            cand_idx, pages = cand_idx[within], pages[within]
+            cand_idx, pages, cumulative = cand_idx[within], pages[within], cumulative[within]
         starts = self._place_in_window(lease, pages)
         placed = starts >= 0
         if not placed.any():
@@ -164,26 +165,59 @@ class Placement:
             )
         return cand_idx[placed], starts[placed], pages[placed]
 
+    def _reservation_rooms(self, lease: Lease) -> list[tuple[int, str]]:
+        """``(pages left, quota)`` of the lease's and its peer's quotas of pages held,
+        those below the whole pool (the lease's first)."""
+        total, rooms = self.geometry.num_pages, []
+        if self.max_lease_pages < total:
+            rooms.append((self.max_lease_pages - lease.held_pages, "reservations"))
+        if self.max_peer_pages < total:
+            rooms.append((self.max_peer_pages - lease.account.held_pages, "peer_reservations"))
+        return rooms
+
+    def _reservation_refusal(self, lease: Lease, quota: str, asked: int) -> QuotaExceeded:
+        total, account = self.geometry.num_pages, lease.account
+        if quota == "reservations":
+            return QuotaExceeded(
+                f"this lease holds {lease.held_pages} pages reserved or fenced and asks for {asked} more; a "
+                f"lease may hold {self.max_lease_pages} of the pool's {total} pages (--max-lease-pool-fraction): "
+                "commit or abort what it holds first")  # fmt: skip
+        return QuotaExceeded(
+            f"the {account.leases} leases of peer {account.peer} hold {account.held_pages} pages reserved or "
+            f"fenced and this one asks for {asked} more; one peer's leases together may hold "
+            f"{self.max_peer_pages} of the pool's {total} pages (--max-peer-pool-fraction): commit or abort "
+            "what they hold first", quota)  # fmt: skip
+
     def _place_in_window(self, lease: Lease, pages: np.ndarray) -> np.ndarray:
-        """``_place`` within what the lease may still evict in its window: the
-        pages evicted are charged to it; a batch the window left without room
-        is cut short, or refused (``QuotaExceeded``) when nothing of it fit
-        while there were objects to evict."""
-        limit, now = self.max_lease_evict_pages, self._clock()
-        if limit is None:
-            return self._place(pages, self._max_evict_pages)
-        evicted = lease.evicted.pages(now, self.evict_window_s)
-        budget = min(self._max_evict_pages, max(0, limit - evicted))
+        """``_place`` within what the lease and its peer may still evict in their
+        windows: the pages evicted are charged to both; a batch the windows left
+        without room is cut short, or refused (``QuotaExceeded``, naming the
+        window that bound) when nothing of it fit while there were objects to
+        evict."""
+        now, window_s, account = self._clock(), self.evict_window_s, lease.account
+        bounds = [(lease.evicted, self.max_lease_evict_pages), (account.evicted, self.max_peer_evict_pages)]
+        windows = [(evicted, limit) for evicted, limit in bounds if limit is not None]
+        lefts = [max(0, limit - evicted.pages(now, window_s)) for evicted, limit in windows]
+        budget = min([self._max_evict_pages, *lefts])
         before = self._evicted_pages
         starts = self._place(pages, budget)
-        lease.evicted.add(self._evicted_pages - before, now, self.evict_window_s)
+        for evicted, _ in windows:
+            evicted.add(self._evicted_pages - before, now, window_s)
         if budget >= self._max_evict_pages or (starts >= 0).all():
             return starts
-        error = QuotaExceeded(
-            f"this lease's reserves evicted {lease.evicted.pages(now, self.evict_window_s)} pages in the last "
-            f"{self.evict_window_s:g} s; a lease may evict {limit} of the pool's {self.geometry.num_pages} pages "
-            f"per window (--max-lease-evict-fraction per --evict-window): {int((starts < 0).sum())} of "
-            f"{len(pages)} objects got no slot; store them later", quota="evictions")  # fmt: skip
+        missed = f"{int((starts < 0).sum())} of {len(pages)} objects got no slot; store them later"
+        if windows[lefts.index(budget)][0] is lease.evicted:
+            error = QuotaExceeded(
+                f"this lease's reserves evicted {lease.evicted.pages(now, window_s)} pages in the last "
+                f"{window_s:g} s; a lease may evict {self.max_lease_evict_pages} of the pool's "
+                f"{self.geometry.num_pages} pages per window (--max-lease-evict-fraction per --evict-window): "
+                f"{missed}", quota="evictions")  # fmt: skip
+        else:
+            error = QuotaExceeded(
+                f"the reserves of peer {account.peer}'s leases evicted {account.evicted.pages(now, window_s)} pages "
+                f"in the last {window_s:g} s, whatever leases or connections they came from; one peer may evict "
+                f"{self.max_peer_evict_pages} of the pool's {self.geometry.num_pages} pages per window "
+                f"(--max-peer-evict-fraction per --evict-window): {missed}", quota="peer_evictions")  # fmt: skip
         if not (starts >= 0).any() and self._evictable():
             self._refuse(lease, error)
         self._cut_short(lease, error)

@@ -1,5 +1,6 @@
-"""What one lease may hold or do to the pool: the quotas' names, the index's
-defaults, and the window that counts a lease's evictions.
+"""What one lease, and one peer's leases together, may hold or do to the
+pool: the quotas' names, the index's defaults, and the window that counts
+evictions.
 
 Three quotas, each refused with the error type ``quota`` naming its flag,
 counted in ``maru_index_quota_refusals_total{quota}`` and logged at most a
@@ -12,6 +13,16 @@ line per ten seconds (``docs/security.md``, Reservations and Eviction):
   (``--max-lease-evict-fraction`` per ``--evict-window`` seconds), on top of
   the bound on one reserve (``--max-evict-fraction``).
 
+The same three bound the sum over the leases one peer opened
+(``peer_reservations``, ``peer_pins``, ``peer_evictions``: flags
+``--max-peer-pool-fraction``, ``--max-peer-pin-fraction``,
+``--max-peer-evict-fraction``, by default as large as a lease's: an
+engine's few leases hold a step's stores and its loads in flight at once,
+far below them, and evict what it stores), kept in
+``maru_core.index.peer_accounts``: a client cannot multiply its quotas by
+opening more leases. Engines that share one address share these
+(``docs/security.md``, What identifies a client).
+
 Pure: no I/O; every time is passed in.
 """
 
@@ -20,7 +31,7 @@ from __future__ import annotations
 import collections
 
 #: The ``quota`` label of ``maru_index_quota_refusals_total``.
-QUOTAS = ("reservations", "pins", "evictions")
+QUOTAS = ("reservations", "pins", "evictions", "peer_reservations", "peer_pins", "peer_evictions")
 
 #: The share of the pool's pages one lease may pin (its distinct objects'
 #: pages). An engine pins what its loads in flight read, at most its GPU's KV
@@ -40,7 +51,7 @@ WINDOW_SLOTS = 64
 
 
 class EvictionWindow:
-    """Pages one lease's reserves evicted, by time, over the last window."""
+    """Pages one lease's (or one peer's) reserves evicted, by time, over the last window."""
 
     __slots__ = ("_entries", "_pages")
 

@@ -31,6 +31,7 @@ class Reads:
 
     geometry: "PoolGeometry"
     max_lease_pin_pages: int
+    max_peer_pin_pages: int
     _records: RecordTable
     _tick: int
     _lease: Callable[[str], "Lease"]
@@ -155,7 +156,8 @@ class Reads:
     def _pin(self, lease_id: str, rows: np.ndarray, joined: bytes, merge: PinMerge | None) -> None:
         """Pin ``rows`` (committed records of ``joined``'s keys, in order) for the lease,
         counted once per object (``leases.LeasePins``); ``QuotaExceeded`` and nothing
-        pinned when its distinct objects would pass ``max_lease_pin_pages``.
+        pinned when its distinct objects would pass ``max_lease_pin_pages``, or
+        those of all its peer's leases (each lease's distinct objects) ``max_peer_pin_pages``.
         ``merge``: the plan made a step ahead, used unless the lease's pins changed since."""
         lease = self._lease(lease_id)  # still live after the slices, or nothing is pinned
         if merge is None or not lease.pins.still_fits(merge):
@@ -169,6 +171,14 @@ class Reads:
                 f"pin {len(new)} more ({new_pages} pages); a lease may pin {self.max_lease_pin_pages} of the "
                 f"pool's {self.geometry.num_pages} pages (--max-lease-pin-fraction): unpin what it has read",
                 quota="pins"))  # fmt: skip
+        account = lease.account
+        # Summed over leases (two that pin one object count it twice), so the whole pool is no bound: none.
+        if self.max_peer_pin_pages < self.geometry.num_pages and account.pin_pages + new_pages > self.max_peer_pin_pages:
+            self._refuse(lease, QuotaExceeded(
+                f"the {account.leases} leases of peer {account.peer} pin {account.pin_pages} pages and this "
+                f"retrieve would pin {new_pages} more; one peer's leases together may pin "
+                f"{self.max_peer_pin_pages} of the pool's {self.geometry.num_pages} pages "
+                "(--max-peer-pin-fraction): unpin what they have read", quota="peer_pins"))  # fmt: skip
         self._touch(rows)
         lease.pins.add(merge, joined)
         rec.pins[new] += 1  # the leases pinning each object: one more for the new ones

@@ -30,7 +30,9 @@ Rules it keeps:
   the items that do not fit then get no slot, so neither one batch nor a few
   in a row can wipe the cache.
 - Quotas per lease (``maru_core.index.quotas``): pages held reserved or
-  fenced, pages of the objects pinned, pages evicted lately. A call past one
+  fenced, pages of the objects pinned, pages evicted lately; the same three
+  per peer, summed over the leases it opened (``peer_accounts``: the peer
+  given to ``open_lease``, whose account a resumed lease keeps). A call past one
   raises ``QuotaExceeded``; one cut short by one answers what fit. Both are
   told to ``quota_listener`` (the server counts and logs them).
 - After ``restore`` (an index restarted over a pool that was in use) no slot
@@ -50,6 +52,7 @@ import numpy as np
 from maru_core.index.allocator import ExtentAllocator
 from maru_core.index.fencing import LapsedFence
 from maru_core.index.leases import Lease, new_lease_id
+from maru_core.index.peer_accounts import DEFAULT_MAX_IDLE_ACCOUNTS, PeerAccounts
 from maru_core.index.placement import Placement
 from maru_core.index.quotas import EVICT_WINDOW_S
 from maru_core.index.reads import Reads
@@ -130,10 +133,14 @@ class Registry(Reads, Placement):
     long a lapsed reservation stays fenced while its writer's lease lives;
     ``max_lease_pin_fraction`` the share of the pool's pages one lease may pin
     (its distinct objects' pages); ``max_lease_evict_fraction`` the share one
-    lease's reserves may evict within ``evict_window_s`` (``None``: no window).
+    lease's reserves may evict within ``evict_window_s`` (``None``: no window);
+    ``max_peer_pages_fraction``, ``max_peer_pin_fraction`` and
+    ``max_peer_evict_fraction`` the same for all the leases of one peer
+    together (``open_lease``'s ``peer``), whose accounts outlive their last
+    lease by ``evict_window_s`` (``max_idle_peer_accounts`` of them at most).
     No quota binds by default here; the index's defaults
     (``MAX_LEASE_POOL_FRACTION``, ``MAX_FENCE_S`` and those of
-    ``maru_core.index.quotas``) are set by ``build_service``.
+    ``maru_core.index.quotas``, per lease and per peer) are set by ``build_service``.
     """
 
     def __init__(
@@ -154,6 +161,10 @@ class Registry(Reads, Placement):
         max_lease_pin_fraction: float = 1.0,
         max_lease_evict_fraction: float | None = None,
         evict_window_s: float = EVICT_WINDOW_S,
+        max_peer_pages_fraction: float = 1.0,
+        max_peer_pin_fraction: float = 1.0,
+        max_peer_evict_fraction: float | None = None,
+        max_idle_peer_accounts: int = DEFAULT_MAX_IDLE_ACCOUNTS,
     ) -> None:
         if not 0 < low_watermark <= high_watermark <= 1:
             raise ValueError(
@@ -165,7 +176,10 @@ class Registry(Reads, Placement):
             raise ValueError(f"max_evict_fraction must be in (0, 1], got {max_evict_fraction}")
         fractions = {"max_lease_pages_fraction": max_lease_pages_fraction,
                      "max_lease_pin_fraction": max_lease_pin_fraction,
-                     "max_lease_evict_fraction": max_lease_evict_fraction}  # fmt: skip
+                     "max_lease_evict_fraction": max_lease_evict_fraction,
+                     "max_peer_pages_fraction": max_peer_pages_fraction,
+                     "max_peer_pin_fraction": max_peer_pin_fraction,
+                     "max_peer_evict_fraction": max_peer_evict_fraction}  # fmt: skip
         for name, fraction in fractions.items():
             if fraction is not None and not 0 < fraction <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {fraction}")
@@ -182,9 +196,11 @@ class Registry(Reads, Placement):
         self._max_evict_pages = max(1, math.floor(max_evict_fraction * geometry.num_pages))
         self.max_lease_pages = max(1, math.floor(max_lease_pages_fraction * geometry.num_pages))
         self.max_lease_pin_pages = max(1, math.floor(max_lease_pin_fraction * geometry.num_pages))
-        self.max_lease_evict_pages: int | None = None
-        if max_lease_evict_fraction is not None:
-            self.max_lease_evict_pages = max(1, math.floor(max_lease_evict_fraction * geometry.num_pages))
+        self.max_lease_evict_pages = self._pages_of(max_lease_evict_fraction)
+        self.max_peer_pages = max(1, math.floor(max_peer_pages_fraction * geometry.num_pages))
+        self.max_peer_pin_pages = max(1, math.floor(max_peer_pin_fraction * geometry.num_pages))
+        self.max_peer_evict_pages = self._pages_of(max_peer_evict_fraction)
+        self._peers = PeerAccounts(max_idle_peer_accounts)
         self.evict_window_s = float(evict_window_s)
         self.quota_listener: QuotaListener | None = None
         self._clock = clock
@@ -206,10 +222,20 @@ class Registry(Reads, Placement):
         self._fence = LapsedFence(grace, max(grace, max_fence_s))
         self._additions = 0
 
+    def _pages_of(self, fraction: float | None) -> int | None:
+        return None if fraction is None else max(1, math.floor(fraction * self.geometry.num_pages))
+
     # -- leases ---------------------------------------------------------------------------------
 
-    def open_lease(self, client: str, lease_id: str | None = None) -> str:
-        """Resume ``lease_id`` if it is live (renewing it), else open a new lease; return its id."""
+    def open_lease(self, client: str, lease_id: str | None = None, peer: str = "local") -> str:
+        """Resume ``lease_id`` if it is live (renewing it), else open a new lease of
+        ``peer`` (whose account its holdings are charged to); return its id.
+
+        A resumed lease keeps the peer that opened it, whoever resumes it: what
+        it holds stays charged where it was taken, a client that reconnects
+        from another address (a new pod IP, a Unix socket then TCP) keeps its
+        lease, and a peer cannot shed its charges by handing a lease over. The
+        lease id is a secret of its holder: resuming it needs it and the token."""
         now = self._clock()
         lease = self._leases.get(lease_id) if lease_id else None
         if lease is not None and lease.expires_at > now:
@@ -217,7 +243,9 @@ class Registry(Reads, Placement):
             return lease.lease_id
         if lease is not None:
             self._drop_lease(lease)
-        lease = Lease(new_lease_id(), client, self._next_lease_number, now + self.lease_ttl_s)
+        self._peers.prune(now, self.evict_window_s)
+        lease = Lease(new_lease_id(), client, self._next_lease_number, now + self.lease_ttl_s,
+                      self._peers.join(peer))  # fmt: skip
         self._next_lease_number += 1
         self._leases[lease.lease_id] = lease
         self._lease_by_number[lease.number] = lease
@@ -263,9 +291,14 @@ class Registry(Reads, Placement):
         """End ``leases`` at once (no call can use them any more), then release
         their pins a chunk per step, then their reservations a chunk per step.
         Returns (pins released, reservations released)."""
+        ended = self._clock()
         for lease in leases:
             del self._leases[lease.lease_id]
             del self._lease_by_number[lease.number]
+            # Off its peer's account now, even should the steps below be abandoned: an
+            # ended lease's pages are charged to no one (its reservations go to the fence).
+            lease.held_pages = 0
+            self._peers.leave(lease.account, ended)
         pins = yield from self._release_pins(leases)
         rec = self._records
         numbers = np.fromiter((lease.number for lease in leases), dtype=rec.owner.dtype, count=len(leases))
@@ -304,6 +337,7 @@ class Registry(Reads, Placement):
             self._fence_lapsed(stale)
             reservations += len(stale)
         self._free_fenced(self._fence.due(now))
+        self._peers.prune(now, self.evict_window_s)
         return ExpiryReport(tuple(lease.lease_id for lease in lapsed), pins, reservations)
 
     # -- quotas ---------------------------------------------------------------------------------
@@ -317,6 +351,11 @@ class Registry(Reads, Placement):
         """A quota cut a call of ``lease`` short (it answers what fit): tell the listener."""
         if self.quota_listener is not None:
             self.quota_listener(error.quota, lease.client, str(error))
+
+    @property
+    def peer_accounts(self) -> PeerAccounts:
+        """The peers' accounts (``peer_accounts``), for inspection."""
+        return self._peers
 
     # -- writers --------------------------------------------------------------------------------
 

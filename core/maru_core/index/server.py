@@ -39,7 +39,8 @@ Limits (``maru_core.index.limits``): a connection cap, a small frame limit
 until ``hello`` succeeds, deadlines for ``hello``, for a frame under way and
 for an idle connection, a cap on the leases one connection opens, and the
 per-peer budgets. A periodic sweep enforces the deadlines. The registry's
-quotas per lease (``maru_core.index.quotas``) answer ``quota``; each refusal,
+quotas per lease, and per peer over its leases (``maru_core.index.quotas``:
+a lease is its connection's peer's) answer ``quota``; each refusal,
 and each call one cut short, is counted by quota and logged at most a line
 per ten seconds.
 
@@ -283,7 +284,7 @@ class IndexServer:
                                          "failures (--peer-auth-failure-rate/--peer-auth-failure-burst)", peer)
 
     def _quota_refused(self, quota: str, client: str, message: str) -> None:
-        """A lease's quota refused a call or cut it short: count it, log it (rate-limited)."""
+        """A lease's or its peer's quota refused a call or cut it short: count it, log it (rate-limited)."""
         self.quota_refusals[quota] += 1
         if self._metrics is not None:
             self._metrics.count_quota_refusal(quota)
@@ -478,7 +479,7 @@ class IndexServer:
                     "wrong or missing token; use the token of this cache's index (its token file or Secret)",
                 )
         self._check_lease_cap(conn, args["lease_id"])
-        conn.opened(self.registry.open_lease(args["client"], args["lease_id"]))
+        conn.opened(self.registry.open_lease(args["client"], args["lease_id"], peer=conn.peer_key))
         conn.client = args["client"]
         return {
             "lease_id": conn.lease_id,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import enum
 import logging
 from typing import Any
 
@@ -19,6 +20,14 @@ log = logging.getLogger(__name__)
 
 #: How long a scrape waits for the event loop to hand over the stats.
 _STATS_TIMEOUT_S = 2.0
+
+
+class _Default(enum.Enum):
+    AS_LEASE = "as the lease's"
+
+
+#: A per-peer quota that follows its lease's (``build_service``).
+AS_LEASE = _Default.AS_LEASE
 
 
 @dataclasses.dataclass
@@ -72,6 +81,9 @@ def build_service(
     max_lease_pin_fraction: float = MAX_LEASE_PIN_FRACTION,
     max_lease_evict_fraction: float | None = MAX_LEASE_EVICT_FRACTION,
     evict_window_s: float = EVICT_WINDOW_S,
+    max_peer_pool_fraction: float | _Default = AS_LEASE,
+    max_peer_pin_fraction: float | _Default = AS_LEASE,
+    max_peer_evict_fraction: float | None | _Default = AS_LEASE,
 ) -> IndexService:
     """Build the index of ``pool``; call inside the running loop that will serve it.
 
@@ -83,14 +95,26 @@ def build_service(
     one lease may hold reserved or fenced; ``max_fence_s`` how long a live
     writer's lapsed reservation stays fenced; ``max_lease_pin_fraction`` the
     share one lease may pin; ``max_lease_evict_fraction`` the share one lease's
-    reserves may evict per ``evict_window_s`` (``None``: no such bound).
+    reserves may evict per ``evict_window_s`` (``None``: no such bound);
+    ``max_peer_pool_fraction``, ``max_peer_pin_fraction`` and
+    ``max_peer_evict_fraction`` the same for all the leases of one peer
+    (``AS_LEASE``: as its lease's, so raising a lease's quota never leaves an
+    engine, one lease of its peer, held to a lower one).
     """
     high, low = watermarks
+    if max_peer_pool_fraction is AS_LEASE:
+        max_peer_pool_fraction = max_lease_pool_fraction
+    if max_peer_pin_fraction is AS_LEASE:
+        max_peer_pin_fraction = max_lease_pin_fraction
+    if max_peer_evict_fraction is AS_LEASE:
+        max_peer_evict_fraction = max_lease_evict_fraction
     registry = Registry(pool.geometry, lease_ttl_s=lease_ttl_s, reservation_ttl_s=reservation_ttl_s,
                         high_watermark=high, low_watermark=low,
                         max_evict_fraction=max_evict_fraction, max_lease_pages_fraction=max_lease_pool_fraction,
                         max_fence_s=max_fence_s, max_lease_pin_fraction=max_lease_pin_fraction,
-                        max_lease_evict_fraction=max_lease_evict_fraction, evict_window_s=evict_window_s)  # fmt: skip
+                        max_lease_evict_fraction=max_lease_evict_fraction, evict_window_s=evict_window_s,
+                        max_peer_pages_fraction=max_peer_pool_fraction, max_peer_pin_fraction=max_peer_pin_fraction,
+                        max_peer_evict_fraction=max_peer_evict_fraction)  # fmt: skip
     restored = 0
     if not fresh_pool:
         restored = restore_registry(registry, pool)
