@@ -80,6 +80,14 @@ def test_pinning_the_same_keys_again_and_again_keeps_the_index_flat_and_bye_fast
         assert bye_s < 5 * statistics.median(retrieves) + 0.05, (bye_s, retrieves)
 
 
+def _two_ports() -> tuple[int, int]:
+    """The index's port and its metrics port: two free ports, never the same one."""
+    port = metrics_port = free_port()
+    while metrics_port == port:
+        metrics_port = free_port()
+    return port, metrics_port
+
+
 def _scrape(metrics_port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as resp:
         return resp.read().decode()
@@ -92,10 +100,10 @@ def _refusals(text: str, quota: str) -> float:
 
 
 def test_the_pin_quota_refuses_a_client_that_pins_without_end_while_an_honest_one_keeps_reading():
-    metrics_port = free_port()
+    port, metrics_port = _two_ports()
     args = ("--page-size", "4Ki", "--max-lease-pin-fraction", "0.25", "--metrics-port", str(metrics_port),
             "--metrics-addr", "127.0.0.1")  # fmt: skip
-    with IndexProcess(pool_size="32Mi", extra_args=args) as index, Pool.attach(index.pool_path) as pool:
+    with IndexProcess(pool_size="32Mi", port=port, extra_args=args) as index, Pool.attach(index.pool_path) as pool:
         writer, hog, honest = index.client(), index.client(), index.client()
         try:
             pages = pool.geometry.num_pages
@@ -133,10 +141,10 @@ def test_reserves_that_would_evict_beyond_the_window_are_refused_and_the_others_
     """Before, four reserves in 0.32 s evicted every object (a quarter of the
     pool each, the bound of one call). Now one lease's reserves evict at most
     a quarter of the pool per window: the rest are refused by name."""
-    metrics_port = free_port()
+    port, metrics_port = _two_ports()
     args = ("--max-lease-evict-fraction", "0.25", "--evict-window", "60", "--metrics-port", str(metrics_port),
             "--metrics-addr", "127.0.0.1")  # fmt: skip
-    with IndexProcess(pool_size="32Mi", extra_args=args) as index, Pool.attach(index.pool_path) as pool:
+    with IndexProcess(pool_size="32Mi", port=port, extra_args=args) as index, Pool.attach(index.pool_path) as pool:
         honest, wiper = index.client(), index.client()
         try:
             page, pages = pool.geometry.page_size, pool.geometry.num_pages
