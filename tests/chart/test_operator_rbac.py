@@ -10,7 +10,7 @@ import json
 import pytest
 import urllib3
 from chart_operator import CACHES, OperatorRun, wait_for
-from helm_tools import one
+from helm_tools import one, operator_cluster_role
 
 # Granted although a run against kmock cannot show the call: the API server checks it when an owner
 # reference has blockOwnerDeletion (the operator's children have), kmock does not.
@@ -40,7 +40,7 @@ def rbac_request(method: str, path: str, query: dict[str, str]) -> tuple[str, st
 
 
 def granted(docs: list[dict]) -> set[tuple[str, str, str]]:
-    rules = one(docs, "ClusterRole")["rules"]
+    rules = operator_cluster_role(docs)["rules"]
     for rule in rules:
         for key in ("apiGroups", "resources", "verbs"):
             assert "*" not in rule[key], f"wildcard in {key}: {rule}"
@@ -134,7 +134,7 @@ def test_the_cluster_role_is_bound_to_the_operators_service_account(operator_run
     docs = operator_run.docs
     binding = one(docs, "ClusterRoleBinding")
     account = one(docs, "ServiceAccount")["metadata"]
-    assert binding["roleRef"]["name"] == one(docs, "ClusterRole")["metadata"]["name"]
+    assert binding["roleRef"]["name"] == operator_cluster_role(docs)["metadata"]["name"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["name"],
                                     "namespace": account["namespace"]}]
     assert one(docs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == account["name"]
