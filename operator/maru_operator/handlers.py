@@ -320,6 +320,27 @@ def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
     return registry
 
 
+def build_standby_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
+    """The registry of a replica that waits for leadership: only what the webhook reads (the caches'
+    index, the sidecar mode). It writes nothing to any object: no change handlers, no timers, no
+    finalizers, so kopf keeps no progress annotations that the leader would then miss."""
+    registry = kopf.OperatorRegistry()
+
+    @kopf.on.login(registry=registry)
+    def login(**_: Any) -> kopf.ConnectionInfo:
+        return connection_info(ctx.api)
+
+    @kopf.on.startup(registry=registry)
+    async def sidecar_mode(**_: Any) -> None:
+        ctx.native_sidecars = await native_sidecars(ctx.api, ctx.native_mode)
+
+    @kopf.index(GROUP, VERSION, PLURAL, id="maru_caches", registry=registry)
+    def maru_caches(body: kopf.Body, namespace: str | None, name: str, **_: Any) -> dict[tuple[str, str], Any]:
+        return {(str(namespace), name): cache_info(body)}
+
+    return registry
+
+
 async def native_sidecars(api: KubeApi, mode: str) -> bool:
     """Whether to inject native sidecars: `always`, `never`, or `auto` (Kubernetes 1.29+, where they
     are on by default)."""

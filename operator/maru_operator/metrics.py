@@ -27,6 +27,7 @@ class OperatorMetrics:
     stale_pods: Gauge
     cache_ready: Gauge
     cache_phase: Gauge
+    leader: Gauge
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None = None) -> OperatorMetrics:
@@ -47,7 +48,9 @@ class OperatorMetrics:
                             ["namespace", "cache"], registry=registry)
         cache_phase = Gauge("maru_cache_phase", "1 for the MaruCache's status.phase, 0 for every other phase",
                             ["namespace", "cache", "phase"], registry=registry)
-        return cls(registry, reconciles, duration, stale_pods, cache_ready, cache_phase)
+        leader = Gauge("maru_operator_leader", "1 while this replica reconciles (holds the leader Lease, or runs "
+                       "without leader election), 0 while it waits and only serves the webhook", registry=registry)
+        return cls(registry, reconciles, duration, stale_pods, cache_ready, cache_phase, leader)
 
     def record_phase(self, namespace: str, cache: str, phase: str) -> None:
         """Export the phase this process last wrote (or found written) in a cache's status."""

@@ -10,7 +10,7 @@ import json
 import pytest
 import urllib3
 from chart_operator import CACHES, OperatorRun, wait_for
-from helm_tools import one, operator_cluster_role
+from helm_tools import NAMESPACE, find, one, operator_cluster_role
 
 # Granted although a run against kmock cannot show the call: the API server checks it when an owner
 # reference has blockOwnerDeletion (the operator's children have), kmock does not.
@@ -40,11 +40,15 @@ def rbac_request(method: str, path: str, query: dict[str, str]) -> tuple[str, st
 
 
 def granted(docs: list[dict]) -> set[tuple[str, str, str]]:
-    rules = operator_cluster_role(docs)["rules"]
+    """What the operator's ClusterRole grants, and its Role in the release namespace (the leader
+    election Lease, by name: `test_the_lease_calls_name_the_granted_lease` checks the names)."""
+    cluster_rules = operator_cluster_role(docs)["rules"]
+    rules = cluster_rules + [rule for role in find(docs, "Role") for rule in role["rules"]]
     for rule in rules:
         for key in ("apiGroups", "resources", "verbs"):
             assert "*" not in rule[key], f"wildcard in {key}: {rule}"
-        assert "resourceNames" not in rule and "nonResourceURLs" not in rule, rule
+        assert "nonResourceURLs" not in rule, rule
+    assert not any("resourceNames" in rule for rule in cluster_rules)
     return {(g, r, v) for rule in rules for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
 
 
@@ -128,6 +132,16 @@ def test_the_cluster_role_grants_every_call_the_operator_makes(operator_run: Ope
 def test_the_cluster_role_grants_nothing_the_operator_does_not_use(operator_run: OperatorRun, calls):
     unused = granted(operator_run.docs) - calls - GRANTED_WITHOUT_A_CALL
     assert not unused, f"granted but never used (least privilege): {sorted(unused)}"
+
+
+def test_the_lease_calls_name_the_granted_lease(operator_run: OperatorRun, calls):
+    assert {("coordination.k8s.io", "leases", "get"), ("coordination.k8s.io", "leases", "patch")} <= calls
+    (role,) = find(operator_run.docs, "Role")
+    assert role["metadata"]["namespace"] == NAMESPACE
+    (named,) = [rule["resourceNames"] for rule in role["rules"] if "resourceNames" in rule]
+    leases = [path for _, path, _ in operator_run.operator_calls() if "/leases" in path]
+    prefix = f"/apis/coordination.k8s.io/v1/namespaces/{NAMESPACE}/leases"
+    assert leases and all(path == prefix or path.removeprefix(prefix + "/") in named for path in leases), leases
 
 
 def test_the_cluster_role_is_bound_to_the_operators_service_account(operator_run: OperatorRun):
