@@ -14,6 +14,7 @@ import requests
 
 from kube_helpers import Kube, wait_for
 from maru_operator.cli import OperatorOptions
+from maru_operator.metrics import RESULTS
 from maru_tools.kube_emulator import OperatorThread
 
 LEASES = "/apis/coordination.k8s.io/v1/namespaces/maru-system/leases"
@@ -22,8 +23,7 @@ LEASE_SECONDS = 5.0  # renewals every 0.7 s, given up after 3.3 s: room for a lo
 
 def reconciles(operator: OperatorThread) -> float:
     registry = operator.metrics.registry
-    return sum(registry.get_sample_value("maru_operator_reconciles_total", {"result": r}) or 0
-               for r in ("progressing", "ready", "pending", "invalid", "error"))
+    return sum(registry.get_sample_value("maru_operator_reconciles_total", {"result": r}) or 0 for r in RESULTS)
 
 
 def leading(operator: OperatorThread) -> bool:
