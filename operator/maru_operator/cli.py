@@ -225,6 +225,18 @@ async def _ports_released(options: OperatorOptions, timeout: float = 10.0) -> No
             await asyncio.sleep(0.1)
 
 
+async def _wait_for_leadership(options: OperatorOptions, metrics: OperatorMetrics, ready_flag: Any,
+                               leads: asyncio.Task[Any], stopping: asyncio.Task[Any]) -> None:
+    """Serve the webhook from a waiting kopf run until the Lease is ours (or a stop)."""
+    metrics.leader.set(0)
+    phase_stop = asyncio.Event()
+    waiting = asyncio.create_task(run_kopf(options, metrics, phase_stop, ready_flag, standby=True))
+    await _first(waiting, leads, stopping)
+    phase_stop.set()
+    await waiting
+    await _ports_released(options)
+
+
 async def run_elected(options: OperatorOptions, metrics: OperatorMetrics, stop_flag: Any, ready_flag: Any) -> None:
     """Serve the webhook while waiting for the Lease, then reconcile while holding it.
 
@@ -238,23 +250,23 @@ async def run_elected(options: OperatorOptions, metrics: OperatorMetrics, stop_f
                            retry_seconds=seconds * 2 / 15)
     # Every task of the election exists before kopf starts: kopf waits at its exit for the tasks
     # created while it ran, and an election task lives on across both kopf runs.
+    # A free Lease is taken before any kopf run, so a lone replica starts as the leader at once.
     acquired = asyncio.Event()
-    electing = asyncio.create_task(elector.run(acquired))
+    if await elector.attempt():
+        acquired.set()
+        electing = asyncio.create_task(elector.hold())
+    else:
+        electing = asyncio.create_task(elector.run(acquired))
     leads = asyncio.create_task(acquired.wait())
     stopping = asyncio.create_task(_flag_set(stop_flag))
     try:
-        metrics.leader.set(0)
-        phase_stop = asyncio.Event()
-        waiting = asyncio.create_task(run_kopf(options, metrics, phase_stop, ready_flag, standby=True))
-        await _first(waiting, leads, stopping)
-        phase_stop.set()
-        await waiting
+        if not acquired.is_set():
+            await _wait_for_leadership(options, metrics, ready_flag, leads, stopping)
         if not acquired.is_set() or stopping.done():  # stopped (a flag, or a signal kopf handled)
             electing.cancel()
             if acquired.is_set():
                 await elector.release()
             return
-        await _ports_released(options)
         metrics.leader.set(1)
         phase_stop = asyncio.Event()
         leading = asyncio.create_task(run_kopf(options, metrics, phase_stop, ready_flag))

@@ -90,7 +90,8 @@ class LeaseElector:
             logger.info("took over the Lease %s/%s from %r", self.namespace, self.name, holder or None)
         return True
 
-    async def _attempt(self) -> bool:
+    async def attempt(self) -> bool:
+        """One try to take or renew the Lease; an API error counts as not holding it."""
         try:
             return await self.try_acquire_or_renew()
         except ApiError as exc:
@@ -99,7 +100,7 @@ class LeaseElector:
 
     async def acquire(self) -> None:
         """Wait until this replica holds the Lease."""
-        while not await self._attempt():
+        while not await self.attempt():
             await asyncio.sleep(self.retry_seconds)
         logger.info("leading as %s (Lease %s/%s)", self.identity, self.namespace, self.name)
 
@@ -109,7 +110,7 @@ class LeaseElector:
         renewed = self.clock()
         while True:
             await asyncio.sleep(self.retry_seconds)
-            if await self._attempt():
+            if await self.attempt():
                 renewed = self.clock()
             elif self._observed is not None and self._observed[0] not in ("", self.identity):
                 logger.error("lost the Lease %s/%s to %s", self.namespace, self.name, self._observed[0])

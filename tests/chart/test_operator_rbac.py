@@ -117,6 +117,9 @@ def a_cache_lifetime(run: OperatorRun) -> None:
 @pytest.fixture(scope="module")
 def calls(operator_run: OperatorRun) -> set[tuple[str, str, str]]:
     a_cache_lifetime(operator_run)
+    # The leader renews its Lease every 2/15 of --lease-seconds: wait for one renewal to be recorded.
+    wait_for(lambda: any(method == "PATCH" and "/leases/" in path for method, path, _ in operator_run.operator_calls()),
+             timeout=10, what="a Lease renewal")
     return {req for call in operator_run.operator_calls() if (req := rbac_request(*call)) is not None}
 
 
