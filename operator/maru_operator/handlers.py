@@ -280,9 +280,7 @@ def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
                                        **_: Any) -> None:
         await follow_index_deployment(ctx, body, type, maru_cache_versions)
 
-    @kopf.index(*resource, id="maru_caches", registry=registry)
-    def maru_caches(body: kopf.Body, namespace: str | None, name: str, **_: Any) -> dict[tuple[str, str], Any]:
-        return {(str(namespace), name): cache_info(body)}
+    register_cache_index(registry)
 
     # A failed reconcile (an API error) is retried after one resync period, not kopf's default
     # minute: the timer leaves caches to these handlers until they have reconciled once.
@@ -320,6 +318,13 @@ def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
     return registry
 
 
+def register_cache_index(registry: kopf.OperatorRegistry) -> None:
+    """The `maru_caches` index the webhook injects from: (namespace, name) -> what injection needs."""
+    @kopf.index(GROUP, VERSION, PLURAL, id="maru_caches", registry=registry)
+    def maru_caches(body: kopf.Body, namespace: str | None, name: str, **_: Any) -> dict[tuple[str, str], Any]:
+        return {(str(namespace), name): cache_info(body)}
+
+
 def build_standby_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
     """The registry of a replica that waits for leadership: only what the webhook reads (the caches'
     index, the sidecar mode). It writes nothing to any object: no change handlers, no timers, no
@@ -334,10 +339,7 @@ def build_standby_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
     async def sidecar_mode(**_: Any) -> None:
         ctx.native_sidecars = await native_sidecars(ctx.api, ctx.native_mode)
 
-    @kopf.index(GROUP, VERSION, PLURAL, id="maru_caches", registry=registry)
-    def maru_caches(body: kopf.Body, namespace: str | None, name: str, **_: Any) -> dict[tuple[str, str], Any]:
-        return {(str(namespace), name): cache_info(body)}
-
+    register_cache_index(registry)
     return registry
 
 

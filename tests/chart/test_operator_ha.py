@@ -43,5 +43,5 @@ def test_two_replicas_get_a_budget_that_lets_a_drain_evict_one_at_a_time(tmp_pat
 
 
 def test_several_replicas_without_leader_election_are_refused(tmp_path):
-    with pytest.raises(HelmFailed, match="leaderElection"):
+    with pytest.raises(HelmFailed, match=r"replicas > 1 needs operator.leaderElection.enabled"):
         render(tmp_path, {"operator": {"replicas": 3, "leaderElection": {"enabled": False}}})
