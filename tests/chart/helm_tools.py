@@ -87,6 +87,12 @@ def operator_args(docs: Iterable[Mapping[str, Any]]) -> list[str]:
     return list(container["args"])
 
 
+def operator_cluster_role(docs: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """The operator's own ClusterRole (the others are aggregated into the default user roles)."""
+    (role,) = [d for d in find(docs, "ClusterRole") if d["metadata"]["labels"]["app.kubernetes.io/component"] == "operator"]
+    return role
+
+
 def alert_rules(docs: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     """The PrometheusRule's `spec` (a Prometheus rule file: `groups`)."""
     return one(docs, "PrometheusRule")["spec"]

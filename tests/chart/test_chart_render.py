@@ -20,7 +20,7 @@ from helm_tools import (ALL_FEATURES, ALL_FEATURES_SM, CHART, KUBERNETES_VALIDAT
 from maru_operator.cli import add_arguments, options_from_args
 
 BUILT_IN_GROUPS = ("v1", "apps/", "rbac.authorization.k8s.io/", "admissionregistration.k8s.io/",
-                   "apiextensions.k8s.io/")
+                   "apiextensions.k8s.io/", "policy/")
 PROMTOOL = shutil.which("promtool")
 
 
@@ -45,10 +45,11 @@ DOCUMENTED = {
 }
 
 
-@pytest.mark.parametrize("values", [{}, ALL_FEATURES, ALL_FEATURES_SM,
+@pytest.mark.parametrize("values", [{}, ALL_FEATURES, ALL_FEATURES_SM, {"operator": {"replicas": 2}},
                                     {"webhook": {"enabled": False}, "crds": {"enabled": False},
                                      "dashboards": {"enabled": False}}, *DOCUMENTED.values()],
-                         ids=["defaults", "every-feature-podmonitor", "every-feature-servicemonitor", "minimal",
+                         ids=["defaults", "every-feature-podmonitor", "every-feature-servicemonitor", "two-replicas",
+                              "minimal",
                               *DOCUMENTED])
 def test_every_built_in_manifest_passes_kubernetes_validate_strict(tmp_path, values):
     docs = render(tmp_path, values)
@@ -73,8 +74,8 @@ def test_every_feature_renders_what_it_promises(tmp_path):
     assert sm_kinds.count("ServiceMonitor") == 3 and "PodMonitor" not in sm_kinds
     minimal = render(tmp_path, {"webhook": {"enabled": False}, "crds": {"enabled": False},
                                 "dashboards": {"enabled": False}})
-    assert {d["kind"] for d in minimal} == {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment",
-                                            "Service"}
+    assert {d["kind"] for d in minimal} == {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role",
+                                            "RoleBinding", "Deployment", "Service"}
     assert "--no-webhook" in operator_args(minimal)
 
 

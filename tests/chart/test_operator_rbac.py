@@ -10,7 +10,7 @@ import json
 import pytest
 import urllib3
 from chart_operator import CACHES, OperatorRun, wait_for
-from helm_tools import one
+from helm_tools import NAMESPACE, find, one, operator_cluster_role
 
 # Granted although a run against kmock cannot show the call: the API server checks it when an owner
 # reference has blockOwnerDeletion (the operator's children have), kmock does not.
@@ -40,11 +40,15 @@ def rbac_request(method: str, path: str, query: dict[str, str]) -> tuple[str, st
 
 
 def granted(docs: list[dict]) -> set[tuple[str, str, str]]:
-    rules = one(docs, "ClusterRole")["rules"]
+    """What the operator's ClusterRole grants, and its Role in the release namespace (the leader
+    election Lease, by name: `test_the_lease_calls_name_the_granted_lease` checks the names)."""
+    cluster_rules = operator_cluster_role(docs)["rules"]
+    rules = cluster_rules + [rule for role in find(docs, "Role") for rule in role["rules"]]
     for rule in rules:
         for key in ("apiGroups", "resources", "verbs"):
             assert "*" not in rule[key], f"wildcard in {key}: {rule}"
-        assert "resourceNames" not in rule and "nonResourceURLs" not in rule, rule
+        assert "nonResourceURLs" not in rule, rule
+    assert not any("resourceNames" in rule for rule in cluster_rules)
     return {(g, r, v) for rule in rules for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
 
 
@@ -113,6 +117,9 @@ def a_cache_lifetime(run: OperatorRun) -> None:
 @pytest.fixture(scope="module")
 def calls(operator_run: OperatorRun) -> set[tuple[str, str, str]]:
     a_cache_lifetime(operator_run)
+    # The leader renews its Lease every 2/15 of --lease-seconds: wait for one renewal to be recorded.
+    wait_for(lambda: any(method == "PATCH" and "/leases/" in path for method, path, _ in operator_run.operator_calls()),
+             timeout=10, what="a Lease renewal")
     return {req for call in operator_run.operator_calls() if (req := rbac_request(*call)) is not None}
 
 
@@ -130,11 +137,21 @@ def test_the_cluster_role_grants_nothing_the_operator_does_not_use(operator_run:
     assert not unused, f"granted but never used (least privilege): {sorted(unused)}"
 
 
+def test_the_lease_calls_name_the_granted_lease(operator_run: OperatorRun, calls):
+    assert {("coordination.k8s.io", "leases", "get"), ("coordination.k8s.io", "leases", "patch")} <= calls
+    (role,) = find(operator_run.docs, "Role")
+    assert role["metadata"]["namespace"] == NAMESPACE
+    (named,) = [rule["resourceNames"] for rule in role["rules"] if "resourceNames" in rule]
+    leases = [path for _, path, _ in operator_run.operator_calls() if "/leases" in path]
+    prefix = f"/apis/coordination.k8s.io/v1/namespaces/{NAMESPACE}/leases"
+    assert leases and all(path == prefix or path.removeprefix(prefix + "/") in named for path in leases), leases
+
+
 def test_the_cluster_role_is_bound_to_the_operators_service_account(operator_run: OperatorRun):
     docs = operator_run.docs
     binding = one(docs, "ClusterRoleBinding")
     account = one(docs, "ServiceAccount")["metadata"]
-    assert binding["roleRef"]["name"] == one(docs, "ClusterRole")["metadata"]["name"]
+    assert binding["roleRef"]["name"] == operator_cluster_role(docs)["metadata"]["name"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["name"],
                                     "namespace": account["namespace"]}]
     assert one(docs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == account["name"]

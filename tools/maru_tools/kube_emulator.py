@@ -7,7 +7,8 @@ delete, but, unlike a real API server, it does not version objects. The
 `VersionedEmulator` below adds what the operator's correctness depends on:
 
 - `metadata.resourceVersion` on every write, and optimistic concurrency: a
-  patch that carries a stale `resourceVersion` gets 409 Conflict;
+  patch that carries a stale `resourceVersion` gets 409 Conflict, and so
+  does the create of an object that exists (kmock would replace it);
 - `uid`, `creationTimestamp`, and `generation` bumped on spec changes;
 - fault injection (`fail`), to crash a reconcile half-way, and a watch that
   lags (`watch_lag_s`), as a busy API server's does;
@@ -180,6 +181,10 @@ class VersionedEmulator(kmock.KubernetesEmulator):
             meta = data.setdefault("metadata", {})
             if not meta.get("name") and meta.get("generateName"):
                 meta["name"] = f"{meta['generateName']}{uuid.uuid4().hex[:10]}"
+            key = (request.resource, request.namespace, meta.get("name"))
+            if key in self._objects and not self._objects[key].deleted:  # kmock would overwrite it
+                raise kmock.KubernetesError(status=409, reason="AlreadyExists",
+                                            message=f"{meta.get('name')} already exists")
             meta.update(resourceVersion=version, uid=str(uuid.uuid4()), generation=1,
                         creationTimestamp="2026-01-01T00:00:00Z")
             return

@@ -113,3 +113,8 @@ wins over a tag; an empty tag means the chart's appVersion.
 {{- end -}}
 {{- end -}}
 
+
+{{/* The leader election Lease's name. */}}
+{{- define "marucache.leaseName" -}}
+{{- default (include "marucache.operator.fullname" .) .Values.operator.leaderElection.leaseName -}}
+{{- end -}}
