@@ -154,11 +154,12 @@ async def run_resync(ctx: OperatorContext, live_body: kopf.Body, maru_nodes: Any
     await upkeep.check_pods(ctx, body, list(store or ()), write_status, draining)
     await upkeep.refresh_usage(ctx, body, write_status)
     available = _available(maru_deployments, str(meta.get("namespace")), str(meta.get("name")))
-    if _is_settled(body, available):
+    moved = reconciler.nodes_moved(body, _nodes(maru_nodes))  # a node lost or added: re-place
+    if _is_settled(body, available) and not moved:
         return
     due = time.monotonic() - ctx.last_full.get(uid, 0.0) >= ctx.full_resync_seconds
     record = ctx.written.get(uid)
-    if due or record is None or record.generation != generation or not record.result.served:
+    if moved or due or record is None or record.generation != generation or not record.result.served:
         await run_reconcile(ctx, live_body, maru_nodes, maru_deployments, maru_pods)
         return
     await refresh_availability(ctx, uid, meta, bool(available), lambda: (meta.get("resourceVersion"), generation))
