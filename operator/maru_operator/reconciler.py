@@ -66,7 +66,16 @@ def _condition_message(status: Mapping[str, Any], kind: str) -> str | None:
     return next((c.get("message") for c in status.get("conditions") or () if c.get("type") == kind), None)
 
 
-def unsatisfiable_message(spec: CacheSpec, nodes: list[NodeInfo], error: Impossible) -> str:
+def _kept_note(body: Mapping[str, Any]) -> str:
+    """What an invalid edit of a placed cache leaves running (`_invalid` keeps its allocation)."""
+    allocations = (body.get("status") or {}).get("allocations") or []
+    if not allocations:
+        return ""
+    return (f"; until then the cache keeps serving from its region on {allocations[0].get('deviceClass')} "
+            f"device {allocations[0].get('deviceUUID')} with its index running (nothing stored is lost)")
+
+
+def unsatisfiable_message(spec: CacheSpec, nodes: list[NodeInfo]) -> str:
     pool = spec.pool
     if candidate_devices(nodes, pool.device_class, {}) and not candidate_devices(
             nodes, pool.device_class, pool.node_selector):
@@ -97,12 +106,14 @@ async def reconcile(api: KubeApi, ledger: LedgerStore, body: Mapping[str, Any], 
     except SpecError as exc:
         return _invalid(body, "InvalidSpec", str(exc))
     devices = candidate_devices(nodes, spec.pool.device_class, spec.pool.node_selector)
+    if not devices:  # before the ledger, which would keep returning an existing claim unchanged
+        return _invalid(body, "Unsatisfiable", unsatisfiable_message(spec, nodes) + _kept_note(body))
     injected = status_placement(ref, body)  # the digest the cache's pods were injected with
     try:
         claim, previous, draining = await ledger.update(
             lambda led: _allocate(led, ref, spec, devices, injected, pods))
     except Impossible as exc:
-        return _invalid(body, "Unsatisfiable", unsatisfiable_message(spec, nodes, exc))
+        return _invalid(body, "Unsatisfiable", unsatisfiable_message(spec, nodes))
     except AllocationError as exc:
         waiting = f"{exc}; waiting for a region to be released"
         observation = Observation(config=(True, "Valid", "the spec can be served"),

@@ -45,3 +45,31 @@ def test_a_node_lost_and_a_node_added_move_nothing_a_pod_maps(kube: Kube, option
         assert not kube.events("StaleInjection")
         assert (condition(kube.cache("keep"), "PodsCurrent") or {}).get("status") in (None, "True")
         assert [(c["device"], c["offset"]) for c in kube.ledger()] == [("cxl-a", 0)]
+
+
+def test_a_node_selector_edit_that_no_node_matches_is_invalid_and_keeps_the_region(kube: Kube, options):
+    with OperatorThread(options):
+        kube.apply_cache("keep", {"pool": {"deviceClass": "dax", "size": "2Gi", "nodeSelector": {"rack": "a"}}})
+        wait_for(lambda: INDEX in kube.objects("apps/v1/deployments"), what="the index Deployment")
+        kube.make_index_available("keep")
+        placed = ready(kube, "keep")["status"]["allocations"]
+        deployment = kube.objects("apps/v1/deployments")[INDEX]
+        claims = kube.ledger()
+
+        kube.patch_cache("keep", {"pool": {"deviceClass": "dax", "size": "2Gi", "nodeSelector": {"rack": "b"}}})
+        body = wait_for(lambda: (c := kube.cache("keep")) and c["status"].get("observedGeneration") == 2 and c,
+                        what="the edit reconciled")
+        cond = condition(body, "ConfigValid")
+        assert cond["status"] == "False" and cond["reason"] == "Unsatisfiable", cond
+        assert "spec.pool.nodeSelector {'rack': 'b'}" in cond["message"], cond
+        assert "change spec.pool.nodeSelector" in cond["message"] and "keeps serving" in cond["message"], cond
+        assert body["status"]["phase"] == "Invalid" and condition(body, "Ready")["status"] == "False"
+        assert wait_for(lambda: [e for e in kube.events("Unsatisfiable") if e["type"] == "Warning"])
+        # Nothing stored is lost: the claim, the placement and the running index are kept.
+        assert body["status"]["allocations"] == placed and kube.ledger() == claims
+        assert kube.objects("apps/v1/deployments")[INDEX]["metadata"]["resourceVersion"] == \
+            deployment["metadata"]["resourceVersion"]
+
+        kube.patch_cache("keep", {"pool": {"deviceClass": "dax", "size": "2Gi", "nodeSelector": {"rack": "a"}}})
+        body = ready(kube, "keep")
+        assert body["status"]["allocations"] == placed and kube.ledger() == claims
