@@ -15,6 +15,7 @@ from typing import Any
 
 from . import desired
 from .conditions import Observation, build, keep_others, now_rfc3339, phase, with_transition_times
+from .index_health import WAITING_MESSAGE, index_state
 from .inventory import Device, NodeInfo, candidate_devices
 from .k8s import KubeApi, LedgerStore, object_path
 from .injection import placement_from_status
@@ -62,6 +63,15 @@ def _invalid(body: Mapping[str, Any], reason: str, message: str,
     return _finish(body, Observation(config=(False, reason, message)), kept, events, result)
 
 
+def index_events(status: Mapping[str, Any], index: tuple[bool, str, str]) -> list[Event]:
+    """A Warning when the index is unavailable for a reason its Deployment or pod gave that the
+    stored IndexAvailable condition does not say yet (once per reason, not per resync)."""
+    ok, _, message = index
+    if ok or message == WAITING_MESSAGE or _condition_message(status, "IndexAvailable") == message:
+        return []
+    return [(EventType.WARNING, "IndexUnavailable", message)]
+
+
 def _condition_message(status: Mapping[str, Any], kind: str) -> str | None:
     return next((c.get("message") for c in status.get("conditions") or () if c.get("type") == kind), None)
 
@@ -91,13 +101,14 @@ def unsatisfiable_message(spec: CacheSpec, nodes: list[NodeInfo]) -> str:
 
 
 async def reconcile(api: KubeApi, ledger: LedgerStore, body: Mapping[str, Any], nodes: Iterable[NodeInfo],
-                    index_available: int | None, pods: Iterable[PodView] = ()) -> Outcome:
+                    index_available: int | None, pods: Iterable[PodView] = (), index_why: str = "") -> Outcome:
     """Bring one MaruCache's region and children in line with its spec.
 
     `nodes` is the current node inventory; `index_available` the index
     Deployment's available replicas as last seen (None: not seen yet);
     `pods` every opted-in pod of the cluster (which draining regions they
-    still map). Returns the status to store and the Events to post; raises
+    still map); `index_why` what the index's Deployment and pod say is wrong
+    (`index_health`). Returns the status to store and the Events to post; raises
     only on API errors (kopf retries the handler).
     """
     nodes, pods = list(nodes), list(pods)
@@ -112,7 +123,7 @@ async def reconcile(api: KubeApi, ledger: LedgerStore, body: Mapping[str, Any], 
     try:
         claim, previous, draining = await ledger.update(
             lambda led: _allocate(led, ref, spec, devices, injected, pods))
-    except Impossible as exc:
+    except Impossible:
         return _invalid(body, "Unsatisfiable", unsatisfiable_message(spec, nodes))
     except AllocationError as exc:
         waiting = f"{exc}; waiting for a region to be released"
@@ -141,12 +152,13 @@ async def reconcile(api: KubeApi, ledger: LedgerStore, body: Mapping[str, Any], 
     index_nodes = await _index_nodes(api, ref, placement, bool((body.get("status") or {}).get("allocations")))
     events += await _ensure_children(api, ref, spec, placement, index_nodes)
     index_ok = bool(index_available)
+    index = index_state(index_ok, index_why)
+    events += index_events(body.get("status") or {}, index)
     observation = Observation(
         config=(True, "Valid", "the spec can be served"),
         devices=(True, "Allocated", f"{human_bytes(claim.region.size)} on {claim.device_class} device "
                                     f"{claim.region.device_uuid}, nodes {', '.join(placement.nodes)}"),
-        index=(True, "Available", "the index Deployment has an available replica") if index_ok else
-        (False, "Unavailable", "waiting for the index Deployment to become available"))
+        index=index)
     extra = {"allocations": [placement.to_status()], "indexEndpoint": desired.index_url(ref, spec),
              "configMapName": desired.config_map_name(ref.name), "tokenSecretName": desired.secret_name(ref.name)}
     return _finish(body, observation, extra, events,

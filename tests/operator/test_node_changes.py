@@ -73,3 +73,4 @@ def test_a_node_selector_edit_that_no_node_matches_is_invalid_and_keeps_the_regi
         kube.patch_cache("keep", {"pool": {"deviceClass": "dax", "size": "2Gi", "nodeSelector": {"rack": "a"}}})
         body = ready(kube, "keep")
         assert body["status"]["allocations"] == placed and kube.ledger() == claims
+
