@@ -117,7 +117,9 @@ async def reconcile(api: KubeApi, ledger: LedgerStore, body: Mapping[str, Any], 
     except SpecError as exc:
         return _invalid(body, "InvalidSpec", str(exc))
     devices = candidate_devices(nodes, spec.pool.device_class, spec.pool.node_selector)
-    if not devices:  # before the ledger, which would keep returning an existing claim unchanged
+    if not devices and candidate_devices(nodes, spec.pool.device_class, {}):
+        # The selector shuts out every node with a device: a spec error, said before the ledger, which would
+        # keep returning an existing claim unchanged. (No such node at all is an outage: the claim waits.)
         return _invalid(body, "Unsatisfiable", unsatisfiable_message(spec, nodes) + _kept_note(body))
     injected = status_placement(ref, body)  # the digest the cache's pods were injected with
     try:

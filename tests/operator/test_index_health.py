@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 from kube_helpers import Kube, condition, wait_for
+from maru_operator.index_health import pod_problem
 from maru_tools.kube_emulator import OperatorThread
 from test_node_changes import ready
 
@@ -49,3 +50,14 @@ def test_an_index_that_cannot_pull_its_image_says_so_in_status_and_an_event(kube
 
         kube.make_index_available("pull")
         assert condition(ready(kube, "pull"), "IndexAvailable")["reason"] == "Available"
+
+
+def test_an_unschedulable_index_pod_says_which_resource_no_node_has_and_a_starting_one_says_nothing():
+    unschedulable = {"metadata": {"name": "x-maru-index-1"}, "status": {"phase": "Pending", "conditions": [
+        {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+         "message": "0/3 nodes are available: 3 Insufficient squat.ai/dax."}]}}
+    assert pod_problem(unschedulable) == ("index pod x-maru-index-1 Unschedulable: 0/3 nodes are available: "
+                                          "3 Insufficient squat.ai/dax.")
+    starting = {"metadata": {"name": "x-maru-index-1"}, "status": {"containerStatuses": [
+        {"name": "index", "state": {"waiting": {"reason": "ContainerCreating"}}}]}}
+    assert pod_problem(starting) == ""
