@@ -14,6 +14,8 @@ import datetime
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .index_health import index_state
+
 CONFIG_VALID = "ConfigValid"
 DEVICES_ALLOCATED = "DevicesAllocated"
 INDEX_AVAILABLE = "IndexAvailable"
@@ -100,8 +102,9 @@ def replace_condition(conditions: Sequence[Mapping[str, Any]] | None, kind: str,
     return result + [new]
 
 
-def refresh_index(status: Mapping[str, Any], available: bool, generation: int) -> list[dict[str, Any]] | None:
-    """Conditions with IndexAvailable (and Ready) re-derived from `available`.
+def refresh_index(status: Mapping[str, Any], available: bool, generation: int,
+                  why: str = "") -> list[dict[str, Any]] | None:
+    """Conditions with IndexAvailable (and Ready) re-derived from `available` and `why` (`index_state`).
 
     For a cache whose spec was fully reconciled at `generation`: no API call
     is needed, only the Deployment's availability changes. None when the
@@ -115,8 +118,7 @@ def refresh_index(status: Mapping[str, Any], available: bool, generation: int) -
         c = by_type[kind]
         return c.get("status") == "True", str(c.get("reason", "")), str(c.get("message", ""))
 
-    index = ((True, "Available", "the index Deployment has an available replica") if available else
-             (False, "Unavailable", "waiting for the index Deployment to become available"))
+    index = index_state(available, why)
     observation = Observation(config=state(CONFIG_VALID), devices=state(DEVICES_ALLOCATED), index=index)
     old = list(by_type.values())
     return keep_others(with_transition_times(build(observation, generation), old, now_rfc3339()), old)

@@ -79,10 +79,29 @@ class Placement:
 
 
 def fingerprint(placement: Placement) -> str:
-    """A short digest of where a pod's pool is: injected pods record it (`maru.io/placement`); a pod
-    whose digest differs from its cache's current one runs with an old region and needs a restart."""
-    text = json.dumps(placement.to_status(), sort_keys=True, separators=(",", ":"))
+    """A short digest of what a pod maps: injected pods record it (`maru.io/placement`); a pod whose
+    digest differs from its cache's current one runs with an old region and needs a restart.
+
+    Only the region (device, offset, size) and the path a pod opens count, not the nodes that reach
+    the device: a node lost or added moves nothing a running pod maps.
+    """
+    mapped = {"deviceUUID": placement.device_uuid, "deviceClass": placement.device_class,
+              "offset": placement.offset, "size": placement.size, "hostPath": placement.host_path,
+              "poolPath": placement.pool_path}
+    text = json.dumps(mapped, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def affinity_nodes(deployment: Mapping[str, Any] | None) -> tuple[str, ...]:
+    """The node names the operator's own term of an index Deployment's node affinity admits."""
+    spec = ((deployment or {}).get("spec") or {}).get("template", {}).get("spec") or {}
+    required = ((spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
+        "requiredDuringSchedulingIgnoredDuringExecution") or {}
+    for term in required.get("nodeSelectorTerms") or ():
+        for field in term.get("matchFields") or ():
+            if field.get("key") == "metadata.name" and field.get("operator") == "In":
+                return tuple(field.get("values") or ())
+    return ()
 
 
 def place(ref: CacheRef, claim: Claim, device: Device) -> Placement:
@@ -308,9 +327,12 @@ def index_network_policy(ref: CacheRef, spec: CacheSpec) -> dict[str, Any]:
                          {"ports": [{"protocol": "TCP", "port": spec.index.metrics_port}]}]}}
 
 
-def children(ref: CacheRef, spec: CacheSpec, placement: Placement) -> list[dict[str, Any]]:
-    """Every child except the Secret (its token is made once, see `token_secret`)."""
-    return [config_map(ref, spec, placement), index_deployment(ref, spec, placement),
+def children(ref: CacheRef, spec: CacheSpec, placement: Placement,
+             index_nodes: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    """Every child except the Secret (its token is made once, see `token_secret`); the index is kept
+    to `index_nodes` (default: the placement's nodes)."""
+    index_placement = placement if index_nodes is None else dataclasses.replace(placement, nodes=tuple(index_nodes))
+    return [config_map(ref, spec, placement), index_deployment(ref, spec, index_placement),
             index_service(ref, spec), index_network_policy(ref, spec)]
 
 

@@ -22,12 +22,14 @@ import kopf
 from . import API_VERSION, GROUP, KIND, LABEL_CACHE, MANAGED_BY, PLURAL, VERSION, reconciler, upkeep
 from .conditions import now_rfc3339, phase, refresh_index
 from .context import OperatorContext, Written
+from .desired import LABEL_INDEX_OF
+from .index_health import deployment_problem, index_state, pod_problem
 from .injection import cache_info
 from .inventory import NodeInfo, parse_node
 from .k8s import ApiError, Conflict, KubeApi, object_path
 from .ledger import rebuild
 from .models import CacheRef
-from .pods import PodView, pod_view, pods_mapping
+from .pods import PodView, core_event, pod_view, pods_mapping
 from .results import EventType, ReconcileResult
 from .webhook import refusal_event
 
@@ -46,6 +48,16 @@ def all_pods(index: Any) -> list[PodView]:
 def _available(index: Any, namespace: str, name: str) -> int | None:
     store = index.get((namespace, name)) if index is not None else None
     return max(store) if store else None
+
+
+def index_why(health: tuple[Any, Any] | None, namespace: str, name: str) -> str:
+    """What a cache's index Deployment and index pod say is wrong, "" when nothing (`index_health`);
+    `health`: the `maru_index_health` and `maru_index_pods` indices."""
+    found: list[str] = []
+    for index in health or ():
+        store = index.get((namespace, name)) if index is not None else None
+        found += sorted(p for p in store or () if p and p not in found)
+    return "; ".join(found)
 
 
 async def write_status(ctx: OperatorContext, body: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
@@ -89,7 +101,7 @@ def snapshot(body: Mapping[str, Any]) -> dict[str, Any]:
 
 
 async def run_reconcile(ctx: OperatorContext, live_body: kopf.Body, maru_nodes: Any, maru_deployments: Any,
-                        maru_pods: Any = None) -> None:
+                        maru_pods: Any = None, health: tuple[Any, Any] | None = None) -> None:
     body = snapshot(live_body)
     meta = body.get("metadata") or {}
     uid, generation = str(meta.get("uid")), int(meta.get("generation") or 1)
@@ -103,7 +115,7 @@ async def run_reconcile(ctx: OperatorContext, live_body: kopf.Body, maru_nodes: 
                 outcome = await reconciler.reconcile(
                     ctx.api, ctx.ledger, body, _nodes(maru_nodes),
                     _available(maru_deployments, str(meta.get("namespace")), str(meta.get("name"))),
-                    all_pods(maru_pods))
+                    all_pods(maru_pods), index_why(health, str(meta.get("namespace")), str(meta.get("name"))))
             except Exception:
                 ctx.metrics.count_reconcile(ReconcileResult.ERROR)
                 raise
@@ -133,7 +145,7 @@ def _with_current_index(outcome: reconciler.Outcome, maru_deployments: Any, meta
 
 
 async def run_resync(ctx: OperatorContext, live_body: kopf.Body, maru_nodes: Any, maru_deployments: Any,
-                     maru_pods: Any = None) -> None:
+                     maru_pods: Any = None, health: tuple[Any, Any] | None = None) -> None:
     """The timer's look at a cache: nothing, a status refresh, or a full reconcile.
 
     A cache whose current generation no change handler (create, update,
@@ -154,31 +166,37 @@ async def run_resync(ctx: OperatorContext, live_body: kopf.Body, maru_nodes: Any
     await upkeep.check_pods(ctx, body, list(store or ()), write_status, draining)
     await upkeep.refresh_usage(ctx, body, write_status)
     available = _available(maru_deployments, str(meta.get("namespace")), str(meta.get("name")))
-    if _is_settled(body, available):
+    moved = reconciler.nodes_moved(body, _nodes(maru_nodes))  # a node lost or added: re-place
+    if _is_settled(body, available) and not moved:
         return
     due = time.monotonic() - ctx.last_full.get(uid, 0.0) >= ctx.full_resync_seconds
     record = ctx.written.get(uid)
-    if due or record is None or record.generation != generation or not record.result.served:
-        await run_reconcile(ctx, live_body, maru_nodes, maru_deployments, maru_pods)
+    if moved or due or record is None or record.generation != generation or not record.result.served:
+        await run_reconcile(ctx, live_body, maru_nodes, maru_deployments, maru_pods, health)
         return
-    await refresh_availability(ctx, uid, meta, bool(available), lambda: (meta.get("resourceVersion"), generation))
+    await refresh_availability(ctx, uid, meta, bool(available), lambda: (meta.get("resourceVersion"), generation),
+                               index_why(health, str(meta.get("namespace")), str(meta.get("name"))))
 
 
 async def refresh_availability(ctx: OperatorContext, uid: str, meta: Mapping[str, Any], available: bool,
-                               latest: Callable[[], tuple[str | None, int | None]]) -> None:
+                               latest: Callable[[], tuple[str | None, int | None]], why: str = "") -> None:
     """Re-derive IndexAvailable and Ready of a served cache from its index Deployment: one status write,
-    no reconcile, and nothing when the availability this process last wrote is the same.
+    no reconcile, and nothing when the availability (and its reason) this process last wrote is the same.
 
     `meta` names the cache (namespace, name); `latest()` is the newest (resourceVersion, generation)
     of it known when the write is made. The write carries that version, and is made only while that
     generation is the one this process last reconciled (a newer spec gets its own reconcile).
+    `why`: what the index's Deployment and pod say is wrong; a new reason is written (and posted as
+    an Event) even when the availability is unchanged.
     """
     async with ctx.lock(uid):
         record = ctx.written.get(uid)
-        if record is None or not record.result.served or record.available == available:
+        state = index_state(available, why)
+        if record is None or not record.result.served or (
+                record.available == available and _index_message(record.status) == state[2]):
             return
         version, generation = latest()
-        conds = refresh_index(record.status, available, record.generation)
+        conds = refresh_index(record.status, available, record.generation, why)
         if version is None or generation != record.generation or conds is None:
             return
         status = {**record.status, "conditions": conds, "phase": phase(conds)}
@@ -188,14 +206,27 @@ async def refresh_availability(ctx: OperatorContext, uid: str, meta: Mapping[str
         if await write_status(ctx, cache, {"conditions": conds, "phase": status["phase"]}):
             result = ReconcileResult.READY if available else ReconcileResult.PROGRESSING
             ctx.written[uid] = Written(record.generation, result, status, available)
+            for kind, reason, message in reconciler.index_events(record.status, state):
+                involved = {"apiVersion": API_VERSION, "kind": KIND, "name": meta.get("name"),
+                            "namespace": meta.get("namespace"), "uid": uid}
+                try:
+                    await ctx.api.create(object_path("v1", "Event", str(meta.get("namespace"))),
+                                         core_event(involved, kind, reason, message, now_rfc3339()))
+                except ApiError as exc:
+                    logger.warning("cannot post the Event of an unavailable index: %s", exc)
+
+
+def _index_message(status: Mapping[str, Any]) -> str | None:
+    return next((c.get("message") for c in status.get("conditions") or () if c.get("type") == "IndexAvailable"),
+                None)
 
 
 async def follow_index_deployment(ctx: OperatorContext, body: Mapping[str, Any], event_type: str | None,
-                                  cache_versions: Any) -> None:
+                                  cache_versions: Any, index_pods: Any = None) -> None:
     """Ready follows an index Deployment's availability at once, not at the next resync.
 
     `cache_versions` is the `maru_cache_versions` index (cache uid -> newest (resourceVersion,
-    generation) seen).
+    generation) seen); `index_pods` the `maru_index_pods` index (what the index pod says is wrong).
     """
     meta = body.get("metadata") or {}
     owner = next((o for o in meta.get("ownerReferences") or () if o.get("kind") == KIND), None)
@@ -208,7 +239,10 @@ async def follow_index_deployment(ctx: OperatorContext, body: Mapping[str, Any],
     def latest() -> tuple[str | None, int | None]:
         store = cache_versions.get(uid)
         return next(iter(store), (None, None)) if store else (None, None)
-    await refresh_availability(ctx, uid, {"namespace": meta.get("namespace"), "name": name}, available, latest)
+    why = index_why((None, index_pods), str(meta.get("namespace")), name)
+    why = "; ".join(p for p in (deployment_problem(body), why) if p)
+    await refresh_availability(ctx, uid, {"namespace": meta.get("namespace"), "name": name}, available, latest,
+                               why)
 
 
 def _is_settled(body: Mapping[str, Any], available: int | None) -> bool:
@@ -269,6 +303,17 @@ def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
         instance = (body.get("metadata") or {}).get("labels", {}).get("app.kubernetes.io/instance")
         return {(str(namespace), instance): int((body.get("status") or {}).get("availableReplicas") or 0)}
 
+    @kopf.index("apps", "v1", "deployments", id="maru_index_health",
+                labels={"app.kubernetes.io/managed-by": MANAGED_BY}, registry=registry)
+    def maru_index_health(body: kopf.Body, namespace: str | None, **_: Any) -> dict[tuple[str, str], str]:
+        instance = (body.get("metadata") or {}).get("labels", {}).get("app.kubernetes.io/instance")
+        return {(str(namespace), instance): deployment_problem(body)}
+
+    @kopf.index("", "v1", "pods", id="maru_index_pods", labels={LABEL_INDEX_OF: kopf.PRESENT}, registry=registry)
+    def maru_index_pods(body: kopf.Body, namespace: str | None, **_: Any) -> dict[tuple[str, str], str]:
+        return {(str(namespace), str(body.get("metadata", {}).get("labels", {}).get(LABEL_INDEX_OF))):
+                pod_problem(body)}
+
     @kopf.index(*resource, id="maru_cache_versions", registry=registry)
     def maru_cache_versions(body: kopf.Body, **_: Any) -> dict[str, tuple[str, int]]:
         meta = body.get("metadata") or {}
@@ -277,8 +322,8 @@ def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
     @kopf.on.event("apps", "v1", "deployments", labels={"app.kubernetes.io/managed-by": MANAGED_BY},
                    registry=registry)
     async def index_deployment_changed(body: kopf.Body, type: str | None, maru_cache_versions: Any = None,
-                                       **_: Any) -> None:
-        await follow_index_deployment(ctx, body, type, maru_cache_versions)
+                                       maru_index_pods: Any = None, **_: Any) -> None:
+        await follow_index_deployment(ctx, body, type, maru_cache_versions, maru_index_pods)
 
     register_cache_index(registry)
 
@@ -288,13 +333,14 @@ def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
     @kopf.on.create(*resource, backoff=ctx.resync_seconds, registry=registry)
     @kopf.on.update(*resource, field="spec", backoff=ctx.resync_seconds, registry=registry)
     async def reconcile(body: kopf.Body, maru_nodes: Any = None, maru_deployments: Any = None,
-                        maru_pods: Any = None, **_: Any) -> None:
-        await run_reconcile(ctx, body, maru_nodes, maru_deployments, maru_pods)
+                        maru_pods: Any = None, maru_index_health: Any = None, maru_index_pods: Any = None,
+                        **_: Any) -> None:
+        await run_reconcile(ctx, body, maru_nodes, maru_deployments, maru_pods, (maru_index_health, maru_index_pods))
 
     @kopf.timer(*resource, interval=ctx.resync_seconds, registry=registry)
     async def resync(body: kopf.Body, maru_nodes: Any = None, maru_deployments: Any = None, maru_pods: Any = None,
-                     **_: Any) -> None:
-        await run_resync(ctx, body, maru_nodes, maru_deployments, maru_pods)
+                     maru_index_health: Any = None, maru_index_pods: Any = None, **_: Any) -> None:
+        await run_resync(ctx, body, maru_nodes, maru_deployments, maru_pods, (maru_index_health, maru_index_pods))
 
     @kopf.on.delete(*resource, registry=registry)
     async def release(body: kopf.Body, maru_pods: Any = None, **_: Any) -> None:

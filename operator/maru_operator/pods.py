@@ -82,8 +82,10 @@ def draining_note(drains: Iterable[tuple[Drain, int]]) -> str:
     return ("; " + "; ".join(parts) + " (draining: no cache gets it until they are gone)") if parts else ""
 
 
-def stale_pods(pods: Iterable[PodView], current: str) -> list[tuple[PodView, str]]:
-    """Pods to re-create and why: injected for another placement than `current`; or not injected,
+def stale_pods(pods: Iterable[PodView], current: str, region: str = "") -> list[tuple[PodView, str]]:
+    """Pods to re-create and why: injected for another placement than `current` (unless the pod
+    records the current `region`: an older operator's digest also covered the nodes, which a node
+    lost or added changes while the pod maps the same memory); or not injected,
     either never seen by the webhook or skipped because the cache was missing, invalid or not yet
     allocated then (it is allocated now: the caller checks). Pods skipped for a reason of their own
     (outside the podSelector, no vLLM container found, ...) are the user's choice, not stale."""
@@ -91,7 +93,7 @@ def stale_pods(pods: Iterable[PodView], current: str) -> list[tuple[PodView, str
     for pod in sorted(pods, key=lambda p: p.name):
         if pod.terminating:
             continue
-        if pod.injected and pod.placement != current:
+        if pod.injected and pod.placement != current and not (region and pod.region == region):
             found.append((pod, OLD_PLACEMENT))
         elif not pod.injected and (not pod.skip_reason or pod.skip_reason.startswith(_CACHE_NOT_READY)):
             found.append((pod, NOT_INJECTED))

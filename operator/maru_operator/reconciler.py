@@ -15,8 +15,9 @@ from typing import Any
 
 from . import desired
 from .conditions import Observation, build, keep_others, now_rfc3339, phase, with_transition_times
+from .index_health import WAITING_MESSAGE, index_state
 from .inventory import Device, NodeInfo, candidate_devices
-from .k8s import KubeApi, LedgerStore
+from .k8s import KubeApi, LedgerStore, object_path
 from .injection import placement_from_status
 from .ledger import AllocationError, Claim, Drain, Impossible, Ledger, Region
 from .models import CacheRef, CacheSpec, SpecError, parse_cache
@@ -62,11 +63,29 @@ def _invalid(body: Mapping[str, Any], reason: str, message: str,
     return _finish(body, Observation(config=(False, reason, message)), kept, events, result)
 
 
+def index_events(status: Mapping[str, Any], index: tuple[bool, str, str]) -> list[Event]:
+    """A Warning when the index is unavailable for a reason its Deployment or pod gave that the
+    stored IndexAvailable condition does not say yet (once per reason, not per resync)."""
+    ok, _, message = index
+    if ok or message == WAITING_MESSAGE or _condition_message(status, "IndexAvailable") == message:
+        return []
+    return [(EventType.WARNING, "IndexUnavailable", message)]
+
+
 def _condition_message(status: Mapping[str, Any], kind: str) -> str | None:
     return next((c.get("message") for c in status.get("conditions") or () if c.get("type") == kind), None)
 
 
-def unsatisfiable_message(spec: CacheSpec, nodes: list[NodeInfo], error: Impossible) -> str:
+def _kept_note(body: Mapping[str, Any]) -> str:
+    """What an invalid edit of a placed cache leaves running (`_invalid` keeps its allocation)."""
+    allocations = (body.get("status") or {}).get("allocations") or []
+    if not allocations:
+        return ""
+    return (f"; until then the cache keeps serving from its region on {allocations[0].get('deviceClass')} "
+            f"device {allocations[0].get('deviceUUID')} with its index running (nothing stored is lost)")
+
+
+def unsatisfiable_message(spec: CacheSpec, nodes: list[NodeInfo]) -> str:
     pool = spec.pool
     if candidate_devices(nodes, pool.device_class, {}) and not candidate_devices(
             nodes, pool.device_class, pool.node_selector):
@@ -82,13 +101,14 @@ def unsatisfiable_message(spec: CacheSpec, nodes: list[NodeInfo], error: Impossi
 
 
 async def reconcile(api: KubeApi, ledger: LedgerStore, body: Mapping[str, Any], nodes: Iterable[NodeInfo],
-                    index_available: int | None, pods: Iterable[PodView] = ()) -> Outcome:
+                    index_available: int | None, pods: Iterable[PodView] = (), index_why: str = "") -> Outcome:
     """Bring one MaruCache's region and children in line with its spec.
 
     `nodes` is the current node inventory; `index_available` the index
     Deployment's available replicas as last seen (None: not seen yet);
     `pods` every opted-in pod of the cluster (which draining regions they
-    still map). Returns the status to store and the Events to post; raises
+    still map); `index_why` what the index's Deployment and pod say is wrong
+    (`index_health`). Returns the status to store and the Events to post; raises
     only on API errors (kopf retries the handler).
     """
     nodes, pods = list(nodes), list(pods)
@@ -97,12 +117,16 @@ async def reconcile(api: KubeApi, ledger: LedgerStore, body: Mapping[str, Any], 
     except SpecError as exc:
         return _invalid(body, "InvalidSpec", str(exc))
     devices = candidate_devices(nodes, spec.pool.device_class, spec.pool.node_selector)
+    if not devices and candidate_devices(nodes, spec.pool.device_class, {}):
+        # The selector shuts out every node with a device: a spec error, said before the ledger, which would
+        # keep returning an existing claim unchanged. (No such node at all is an outage: the claim waits.)
+        return _invalid(body, "Unsatisfiable", unsatisfiable_message(spec, nodes) + _kept_note(body))
     injected = status_placement(ref, body)  # the digest the cache's pods were injected with
     try:
         claim, previous, draining = await ledger.update(
             lambda led: _allocate(led, ref, spec, devices, injected, pods))
-    except Impossible as exc:
-        return _invalid(body, "Unsatisfiable", unsatisfiable_message(spec, nodes, exc))
+    except Impossible:
+        return _invalid(body, "Unsatisfiable", unsatisfiable_message(spec, nodes))
     except AllocationError as exc:
         waiting = f"{exc}; waiting for a region to be released"
         observation = Observation(config=(True, "Valid", "the spec can be served"),
@@ -127,14 +151,16 @@ async def reconcile(api: KubeApi, ledger: LedgerStore, body: Mapping[str, Any], 
                                            "longer advertised by a matching node"))
         return _finish(body, observation, {}, events, ReconcileResult.WAITING)
     placement = desired.place(ref, claim, device)
-    events += await _ensure_children(api, ref, spec, placement)
+    index_nodes = await _index_nodes(api, ref, placement, bool((body.get("status") or {}).get("allocations")))
+    events += await _ensure_children(api, ref, spec, placement, index_nodes)
     index_ok = bool(index_available)
+    index = index_state(index_ok, index_why)
+    events += index_events(body.get("status") or {}, index)
     observation = Observation(
         config=(True, "Valid", "the spec can be served"),
         devices=(True, "Allocated", f"{human_bytes(claim.region.size)} on {claim.device_class} device "
                                     f"{claim.region.device_uuid}, nodes {', '.join(placement.nodes)}"),
-        index=(True, "Available", "the index Deployment has an available replica") if index_ok else
-        (False, "Unavailable", "waiting for the index Deployment to become available"))
+        index=index)
     extra = {"allocations": [placement.to_status()], "indexEndpoint": desired.index_url(ref, spec),
              "configMapName": desired.config_map_name(ref.name), "tokenSecretName": desired.secret_name(ref.name)}
     return _finish(body, observation, extra, events,
@@ -160,6 +186,26 @@ def status_placement(ref: CacheRef, body: Mapping[str, Any]) -> str:
     return desired.fingerprint(placement) if placement is not None else ""
 
 
+def nodes_moved(body: Mapping[str, Any], nodes: Iterable[NodeInfo]) -> bool:
+    """Whether the nodes that reach a placed cache's region differ from those its status records
+    (a node lost, added or relabelled): a reconcile is due even while the cache is Ready, so that
+    pods created from now on may use every node that reaches the region."""
+    allocations = (body.get("status") or {}).get("allocations") or []
+    if not allocations:
+        return False
+    try:
+        ref, spec = parse_cache(body)
+    except SpecError:
+        return False
+    devices = candidate_devices(nodes, spec.pool.device_class, spec.pool.node_selector)
+    device = next((d for d in devices if d.uuid == allocations[0].get("deviceUUID")), None)
+    if device is None:
+        return True
+    claim = Claim(ref, spec.pool.device_class, Region(device.uuid, int(allocations[0].get("offset") or 0),
+                                                       int(allocations[0].get("size") or 0)))
+    return list(desired.place(ref, claim, device).nodes) != list(allocations[0].get("nodes") or ())
+
+
 def draining_message(drain: Drain, pods: list[PodView]) -> str:
     names = ", ".join(f"{p.namespace}/{p.name}" for p in pods[:5]) + (", ..." if len(pods) > 5 else "")
     return (f"old region {drain.region.text} ({human_bytes(drain.region.size)} at offset {drain.region.offset} of "
@@ -167,15 +213,33 @@ def draining_message(drain: Drain, pods: list[PodView]) -> str:
             f"({names}); no cache gets it until they are re-created")
 
 
+async def _index_nodes(api: KubeApi, ref: CacheRef, placement: desired.Placement,
+                       placed_before: bool) -> tuple[str, ...]:
+    """The nodes the index Deployment keeps its pod to.
+
+    Changing them changes the pod template, and the index (`Recreate`) restarts. So when only the
+    nodes that reach an unchanged region moved (a node lost or added), the Deployment keeps the
+    nodes it has while one of them still reaches the region: a lost node cannot be scheduled to, and
+    vLLM pods get the new node through the status. Only when none of its nodes reaches the region
+    any more is the index moved to the current nodes. `placed_before`: the cache has a placement in
+    its status (otherwise the Deployment is new and nothing is read).
+    """
+    if not placed_before:
+        return placement.nodes
+    deployed = desired.affinity_nodes(await api.get(object_path(
+        "apps/v1", "Deployment", ref.namespace, desired.index_name(ref.name))))
+    return deployed if set(deployed) & set(placement.nodes) else placement.nodes
+
+
 async def _ensure_children(api: KubeApi, ref: CacheRef, spec: CacheSpec,
-                           placement: desired.Placement) -> list[Event]:
-    """Create or update the children; one Event per action ("Created", "Updated") naming them all,
-    so a new cache costs one Event, not one per child."""
+                           placement: desired.Placement, index_nodes: tuple[str, ...]) -> list[Event]:
+    """Create or update the children (the index kept to `index_nodes`); one Event per action
+    ("Created", "Updated") naming them all, so a new cache costs one Event, not one per child."""
     done: dict[EnsureAction, list[str]] = {EnsureAction.CREATED: [], EnsureAction.UPDATED: []}
     secret = desired.token_secret(ref, secrets.token_urlsafe(32))
     if await api.ensure_once(secret) is EnsureAction.CREATED:
         done[EnsureAction.CREATED].append(f"Secret {secret['metadata']['name']} with the index token")
-    for manifest in desired.children(ref, spec, placement):
+    for manifest in desired.children(ref, spec, placement, index_nodes):
         action = await api.ensure(manifest)
         if action in done:
             done[action].append(f"{manifest['kind']} {manifest['metadata']['name']}")

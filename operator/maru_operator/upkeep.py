@@ -18,7 +18,7 @@ from .injection import placement_from_status
 from .desired import fingerprint
 from .k8s import ApiError, object_path
 from .models import CacheRef, SpecError, parse_cache
-from .ledger import Drain, Ledger
+from .ledger import Drain, Ledger, Region
 from .pods import (PODS_CURRENT, REASONS, PodView, condition_of, core_event, draining_note, pods_condition,
                    pods_mapping, stale_event, stale_pods)
 from .results import EventType
@@ -91,7 +91,8 @@ async def check_pods(ctx: OperatorContext, body: Mapping[str, Any], pods: list[P
     if placement is None:
         return  # nothing injected can be current yet
     current = fingerprint(placement)
-    stale = stale_pods(pods, current)
+    region = Region(placement.device_uuid, placement.offset, placement.size).text
+    stale = stale_pods(pods, current, region)
     for reason in REASONS:
         ctx.metrics.stale_pods.labels(namespace=ref.namespace, cache=ref.name, reason=reason).set(
             sum(1 for _, r in stale if r == reason))
