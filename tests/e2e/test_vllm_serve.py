@@ -30,7 +30,7 @@ def _sample(metrics: dict, name: str) -> float:
 
 def test_vllm_serve_answers_a_pool_hit_like_recompute_and_counts_it(farm, index, reference, workdir):
     writer = farm.get("chunkwise-A", connector_config(index))
-    prompt = random_tokens(4 * CHUNK_TOKENS + 9, seed=4242)
+    prompt = random_tokens(4 * CHUNK_TOKENS + 9, seed=4343)
     keys_before = index_keys(index)
     writer.outputs([prompt], MAX_TOKENS)
     wait_for_keys(index, keys_before + 4)
