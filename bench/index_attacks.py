@@ -51,6 +51,7 @@ from maru_core.pool import Pool, SlotHeader
 from maru_core.protocol import MAX_BATCH_KEYS, PROTOCOL_VERSION, FrameDecoder, encode_frame, pack_lengths, parse_url
 from maru_core.protocol.framing import HEADER
 from quota_attacks import ATTACKS as TOKEN_ATTACKS
+from quota_attacks import still_open
 
 TOKEN = "bench-attack-token-0123456789abcdef"
 NORMAL_KEYS = 8000
@@ -94,20 +95,7 @@ def preauth_memory(url: str, stop) -> None:
             except OSError:
                 break
         time.sleep(0.2)
-        alive = []
-        for s in socks:
-            try:
-                s.setblocking(False)
-                if s.recv(1 << 16) == b"":
-                    s.close()
-                    continue
-            except BlockingIOError:
-                pass
-            except OSError:
-                s.close()
-                continue
-            alive.append(s)
-        socks = alive
+        socks = still_open(socks)
 
 
 def idle_flood(url: str, stop) -> None:

@@ -92,6 +92,24 @@ def _token_socket(url: str) -> socket.socket:
     return sock
 
 
+def still_open(socks: list[socket.socket]) -> list[socket.socket]:
+    """The sockets the index has not closed (read without blocking); the others are closed here."""
+    alive = []
+    for s in socks:
+        try:
+            s.setblocking(False)
+            if s.recv(1 << 16) == b"":
+                s.close()
+                continue
+        except BlockingIOError:
+            pass
+        except OSError:
+            s.close()
+            continue
+        alive.append(s)
+    return alive
+
+
 def token_connection_hoard(url: str, stop, pool_path: str) -> None:
     import resource
 
@@ -105,20 +123,7 @@ def token_connection_hoard(url: str, stop, pool_path: str) -> None:
             except OSError:
                 break
         stop.wait(0.5)
-        alive = []
-        for s in socks:  # the index may close some (displacement): open them again
-            try:
-                s.setblocking(False)
-                if s.recv(1 << 16) == b"":
-                    s.close()
-                    continue
-            except BlockingIOError:
-                pass
-            except OSError:
-                s.close()
-                continue
-            alive.append(s)
-        socks = alive
+        socks = still_open(socks)  # the index may close some (displacement): open them again
 
 
 def token_slowloris(url: str, stop, pool_path: str) -> None:

@@ -15,28 +15,15 @@ import tracemalloc
 import urllib.request
 
 import pytest
+from quota_objects import numbered, store
 
 from maru_core.index.client import IndexClient
 from maru_core.index.client_ops import IndexRejected
 from maru_core.index.launcher import ThreadedIndex
-from maru_core.pool import Pool, SlotHeader
+from maru_core.pool import Pool
 from maru_tools.index_process import IndexProcess, free_port
 
 TOKEN = "lease-quota-token-0123456789"
-OBJECT = 64  # bytes: an object per page
-
-
-def numbered(tag: int, n: int) -> list[bytes]:
-    return [bytes([tag]) + i.to_bytes(4, "little") + bytes(11) for i in range(n)]
-
-
-def store(client: IndexClient, pool: Pool, keys: list[bytes], length: int = OBJECT) -> None:
-    """Reserve, write each slot header (as a connector's store does), commit."""
-    slots = list(client.reserve([(k, length) for k in keys]))
-    assert None not in slots
-    for k, slot in zip(keys, slots):
-        pool.write_slot_header(slot.offset, SlotHeader(key=k, generation=slot.generation, length=length))
-    assert client.commit(keys) == [True] * len(keys)
 
 
 def test_pinning_the_same_keys_again_and_again_keeps_the_index_flat_and_bye_fast(make_pool):

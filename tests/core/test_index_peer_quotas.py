@@ -14,27 +14,14 @@ import urllib.request
 from collections.abc import Iterator
 
 import pytest
+from quota_objects import OBJECT, numbered, store
 
 from maru_core.index.client import IndexClient
 from maru_core.index.client_ops import IndexRejected
-from maru_core.pool import Pool, SlotHeader
+from maru_core.pool import Pool
 from maru_tools.index_process import IndexProcess, free_port
 
-OBJECT = 64  # bytes: an object per page
 HONEST_ADDRESS = "127.0.0.2"  # another peer than the hog's 127.0.0.1
-
-
-def numbered(tag: int, n: int) -> list[bytes]:
-    return [bytes([tag]) + i.to_bytes(4, "little") + bytes(11) for i in range(n)]
-
-
-def store(client: IndexClient, pool: Pool, keys: list[bytes], length: int = OBJECT) -> None:
-    """Reserve, write each slot header (as a connector's store does), commit."""
-    slots = list(client.reserve([(k, length) for k in keys]))
-    assert None not in slots
-    for k, slot in zip(keys, slots):
-        pool.write_slot_header(slot.offset, SlotHeader(key=k, generation=slot.generation, length=length))
-    assert client.commit(keys) == [True] * len(keys)
 
 
 @contextlib.contextmanager
