@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
 
@@ -58,6 +58,10 @@ def kv_events_enabled(vllm_config: "VllmConfig") -> bool:
     return bool(cfg is not None and cfg.enable_kv_cache_events)
 
 
+#: A block hash as vLLM's events carry it (``ExternalBlockHash``: 64-bit int or bytes).
+EventBlockHash = int | bytes
+
+
 @dataclass(frozen=True)
 class ChunkPayload:
     """What a chunk's ``BlockStored`` says, taken while its request is alive.
@@ -68,13 +72,13 @@ class ChunkPayload:
     """
 
     chunk_key: bytes
-    block_hashes: tuple[Any, ...]
-    parent_block_hash: Any
+    block_hashes: tuple[EventBlockHash, ...]
+    parent_block_hash: EventBlockHash | None
     token_ids: tuple[int, ...]
     block_size: int
     lora_id: int | None = None
     lora_name: str | None = None
-    extra_keys: tuple[Any, ...] | None = None
+    extra_keys: tuple[tuple[object, ...] | None, ...] | None = None
 
     def stored(self) -> BlockStored:
         return BlockStored(
@@ -90,7 +94,7 @@ class ChunkPayload:
         )
 
 
-def chunk_block_hashes(request: "Request", chunk: int, blocks_per_chunk: int) -> list[Any] | None:
+def chunk_block_hashes(request: "Request", chunk: int, blocks_per_chunk: int) -> list[EventBlockHash] | None:
     """The vLLM block hashes of chunk ``chunk`` of ``request``, as vLLM's events
     carry them; None when vLLM has not hashed all its blocks."""
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
@@ -196,7 +200,7 @@ class StoreEventLedger:
         """Store plans wait for a settlement from some rank."""
         return bool(self._planned)
 
-    def chunk_gone(self, chunk_key: bytes, block_hashes: Sequence[Any] | None) -> None:
+    def chunk_gone(self, chunk_key: bytes, block_hashes: Sequence[EventBlockHash] | None) -> None:
         """A lookup that reached the index found this chunk missing: if this
         engine published it as stored, publish its removal."""
         if chunk_key not in self._published:
