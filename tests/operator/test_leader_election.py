@@ -4,8 +4,6 @@ takes over when the holder stops, and never before a Lease nobody renews has run
 from __future__ import annotations
 
 import dataclasses
-import random
-import socket
 import time
 from collections.abc import Iterator
 
@@ -15,6 +13,7 @@ import requests
 from kube_helpers import Kube, wait_for
 from maru_operator.cli import OperatorOptions
 from maru_operator.metrics import RESULTS
+from maru_tools.index_process import free_port
 from maru_tools.kube_emulator import OperatorThread
 
 LEASES = "/apis/coordination.k8s.io/v1/namespaces/maru-system/leases"
@@ -96,16 +95,10 @@ def test_a_waiting_replica_never_writes_to_a_cache(kube: Kube, options: Operator
 
 
 def listen_port(taken: set[int]) -> int:
-    """A free port below the ephemeral range: the webhook and liveness ports are bound again at a
-    takeover, seconds after they were picked, and a port from the ephemeral range may by then be
-    the local end of one of the test's own client connections."""
-    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
-    for port in random.sample(range(20000, min(low, 32000)), 200):
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:
-                continue
+    """A free port below the ephemeral range (``free_port``): the webhook and liveness ports are
+    bound again at a takeover, seconds after they were picked."""
+    for _ in range(50):
+        port = free_port()
         if port not in taken:
             taken.add(port)
             return port

@@ -6,7 +6,6 @@ import base64
 import copy
 import dataclasses
 import json
-import socket
 import ssl
 import subprocess
 
@@ -19,13 +18,8 @@ from pod_security import restricted_violations
 from test_crd import VALIDATE
 from maru_operator import ANNOTATION_INJECTED, ANNOTATION_PLACEMENT, ANNOTATION_SKIPPED
 from maru_operator.injection import CONFIG_ENV, SIDECAR_NAME
+from maru_tools.index_process import free_port
 from maru_tools.kube_emulator import OperatorThread
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pod(cache: str, name: str = "vllm-0", **extra) -> dict:

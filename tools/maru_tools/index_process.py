@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import secrets
 import signal
+import random
 import socket
 import subprocess
 import sys
@@ -23,7 +24,23 @@ SHM_DIR = "/dev/shm"
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    """A TCP port on 127.0.0.1 that nothing is bound to right now, below the
+    ephemeral range: a port is bound by the process it is for some time after
+    it was picked, and a port from the ephemeral range (what binding port 0
+    gives) may by then be the local end of an outgoing connection."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+            low = int(ports.read().split()[0])
+    except (OSError, ValueError, IndexError):  # not Linux: the kernel's pick
+        low = 0
+    candidates = random.sample(range(20000, low), min(400, low - 20000)) if low > 20400 else []
+    for port in candidates:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
