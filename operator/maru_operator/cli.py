@@ -29,6 +29,7 @@ from .leader import LeaseElector
 from .metrics import OperatorMetrics
 from .usage import DEFAULT_URL_TEMPLATE, http_reader, url_template
 from .webhook import SelfSigningWebhookServer, register_webhook
+from .webhook_tls import DEFAULT_CHECK_SECONDS, ReloadingWebhookServer
 
 
 @dataclasses.dataclass
@@ -45,6 +46,7 @@ class OperatorOptions:
     webhook_port: int = 9443
     webhook_host: str | None = None
     webhook_cert_dir: str | None = None
+    webhook_cert_check_seconds: float = DEFAULT_CHECK_SECONDS
     webhook_insecure: bool = False
     webhook_manage: bool = False
     liveness: str | None = None
@@ -80,6 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                "(certificate name; default: the listen address)")
     parser.add_argument("--webhook-cert-dir", help="directory with tls.crt and tls.key (e.g. a mounted Secret); "
                                                    "default: a self-signed certificate made at start")
+    parser.add_argument("--webhook-cert-check-seconds", type=float, default=d.webhook_cert_check_seconds,
+                        help="how often the files of --webhook-cert-dir are read again; a renewed certificate "
+                             "is served from the next handshake on, without closing the listener")
     parser.add_argument("--webhook-insecure", action="store_true", help="plain HTTP (local testing only)")
     parser.add_argument("--webhook-manage", action="store_true",
                         help="let the operator create and update the MutatingWebhookConfiguration")
@@ -117,8 +122,8 @@ def webhook_server(options: OperatorOptions) -> kopf.WebhookServer:
             if not (cert_dir / name).is_file():
                 raise SystemExit(f"--webhook-cert-dir {cert_dir}: {name} is missing; mount a TLS Secret there "
                                  "or leave the flag out for a self-signed certificate")
-        return kopf.WebhookServer(addr=options.webhook_addr, port=options.webhook_port, host=options.webhook_host,
-                                  certfile=str(cert_dir / "tls.crt"), pkeyfile=str(cert_dir / "tls.key"))
+        return ReloadingWebhookServer(cert_dir, check_seconds=options.webhook_cert_check_seconds,
+                                      addr=options.webhook_addr, port=options.webhook_port, host=options.webhook_host)
     return SelfSigningWebhookServer(addr=options.webhook_addr, port=options.webhook_port, host=options.webhook_host)
 
 

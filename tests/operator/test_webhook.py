@@ -6,8 +6,10 @@ import base64
 import copy
 import dataclasses
 import json
+import socket
 import ssl
 import subprocess
+import time
 
 import jsonpatch
 import pytest
@@ -18,6 +20,7 @@ from pod_security import restricted_violations
 from test_crd import VALIDATE
 from maru_operator import ANNOTATION_INJECTED, ANNOTATION_PLACEMENT, ANNOTATION_SKIPPED
 from maru_operator.injection import CONFIG_ENV, SIDECAR_NAME
+from maru_operator.webhook import SelfSigningWebhookServer
 from maru_tools.index_process import free_port
 from maru_tools.kube_emulator import OperatorThread
 
@@ -240,6 +243,51 @@ def test_https_with_a_self_signed_certificate(kube: Kube, options, tmp_path):
         assert ANNOTATION_SKIPPED in patched["metadata"]["annotations"]
         with pytest.raises(requests.exceptions.SSLError):
             requests.post(f"https://127.0.0.1:{port}/inject", json={}, timeout=10)  # not trusted by default
+
+
+def test_a_renewed_certificate_is_served_without_closing_the_listener(kube: Kube, options, tmp_path):
+    """The mounted Secret is replaced (as cert-manager renews it and the kubelet
+    swaps the files): later handshakes present the new certificate, reviews
+    keep being answered, and no connection is refused meanwhile (the webhook
+    fails open: a refused call would start a pod without its sidecar)."""
+    port = free_port()
+    cert_dir = tmp_path / "tls"
+    cert_dir.mkdir()
+
+    def install(host: str) -> str:
+        cert, key = SelfSigningWebhookServer.build_certificate(["127.0.0.1", host])
+        staged = tmp_path / "staged"
+        staged.mkdir(exist_ok=True)
+        (staged / "tls.key").write_bytes(key)
+        (staged / "tls.crt").write_bytes(cert)
+        for name in ("tls.key", "tls.crt"):
+            (staged / name).replace(cert_dir / name)
+        return cert.decode()
+
+    first = install("first.example")
+    opts = dataclasses.replace(options, webhook=True, webhook_addr="127.0.0.1", webhook_port=port,
+                               webhook_cert_dir=str(cert_dir), webhook_cert_check_seconds=0.2)
+    with OperatorThread(opts):
+        assert _same_cert(wait_for(lambda: _server_cert(port), what="TLS listener"), first)
+        refused = []
+        second = install("second.example")
+        deadline = time.monotonic() + 10
+        while not _same_cert(_server_cert(port) or "", second):
+            with socket.socket() as probe:  # the listener stays open throughout
+                if probe.connect_ex(("127.0.0.1", port)) != 0:
+                    refused.append(time.monotonic())
+            assert time.monotonic() < deadline, "the renewed certificate was not served within 10 s"
+            time.sleep(0.02)
+        assert not refused
+        ca = tmp_path / "second.pem"
+        ca.write_text(second)
+        answer, patched = review(f"https://127.0.0.1:{port}/inject", pod("missing"), verify=str(ca))
+        assert ANNOTATION_SKIPPED in patched["metadata"]["annotations"]
+
+
+def _same_cert(served: str, pem: str) -> bool:
+    """Whether two PEM texts hold the same certificate (the server's comes re-encoded)."""
+    return bool(served) and ssl.PEM_cert_to_DER_cert(served) == ssl.PEM_cert_to_DER_cert(pem)
 
 
 def _server_cert(port: int) -> str | None:
