@@ -42,7 +42,11 @@ DOCUMENTED = {
     "tls-secret-cert-manager": {"webhook": {"tls": {"mode": "secret", "secretName": "mine"},
                                             "annotations": {"cert-manager.io/inject-ca-from": "maru-system/c"}}},
     "plain-sidecars-no-usage": {"operator": {"nativeSidecars": "never", "usageSeconds": 0}},
+    "tls-cert-manager": {"webhook": {"tls": {"mode": "certManager"}}},
+    "tls-cert-manager-cluster-issuer": {"webhook": {"tls": {"mode": "certManager", "certManager": {
+        "issuerRef": {"name": "corp-ca", "kind": "ClusterIssuer"}}}}},
 }
+CERT_MANAGER_KINDS = {"Certificate", "Issuer"}
 
 
 @pytest.mark.parametrize("values", [{}, ALL_FEATURES, ALL_FEATURES_SM, {"operator": {"replicas": 2}},
@@ -61,7 +65,8 @@ def test_every_built_in_manifest_passes_kubernetes_validate_strict(tmp_path, val
     assert run.returncode == 0, run.stdout + run.stderr
     # Everything else is a Prometheus Operator kind (validated by promtool and a real Prometheus below).
     others = {d["kind"] for d in docs} - {d["kind"] for d in built_in}
-    assert others <= {"ServiceMonitor", "PodMonitor", "PrometheusRule"}, others
+    # cert-manager's kinds are checked field by field in the cert-manager test below.
+    assert others <= {"ServiceMonitor", "PodMonitor", "PrometheusRule", *CERT_MANAGER_KINDS}, others
 
 
 def test_every_feature_renders_what_it_promises(tmp_path):
@@ -207,6 +212,43 @@ def test_generated_webhook_certificate_is_signed_by_the_ca_bundle_and_names_the_
     assert cert.not_valid_after_utc - datetime.datetime.now(datetime.timezone.utc) > datetime.timedelta(days=3000)
     volume = next(v for v in one(docs, "Deployment")["spec"]["template"]["spec"]["volumes"] if v["name"] == "webhook-tls")
     assert volume["secret"]["secretName"] == secret["metadata"]["name"]
+
+
+def test_cert_manager_issues_the_secret_the_operator_mounts_and_injects_its_ca(tmp_path):
+    """mode certManager: the serving Certificate goes into the Secret the operator mounts and names
+    the Service the API server calls; cert-manager injects the CA the Certificate's issuer chain
+    ends in; nothing is generated at render time, so a GitOps `helm template` renders the same
+    manifests every time (mode "generate" makes a new CA on each render there)."""
+    values = DOCUMENTED["tls-cert-manager"]
+    docs = render(tmp_path, values)
+    assert render(tmp_path, values) == docs
+    assert render(tmp_path) != render(tmp_path), "generate mode no longer differs between renders"
+    assert not find(docs, "Secret")
+    certs = {d["metadata"]["name"]: d for d in find(docs, "Certificate")}
+    issuers = {d["metadata"]["name"]: d for d in find(docs, "Issuer")}
+    assert all(d["apiVersion"] == "cert-manager.io/v1" for d in [*certs.values(), *issuers.values()])
+    volume = next(v for v in one(docs, "Deployment")["spec"]["template"]["spec"]["volumes"] if v["name"] == "webhook-tls")
+    serving = next(c for c in certs.values() if c["spec"]["secretName"] == volume["secret"]["secretName"])
+    config = one(docs, "MutatingWebhookConfiguration")
+    service = config["webhooks"][0]["clientConfig"]["service"]
+    assert f"{service['name']}.{service['namespace']}.svc" in serving["spec"]["dnsNames"]
+    assert "caBundle" not in config["webhooks"][0]["clientConfig"]
+    assert config["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == \
+        f"{NAMESPACE}/{serving['metadata']['name']}"
+    # The chain: serving <- CA Issuer <- its CA Certificate's Secret <- a self-signed Issuer.
+    ca_issuer = issuers[serving["spec"]["issuerRef"]["name"]]
+    assert serving["spec"]["issuerRef"]["kind"] == "Issuer"
+    ca_cert = next(c for c in certs.values() if c["spec"]["secretName"] == ca_issuer["spec"]["ca"]["secretName"])
+    assert ca_cert["spec"]["isCA"] is True
+    assert "selfSigned" in issuers[ca_cert["spec"]["issuerRef"]["name"]]["spec"]
+
+    corp = render(tmp_path, DOCUMENTED["tls-cert-manager-cluster-issuer"])
+    assert not find(corp, "Issuer") and len(find(corp, "Certificate")) == 1
+    assert one(corp, "Certificate")["spec"]["issuerRef"] == {"name": "corp-ca", "kind": "ClusterIssuer",
+                                                            "group": "cert-manager.io"}
+    with pytest.raises(HelmFailed, match="issuerRef needs a name"):
+        render(tmp_path, {"webhook": {"tls": {"mode": "certManager", "certManager": {
+            "issuerRef": {"kind": "ClusterIssuer"}}}}})
 
 
 def test_dashboards_become_configmaps_labelled_for_grafana(tmp_path):
