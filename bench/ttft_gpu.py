@@ -81,9 +81,6 @@ def parse(argv=None):
     p.add_argument("--torch-compare", action="store_true",
                    help="A/B: a verified fill's comparison as torch operations after the sum "
                         "kernel (before), not in the same launch")
-    p.add_argument("--jit-launch", action="store_true",
-                   help="A/B: every launch of the checksum kernel through Triton's JIT (before), "
-                        "not a variant's compiled launcher after its first")
     p.add_argument("--two-round-trip-pins", action="store_true",
                    help="early pins as an index without retrieve_prefix takes them: a "
                         "match_prefix, then a retrieve")
@@ -539,11 +536,9 @@ def main(argv=None):
         cuda_engine.HEAD_ONLY_ALWAYS = True
     if args.head_start_mib is not None:
         cuda_engine.HEAD_START_BYTES = args.head_start_mib << 20
-    from maru_connector.transfer import device_checksum
     if args.torch_compare:
+        from maru_connector.transfer import device_checksum
         device_checksum.FUSED_COMPARE = False
-    if args.jit_launch:
-        device_checksum.DIRECT_LAUNCH = False
     device = "cpu" if args.cpu else "cuda"
     geo = TINY if args.cpu else LLAMA3_8B
     if args.layers:

@@ -2,7 +2,7 @@
 # Verified loads on the GPU, in one go (run from the project root on a machine
 # with one NVIDIA GPU, torch with CUDA, Triton, no vLLM):
 #
-#   bash bench/verify_h200.sh OUT_DIR [fused-ab|launch-ab]
+#   bash bench/verify_h200.sh OUT_DIR [fused-ab|group-ab]
 #
 # 1. the CUDA tests of verified loads, of the CUDA engine and of its memory
 #    (test_verified_transfer.py -m cuda, test_transfer_cuda.py,
@@ -19,12 +19,11 @@
 # verified against unverified 4k and 16k hits (4k only for the before), both
 # formats, 7 repeats -> OUT_DIR/ttft_{FORMAT}{,_torch_compare}/ and .txt.
 #
-# With `launch-ab`, steps 2 and 3 make way for the A/B of the checksum
-# kernel launched through a variant's compiled launcher (as shipped) against
-# Triton's JIT each time (before, --jit-launch), and of 4k-token hits' layers
-# loaded in groups (--group-below-mib 32): the launches' host time alone,
-# the issuing functions' host time in the harness, then verified against
-# unverified 4k (and, as shipped, 16k) hits, both formats, 7 repeats.
+# With `group-ab`, steps 2 and 3 make way for the A/B of 4k-token hits'
+# layers loaded in groups (--group-below-mib 32: fills of 1, 2, 4, 4, ...
+# layers, 10 fills instead of 32) against one fill per layer (as shipped),
+# verified and unverified, both formats, 7 repeats, after the issuing
+# functions' host time in the harness (bench/verify_issue_cost.py).
 #
 # The index (step 3) needs `sortedcontainers` (pure Python): where it is not
 # installed, put a copy of the package in bench/.site/ (git ignores it). The
@@ -32,7 +31,7 @@
 # tests no hypothesis. About 6 minutes in all; each step has its own time
 # limit, and a step that fails does not stop the others (the exit code says).
 set -u
-out=${1:?usage: verify_h200.sh OUT_DIR [fused-ab|launch-ab]}
+out=${1:?usage: verify_h200.sh OUT_DIR [fused-ab|group-ab]}
 mode=${2:-all}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=connector:core:tools:tests/connector:bench/.site
@@ -42,21 +41,22 @@ gpu_info
 run cuda_tests 170 python3 -m pytest --noconftest -p no:cacheprovider -m cuda -q \
     tests/connector/test_verified_transfer.py tests/connector/test_transfer_cuda.py \
     tests/connector/test_head_start_cuda.py tests/connector/test_device_memory.py
-if [ "$mode" = launch-ab ]; then
-    run launches 60 python3 bench/verify_issue_cost.py launches
-    run issue_cost 90 python3 bench/verify_issue_cost.py harness --formats chunkwise --repeats 5 \
-        --sizes 4096 --partial 4096 0 --modes sync_overlap_graphs
+if [ "$mode" = group-ab ]; then
+    for group in 8 32; do
+        run "issue_cost_group$group" 90 python3 bench/verify_issue_cost.py harness --formats chunkwise \
+            --repeats 5 --sizes 4096 --partial 4096 0 --modes sync_overlap_graphs --group-below-mib "$group"
+        grep 'issue cost' "$out/issue_cost_group$group.txt"
+    done
     ab="sync_overlap_graphs sync_overlap_graphs_unverified"
-    for fmt in chunkwise layerwise; do
-        run "ttft_$fmt" 150 python3 bench/ttft_gpu.py --formats "$fmt" --repeats 7 --sizes 4096 16384 \
-            --partial 4096 512 --modes $ab --out "$out/ttft_$fmt"
-        grep '^|' "$out/ttft_$fmt.txt"
-        run "ttft_${fmt}_group32" 100 python3 bench/ttft_gpu.py --formats "$fmt" --repeats 7 --sizes 4096 \
-            --partial 4096 512 --modes $ab --group-below-mib 32 --out "$out/ttft_${fmt}_group32"
-        grep '^|' "$out/ttft_${fmt}_group32.txt"
-        run "ttft_${fmt}_jit" 100 python3 bench/ttft_gpu.py --formats "$fmt" --repeats 7 --sizes 4096 \
-            --modes $ab --jit-launch --out "$out/ttft_${fmt}_jit"
-        grep '^|' "$out/ttft_${fmt}_jit.txt"
+    for round in 1 2; do
+        for fmt in chunkwise layerwise; do
+            for group in 8 32; do
+                name="ttft_${fmt}_group${group}_$round"
+                run "$name" 100 python3 bench/ttft_gpu.py --formats "$fmt" --repeats 7 --sizes 4096 \
+                    --partial 4096 512 --modes $ab --group-below-mib "$group" --out "$out/$name"
+                grep '^|' "$out/$name.txt"
+            done
+        done
     done
     exit $failed
 fi

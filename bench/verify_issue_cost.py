@@ -2,8 +2,7 @@
 
     python3 bench/verify_issue_cost.py launches
         host time per call of the sum kernel's launch (with and without the
-        fused comparison, through a variant's compiled launcher and through
-        Triton's JIT), of torch's sums, and of a load's check state
+        fused comparison), of torch's sums, and of a load's check state
     python3 bench/verify_issue_cost.py harness [bench/ttft_gpu.py ARGS...]
         runs the GPU harness with the CUDA engine's issuing functions timed:
         calls, total and mean host time of each, printed at exit
@@ -55,15 +54,10 @@ def launches() -> None:
                          rows=objects, stride=1, first=0, cols=1)
     fill = dict(first_chunk=0, n_chunks=16, first_layer=0, n_layers=4, chunk_major=True, layerwise=False,
                 total_layers=32)
-    print(f"direct launches after a variant's first: {dc.DIRECT_LAUNCH}")
-    for direct in (True, False) if dc.DIRECT_LAUNCH else (False,):
-        dc.DIRECT_LAUNCH = direct
-        how = "compiled launcher" if direct else "JIT"
-        for row in (32 << 10, 256 << 10, 1 << 20):
-            host_time(f"sum, rows of {row >> 10} KiB, {how}", lambda: dc.add_row_sums(sums, staging, 0, row, **fill))
-            host_time(f"sum and compare, rows of {row >> 10} KiB, {how}",
-                      lambda: dc.add_row_sums(sums, staging, 0, row, compare=compare, **fill))
     for row in (32 << 10, 256 << 10):
+        host_time(f"sum, rows of {row >> 10} KiB", lambda: dc.add_row_sums(sums, staging, 0, row, **fill))
+        host_time(f"sum and compare, rows of {row >> 10} KiB",
+                  lambda: dc.add_row_sums(sums, staging, 0, row, compare=compare, **fill))
         host_time(f"torch's sum, rows of {row >> 10} KiB",
                   lambda: dc.add_row_sums(sums, staging, 0, row, backend="torch", **fill), repeats=50)
 

@@ -30,20 +30,21 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
-
 from maru_connector.log import get_logger
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # vLLM's event types are imported where events are made: the
+    # scheduler half also runs in the GPU benchmarks, where vLLM is not installed
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import BlockStored, KVCacheEvent
     from vllm.v1.request import Request
 
     from maru_connector.store import SettledStore
 
 logger = get_logger(__name__)
 
-#: The ``medium`` of every MaruCache event: the pool is host (or CXL) memory.
-MARU_MEDIUM = MEDIUM_CPU
+#: The ``medium`` of every MaruCache event: the pool is host (or CXL) memory
+#: (vLLM's ``MEDIUM_CPU``; a test holds the two equal).
+MARU_MEDIUM = "CPU"
 
 # Store plans whose settlement never came back are dropped this many steps
 # later (a worker that died mid-step); only their events are lost.
@@ -80,7 +81,9 @@ class ChunkPayload:
     lora_name: str | None = None
     extra_keys: tuple[tuple[object, ...] | None, ...] | None = None
 
-    def stored(self) -> BlockStored:
+    def stored(self) -> "BlockStored":
+        from vllm.distributed.kv_events import BlockStored
+
         return BlockStored(
             block_hashes=list(self.block_hashes),
             parent_block_hash=self.parent_block_hash,
@@ -166,7 +169,7 @@ class StoreEventLedger:
         self._num_ranks = num_ranks
         self._planned: dict[tuple[int, str], _PlannedStore] = {}
         self._published: OrderedDict[bytes, None] = OrderedDict()  # rank-0 chunk keys, oldest first
-        self._events: list[KVCacheEvent] = []
+        self._events: list["KVCacheEvent"] = []
 
     def plan(self, step: int, req_id: str, payloads: list[ChunkPayload] | None) -> None:
         """A store of ``req_id`` planned in ``step``; ``payloads``: one per chunk
@@ -207,9 +210,11 @@ class StoreEventLedger:
             return
         del self._published[chunk_key]
         if block_hashes:
+            from vllm.distributed.kv_events import BlockRemoved
+
             self._events.append(BlockRemoved(block_hashes=list(block_hashes), medium=MARU_MEDIUM, group_idx=0))
 
-    def take_events(self) -> list[KVCacheEvent]:
+    def take_events(self) -> list["KVCacheEvent"]:
         events, self._events = self._events, []
         return events
 

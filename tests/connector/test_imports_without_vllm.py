@@ -1,9 +1,10 @@
-"""The worker half imports on the GPU machine, where vLLM cannot be installed.
+"""Both connector halves import on the GPU machine, where vLLM cannot be installed.
 
 The GPU benchmarks and CUDA tests import the worker, the loader, the store
-and the CUDA engine with only `vllm_shim`'s two base classes standing in for
-vLLM; a module-level import of anything else of vLLM on that path stops
-every GPU run before it starts.
+and the CUDA engine, and the GPU harness drives the scheduler half, with
+only `vllm_shim`'s two base classes standing in for vLLM; a module-level
+import of anything else of vLLM on that path stops every GPU run before it
+starts.
 """
 
 from __future__ import annotations
@@ -31,10 +32,11 @@ import vllm_shim
 assert vllm_shim.install()
 import maru_connector.loader, maru_connector.store, maru_connector.worker
 import maru_connector.transfer.cuda, maru_connector.transfer.factory
+import maru_connector.scheduler
 """
 
 
-def test_the_worker_half_and_the_cuda_engine_import_with_only_the_shim():
+def test_both_halves_and_the_cuda_engine_import_with_only_the_shim():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]

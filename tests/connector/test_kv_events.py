@@ -10,7 +10,7 @@ gone. The workers' settlements come from the real ``Storer`` on a real pool
 from __future__ import annotations
 
 import pytest
-from vllm.distributed.kv_events import BlockRemoved, BlockStored
+from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, maybe_convert_block_hash
@@ -50,7 +50,7 @@ def test_a_chunk_is_published_once_every_rank_committed_it():
     events = ledger.take_events()
     assert not ledger.unsettled
     assert [type(e) for e in events] == [BlockStored]
-    assert events[0].block_hashes == [b"h0a", b"h0b"] and events[0].medium == MARU_MEDIUM == "CPU"
+    assert events[0].block_hashes == [b"h0a", b"h0b"] and events[0].medium == MARU_MEDIUM == MEDIUM_CPU
     assert ledger.take_events() == []  # taken once
 
 

@@ -448,36 +448,3 @@ def test_the_sum_and_compare_of_a_fill_flags_exactly_a_due_mismatch_on_the_gpu(b
         pytest.fail("the fused comparison is off on this GPU: every verified fill takes torch's compare")
     _check_compare("cuda", backend, "pinned")
 
-
-@ON_GPU[0]
-@ON_GPU[1]
-def test_launches_through_the_compiled_launcher_sum_as_the_jit_does_in_every_variant():
-    """After a variant's first launch the kernel is launched through its
-    compiled launcher: the sums still equal torch's, and a launch that
-    Triton would specialize differently (a pointer off 16 bytes, a start
-    word past 2**31) gets its own variant rather than another's launcher."""
-    device_checksum.warm_up(torch.device("cuda"), layerwise=False)
-    if device_checksum.BACKEND != "triton" or not device_checksum.DIRECT_LAUNCH:
-        pytest.fail(f"launches on this GPU: backend {device_checksum.BACKEND}, "
-                    f"direct {device_checksum.DIRECT_LAUNCH}")
-    rng = np.random.default_rng(5)
-    row_bytes, chunks, nl = 4 * 777, 3, 2
-    far = (1 << 31) * 4 + 64  # bytes: the start word needs 64 bits
-    data = torch.empty(far + chunks * nl * row_bytes, dtype=torch.uint8, device="cuda")
-    rows = dict(first_chunk=0, n_chunks=chunks, first_layer=0, n_layers=nl, chunk_major=True,
-                layerwise=False, total_layers=nl)
-    for offset in (0, 4, far):
-        data[offset:offset + chunks * nl * row_bytes] = torch.from_numpy(
-            rng.integers(0, 256, chunks * nl * row_bytes, dtype=np.uint8)).cuda()
-        want = torch.zeros(chunks, dtype=torch.int64, device="cuda")
-        device_checksum.add_row_sums(want, data, offset, row_bytes, backend="torch", **rows)
-        for sums_at in (0, 1):  # the sums' pointer 16-byte aligned, then 8 bytes off
-            for _ in range(3):  # the first launch of a variant, then its launcher
-                store = torch.zeros(chunks + 1, dtype=torch.int64, device="cuda")
-                sums = store[sums_at:sums_at + chunks]
-                device_checksum.add_row_sums(sums, data, offset, row_bytes, backend="triton", **rows)
-                torch.cuda.synchronize()
-                assert torch.equal(sums, want), (offset, sums_at)
-    keys = {k for k in device_checksum._compiled if k[:2] == (True, False)}
-    assert len(keys) >= 3  # aligned and not; a 32-bit and a 64-bit start word
-    del data

@@ -27,7 +27,6 @@ a torch expression computes the same sums, several passes over the bytes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -74,11 +73,6 @@ class Compare:
 # Whether the kernel compares in the same launch (``warm_up`` turns it off
 # where it disagrees with torch, e.g. a pinned flag it cannot write).
 FUSED_COMPARE = True
-# Whether launches after a variant's first call its compiled launcher
-# directly (``_launch``; ``warm_up`` turns it off where that launcher takes
-# other arguments, as Triton before 3.3 did).
-DIRECT_LAUNCH = True
-_compiled: dict[tuple, Any] = {}  # ``_variant`` -> Triton's CompiledKernel
 
 if triton is not None:
 
@@ -171,12 +165,12 @@ def add_row_sums(sums: torch.Tensor, buffer: torch.Tensor, byte_offset: int, row
     if backend == "triton":
         parts = max(1, min(_MAX_PARTS, -(-row_words // (4 * _BLOCK))))
         c = compare if FUSED_COMPARE else None
-        _launch((n_rows, parts), (
+        _row_sums_kernel[(n_rows, parts)](
             words, sums, start_word, row_words, n_chunks, n_layers, first_chunk, first_layer, total_layers,
             layer_words, sums if c is None else c.counter, sums if c is None else c.expected,
             sums if c is None else c.verify, sums if c is None else c.flag, 0 if c is None else c.rows,
-            0 if c is None else c.stride, 0 if c is None else c.first, 1 if c is None else c.cols),
-            (chunk_major, layerwise, c is not None, _BLOCK))
+            0 if c is None else c.stride, 0 if c is None else c.first, 1 if c is None else c.cols,
+            CHUNK_MAJOR=chunk_major, LAYERWISE=layerwise, COMPARE=c is not None, BLOCK=_BLOCK)
         if compare is not None and c is None:
             _torch_compare(sums, compare)
         return
@@ -184,40 +178,6 @@ def add_row_sums(sums: torch.Tensor, buffer: torch.Tensor, byte_offset: int, row
                     total_layers, layer_words, chunk_major, layerwise)
     if compare is not None:
         _torch_compare(sums, compare)
-
-
-def _launch(grid: tuple[int, int], args: tuple, constexprs: tuple[bool, bool, bool, int]) -> None:
-    """Launch the kernel on the current stream. The first launch of each
-    variant goes through Triton's JIT, which binds the arguments, picks
-    (or compiles) the variant and launches it, about 40 us of host time;
-    later launches of that variant call its compiled launcher directly
-    (``DIRECT_LAUNCH``), a few us: a 4k-token hit issues 32 fills or more
-    on the engine thread before its forward (bench/RESULTS.md)."""
-    key = _variant(args, constexprs)
-    compiled = _compiled.get(key) if DIRECT_LAUNCH else None
-    if compiled is None or _launch_hooked():
-        chunk_major, layerwise, compare, block = constexprs
-        _compiled[key] = _row_sums_kernel[grid](*args, CHUNK_MAJOR=chunk_major, LAYERWISE=layerwise,
-                                                COMPARE=compare, BLOCK=block)
-        return
-    stream = torch.cuda.current_stream().cuda_stream
-    compiled.run(grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
-                 *args, *constexprs)
-
-
-def _variant(args: tuple, constexprs: tuple) -> tuple:
-    """What picks the kernel's compiled variant, as Triton specializes it:
-    the constexprs, each pointer's 16-byte alignment and each integer's
-    width (the integers are not specialized on their values)."""
-    return constexprs + tuple(a.data_ptr() % 16 == 0 if isinstance(a, torch.Tensor) else -(1 << 31) <= a < (1 << 31)
-                              for a in args)
-
-
-def _launch_hooked() -> bool:
-    """Whether a tool (a profiler) watches Triton's launches: those take the JIT path."""
-    knobs = getattr(triton, "knobs", None)
-    runtime = getattr(knobs, "runtime", None)
-    return getattr(runtime, "launch_enter_hook", None) is not None
 
 
 def _torch_compare(sums: torch.Tensor, c: Compare) -> None:
@@ -258,13 +218,18 @@ def warm_up(device: torch.device, layerwise: bool) -> None:
     compile here (no toolchain) or disagrees leaves every sum to torch, and a
     fused comparison that disagrees leaves the comparisons to torch, with a
     warning."""
-    global BACKEND, FUSED_COMPARE, DIRECT_LAUNCH
+    global BACKEND, FUSED_COMPARE
     if BACKEND != "triton":  # pragma: no cover
         return
     data = torch.arange(256, dtype=torch.int64, device=device).mul_(2654435761).to(torch.uint8)
-    DIRECT_LAUNCH = DIRECT_LAUNCH and _launcher_takes_constexprs()
     try:
-        want = _check_sums(device, data, layerwise)  # Triton's JIT launches (and compiles)
+        for chunk_major in (False, True):
+            got, want = (torch.zeros(4, dtype=torch.int64, device=device) for _ in range(2))
+            for sums, backend in ((got, "triton"), (want, "torch")):
+                _add_warm_up_rows(sums, data, layerwise, chunk_major, backend)
+            if not torch.equal(got, want):
+                raise RuntimeError(f"the kernel's sums {got.tolist()} differ from torch's {want.tolist()}")
+        torch.cuda.synchronize(device)
     except Exception as exc:  # pragma: no cover - depends on the machine
         logger.warning("payload checksums on the GPU use torch, not Triton (%s)", exc)
         BACKEND = "torch"
@@ -274,39 +239,6 @@ def warm_up(device: torch.device, layerwise: bool) -> None:
     except Exception as exc:  # pragma: no cover - depends on the machine
         logger.warning("payload checksums on the GPU are compared by torch, not in the kernel (%s)", exc)
         FUSED_COMPARE = False
-    if not DIRECT_LAUNCH:  # pragma: no cover - Triton before 3.3
-        return
-    try:  # the same variants again, now through their compiled launchers
-        _check_sums(device, data, layerwise)
-        if FUSED_COMPARE:
-            _check_fused_compare(device, data, want, layerwise)
-    except Exception as exc:  # pragma: no cover - depends on the machine
-        logger.warning("payload checksums on the GPU launch through Triton's JIT each time (%s)", exc)
-        DIRECT_LAUNCH = False
-        _compiled.clear()
-
-
-def _launcher_takes_constexprs() -> bool:
-    """Triton 3.3 and later: a compiled launcher takes every argument, the
-    constexprs too (as ``JITFunction.run`` passes them); earlier ones did not."""
-    try:
-        major, minor = (int(part) for part in triton.__version__.split(".")[:2])
-    except ValueError:  # pragma: no cover - an unusual version string
-        return False
-    return (major, minor) >= (3, 3)
-
-
-def _check_sums(device: torch.device, data: torch.Tensor, layerwise: bool) -> torch.Tensor:
-    """The kernel's sums of the warm-up rows against torch's, both layouts:
-    torch's sums (chunk-major)."""
-    for chunk_major in (False, True):
-        got, want = (torch.zeros(4, dtype=torch.int64, device=device) for _ in range(2))
-        for sums, backend in ((got, "triton"), (want, "torch")):
-            _add_warm_up_rows(sums, data, layerwise, chunk_major, backend)
-        if not torch.equal(got, want):
-            raise RuntimeError(f"the kernel's sums {got.tolist()} differ from torch's {want.tolist()}")
-    torch.cuda.synchronize(device)
-    return want
 
 
 def _add_warm_up_rows(sums: torch.Tensor, data: torch.Tensor, layerwise: bool, chunk_major: bool, backend: str,
