@@ -105,8 +105,9 @@ def parse_objects_page(reply: dict[str, Any], cursor: int) -> ObjectsPage:
 
 def parse_flush_page(reply: dict[str, Any], cursor: int) -> FlushPage:
     op = Op.FLUSH
-    counts = [_count(op, reply, name) for name in ("evicted", "evicted_bytes", "pinned", "held_back")]
+    evicted, evicted_bytes, pinned, held_back = (
+        _count(op, reply, name) for name in ("evicted", "evicted_bytes", "pinned", "held_back"))
     quota, retry = reply.get("quota"), reply.get("retry_after_s")
-    if (quota is not None and type(quota) is not str) or type(retry) not in (int, float) or retry < 0:
+    if (quota is not None and type(quota) is not str) or not isinstance(retry, (int, float)) or retry < 0:
         raise MalformedReply(f"malformed reply: quota {quota!r}, retry_after_s {retry!r}", op, reply)
-    return FlushPage(*counts, quota, float(retry), _next_cursor(op, reply, cursor))
+    return FlushPage(evicted, evicted_bytes, pinned, held_back, quota, float(retry), _next_cursor(op, reply, cursor))

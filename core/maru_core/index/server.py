@@ -26,6 +26,9 @@ once (``Registry.retrieve_sliced``), so it stays all or nothing; a large
 ``retrieve_prefix`` likewise, its lookups stopping at the first slice with
 a miss.
 
+``list_objects`` and ``flush`` (``maru_core.index.object_ops``) walk the
+record table a range of rows per request, a slice of rows per step.
+
 Connections are accepted a few per event-loop callback
 (``maru_core.index.accept``); one whose peer already closed it is dropped
 there, costing nothing more. A peer (an IP address, or a Unix socket's
