@@ -150,6 +150,28 @@ def test_flush_asks_first_and_without_a_terminal_needs_yes(index):
     assert bad.returncode == 2 and "MODEL column of marucache inspect" in bad.stderr
 
 
+def flush_on_a_terminal(proc: IndexProcess, answer: str, *args: str) -> subprocess.CompletedProcess:
+    """``marucache flush`` whose stdin is a terminal (a pty), answering its question with ``answer``."""
+    controller, terminal = os.openpty()
+    try:
+        os.write(controller, answer.encode() + b"\n")
+        return subprocess.run([sys.executable, "-m", "maru_core.cli", "flush", "--index", proc.url, "--token-file",
+                               proc.token_file, *args], stdin=terminal, capture_output=True, text=True, timeout=60)
+    finally:
+        os.close(controller), os.close(terminal)
+
+
+def test_flush_asks_on_a_terminal_what_it_would_remove(index):
+    proc, _, client = index
+    declined = flush_on_a_terminal(proc, "n", "--model", f"{MODEL_B:016x}")
+    assert declined.returncode == 1, declined.stderr
+    assert f"Flush 20 objects (160.0 KiB; model {MODEL_B:016x}) from the cache at {proc.url}?" in declined.stdout
+    assert client.stats()["keys"] == 55
+    accepted = flush_on_a_terminal(proc, "y", "--model", f"{MODEL_B:016x}")
+    assert accepted.returncode == 0 and "flushed 20 objects" in accepted.stdout, accepted.stderr
+    assert client.stats()["keys"] == 35
+
+
 def test_a_huge_listing_is_read_a_page_at_a_time():
     """A listing of many objects is never one reply: the index scans at most
     MAX_SCAN_ROWS rows per request (a slice per step), the client follows the cursor."""

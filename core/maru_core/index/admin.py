@@ -126,11 +126,15 @@ def parse_layout(text: str) -> int:
 
 
 def human_bytes(size: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024  # type: ignore[assignment]
-    raise AssertionError("unreachable")
+    """``size`` in bytes as people read it: ``512 B``, ``1.5 GiB``."""
+    if size < 1024:
+        return f"{size} B"
+    scaled = float(size)
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        scaled /= 1024
+        if scaled < 1024 or unit == "TiB":
+            break
+    return f"{scaled:.1f} {unit}"
 
 
 def table(rows: list[list[Any]], header: list[str]) -> str:

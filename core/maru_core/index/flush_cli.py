@@ -51,13 +51,10 @@ def _what(args: argparse.Namespace) -> str:
 
 
 def _confirmed(args: argparse.Namespace, objects: int, size: int) -> bool:
-    question = (f"Flush {objects} objects ({human_bytes(size)}; {_what(args)}) from the cache at {args.index}? "
-                "Pinned objects stay. [y/N] ")
-    if not sys.stdin.isatty():
-        print(f"marucache flush: {question.split('?')[0]}? stdin is no terminal to ask on: pass --yes",
-              file=sys.stderr)
-        return False
-    return input(question).strip().lower() in ("y", "yes")
+    """Ask on the terminal whether to flush ``objects`` objects of ``size`` bytes."""
+    answer = input(f"Flush {objects} objects ({human_bytes(size)}; {_what(args)}) from the cache at {args.index}? "
+                   "Pinned objects stay. [y/N] ")  # fmt: skip
+    return answer.strip().lower() in ("y", "yes")
 
 
 def flush_everything(client: IndexClient, args: argparse.Namespace) -> dict[str, Any]:
@@ -86,12 +83,16 @@ def flush_everything(client: IndexClient, args: argparse.Namespace) -> dict[str,
 
 def run(args: argparse.Namespace) -> int:
     def flush(client: IndexClient) -> int:
-        groups, _ = collect_groups(client, args.page_rows)
-        matching = [g for g in groups if (args.model is None or g.layout == args.model)
-                    and (args.format is None or g.format == args.format)]  # fmt: skip
-        objects, size = sum(g.objects for g in matching), sum(g.bytes for g in matching)
-        if not args.yes and not _confirmed(args, objects, size):
-            return 2 if not sys.stdin.isatty() else 1
+        if not args.yes:
+            if not sys.stdin.isatty():
+                print(f"marucache flush: not flushing {_what(args)} from the cache at {args.index}: stdin is no "
+                      "terminal to ask on; pass --yes", file=sys.stderr)
+                return 2
+            groups, _ = collect_groups(client, args.page_rows)
+            matching = [g for g in groups if (args.model is None or g.layout == args.model)
+                        and (args.format is None or g.format == args.format)]  # fmt: skip
+            if not _confirmed(args, sum(g.objects for g in matching), sum(g.bytes for g in matching)):
+                return 1
         totals = flush_everything(client, args)
         if args.json:
             print(json.dumps({"index": args.index, "model": None if args.model is None else layout_text(args.model),

@@ -59,7 +59,8 @@ class ObjectOps:
                 yield  # other connections between slices
             self._registry.renew(lease_id)
             found = self._registry.committed_rows(next_cursor, min(self._slice_rows, end - next_cursor))
-            _add_groups(groups, found, *self._identities(found))
+            _, codes, layouts = self._identities(found)
+            _add_groups(groups, found, codes, layouts)
             next_cursor = found.next_cursor
         return {"groups": [{"layout": layout, "format": fmt, "objects": n, "pages": pages, "bytes": size,
                             "pinned": pinned} for (layout, fmt), (n, pages, size, pinned) in groups.items()],
@@ -103,7 +104,7 @@ class ObjectOps:
         return ok, codes, layout
 
 
-def _add_groups(groups: Groups, found: CommittedRows, ok: np.ndarray, codes: np.ndarray, layouts: np.ndarray) -> None:
+def _add_groups(groups: Groups, found: CommittedRows, codes: np.ndarray, layouts: np.ndarray) -> None:
     """Add the objects of ``found`` to ``groups`` (one vectorised pass per distinct group)."""
     if not len(found.rows):
         return
