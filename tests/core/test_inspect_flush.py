@@ -126,6 +126,17 @@ def test_pinned_objects_and_stores_in_flight_survive_a_flush(index):
         reader.close()
 
 
+def test_inspect_after_a_restart_lists_what_the_index_restored(index):
+    """The index reads each object's model and format from its committed head in the
+    pool, so a restarted index (SIGKILL, then rebuilt from the heads) lists the same."""
+    proc, _, client = index
+    before = groups_of(json_of(marucache("inspect", "--index", proc.url, "--json", token_file=proc.token_file)))
+    proc.kill()
+    proc.start()
+    after = json_of(marucache("inspect", "--index", proc.url, "--json", token_file=proc.token_file))
+    assert groups_of(after) == before and after["usage"]["quarantined"]
+
+
 def test_a_wrong_token_is_refused_with_a_clear_error(index, tmp_path):
     proc, _, client = index
     wrong = tmp_path / "wrong-token"
