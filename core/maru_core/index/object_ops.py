@@ -88,9 +88,10 @@ class ObjectOps:
             self._flushed(outcome.evicted)
             totals["evicted"] += outcome.evicted
             totals["evicted_bytes"] += outcome.evicted_pages * self._page_size
-            totals["pinned"] += outcome.pinned
             totals["held_back"] += outcome.held_back
-            if outcome.quota is not None:
+            if outcome.quota is None:
+                totals["pinned"] += outcome.pinned  # a step cut short counts its pinned objects when sent again
+            else:
                 quota = outcome.quota
                 retry_after_s = self._registry.evict_window_s * RETRY_SHARE_OF_WINDOW
                 break  # this slice's rows again, once the window allows
