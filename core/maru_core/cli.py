@@ -14,6 +14,8 @@ import sys
 # `run(args) -> int`.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "index": ("maru_core.index.cli", "run the index service of one pool"),
+    "inspect": ("maru_core.index.inspect_cli", "list a cache's objects by model and format, and its usage"),
+    "flush": ("maru_core.index.flush_cli", "evict a cache's unpinned objects (all, or one model's)"),
     "bench": ("maru_core.bench_cli", "run a benchmark (index, ...)"),
     "sidecar": ("maru_sidecar.cli", "hand the pool to vLLM and export metrics"),
     "operator": ("maru_operator.cli", "run the Kubernetes operator"),

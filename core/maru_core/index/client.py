@@ -55,6 +55,15 @@ from maru_core.index.client_ops import (
     reserve_request,
     while_backing_off as _while_backing_off,
 )
+from maru_core.index.inventory import (
+    DEFAULT_SCAN_ROWS,
+    FlushPage,
+    ObjectsPage,
+    flush_request,
+    list_objects_request,
+    parse_flush_page,
+    parse_objects_page,
+)
 from maru_core.protocol import KEY_BYTES, ErrorType, Location, LocationList, Op, Slot, SlotList, parse_url
 
 if TYPE_CHECKING:
@@ -393,3 +402,19 @@ class IndexClient:
             except IndexError_ as exc:
                 log.debug("index heartbeat failed: %s", exc)
 
+
+    # -- what the cache holds, and its flush (marucache inspect / flush) -------
+
+    def list_objects(self, cursor: int = 0, limit: int = DEFAULT_SCAN_ROWS) -> ObjectsPage:
+        """The committed objects among the index's record rows ``[cursor, cursor + limit)``,
+        grouped by layout fingerprint and storage format; call again from its
+        ``next_cursor`` until that is ``None``. An index older than this op raises
+        ``IndexRejected`` with ``error_type`` ``ErrorType.UNKNOWN_OP``."""
+        return parse_objects_page(self._call(list_objects_request(cursor, limit)), cursor)
+
+    def flush(self, cursor: int = 0, limit: int = DEFAULT_SCAN_ROWS, *, layout: int | None = None,
+              fmt: str | None = None) -> FlushPage:  # fmt: skip
+        """Evict the unpinned committed objects among rows ``[cursor, cursor + limit)`` of
+        ``layout`` and ``fmt`` (``None``: any); call again from its ``next_cursor``
+        (after ``retry_after_s`` when an eviction window held objects back)."""
+        return parse_flush_page(self._call(flush_request(cursor, limit, layout, fmt)), cursor)

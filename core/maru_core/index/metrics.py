@@ -143,6 +143,11 @@ class IndexMetrics:
             "the file its size back); any increase means a process shrank the pool.",
             registry=self.registry,
         )
+        self._flushed = Counter(
+            "maru_index_flushed_objects",
+            "Objects removed by flush requests (marucache flush), apart from the evictions that make room.",
+            registry=self.registry,
+        )
         self.registry.register(PoolCollector(read_stats, capacity_bytes))
         if process_metrics:
             ProcessCollector(registry=self.registry)
@@ -165,6 +170,9 @@ class IndexMetrics:
 
     def count_quota_refusal(self, quota: str) -> None:
         self._quota_refusals.labels(quota).inc()
+
+    def count_flushed(self, objects: int) -> None:
+        self._flushed.inc(objects)
 
     def count_truncated_objects(self, objects: int) -> None:
         self._objects_lost.inc(objects)

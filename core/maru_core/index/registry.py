@@ -4,7 +4,8 @@ No I/O and no asyncio: the server wraps a ``Registry`` and calls it from one
 thread. Every time comes from the injected ``clock``, so tests drive leases,
 reservation timeouts and quarantine by hand. This module holds the leases and
 the writers; the readers and pins are in ``maru_core.index.reads``, placement
-and eviction in ``maru_core.index.placement`` (its two base classes).
+and eviction in ``maru_core.index.placement``, listing and flushing by row
+range in ``maru_core.index.maintenance`` (its base classes).
 
 Rules it keeps:
 
@@ -52,6 +53,7 @@ import numpy as np
 from maru_core.index.allocator import ExtentAllocator
 from maru_core.index.fencing import LapsedFence
 from maru_core.index.leases import Lease, new_lease_id
+from maru_core.index.maintenance import Maintenance
 from maru_core.index.peer_accounts import DEFAULT_MAX_IDLE_ACCOUNTS, PeerAccounts
 from maru_core.index.placement import Placement
 from maru_core.index.quotas import EVICT_WINDOW_S
@@ -116,7 +118,7 @@ __all__ = [
 ]
 
 
-class Registry(Reads, Placement):
+class Registry(Reads, Placement, Maintenance):
     """Keys -> slots of one pool (see the module docstring for the rules).
 
     ``geometry`` is the pool's; ``lease_ttl_s`` how long a lease lives

@@ -26,6 +26,9 @@ once (``Registry.retrieve_sliced``), so it stays all or nothing; a large
 ``retrieve_prefix`` likewise, its lookups stopping at the first slice with
 a miss.
 
+``list_objects`` and ``flush`` (``maru_core.index.object_ops``) walk the
+record table a range of rows per request, a slice of rows per step.
+
 Connections are accepted a few per event-loop callback
 (``maru_core.index.accept``); one whose peer already closed it is dropped
 there, costing nothing more. A peer (an IP address, or a Unix socket's
@@ -67,6 +70,7 @@ from maru_core.index.accept import Acceptor, bind_tcp
 from maru_core.index.connection import Connection, Job, Reply
 from maru_core.index.limits import SMALL_RECEIVE_BYTES, ServerLimits
 from maru_core.index.listen import RateLimitedLog, UnixListenerPath
+from maru_core.index.object_ops import ObjectOps
 from maru_core.index.peers import peer_of
 from maru_core.index.registry import RegistryError
 from maru_core.index.turns import PeerTurns
@@ -96,7 +100,8 @@ from maru_core.protocol import (
 
 log = logging.getLogger(__name__)
 
-_ALWAYS_SLICED = frozenset({Op.UNPIN, Op.BYE, Op.MATCH_PREFIXES})  # run as jobs whatever their size
+# run as jobs whatever their size
+_ALWAYS_SLICED = frozenset({Op.UNPIN, Op.BYE, Op.MATCH_PREFIXES, Op.LIST_OBJECTS, Op.FLUSH})
 
 #: Keys per slice of a large ``commit`` or ``abort`` (a slice is about a millisecond of work).
 SLICE_KEYS = 2048
@@ -183,7 +188,10 @@ class IndexServer:
             Op.RESERVE: self._reserve_sliced,
             Op.UNPIN: self._unpin_sliced,
             Op.BYE: self._bye_sliced,
+            Op.LIST_OBJECTS: lambda conn, args: self._objects.list_objects(self._renewed(conn), args),
+            Op.FLUSH: lambda conn, args: self._objects.flush(self._renewed(conn), args),
         }
+        self._objects = ObjectOps(registry, pool, slice_keys, self._count_flushed)
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -282,6 +290,10 @@ class IndexServer:
         else:
             self._rate_limit_log.warning("holding back the answers to wrong tokens from %s: over its budget of auth "
                                          "failures (--peer-auth-failure-rate/--peer-auth-failure-burst)", peer)
+
+    def _count_flushed(self, objects: int) -> None:
+        if self._metrics is not None and objects:
+            self._metrics.count_flushed(objects)
 
     def _quota_refused(self, quota: str, client: str, message: str) -> None:
         """A lease's or its peer's quota refused a call or cut it short: count it, log it (rate-limited)."""

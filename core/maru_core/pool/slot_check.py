@@ -109,6 +109,19 @@ class SlotHeaderCheck:
             ok[ok] = _crc_ok(entries[ok])
         return ok
 
+    def formats_and_layouts(
+        self, keys: bytes, offsets: np.ndarray, generations: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(this check of each object, the format byte and the layout fingerprint its head
+        records): what the index says of an object it lists (zeros where the check fails)."""
+        ok = self(keys, offsets, generations)
+        fmt, layout = np.zeros(len(ok), dtype=np.uint8), np.zeros(len(ok), dtype=np.uint64)
+        if ok.any():  # not truncated, so the table can be read
+            _, pages = self._pages(np.asarray(offsets, dtype=np.int64)[ok])
+            entries = self._entries(pages)
+            fmt[ok], layout[ok] = entries["fmt"], entries["layout"]
+        return ok, fmt, layout
+
     def stored_checksums(self, offsets: np.ndarray) -> np.ndarray:
         """The payload checksum the slot header at each data ``offset`` records
         (uint64; 0 where it records none), for offsets this check passed:

@@ -38,6 +38,14 @@ MAX_BATCH_KEYS = 131072
 MAX_NAME_CHARS = 256
 MAX_TOKEN_CHARS = 4096
 _U63 = (1 << 63) - 1
+_U64 = (1 << 64) - 1
+#: Most record rows one ``list_objects`` or ``flush`` request scans (it runs in
+#: slices of a few thousand rows, other connections answered in between).
+MAX_SCAN_ROWS = 65536
+#: The ``format`` names of ``list_objects`` groups and of ``flush``'s filter:
+#: the slot header's format byte (``maru_core.pool.slots.SlotFormat``) in lower
+#: case, and ``unknown`` for an object whose head entry no longer reads as its own.
+OBJECT_FORMATS = ("unspecified", "chunkwise", "layerwise", "unknown")
 
 
 
@@ -203,6 +211,31 @@ def _check_group(field: str, value: Any) -> int:
     return value
 
 
+def _check_scan_rows(field: str, value: Any) -> int:
+    if type(value) is not int or not 1 <= value <= MAX_SCAN_ROWS:
+        raise ProtocolError(
+            ErrorType.BAD_REQUEST,
+            f"field {field!r} must be an integer from 1 to {MAX_SCAN_ROWS} (rows scanned per request), "
+            f"got {value!r}"[:200],
+        )
+    return value
+
+
+def _optional_layout(field: str, value: Any) -> int | None:
+    if value is not None and (type(value) is not int or not 0 <= value <= _U64):
+        raise _bad(field, "a layout fingerprint (an integer from 0 to 2**64-1) or nil", value)
+    return value
+
+
+def _optional_format(field: str, value: Any) -> str | None:
+    if value is not None and value not in OBJECT_FORMATS:
+        raise ProtocolError(
+            ErrorType.BAD_REQUEST, f"field {field!r} must be one of {', '.join(OBJECT_FORMATS)} or nil, "
+            f"got {value!r}"[:200],
+        )
+    return value
+
+
 def _optional_str(limit: int) -> Callable[[str, Any], str | None]:
     def check(field: str, value: Any) -> str | None:
         if value is None:
@@ -247,6 +280,13 @@ SCHEMAS: dict[Op, dict[str, _Field]] = {
     Op.ABORT: _KEYS,
     Op.STATS: {},
     Op.BYE: {},
+    Op.LIST_OBJECTS: {"cursor": (_check_int, True), "limit": (_check_scan_rows, True)},
+    Op.FLUSH: {
+        "cursor": (_check_int, True),
+        "limit": (_check_scan_rows, True),
+        "layout": (_optional_layout, False),
+        "format": (_optional_format, False),
+    },
 }
 
 

@@ -25,6 +25,9 @@ class Op(str, enum.Enum):
     ABORT = "abort"
     STATS = "stats"
     BYE = "bye"
+    # Added within protocol 1: an older index answers them ``unknown_op``.
+    LIST_OBJECTS = "list_objects"
+    FLUSH = "flush"
 
     def __str__(self) -> str:
         return str(self.value)
