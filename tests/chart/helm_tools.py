@@ -32,7 +32,7 @@ ALL_FEATURES = {
     "operator": {"extraArgs": ["--resync-seconds=7"], "podAnnotations": {"example.com/a": "b"},
                  "podLabels": {"example.com/l": "v"}, "nodeSelector": {"kubernetes.io/os": "linux"},
                  "tolerations": [{"key": "ml", "operator": "Exists", "effect": "NoSchedule"}],
-                 "imagePullSecrets": [{"name": "regcred"}], "priorityClassName": "system-cluster-critical",
+                 "imagePullSecrets": [{"name": "regcred"}], "priorityClassName": "marucache-index",
                  "extraEnv": [{"name": "PYTHONUNBUFFERED", "value": "1"}]},
     "serviceAccount": {"annotations": {"example.com/role": "operator"}},
     "devicePlugin": {"enabled": True, "count": 16, "paths": ["/dev/dax0.0", "/dev/dax1.0"],

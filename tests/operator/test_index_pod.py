@@ -38,7 +38,7 @@ def test_complete_example_schedules_on_tainted_nodes_with_everything_it_asks_for
     pod = deployment["spec"]["template"]["spec"]
     assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     assert pod["imagePullSecrets"] == [{"name": "regcred"}]
-    assert pod["priorityClassName"] == "system-cluster-critical"
+    assert pod["priorityClassName"] == "marucache-index"
     assert pod["nodeSelector"] == {"kubernetes.io/os": "linux"}
     assert "podAntiAffinity" in pod["affinity"]  # the user's affinity is kept ...
     term = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]

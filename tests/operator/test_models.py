@@ -49,7 +49,7 @@ def test_complete_example_is_read_field_by_field():
     assert spec.eviction.high_watermark == 0.9 and spec.pool.node_selector == {"topology.kubernetes.io/zone": "rack-a"}
     assert spec.pod_selector.matches({"app": "vllm"}) and not spec.pod_selector.matches({"app": "vllm", "tier": "batch"})
     sched = spec.index.scheduling
-    assert sched.tolerations[0]["key"] == "nvidia.com/gpu" and sched.priority_class_name == "system-cluster-critical"
+    assert sched.tolerations[0]["key"] == "nvidia.com/gpu" and sched.priority_class_name == "marucache-index"
     assert sched.image_pull_secrets == ({"name": "regcred"},) and sched.node_selector == {"kubernetes.io/os": "linux"}
     assert "podAntiAffinity" in sched.affinity and sched.pod_security_context == {"runAsUser": 65532}
 
