@@ -27,6 +27,7 @@ from .handlers import OperatorContext, build_registry, build_standby_registry, r
 from .k8s import KubeApi, LedgerStore, load_configuration
 from .leader import LeaseElector
 from .metrics import OperatorMetrics
+from .models import DEFAULT_IMAGE
 from .usage import DEFAULT_URL_TEMPLATE, http_reader, url_template
 from .webhook import SelfSigningWebhookServer, register_webhook
 from .webhook_tls import DEFAULT_CHECK_SECONDS, ReloadingWebhookServer
@@ -46,6 +47,7 @@ class OperatorOptions:
     webhook_port: int = 9443
     webhook_host: str | None = None
     webhook_cert_dir: str | None = None
+    default_image: str = DEFAULT_IMAGE
     webhook_cert_check_seconds: float = DEFAULT_CHECK_SECONDS
     webhook_insecure: bool = False
     webhook_manage: bool = False
@@ -82,6 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                "(certificate name; default: the listen address)")
     parser.add_argument("--webhook-cert-dir", help="directory with tls.crt and tls.key (e.g. a mounted Secret); "
                                                    "default: a self-signed certificate made at start")
+    parser.add_argument("--default-image", default=d.default_image,
+                        help="image of the index and the sidecar of every cache that names none (the chart "
+                             "passes its own image, so an upgrade moves those caches to the new one)")
     parser.add_argument("--webhook-cert-check-seconds", type=float, default=d.webhook_cert_check_seconds,
                         help="how often the files of --webhook-cert-dir are read again; a renewed certificate "
                              "is served from the next handshake on, without closing the listener")
@@ -134,6 +139,7 @@ def build_operator(options: OperatorOptions, metrics: OperatorMetrics | None = N
     api = KubeApi(load_configuration(options.kubeconfig, options.context))
     ctx = OperatorContext(api=api, ledger=LedgerStore(api, options.namespace, options.ledger_name),
                           metrics=metrics or OperatorMetrics.create(), resync_seconds=options.resync_seconds,
+                          default_image=options.default_image,
                           native_mode=options.native_sidecars, usage_seconds=options.usage_seconds,
                           usage_reader=http_reader(url_template(options.index_metrics_url))
                           if options.usage_seconds > 0 else None)

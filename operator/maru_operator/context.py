@@ -10,6 +10,7 @@ from typing import Any
 
 from .k8s import KubeApi, LedgerStore
 from .metrics import OperatorMetrics
+from .models import DEFAULT_IMAGE
 from .results import ReconcileResult
 from .usage import UsageReader
 
@@ -41,6 +42,7 @@ class OperatorContext:
     native_sidecars: bool = False  # what `native_mode` resolved to at start
     usage_reader: UsageReader | None = None  # None: status.used is not written
     usage_seconds: float = 30.0
+    default_image: str = DEFAULT_IMAGE  # what index and sidecar run where a cache names no image
     last_usage: dict[str, float] = dataclasses.field(default_factory=dict)
     stale_reported: set[str] = dataclasses.field(default_factory=set)  # "pod uid:reason:placement" with an Event
 

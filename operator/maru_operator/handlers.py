@@ -115,7 +115,8 @@ async def run_reconcile(ctx: OperatorContext, live_body: kopf.Body, maru_nodes: 
                 outcome = await reconciler.reconcile(
                     ctx.api, ctx.ledger, body, _nodes(maru_nodes),
                     _available(maru_deployments, str(meta.get("namespace")), str(meta.get("name"))),
-                    all_pods(maru_pods), index_why(health, str(meta.get("namespace")), str(meta.get("name"))))
+                    all_pods(maru_pods), index_why(health, str(meta.get("namespace")), str(meta.get("name"))),
+                    default_image=ctx.default_image)
             except Exception:
                 ctx.metrics.count_reconcile(ReconcileResult.ERROR)
                 raise
@@ -325,7 +326,7 @@ def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
                                        maru_index_pods: Any = None, **_: Any) -> None:
         await follow_index_deployment(ctx, body, type, maru_cache_versions, maru_index_pods)
 
-    register_cache_index(registry)
+    register_cache_index(registry, ctx.default_image)
 
     # A failed reconcile (an API error) is retried after one resync period, not kopf's default
     # minute: the timer leaves caches to these handlers until they have reconciled once.
@@ -364,11 +365,11 @@ def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
     return registry
 
 
-def register_cache_index(registry: kopf.OperatorRegistry) -> None:
+def register_cache_index(registry: kopf.OperatorRegistry, default_image: str) -> None:
     """The `maru_caches` index the webhook injects from: (namespace, name) -> what injection needs."""
     @kopf.index(GROUP, VERSION, PLURAL, id="maru_caches", registry=registry)
     def maru_caches(body: kopf.Body, namespace: str | None, name: str, **_: Any) -> dict[tuple[str, str], Any]:
-        return {(str(namespace), name): cache_info(body)}
+        return {(str(namespace), name): cache_info(body, default_image)}
 
 
 def build_standby_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
@@ -385,7 +386,7 @@ def build_standby_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
     async def sidecar_mode(**_: Any) -> None:
         ctx.native_sidecars = await native_sidecars(ctx.api, ctx.native_mode)
 
-    register_cache_index(registry)
+    register_cache_index(registry, ctx.default_image)
     return registry
 
 

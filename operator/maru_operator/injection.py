@@ -42,7 +42,7 @@ from .desired import (CONFIG_KEY, CONTAINER_SECURITY, SHM_MOUNT, SOCKET_DIR, SOC
                       TOKEN_DIR, TOKEN_FILE, Placement, config_map_name, fingerprint, index_url, pool_mount,
                       pool_volume, token_volume, with_device, with_node_affinity)
 from .ledger import Region
-from .models import DEFAULT_UID, CacheRef, CacheSpec, SpecError, parse_cache
+from .models import DEFAULT_IMAGE, DEFAULT_UID, CacheRef, CacheSpec, SpecError, parse_cache
 
 SIDECAR_NAME = "maru-sidecar"
 SOCKET_VOLUME = "maru-socket"
@@ -64,13 +64,13 @@ class CacheInfo:
     problem: str = ""
 
 
-def cache_info(body: Mapping[str, Any]) -> CacheInfo:
+def cache_info(body: Mapping[str, Any], default_image: str = DEFAULT_IMAGE) -> CacheInfo:
     meta = body.get("metadata") or {}
     fallback = CacheRef(str(meta.get("namespace") or "default"), str(meta.get("name") or ""), str(meta.get("uid") or ""))
     status = body.get("status") or {}
     phase = str(status.get("phase") or "Pending")
     try:
-        ref, spec = parse_cache(body)
+        ref, spec = parse_cache(body, default_image)
     except SpecError as exc:
         return CacheInfo(fallback, None, None, phase, str(exc))
     allocations = status.get("allocations") or []

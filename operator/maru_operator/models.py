@@ -180,8 +180,13 @@ def parse_quantity_bytes(value: Any, field: str) -> int:
     return int(amount)
 
 
-def parse_cache(body: Mapping[str, Any]) -> tuple[CacheRef, CacheSpec]:
+def parse_cache(body: Mapping[str, Any], default_image: str = DEFAULT_IMAGE) -> tuple[CacheRef, CacheSpec]:
     """Parse a MaruCache body into its identity and typed spec.
+
+    `default_image` is the operator's (`--default-image`, the chart's image):
+    the index and sidecar run it unless the cache names an image of its own,
+    so that an upgrade of the operator moves every such cache with it (the
+    CRD has no default for them, so none is stored in a cache's spec).
 
     Raises `SpecError` for anything the operator cannot serve, including
     values the CRD schema would have rejected (the operator must not trust
@@ -200,8 +205,8 @@ def parse_cache(body: Mapping[str, Any]) -> tuple[CacheRef, CacheSpec]:
         storage=_parse_storage(_section(spec, "storage")),
         load=_parse_load(_section(spec, "load")),
         eviction=_parse_eviction(_section(spec, "eviction")),
-        index=_parse_index(_section(spec, "index")),
-        sidecar=_parse_sidecar(_section(spec, "sidecar")),
+        index=_parse_index(_section(spec, "index"), default_image),
+        sidecar=_parse_sidecar(_section(spec, "sidecar"), default_image),
         pod_selector=parse_selector(spec.get("podSelector"), "podSelector"),
     )
 
@@ -292,9 +297,9 @@ def _parse_eviction(section: Mapping[str, Any]) -> EvictionSpec:
     return EvictionSpec(policy=policy, high_watermark=high, low_watermark=low)
 
 
-def _parse_index(section: Mapping[str, Any]) -> IndexSpec:
+def _parse_index(section: Mapping[str, Any], default_image: str) -> IndexSpec:
     spec = IndexSpec(
-        image=_image(section, "index"),
+        image=_image(section, "index", default_image),
         port=_typed(section, "index", "port", int, 7070, 1, 65535),
         metrics_port=_typed(section, "index", "metricsPort", int, 9090, 1, 65535),
         resources=_resources(section, "index"),
@@ -305,9 +310,9 @@ def _parse_index(section: Mapping[str, Any]) -> IndexSpec:
     return spec
 
 
-def _parse_sidecar(section: Mapping[str, Any]) -> SidecarSpec:
+def _parse_sidecar(section: Mapping[str, Any], default_image: str) -> SidecarSpec:
     return SidecarSpec(
-        image=_image(section, "sidecar"),
+        image=_image(section, "sidecar", default_image),
         metrics_port=_typed(section, "sidecar", "metricsPort", int, 9091, 1, 65535),
         resources=_resources(section, "sidecar") if "resources" in section else dict(DEFAULT_SIDECAR_RESOURCES),
         socket_group=_typed(section, "sidecar", "socketGroup", int, DEFAULT_UID, 0, 2**31 - 1),
@@ -339,8 +344,8 @@ def _parse_scheduling(section: Mapping[str, Any], prefix: str) -> Scheduling:
                       security_context=mapped("securityContext"))
 
 
-def _image(section: Mapping[str, Any], prefix: str) -> str:
-    image = section.get("image", DEFAULT_IMAGE)
+def _image(section: Mapping[str, Any], prefix: str, default: str) -> str:
+    image = section.get("image", default)
     if not isinstance(image, str) or not image.strip():
         raise SpecError(f"{prefix}.image", "must be a container image reference")
     return image

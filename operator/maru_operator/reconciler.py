@@ -20,7 +20,7 @@ from .inventory import Device, NodeInfo, candidate_devices
 from .k8s import KubeApi, LedgerStore, object_path
 from .injection import placement_from_status
 from .ledger import AllocationError, Claim, Drain, Impossible, Ledger, Region
-from .models import CacheRef, CacheSpec, SpecError, parse_cache
+from .models import DEFAULT_IMAGE, CacheRef, CacheSpec, SpecError, parse_cache
 from .pods import PodView, pods_mapping
 from .results import EnsureAction, EventType, ReconcileResult
 
@@ -101,19 +101,21 @@ def unsatisfiable_message(spec: CacheSpec, nodes: list[NodeInfo]) -> str:
 
 
 async def reconcile(api: KubeApi, ledger: LedgerStore, body: Mapping[str, Any], nodes: Iterable[NodeInfo],
-                    index_available: int | None, pods: Iterable[PodView] = (), index_why: str = "") -> Outcome:
+                    index_available: int | None, pods: Iterable[PodView] = (), index_why: str = "",
+                    default_image: str = DEFAULT_IMAGE) -> Outcome:
     """Bring one MaruCache's region and children in line with its spec.
 
     `nodes` is the current node inventory; `index_available` the index
     Deployment's available replicas as last seen (None: not seen yet);
     `pods` every opted-in pod of the cluster (which draining regions they
     still map); `index_why` what the index's Deployment and pod say is wrong
-    (`index_health`). Returns the status to store and the Events to post; raises
+    (`index_health`); `default_image` the operator's image for an index the
+    cache names none for. Returns the status to store and the Events to post; raises
     only on API errors (kopf retries the handler).
     """
     nodes, pods = list(nodes), list(pods)
     try:
-        ref, spec = parse_cache(body)
+        ref, spec = parse_cache(body, default_image)
     except SpecError as exc:
         return _invalid(body, "InvalidSpec", str(exc))
     devices = candidate_devices(nodes, spec.pool.device_class, spec.pool.node_selector)
