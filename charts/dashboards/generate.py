@@ -145,6 +145,10 @@ def overview() -> dashboard.Dashboard:
     d = d.with_panel(series("Pool hand-offs by result", [Query(rate("maru_sidecar_handoffs_total", "result"),
                                                                "{{result}}")],
                             "reqps", "Pool hand-offs answered by the sidecars: ok, or the refusal."))
+    d = d.with_panel(series("Stats regions dropped unattested",
+                            [Query(rate("maru_sidecar_stats_regions_unattested_total", "pod"), "{{pod}}")],
+                            "short", "Stats region files the sidecar removed without counting them, because no "
+                            "scan saw their writer alive (a file put there, or a process shorter than a scan)."))
     return d
 
 
@@ -182,7 +186,22 @@ def index() -> dashboard.Dashboard:
                                                                 "{{op}} {{type}}")],
                             "reqps", "Error replies: auth (wrong token), no_lease (a lapsed lease), no_space, "
                             "quarantined (a restarted index, no slots yet), bad_request, internal.", width=8, stack=True))
+    d = d.with_row(dashboard.Row("Quotas and maintenance"))
+    d = d.with_panel(series("Quota refusals by quota", [Query(rate("maru_index_quota_refusals_total", "quota"),
+                                                              "{{quota}}")],
+                            "reqps", "Calls a lease's or a peer's quota refused or cut short (reservations, pins, "
+                            "evictions per window; peer_*: all leases of one address together). An honest engine "
+                            "never meets them: a steady rate names a client to look at (docs/security.md).",
+                            stack=True))
+    d = d.with_panel(series("Objects flushed per second", [Query(rate("maru_index_flushed_objects_total", "cache"),
+                                                                 "{{cache}}")],
+                            "short", "Objects removed by `marucache flush` (not the evictions that make room)."))
     d = d.with_row(dashboard.Row("Operator"))
+    d = d.with_panel(single("Caches not Ready", f"sum (1 - maru_cache_ready{{{SEL}}})", "short",
+                            "MaruCaches whose status is not Ready (kubectl describe mcache says why)."))
+    d = d.with_panel(series("Caches by phase", [Query(f"sum by (phase) (maru_cache_phase{{{SEL}}})", "{{phase}}")],
+                            "short", "MaruCaches in each status.phase: Ready, Starting, Pending, Invalid.",
+                            width=18, stack=True))
     d = d.with_panel(series("Reconciles by result", [Query(
         f"sum by (result) (rate(maru_operator_reconciles_total[{RATE}]))", "{{result}}")], "reqps",
         "MaruCache reconciles: ready, progressing, waiting, invalid, error, released.", stack=True))
