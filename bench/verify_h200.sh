@@ -22,7 +22,8 @@
 # With `group-ab`, steps 2 and 3 make way for the A/B of 4k-token hits'
 # layers loaded in groups (--group-below-mib 32: fills of 1, 2, 4, 4, ...
 # layers, 10 fills instead of 32) against one fill per layer (as shipped),
-# verified and unverified, both formats, 7 repeats, after the issuing
+# verified and unverified, both formats, 7 repeats (GROUP_AB_ROUNDS rounds,
+# alternating, default 1), after the issuing
 # functions' host time in the harness (bench/verify_issue_cost.py).
 #
 # The index (step 3) needs `sortedcontainers` (pure Python): where it is not
@@ -48,7 +49,7 @@ if [ "$mode" = group-ab ]; then
         grep 'issue cost' "$out/issue_cost_group$group.txt"
     done
     ab="sync_overlap_graphs sync_overlap_graphs_unverified"
-    for round in 1 2; do
+    for round in $(seq "${GROUP_AB_ROUNDS:-1}"); do
         for fmt in chunkwise layerwise; do
             for group in 8 32; do
                 name="ttft_${fmt}_group${group}_$round"
