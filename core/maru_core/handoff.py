@@ -35,6 +35,19 @@ import msgpack
 
 #: 2: the reply carries `pool_offset`; a connector of protocol 1 would map the wrong region.
 HANDOFF_PROTOCOL = 2
+#: The oldest hand-off protocol served: 1 never (it has no `pool_offset`). As
+#: for the index (``maru_core.protocol.negotiate``), a sidecar also answers a
+#: connector of the next protocol, in its own: during a rolling upgrade the
+#: vLLM image and the sidecar's are upgraded one after the other.
+MIN_HANDOFF_PROTOCOL = 2
+
+
+def handoff_protocol(offered: object) -> int | None:
+    """The protocol a hand-off offered in ``offered`` is answered in; None
+    when the two sides are more than one release apart."""
+    if type(offered) is int and MIN_HANDOFF_PROTOCOL <= offered <= HANDOFF_PROTOCOL + 1:
+        return min(offered, HANDOFF_PROTOCOL)
+    return None
 MAX_FRAME_BYTES = 64 * 1024
 ERROR_TYPES = ("auth", "wrong_cache", "protocol", "unavailable", "bad_request")
 _LENGTH = struct.Struct(">I")
@@ -166,11 +179,13 @@ def _parse_reply(reply: Any, fds: list[int], socket_path: str, cache_name: str) 
             if error_type == "unavailable":
                 raise HandoffUnavailable(f"sidecar at {socket_path}: {message}")
             raise HandoffRefused(error_type, f"sidecar at {socket_path} refused the hand-off: {message}")
-        if reply.get("protocol") != HANDOFF_PROTOCOL:
+        answered = reply.get("protocol")
+        if type(answered) is not int or not MIN_HANDOFF_PROTOCOL <= answered <= HANDOFF_PROTOCOL:
             raise HandoffRefused(
                 "protocol",
-                f"the sidecar at {socket_path} speaks hand-off protocol {reply.get('protocol')}, this "
-                f"connector speaks {HANDOFF_PROTOCOL}; run the same MaruCache version in both containers",
+                f"the sidecar at {socket_path} speaks hand-off protocol {answered}, this connector speaks "
+                f"{MIN_HANDOFF_PROTOCOL} to {HANDOFF_PROTOCOL}; upgrade MaruCache one release at a time "
+                "(the sidecar's image and the vLLM image)",
             )
         if len(fds) != 1:
             raise HandoffProtocolError(f"the sidecar at {socket_path} sent {len(fds)} descriptors, expected 1")

@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from maru_core.index.listen import RateLimitedLog
-from maru_core.handoff import ERROR_TYPES, HANDOFF_PROTOCOL, MAX_FRAME_BYTES, HandoffError, recv_frame, send_frame
+from maru_core.handoff import (ERROR_TYPES, HANDOFF_PROTOCOL, MAX_FRAME_BYTES, MIN_HANDOFF_PROTOCOL, HandoffError,
+                               handoff_protocol, recv_frame, send_frame)
 
 log = logging.getLogger(__name__)
 
@@ -209,7 +210,7 @@ class HandoffServer:
                 return
             reply = {
                 "ok": True,
-                "protocol": HANDOFF_PROTOCOL,
+                "protocol": handoff_protocol(request["protocol"]),
                 "cache": self._cache,
                 "geometry": offer.geometry,
                 "index_url": self._index_url,
@@ -226,11 +227,13 @@ class HandoffServer:
         if not isinstance(request, dict) or request.get("op") != "handoff":
             raise Refusal("bad_request", "expected a hand-off request ({'op': 'handoff', ...})")
         protocol = request.get("protocol")
-        if protocol != HANDOFF_PROTOCOL:
+        if handoff_protocol(protocol) is None:
             raise Refusal(
                 "protocol",
                 f"the connector speaks hand-off protocol {protocol}, this sidecar speaks "
-                f"{HANDOFF_PROTOCOL}; run the same MaruCache version in the sidecar and vLLM images",
+                f"{MIN_HANDOFF_PROTOCOL} to {HANDOFF_PROTOCOL} and answers {HANDOFF_PROTOCOL + 1} in "
+                f"{HANDOFF_PROTOCOL}; upgrade MaruCache one release at a time (the sidecar's image and the "
+                "vLLM image)",
             )
         if request.get("cache") != self._cache:
             raise Refusal(

@@ -343,3 +343,28 @@ def test_error_types_are_enum_members():
     with pytest.raises(IndexRejected) as info:
         check_reply(Op.RETRIEVE, {"ok": False, "error": {"type": "brand_new", "message": "m"}})
     assert info.value.error_type is ErrorType.INTERNAL and "brand_new" in info.value.message
+
+
+def test_a_client_of_the_next_release_stores_and_reads_through_this_index(index, pool, monkeypatch):
+    """A rolling upgrade, the pods first: a connector of the next release offers its protocol,
+    this index answers in its own, and the client speaks that (each release speaks the one
+    before): stores and lookups work, no refusal loop."""
+    from maru_core.index import client_ops
+
+    monkeypatch.setattr(client_ops, "PROTOCOL_VERSION", client_ops.PROTOCOL_VERSION + 1)
+    client = IndexClient(index.url, token=TOKEN, client_name="next-release", timeout_s=2.0)
+    try:
+        keys = [key(i) for i in range(300, 304)]
+        assert store(client, pool, keys) == [True] * 4
+        assert client.match_prefix(keys) == 4
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("answered", [None, 0, 2**10])
+def test_an_index_answering_a_protocol_this_client_does_not_speak_is_named(answered):
+    from maru_core.index.client_ops import parse_hello
+
+    reply = {"ok": True, "lease_id": "l", "lease_ttl_s": 1.0, "geometry": {}, "protocol": answered}
+    with pytest.raises(Exception, match="one release at a time"):
+        parse_hello(reply)

@@ -15,6 +15,7 @@ from maru_core.pool import Pool, SlotHeader
 from maru_core.protocol import (
     MAX_BATCH_KEYS,
     MAX_FRAME_BYTES,
+    MIN_PROTOCOL_VERSION,
     PROTOCOL_VERSION,
     FrameDecoder,
     LocationList,
@@ -121,9 +122,23 @@ def test_bad_token_is_refused_and_the_connection_closed(raw, index, token):
     assert index.service.server.closed_connections["auth"] == 1
 
 
-def test_protocol_mismatch_is_a_bad_request(raw):
-    reply = raw.call(op="hello", protocol=PROTOCOL_VERSION + 1, client="c", token=TOKEN)
-    assert reply["error"]["type"] == "bad_request" and "protocol" in reply["error"]["message"]
+def test_a_client_of_the_next_release_is_answered_in_this_ones_protocol(raw, pool):
+    """A rolling upgrade: pods of the next release may start before the index is upgraded. The
+    index answers their hello in its own protocol (each release speaks the one before), and the
+    connection serves stores and lookups as before; a release two apart is refused, saying what
+    to run."""
+    reply = raw.call(op="hello", protocol=PROTOCOL_VERSION + 1, client="next", token=TOKEN)
+    assert reply["ok"] and reply["protocol"] == PROTOCOL_VERSION
+    keys = [key(i) for i in range(3)]
+    assert store(raw, pool, keys) == [True] * 3
+    assert raw.call(op="match_prefix", keys=keys)["matched"] == 3
+
+
+@pytest.mark.parametrize("offered", [PROTOCOL_VERSION + 2, MIN_PROTOCOL_VERSION - 1])
+def test_a_protocol_more_than_one_release_apart_is_a_bad_request(raw, offered):
+    reply = raw.call(op="hello", protocol=offered, client="c", token=TOKEN)
+    assert reply["error"]["type"] == "bad_request"
+    assert "one release at a time" in reply["error"]["message"], reply["error"]["message"]
 
 
 def test_store_then_retrieve_pins_and_unpin(raw, pool, index):

@@ -70,16 +70,16 @@ def test_wrong_token_cache_or_protocol_is_refused_on_both_sides(pool, sock_dir, 
     assert not wrong_cache["ok"] and wrong_cache["type"] == "wrong_cache"
     assert "serves cache 'c1'" in wrong_cache["message"] and "'other'" in wrong_cache["message"]
 
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:  # a connector of another version
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:  # a connector two releases apart
         raw.connect(str(sock))
-        send_frame(raw, {"op": "handoff", "protocol": HANDOFF_PROTOCOL + 1, "token": TOKEN, "cache": "c1"})
+        send_frame(raw, {"op": "handoff", "protocol": HANDOFF_PROTOCOL + 2, "token": TOKEN, "cache": "c1"})
         reply, fds = recv_frame(raw, max_fds=1)
     assert fds == [] and not reply["ok"] and reply["error"]["type"] == "protocol"
-    assert f"speaks {HANDOFF_PROTOCOL}" in reply["error"]["message"]
+    assert "one release at a time" in reply["error"]["message"]
 
     log = sidecar.log_text()
     assert log.count("refused the pool") == 4
-    assert "token does not match" in log and "asked for 'other'" in log and f"protocol {HANDOFF_PROTOCOL + 1}" in log
+    assert "token does not match" in log and "asked for 'other'" in log and f"protocol {HANDOFF_PROTOCOL + 2}" in log
     _, metrics = sidecar.get("/metrics")
     assert 'maru_sidecar_handoffs_total{cache="c1",namespace="local",pod=' in metrics
     assert _sample(metrics, "maru_sidecar_handoffs_total", 'result="auth"') == 2
@@ -87,6 +87,23 @@ def test_wrong_token_cache_or_protocol_is_refused_on_both_sides(pool, sock_dir, 
     assert _sample(metrics, "maru_sidecar_handoffs_total", 'result="protocol"') == 1
     assert _sample(metrics, "maru_sidecar_handoffs_total", 'result="ok"') == 0
     assert _sample(metrics, "maru_sidecar_handoffs_total", 'result="send_failed"') == 0  # there from the start
+
+
+def test_a_connector_of_the_next_release_is_handed_the_pool_in_this_protocol(pool, sock_dir, token_file, sidecars):
+    """A rolling upgrade: the vLLM image (the connector) may be a release ahead of the sidecar's
+    image; the sidecar hands it the pool in its own protocol, which the next release speaks."""
+    sock = sock_dir / "maru.sock"
+    sidecars(pool.where, sock, NO_INDEX, token_file=token_file)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
+        raw.connect(str(sock))
+        send_frame(raw, {"op": "handoff", "protocol": HANDOFF_PROTOCOL + 1, "token": TOKEN, "cache": "c1"})
+        reply, fds = recv_frame(raw, max_fds=1)
+    try:
+        assert reply["ok"] and reply["protocol"] == HANDOFF_PROTOCOL and len(fds) == 1
+        assert reply["pool_offset"] == 0 and reply["cache"] == "c1"
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def test_sidecar_killed_and_restarted_while_a_client_reads_through_its_mapping(

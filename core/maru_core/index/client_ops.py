@@ -33,6 +33,7 @@ from maru_core.protocol import (
     ErrorType,
     LocationList,
     MAX_BATCH_KEYS,
+    MIN_PROTOCOL_VERSION,
     Op,
     SlotList,
     pack_counts,
@@ -287,6 +288,11 @@ def parse_committed(reply: Message, count: int) -> list[bool]:
 
 def parse_hello(reply: Message) -> tuple[str, float, Message]:
     lease_id = _field(Op.HELLO, reply, "lease_id", str)
+    protocol = reply.get("protocol")
+    if type(protocol) is not int or not MIN_PROTOCOL_VERSION <= protocol <= PROTOCOL_VERSION:
+        raise _broken(Op.HELLO, f"the index answered protocol {protocol!r}; this client speaks "
+                                f"{MIN_PROTOCOL_VERSION} to {PROTOCOL_VERSION}: upgrade MaruCache one release "
+                                "at a time, the index and the pods")
     ttl = reply.get("lease_ttl_s")
     if not isinstance(ttl, (int, float)) or isinstance(ttl, bool) or ttl <= 0:
         raise _broken(Op.HELLO, "lease_ttl_s must be a positive number")

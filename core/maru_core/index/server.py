@@ -81,7 +81,6 @@ from maru_core.pool.slot_check import SlotHeaderCheck
 from maru_core.pool.slots import SlotState
 from maru_core.protocol import (
     KEY_BYTES,
-    PROTOCOL_VERSION,
     Address,
     ErrorType,
     FrameTooLarge,
@@ -91,6 +90,7 @@ from maru_core.protocol import (
     TcpAddress,
     UnixAddress,
     error_reply,
+    negotiate,
     ok_reply,
     pack_locations,
     pack_slots,
@@ -468,12 +468,7 @@ class IndexServer:
     # -- operations ----------------------------------------------------------
 
     def _hello(self, conn: Connection, args: dict) -> dict:
-        if args["protocol"] != PROTOCOL_VERSION:
-            raise ProtocolError(
-                ErrorType.BAD_REQUEST,
-                f"client speaks protocol {args['protocol']}, this index speaks {PROTOCOL_VERSION}; "
-                "run matching MaruCache versions",
-            )
+        protocol = negotiate(args["protocol"])
         if self._token is not None:
             offered = (args["token"] or "").encode()
             if not hmac.compare_digest(offered, self._token):
@@ -498,7 +493,7 @@ class IndexServer:
             "lease_ttl_s": self.registry.lease_ttl_s,
             "geometry": self.pool.geometry.to_dict(),
             "pool": self._served_pool.to_wire(),
-            "protocol": PROTOCOL_VERSION,
+            "protocol": protocol,
         }
 
     def _check_lease_cap(self, conn: Connection, resume: str | None) -> None:

@@ -29,6 +29,27 @@ from maru_core.protocol.errors import ErrorType, ProtocolError
 from maru_core.protocol.ops import OPS, Op
 
 PROTOCOL_VERSION = 1
+#: The oldest protocol this release still speaks. The rule that makes rolling
+#: upgrades work: a release speaks its own protocol and the one before, so an
+#: index answers a ``hello`` of its own version or of the next (the release
+#: after it, whose pods may start before the index is upgraded) and the
+#: connection speaks the lower of the two (``negotiate``); clients of a
+#: release accept an index that answers a version from this one to theirs.
+MIN_PROTOCOL_VERSION = 1
+
+
+def negotiate(offered: int) -> int:
+    """The protocol a connection speaks when a client offers ``offered`` to
+    an index of this release; ``ProtocolError`` (saying what to run) when
+    the two releases are more than one apart."""
+    if MIN_PROTOCOL_VERSION <= offered <= PROTOCOL_VERSION + 1:
+        return min(offered, PROTOCOL_VERSION)
+    raise ProtocolError(
+        ErrorType.BAD_REQUEST,
+        f"client speaks protocol {offered}; this index speaks {MIN_PROTOCOL_VERSION} to {PROTOCOL_VERSION} "
+        f"and answers clients of protocol {PROTOCOL_VERSION + 1} in {PROTOCOL_VERSION}: "
+        "upgrade MaruCache one release at a time, the index and the pods",
+    )
 
 #: Most keys (or items) in one request. A 64k-token prompt stored layerwise
 #: with 16-token chunks on an 80-layer model is 327,680 keys: send it in
