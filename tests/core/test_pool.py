@@ -273,7 +273,24 @@ def test_attach_refuses_a_blank_file(path: str) -> None:
 
 def test_attach_refuses_an_unknown_version(pool: Pool, path: str) -> None:
     _patch(path, 8, struct.pack("<I", 99))
-    _refused(path, PoolVersionError, "version 99")
+    _refused(path, PoolVersionError, "version 99.*one release apart")
+
+
+def test_a_pool_of_the_previous_format_attaches_with_its_data(pool: Pool, path: str) -> None:
+    """An index upgraded in place opens the pool its previous release made (format 1: no region
+    offset, no flags); its committed bytes are read as they are."""
+    geometry = pool.geometry
+    pool.view(geometry.data_offset, 4)[:] = b"kept"
+    pool.close()
+    with open(path, "r+b") as f:
+        body = bytearray(f.read(HEADER_BYTES - 4 - 12))  # format 2's body less its offset and flags
+        body[8:12] = struct.pack("<I", 1)
+        body[12:16] = struct.pack("<I", len(body) + 4)  # format 1's header bytes
+        f.seek(0)
+        f.write(bytes(body) + struct.pack("<I", zlib.crc32(bytes(body))) + bytes(16))
+    with Pool.attach(path) as old:
+        assert old.geometry == geometry and old.header.version == 1 and old.header.region_offset == 0
+        assert bytes(old.view(geometry.data_offset, 4)) == b"kept"
 
 
 def test_attach_refuses_a_corrupt_header(pool: Pool, path: str) -> None:

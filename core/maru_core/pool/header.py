@@ -44,6 +44,11 @@ from maru_core.pool.geometry import HEADER_REGION, SLOT_HEADER_BYTES, PoolGeomet
 MAGIC = b"MARUPOOL"
 FORMAT_VERSION = 2  # 2: region offset and flags
 _BODY = struct.Struct("<8sII16sQQQQQdI64sQI")
+# Format 1, still read (each release reads its format and the one before, so
+# an index upgraded in place opens the pool the previous release made): no
+# region offset and no flags; such a pool lies at offset 0, sized by its header.
+_BODY_V1 = struct.Struct("<8sII16sQQQQQdI64s")
+_BODIES = {1: _BODY_V1, FORMAT_VERSION: _BODY}
 _CRC = struct.Struct("<I")
 HEADER_BYTES = _BODY.size + _CRC.size
 _CREATOR_BYTES = 64
@@ -112,19 +117,22 @@ def parse_header(data: bytes | memoryview, where: str) -> PoolHeader:
             "check the path and offset; to turn it into a pool, destroying its contents, create it with force"
         )
     version = int.from_bytes(raw[8:12], "little")
-    if version != FORMAT_VERSION:
+    layout = _BODIES.get(version)
+    if layout is None:
         raise PoolVersionError(
-            f"{where} is a pool of format version {version}; this MaruCache reads version "
-            f"{FORMAT_VERSION}: run a matching MaruCache, or recreate the pool"
+            f"{where} is a pool of format version {version}; this MaruCache reads versions "
+            f"{min(_BODIES)} to {FORMAT_VERSION}: run a MaruCache at most one release apart from the one "
+            "that made it, or recreate the pool"
         )
-    body, (crc,) = raw[: _BODY.size], _CRC.unpack(raw[_BODY.size :])
+    body, (crc,) = raw[: layout.size], _CRC.unpack(raw[layout.size : layout.size + _CRC.size])
     if zlib.crc32(body) != crc:
         raise PoolCorrupt(
             f"{where}: pool header CRC mismatch (stored {crc:#010x}, computed {zlib.crc32(body):#010x}); "
             "the header was overwritten: recreate the pool with force"
         )
+    fields = layout.unpack(body) + ((0, 0) if layout is _BODY_V1 else ())  # format 1: offset 0, no flags
     (_, _, header_bytes, uuid_bytes, size, page_size, num_pages, table_offset, data_offset,
-     created_at, slot_bytes, creator, region_offset, flags) = _BODY.unpack(body)  # fmt: skip
+     created_at, slot_bytes, creator, region_offset, flags) = fields  # fmt: skip
     geometry = PoolGeometry(
         uuid=str(uuid_module.UUID(bytes=uuid_bytes)),
         size=size,
@@ -134,7 +142,7 @@ def parse_header(data: bytes | memoryview, where: str) -> PoolHeader:
         data_offset=data_offset,
     )
     problem = geometry.inconsistency()
-    if header_bytes != HEADER_BYTES or slot_bytes != SLOT_HEADER_BYTES:
+    if header_bytes != layout.size + _CRC.size or slot_bytes != SLOT_HEADER_BYTES:
         problem = f"header of {header_bytes} bytes with {slot_bytes}-byte slot headers"
     elif flags & ~_KNOWN_FLAGS:
         problem = f"unknown flags {flags:#x}"
