@@ -9,27 +9,37 @@ index's resident memory at the end of each scenario, the share of a core it
 used while measured (CPU), and whether it lived. Usage (repository root)::
 
     python bench/index_attacks.py [--seconds 5] [--only NAME ...] [--honest-clients 200] [--out ...]
+        [--alternate] [--pin-cores] [--attacker-address 127.0.0.2] [--time-budget S]
     python bench/index_attacks.py --loop [--seconds 5] [--out ...]   # longest event-loop callbacks instead
 
 Each attack is what an unauthenticated peer, a broken client or a client
 holding the token could do (see ``ATTACKS``); the index's limits are its
-defaults. The attacker's raw connections come from another loopback address
-than the normal client's (``--attacker-address``, default 127.0.0.2): another
-peer, as a hostile pod is; with 127.0.0.1 it shares the normal client's
-per-peer budgets. The attacks of ``bench/quota_attacks.py`` (a client with
-the token: pins without end, reservations never committed, evictions,
-connections held, a slow frame) join ``ATTACKS``. The ``*_same_address`` attacks always come from 127.0.0.1:
-a neighbour behind the normal clients' NAT. ``--honest-clients N`` adds N
+defaults. Every connection of an attacker, raw sockets and ``IndexClient``
+alike, comes from another loopback address than the normal client's
+(``--attacker-address``, default 127.0.0.2; on Linux every 127.x.y.z is
+loopback): another peer, as a hostile pod is. From 127.0.0.1 it would share
+the normal client's per-peer budgets and quotas, and its refusals would
+refuse the normal client too. The attacks of ``bench/quota_attacks.py`` (a
+client with the token: pins without end, reservations never committed,
+evictions, connections held, a slow frame) join ``ATTACKS``. The
+``*_same_address`` attacks always come from 127.0.0.1, on purpose: a
+neighbour behind the normal clients' NAT. ``--honest-clients N`` adds N
 clients behind that address (a heartbeat every 0.5 s each) and reports how
 many got in and how many answers a second they got.
 
 ``--alternate`` runs the baseline (no attack) before each attack, so each is
-judged against a baseline measured just before it; ``--pin-cores`` puts the index, the attacker, the honest fleet and the
-normal client on cores of their own (on 2 or 3 cores: the index on one, the
-others on another). Each scenario also reports the
-index's resident memory over time (its growth from before the attack), the
-CPU time of the index, the attacker and the fleet, and how many of 2,000
-objects stored before the attack (not pinned) are still there after it.
+judged against a baseline measured just before it; ``--pin-cores`` puts the
+index, the attacker, the honest fleet and the normal client on CPUs of their
+own, on distinct physical cores where there are enough (see ``core_plan``;
+on 2 or 3 CPUs: the index on one, the others on another). ``--time-budget S``
+starts no attack whose runs would end past S seconds; the JSON is written
+after every scenario, so a run cut short keeps what it measured. Each
+scenario also reports the index's resident memory over time (its growth
+from before the attack), the CPU time of the index, the attacker and the
+fleet, how many of 2,000 objects stored before the attack (not pinned)
+are still there after it (the least recently used: any eviction takes them
+first) and how many objects the index evicted, and the index's connections
+by peer address midway (``peers_connected``, from ``/proc/net/tcp``).
 """
 
 from __future__ import annotations
@@ -39,11 +49,14 @@ import json
 import multiprocessing
 import os
 import socket
+import struct
 import sys
 import tempfile
+import threading
 import time
 
 import numpy as np
+import quota_attacks
 
 from maru_core.index.client import IndexClient
 from maru_core.index.launcher import IndexProcess, unique_shm_path
@@ -55,8 +68,10 @@ from quota_attacks import still_open
 
 TOKEN = "bench-attack-token-0123456789abcdef"
 NORMAL_KEYS = 8000
-#: Source address of the attacker's raw connections (set in its process by ``_run_attack``).
+#: Source address of the attacker's connections (set in its process by ``_run_attack``).
 ATTACKER_ADDRESS = "127.0.0.2"
+#: The normal client's and the honest fleet's address (the system's choice for 127.0.0.1).
+HONEST_ADDRESS = "127.0.0.1"
 
 
 # -- attacks (each runs in its own process until `stop` is set) ----------------------------------
@@ -198,10 +213,10 @@ def reserve_flood(url: str, stop) -> None:
 
 def unpin_bye(url: str, stop, pool_path: str) -> None:
     """Pin 100 x 8,000 keys (800,000 pins in one lease), unpin 64 of them (not a retrieve's batch), then bye."""
-    keys = _store(url, pool_path, 8000, first=10**7)
+    keys = _store(url, pool_path, 8000, first=10**7, source_address=ATTACKER_ADDRESS)
     packed = b"".join(keys)
     while not stop.is_set():
-        client = IndexClient(url, token=TOKEN, timeout_s=30, heartbeat=False)
+        client = IndexClient(url, token=TOKEN, timeout_s=30, heartbeat=False, source_address=ATTACKER_ADDRESS)
         for _ in range(100):
             client.retrieve(packed)
         client.unpin(b"".join(keys[::125]))
@@ -240,8 +255,6 @@ def brute_force(url: str, stop) -> None:
 
 def many_connections_pipelining(url: str, stop) -> None:
     """20 connections with the token, each pipelining stats requests as ``stats_pipeline`` does."""
-    import threading
-
     threads = [threading.Thread(target=stats_pipeline, args=(url, stop), daemon=True) for _ in range(20)]
     for thread in threads:
         thread.start()
@@ -252,8 +265,6 @@ def many_connections_pipelining(url: str, stop) -> None:
 def wrong_token_same_address(url: str, stop) -> None:
     """Two wrong-token hellos a second from the normal clients' address (a neighbour behind
     their NAT), each on its own connection, waiting for its answer."""
-    import threading
-
     def guess(i: int) -> None:
         try:
             sock = _connect(url)
@@ -296,10 +307,8 @@ ATTACKS = {
 ATTACKS.update(TOKEN_ATTACKS)
 #: Attacks that also need the pool's path (they write slot headers, as a token holder's pod can).
 POOL_ATTACKS = frozenset({"unpin_bye", *TOKEN_ATTACKS})
-#: The cores of the index, the attacker, the honest fleet and the normal client (``--pin-cores``).
-CORES = {"index": 0, "attacker": 1, "fleet": 2, "client": 3}
-#: On 2 or 3 cores: the index on a core of its own, everything else on the other.
-CORES_FEW = {"index": 0, "attacker": 1, "fleet": 1, "client": 1}
+#: What ``--pin-cores`` gives a CPU of its own each, in this order (see ``core_plan``).
+ROLES = ("index", "attacker", "fleet", "client")
 #: Objects stored before each attack and not pinned: how many are left after it says what it cost others.
 KEPT_KEYS = 2000
 
@@ -310,9 +319,10 @@ SAME_ADDRESS_ATTACKS = frozenset({"wrong_token_same_address", "connect_close_sam
 # -- the normal client ---------------------------------------------------------------------------
 
 
-def _store(url: str, pool_path: str, count: int, first: int = 0) -> list[bytes]:
+def _store(url: str, pool_path: str, count: int, first: int = 0, source_address: str | None = None) -> list[bytes]:
     keys = [(first + i).to_bytes(16, "little") for i in range(count)]
-    with IndexClient(url, token=TOKEN, timeout_s=30) as client, Pool.attach(pool_path) as pool:
+    with IndexClient(url, token=TOKEN, timeout_s=30, source_address=source_address) as client, \
+            Pool.attach(pool_path) as pool:  # fmt: skip
         slots = client.reserve([(k, 16) for k in keys])
         for k, slot in zip(keys, slots):
             pool.write_slot_header(slot.offset, SlotHeader(key=k, generation=slot.generation, length=16))
@@ -356,8 +366,6 @@ def honest_fleet(url: str, clients: int, seconds: float, results) -> None:
     """``clients`` clients with the token behind the normal client's address, each connecting
     and sending a heartbeat every 0.5 s for ``seconds`` (reconnecting by itself when refused);
     puts on ``results`` how many got at least one answer, and the answers per second."""
-    import threading
-
     answered = [0] * clients
     failed = [0] * clients
     end = time.monotonic() + seconds
@@ -405,28 +413,79 @@ def _cpu_s(pid: int) -> float:
 
 def _run_attack(name: str, url: str, stop, pool_path: str, source: str) -> None:
     global ATTACKER_ADDRESS
-    ATTACKER_ADDRESS = "127.0.0.1" if name in SAME_ADDRESS_ATTACKS else source
+    ATTACKER_ADDRESS = HONEST_ADDRESS if name in SAME_ADDRESS_ATTACKS else source
+    quota_attacks.SOURCE_ADDRESS = ATTACKER_ADDRESS  # the token holder's attacks, raw and IndexClient alike
     if name in POOL_ATTACKS:
         ATTACKS[name](url, stop, pool_path)
     else:
         ATTACKS[name](url, stop)
 
 
-def _cores() -> dict[str, int]:
-    return CORES if (os.cpu_count() or 1) >= len(CORES) else CORES_FEW
+def _physical_core(cpu: int) -> tuple[int, int]:
+    """The (package, core) of a logical CPU: CPUs that share one are SMT siblings."""
+    topology = f"/sys/devices/system/cpu/cpu{cpu}/topology"
+    try:
+        with open(f"{topology}/physical_package_id") as package, open(f"{topology}/core_id") as core:
+            return int(package.read()), int(core.read())
+    except (OSError, ValueError):
+        return 0, cpu  # no topology: every CPU a core of its own
 
 
-def _pin(pid: int, role: str, pin_cores: bool) -> None:
-    if pin_cores:
-        os.sched_setaffinity(pid, {_cores()[role]})
+def core_plan(cpus: list[int] | None = None) -> dict[str, int]:
+    """The CPU of each of ``ROLES`` for ``--pin-cores``, among the CPUs this process may use.
+
+    With a physical core for each role, and one to spare, each gets the first CPU of its
+    own physical core and the first core is left to the system (interrupts, the rest of
+    the machine); so on a 16-core host the index, the attacker, the honest fleet and the
+    normal client never share a core, nor its SMT sibling. With fewer physical cores
+    but 4 CPUs, a CPU each; on 2 or 3, the index on one, the others on another."""
+    cpus = sorted(os.sched_getaffinity(0)) if cpus is None else sorted(cpus)
+    if len(cpus) < 2:
+        raise ValueError(f"--pin-cores needs 2 CPUs or more, this process may use {cpus}")
+    cores: dict[tuple[int, int], int] = {}
+    for cpu in cpus:
+        cores.setdefault(_physical_core(cpu), cpu)
+    firsts = list(cores.values())
+    if len(firsts) > len(ROLES):
+        return dict(zip(ROLES, firsts[1:]))
+    if len(firsts) == len(ROLES):
+        return dict(zip(ROLES, firsts))
+    if len(cpus) >= len(ROLES):
+        return dict(zip(ROLES, cpus))
+    return {"index": cpus[0], **{role: cpus[1] for role in ROLES[1:]}}
+
+
+def _pin(pid: int, role: str, cores: dict[str, int] | None) -> None:
+    """Every thread of process ``pid`` (those it starts later inherit it) on the role's CPU."""
+    if cores is None:
+        return
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(task), {cores[role]})
+        except ProcessLookupError:
+            pass  # a thread that ended meanwhile
+
+
+def peers_of(url: str) -> dict[str, int]:
+    """The index's established TCP connections (IPv4), counted by peer address, from
+    ``/proc/net/tcp``: the addresses the index's per-peer accounts key on."""
+    port = parse_url(url).port
+    peers: dict[str, int] = {}
+    with open("/proc/net/tcp") as fh:
+        next(fh)
+        for line in fh:
+            local, remote, state = line.split()[1:4]
+            if state != "01" or int(local.split(":")[1], 16) != port:
+                continue
+            address = socket.inet_ntoa(struct.pack("=I", int(remote.split(":")[0], 16)))
+            peers[address] = peers.get(address, 0) + 1
+    return peers
 
 
 class _RssSampler:
     """The index's resident memory every 0.25 s, on a thread, while the scenario runs."""
 
     def __init__(self, pid: int):
-        import threading
-
         self.samples: list[float] = []
         self._pid, self._stop = pid, threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -457,13 +516,13 @@ def _kept_left(url: str, keys: list[bytes]) -> int:
 
 
 def scenario(name: str, seconds: float, token_file: str, source: str, honest_clients: int = 0,
-             pin_cores: bool = False) -> dict:  # fmt: skip
+             cores: dict[str, int] | None = None) -> dict:  # fmt: skip
     """A fresh index, the normal keys stored and held pinned, the attack (if any) running, the figures
     (with ``honest_clients``, also those of a fleet of clients behind the normal client's address)."""
     pool_path = unique_shm_path("bench-attacks")
     index = IndexProcess(pool_path, pool_size="256Mi", token_file=token_file,
                          extra_args=["--page-size", "4Ki", "--log-level", "ERROR"]).start()  # fmt: skip
-    _pin(index.proc.pid, "index", pin_cores)
+    _pin(index.proc.pid, "index", cores)
     ctx = multiprocessing.get_context("spawn")
     stop, attacker = ctx.Event(), None
     try:
@@ -476,7 +535,7 @@ def scenario(name: str, seconds: float, token_file: str, source: str, honest_cli
         if name != "alone":
             attacker = ctx.Process(target=_run_attack, args=(name, index.url, stop, pool_path, source), daemon=True)
             attacker.start()
-            _pin(attacker.pid, "attacker", pin_cores)
+            _pin(attacker.pid, "attacker", cores)
             time.sleep(1.0)  # let the attack build up
         cpu_before = _cpu_s(index.proc.pid)
         attacker_cpu_before = _cpu_s(attacker.pid) if attacker is not None else 0.0
@@ -484,7 +543,10 @@ def scenario(name: str, seconds: float, token_file: str, source: str, honest_cli
         if honest_clients:
             fleet = ctx.Process(target=honest_fleet, args=(index.url, honest_clients, seconds, fleet_results))
             fleet.start()
-            _pin(fleet.pid, "fleet", pin_cores)
+            _pin(fleet.pid, "fleet", cores)
+        peers: dict[str, int] = {}
+        census = threading.Timer(seconds / 2, lambda: peers.update(peers_of(index.url)))  # mid-measurement
+        census.start()
         try:
             figures = measure(index.url, keys, seconds)
         except Exception as exc:  # the index stopped answering altogether
@@ -501,11 +563,18 @@ def scenario(name: str, seconds: float, token_file: str, source: str, honest_cli
         figures["index_rss_growth_mb"] = round(max(samples, default=rss_before) - rss_before, 1)
         figures["index_rss_mb_over_time"] = samples
         figures["index_alive"] = index.proc.poll() is None
+        census.join()
+        figures["peers_connected"] = peers
+        if name != "alone":
+            figures["attacker_address"] = HONEST_ADDRESS if name in SAME_ADDRESS_ATTACKS else source
         stop.set()  # the attack ends before what it left is counted
         if attacker is not None:
             attacker.join(10)
         if figures["index_alive"]:
             figures["kept_lost"] = KEPT_KEYS - _kept_left(index.url, kept)
+            # Eviction takes the least recently used first, whoever stored them: the kept objects, older
+            # than anything an attack stores, go at its first evictions. The count says how far it went.
+            figures["index_evictions"] = holder.stats()["evictions"]
         holder.close()
     finally:
         stop.set()
@@ -557,11 +626,11 @@ def longest_callbacks(name: str, seconds: float, source: str) -> list[float]:
     return [round(1000 * d, 2) for d in sorted(durations, reverse=True)[:5]]
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=5.0, help="seconds measured per scenario (default 5)")
     parser.add_argument("--only", nargs="*", choices=sorted(ATTACKS), help="run only these attacks")
-    parser.add_argument("--out", help="write the figures as JSON here")
+    parser.add_argument("--out", help="write the figures as JSON here (after every scenario)")
     parser.add_argument("--loop", action="store_true",
                         help="measure instead the longest event-loop callbacks (CPU ms) of an index in this process")
     parser.add_argument("--honest-clients", type=int, default=0,
@@ -570,62 +639,110 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--alternate", action="store_true",
                         help="run the baseline (no attack) before each attack, each judged against the one before it")
     parser.add_argument("--pin-cores", action="store_true",
-                        help="index, attacker, honest fleet and normal client each on a core of its own "
-                             "(on 2-3 cores: the index on one, the rest on another)")
+                        help="index, attacker, honest fleet and normal client each on a CPU of its own, on distinct "
+                             "physical cores where there are enough (on 2-3 CPUs: the index on one, the rest on "
+                             "another)")
     parser.add_argument("--attacker-address", default=ATTACKER_ADDRESS,
-                        help=f"loopback source address of the attacker's raw connections (default {ATTACKER_ADDRESS})")
+                        help="source address of every attacker connection, raw sockets and IndexClient alike "
+                             f"(default {ATTACKER_ADDRESS}: on Linux every 127.x.y.z is loopback, so it is another "
+                             "peer than the normal client's 127.0.0.1, as a hostile pod is; from 127.0.0.1 the "
+                             "attacker would share the normal client's per-peer quotas, and refusals meant for it "
+                             "would refuse the normal client). The *_same_address attacks use 127.0.0.1 whatever "
+                             "this says")
+    parser.add_argument("--time-budget", type=float, default=None, metavar="S",
+                        help="start no attack (with its baseline) that would likely end past S seconds from the start")
+    return parser
+
+
+def _check_address(parser: argparse.ArgumentParser, address: str) -> None:
+    """The attacker's address must be one this host can send from."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as probe:
+            probe.bind((address, 0))
+    except OSError as exc:
+        parser.error(f"--attacker-address {address} cannot be bound on this host ({exc}): give one of its "
+                     "addresses, e.g. 127.0.0.2 on Linux")  # fmt: skip
+    if address == HONEST_ADDRESS:
+        print(f"note: the attacker leaves from {HONEST_ADDRESS}, the normal client's address: one peer", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
+    _check_address(parser, args.attacker_address)
+    cores = None
     if args.pin_cores:
-        if (os.cpu_count() or 1) < 2:
-            parser.error("--pin-cores needs 2 cores or more")
-        _pin(0, "client", True)
-    load = {"load_average_before": os.getloadavg()}
+        try:
+            cores = core_plan()
+        except ValueError as exc:
+            parser.error(str(exc))
+        _pin(os.getpid(), "client", cores)
+        print(f"pinned: {cores}", flush=True)
+    header = {"machine": os.uname().machine, "python": sys.version.split()[0], "cpus": os.cpu_count(),
+              "pinned_cores": cores, "seconds": args.seconds, "attacker_address": args.attacker_address,
+              "load_average_before": os.getloadavg()}  # fmt: skip
     if args.loop:
         loop_results = {}
         for name in args.only or ATTACKS:
             loop_results[name] = longest_callbacks(name, args.seconds, args.attacker_address)
             print(f"{name:16} longest callbacks, CPU ms: {loop_results[name]}", flush=True)
-        if args.out:
-            with open(args.out, "w") as fh:
-                json.dump({"cpus": os.cpu_count(), "seconds": args.seconds, "attacker_address": args.attacker_address,
-                       **load, "load_average_after": os.getloadavg(), "longest_callbacks_ms": loop_results},
-                      fh, indent=2)  # fmt: skip
+        _write(args.out, {**header, "longest_callbacks_ms": loop_results})
         return 0
     workdir = tempfile.mkdtemp(prefix="bench-attacks-")
     token_file = os.path.join(workdir, "token")
     with open(os.open(token_file, os.O_WRONLY | os.O_CREAT, 0o600), "w") as fh:
         fh.write(TOKEN)
-    results = {}
     try:
-        fleet_header = f" {'fleet in':>9} {'fleet req/s':>11}" if args.honest_clients else ""
-        print(f"{'scenario':26} {'hb p50':>7} {'hb p99':>7} {'ret p50':>7} {'ret p99':>7} {'fail':>4} {'RSS MB':>7} "
-              f"{'+RSS':>6} {'lost':>5} {'CPU':>5}{fleet_header}")  # fmt: skip
-        attacks = list(args.only or ATTACKS)
-        order = ([run for a in attacks for run in (f"alone#{a}", a)] if args.alternate else ["alone", *attacks])
-        for run in order:
-            name = run.split("#")[0]
-            results[run] = f = scenario(name, args.seconds, token_file, args.attacker_address, args.honest_clients,
-                                        args.pin_cores)  # fmt: skip
-            name = run
-            if "error" in f:
-                print(f"{name:26} {f['error'][:80]} (index alive: {f['index_alive']})", flush=True)
-                continue
-            fleet = (f" {f['fleet_clients_in']:>5}/{f['fleet_clients']:<3} {f['fleet_requests_per_s']:>11}"
-                     if args.honest_clients else "")  # fmt: skip
-            print(f"{name:26} {f['heartbeat_p50_ms']!s:>7} {f['heartbeat_p99_ms']!s:>7} {f['retrieve_p50_ms']!s:>7} "
-                  f"{f['retrieve_p99_ms']!s:>7} {f['failures']:>4} {f['index_rss_mb']!s:>7} "
-                  f"{f['index_rss_growth_mb']!s:>6} {f.get('kept_lost')!s:>5} "
-                  f"{f.get('index_cpu_share')!s:>5}{fleet}", flush=True)  # fmt: skip
+        _run_all(args, token_file, cores, header)
     finally:
         os.unlink(token_file)
         os.rmdir(workdir)
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump({"machine": os.uname().machine, "python": sys.version.split()[0], "cpus": os.cpu_count(),
-                       "pinned_cores": _cores() if args.pin_cores else None, "seconds": args.seconds,
-                       "attacker_address": args.attacker_address, **load, "load_average_after": os.getloadavg(),
-                       "results": results}, fh, indent=2)  # fmt: skip
     return 0
+
+
+def _run_all(args: argparse.Namespace, token_file: str, cores: dict[str, int] | None, header: dict) -> None:
+    """Every scenario in turn, a line each; the JSON rewritten after each (``--out``)."""
+    results: dict[str, dict] = {}
+    skipped: list[str] = []
+    fleet_header = f" {'fleet in':>9} {'fleet req/s':>11}" if args.honest_clients else ""
+    print(f"{'scenario':32} {'hb p50':>7} {'hb p99':>7} {'ret p50':>7} {'ret p99':>7} {'fail':>4} {'RSS MB':>7} "
+          f"{'+RSS':>6} {'lost':>5} {'CPU':>5}{fleet_header} {'at s':>5}", flush=True)  # fmt: skip
+    attacks = list(args.only or ATTACKS)
+    groups = [[f"alone#{a}", a] for a in attacks] if args.alternate else [["alone"], *([a] for a in attacks)]
+    started, longest = time.monotonic(), 0.0
+    for group in groups:
+        elapsed = time.monotonic() - started
+        if args.time_budget is not None and elapsed + max(longest, len(group) * (args.seconds + 5)) > args.time_budget:
+            skipped += [run for run in group if not run.startswith("alone")]
+            continue
+        for run in group:
+            results[run] = f = scenario(run.split("#")[0], args.seconds, token_file, args.attacker_address,
+                                        args.honest_clients, cores)  # fmt: skip
+            print(_line(run, f, args.honest_clients) + f" {time.monotonic() - started:>5.0f}", flush=True)
+            _write(args.out, {**header, "load_average_after": os.getloadavg(), "results": results, "skipped": skipped})
+        longest = max(longest, time.monotonic() - started - elapsed)
+    if skipped:
+        print(f"skipped (--time-budget {args.time_budget:g} s): {' '.join(skipped)}", flush=True)
+    _write(args.out, {**header, "load_average_after": os.getloadavg(), "results": results, "skipped": skipped})
+
+
+def _line(name: str, f: dict, honest_clients: int) -> str:
+    if "error" in f:
+        return f"{name:32} {f['error'][:80]} (index alive: {f['index_alive']})"
+    fleet = (f" {f['fleet_clients_in']:>5}/{f['fleet_clients']:<3} {f['fleet_requests_per_s']:>11}"
+             if honest_clients else "")  # fmt: skip
+    return (f"{name:32} {f['heartbeat_p50_ms']!s:>7} {f['heartbeat_p99_ms']!s:>7} {f['retrieve_p50_ms']!s:>7} "
+            f"{f['retrieve_p99_ms']!s:>7} {f['failures']:>4} {f['index_rss_mb']!s:>7} "
+            f"{f['index_rss_growth_mb']!s:>6} {f.get('kept_lost')!s:>5} {f.get('index_cpu_share')!s:>5}{fleet}")
+
+
+def _write(path: str | None, figures: dict) -> None:
+    """``figures`` as JSON at ``path`` (whole or not at all: written aside, then renamed)."""
+    if not path:
+        return
+    with open(f"{path}.part", "w") as fh:
+        json.dump(figures, fh, indent=2)
+    os.replace(f"{path}.part", path)
 
 
 if __name__ == "__main__":

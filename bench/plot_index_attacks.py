@@ -16,7 +16,8 @@ def main(source: str, target: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    results = json.load(open(source))["results"]
+    figures = json.load(open(source))
+    results = figures["results"]
     attacks = [name for name in results if not name.startswith("alone")]
     ratios = []
     for name in attacks:
@@ -39,6 +40,10 @@ def main(source: str, target: str) -> None:
     right.set_xlabel("seconds since the attack started")
     right.set_ylabel("index RSS growth, MB")
     right.legend(fontsize=6, ncol=2)
+    skipped = figures.get("skipped") or []
+    fig.suptitle(f"{figures.get('cpus')} CPUs, pinned {figures.get('pinned_cores')}, attacker from "
+                 f"{figures.get('attacker_address')}, {figures.get('seconds')} s each"
+                 + (f"; not run (time budget): {', '.join(skipped)}" if skipped else ""), fontsize=8)
     fig.tight_layout()
     fig.savefig(target, dpi=110)
 

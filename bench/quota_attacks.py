@@ -12,6 +12,11 @@ Each runs in its own process until ``stop`` is set, as ``attack(url, stop, pool_
 - ``token_connection_hoard``: opens 1,024 connections with the token and holds them;
 - ``token_slowloris``: 30 connections with the token, each announcing a 16 MiB frame
   and sending one byte of it every 5 s.
+
+Every connection of theirs, ``IndexClient`` and raw socket alike, leaves from
+``SOURCE_ADDRESS`` (``bench/index_attacks.py`` sets it from
+``--attacker-address``): another peer than the normal clients, as another
+pod is, so the per-peer quotas that stop the attack are the attacker's own.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ SOURCE_ADDRESS = "127.0.0.2"
 
 
 def _client(url: str, timeout_s: float = 30) -> IndexClient:
-    return IndexClient(url, token=TOKEN, timeout_s=timeout_s, client_name="attacker")
+    return IndexClient(url, token=TOKEN, timeout_s=timeout_s, client_name="attacker", source_address=SOURCE_ADDRESS)
 
 
 def _keys(first: int, count: int) -> list[bytes]:

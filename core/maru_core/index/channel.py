@@ -37,12 +37,14 @@ def _failure(message: str, exc: BaseException) -> IndexUnavailable:
     return IndexTimeout(message) if isinstance(exc, TimeoutError) else IndexUnavailable(message)
 
 
-def open_socket(address: Address, timeout_s: float) -> socket.socket:
+def open_socket(address: Address, timeout_s: float, source_address: str | None = None) -> socket.socket:
     """A connected, blocking socket (TCP_NODELAY for TCP); ``IndexUnavailable`` on failure
-    (``IndexTimeout`` when the connect timed out)."""
+    (``IndexTimeout`` when the connect timed out). ``source_address``: the local IP
+    address a TCP connection leaves from (any free port), or ``None`` for the system's choice."""
     try:
         if isinstance(address, TcpAddress):
-            sock = socket.create_connection((address.host, address.port), timeout=timeout_s)
+            source = (source_address, 0) if source_address is not None else None
+            sock = socket.create_connection((address.host, address.port), timeout=timeout_s, source_address=source)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         else:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -53,7 +55,8 @@ def open_socket(address: Address, timeout_s: float) -> socket.socket:
                 sock.close()
                 raise
     except OSError as exc:
-        raise _failure(f"cannot connect to the index at {address}: {exc}", exc) from exc
+        origin = f" from {source_address}" if source_address is not None else ""
+        raise _failure(f"cannot connect to the index at {address}{origin}: {exc}", exc) from exc
     return sock
 
 

@@ -18,6 +18,7 @@ Typical use by a reader::
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import threading
 import time
@@ -64,7 +65,18 @@ from maru_core.index.inventory import (
     parse_flush_page,
     parse_objects_page,
 )
-from maru_core.protocol import KEY_BYTES, ErrorType, Location, LocationList, Op, Slot, SlotList, parse_url
+from maru_core.protocol import (
+    KEY_BYTES,
+    Address,
+    ErrorType,
+    Location,
+    LocationList,
+    Op,
+    Slot,
+    SlotList,
+    TcpAddress,
+    parse_url,
+)
 
 if TYPE_CHECKING:
     from maru_core.pool.pool_identity import PoolIdentity
@@ -99,7 +111,11 @@ class IndexClient:
     region this process mapped: every ``hello`` checks that the index serves
     that region and otherwise fails with ``WrongPool`` (``None``: no check,
     for clients that map no pool). Nothing connects until the first call or
-    ``connect()``.
+    ``connect()``. ``source_address``, an IP address of this host, is the
+    one its TCP connections leave from (``None``: the system's choice): the
+    index tells clients apart by address (``docs/security.md``, What
+    identifies a client), so a client bound to another address, e.g.
+    another loopback address, is another peer with quotas of its own.
     """
 
     def __init__(
@@ -112,10 +128,12 @@ class IndexClient:
         heartbeat: bool = True,
         reconnect_backoff_s: float = DEFAULT_RECONNECT_BACKOFF_S,
         pool: PoolIdentity | None = None,
+        source_address: str | None = None,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         self.address = parse_url(url)
+        self.source_address = _checked_source_address(source_address, self.address)
         self.url = url
         self.timeout_s = timeout_s
         self.client_name = client_name or default_client_name()
@@ -335,7 +353,7 @@ class IndexClient:
 
     def _open(self, deadline: float) -> Channel:
         remaining = max(deadline - time.monotonic(), 0.001)
-        channel = Channel(open_socket(self.address, remaining), self.timeout_s)
+        channel = Channel(open_socket(self.address, remaining, self.source_address), self.timeout_s)
         try:
             self._hello(channel, self._lease_id, deadline)
         except BaseException:
@@ -418,3 +436,18 @@ class IndexClient:
         ``layout`` and ``fmt`` (``None``: any); call again from its ``next_cursor``
         (after ``retry_after_s`` when an eviction window held objects back)."""
         return parse_flush_page(self._call(flush_request(cursor, limit, layout, fmt)), cursor)
+
+
+def _checked_source_address(source_address: str | None, address: Address) -> str | None:
+    """``source_address`` once checked: an IP address, for a TCP index only."""
+    if source_address is None:
+        return None
+    if not isinstance(address, TcpAddress):
+        raise ValueError(f"source_address={source_address!r} binds a TCP connection, but the index's URL is "
+                         f"{address}: use a tcp:// URL, or no source_address for a Unix socket")  # fmt: skip
+    try:
+        ipaddress.ip_address(source_address)
+    except ValueError:
+        raise ValueError(f"source_address must be an IP address of this host (e.g. 127.0.0.2), "
+                         f"got {source_address!r}") from None  # fmt: skip
+    return source_address

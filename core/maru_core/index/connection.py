@@ -26,6 +26,7 @@ from maru_core.protocol import ErrorType, FrameError, FrameTooLarge, ProtocolErr
 from maru_core.protocol.framing import MAX_FRAME_BYTES, FrameBuffer, FrameWriter
 
 if TYPE_CHECKING:
+    from maru_core.index.heap import HeapTrimmer
     from maru_core.index.limits import ServerLimits
     from maru_core.index.listen import RateLimitedLog
     from maru_core.index.turns import PeerTurns
@@ -55,6 +56,7 @@ class ConnectionHost(Protocol):
 
     limits: "ServerLimits"
     refusals: "RateLimitedLog"
+    heap: "HeapTrimmer"
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop: ...
@@ -131,6 +133,7 @@ class Connection(asyncio.BufferedProtocol):
             self.frame_started_at = now
         self._frames.advance(nbytes)
         self.received_bytes += nbytes
+        self._server.heap.note(nbytes)
         self.last_active = now
         if nbytes >= _DECODE_LATER_BYTES:
             self._yield_turn()  # this callback copied a lot already: decode in the next pass
@@ -291,6 +294,7 @@ class Connection(asyncio.BufferedProtocol):
             return
         frame = self._writer.frame(reply)
         transport.write(frame)
+        self._server.heap.note(len(frame))
         if isinstance(frame, memoryview) and transport.get_write_buffer_size():
             self._writer.release()  # the transport may still hold the view: the next frame gets a new buffer
 

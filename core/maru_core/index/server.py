@@ -68,6 +68,7 @@ from typing import Any, Callable
 
 from maru_core.index.accept import Acceptor, bind_tcp
 from maru_core.index.connection import Connection, Job, Reply
+from maru_core.index.heap import HeapTrimmer
 from maru_core.index.limits import SMALL_RECEIVE_BYTES, ServerLimits
 from maru_core.index.listen import RateLimitedLog, UnixListenerPath
 from maru_core.index.object_ops import ObjectOps
@@ -160,6 +161,7 @@ class IndexServer:
         self._unix_listener: Any = None
         self.closed_connections: collections.Counter[str] = collections.Counter()
         self.refusals = RateLimitedLog(log)  # at most a line a second about bad peers
+        self.heap = HeapTrimmer()  # gives back the heap that large frames freed (from the sweep)
         self.rate_limited: collections.Counter[str] = collections.Counter()
         self._rate_limit_log = RateLimitedLog(log, interval_s=10.0)  # a flood of refusals: a line per 10 s
         self.quota_refusals: collections.Counter[str] = collections.Counter()
@@ -388,6 +390,7 @@ class IndexServer:
                 self.pool_watch.check()
                 for _ in self._sweep(time.monotonic()):
                     await asyncio.sleep(0)  # other connections between batches of closes
+                self.heap.trim_if_due()
             except Exception:  # the loop must survive a bug here
                 log.exception("connection sweep failed")
 
@@ -452,13 +455,17 @@ class IndexServer:
         return reply
 
     def _error(self, message: Any, op: str, exc: Exception) -> Reply:
-        if isinstance(exc, ProtocolError):
-            return error_reply(request_id(message), exc)
-        if isinstance(exc, RegistryError):
-            return error_reply(request_id(message), ProtocolError(ErrorType(exc.error_type), str(exc)))
-        log.error("op %s failed", op, exc_info=exc)
-        error = ProtocolError(ErrorType.INTERNAL, f"the index failed on {op}: {type(exc).__name__}: {exc}")
-        return error_reply(request_id(message), error)
+        """The error reply for ``exc``; its traceback is dropped (see ``_drop_tracebacks``)."""
+        try:
+            if isinstance(exc, ProtocolError):
+                return error_reply(request_id(message), exc)
+            if isinstance(exc, RegistryError):
+                return error_reply(request_id(message), ProtocolError(ErrorType(exc.error_type), str(exc)))
+            log.error("op %s failed", op, exc_info=exc)
+            error = ProtocolError(ErrorType.INTERNAL, f"the index failed on {op}: {type(exc).__name__}: {exc}")
+            return error_reply(request_id(message), error)
+        finally:
+            _drop_tracebacks(exc)
 
     def _observe(self, op: str, started: float, reply: Reply) -> None:
         if self._metrics is not None:
@@ -618,6 +625,22 @@ class IndexServer:
         lease_id, conn.lease_id = conn.lease_id, None
         closed = yield from self.registry.close_lease_sliced(lease_id)
         return {"closed": closed}
+
+
+def _drop_tracebacks(exc: BaseException | None) -> None:
+    """Drop the tracebacks of ``exc`` and of the exceptions it was raised from or during.
+
+    A traceback holds the frames it went through, and a frame that holds the
+    exception in a local (``error = QuotaExceeded(...)``, then raised) closes a
+    reference cycle: the frames' locals, a large request's keys and arrays of
+    megabytes among them, then live until the cyclic garbage collector's next
+    full pass, seconds or minutes later (a flood of refused 2 MiB reserves
+    held hundreds of megabytes so). Once answered, nothing reads them again.
+    """
+    seen = 0
+    while exc is not None and seen < 8:
+        exc.__traceback__ = None
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
 
 
 def _closed_by_peer(sock: socket.socket) -> bool:
