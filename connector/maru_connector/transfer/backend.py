@@ -59,7 +59,7 @@ class TransferBackend(str, enum.Enum):
         """Whether its engine loads a chunk from one of its blocks on
         (``plan.SKIP_BLOCK``): verifies the whole object, writes only the
         blocks from there. The scheduler plans such a load only then."""
-        return self is TransferBackend.CPU
+        return True  # CPU: the head summed from the pool; CUDA: staged and summed, not scattered
 
 
 class HeadStart(abc.ABC):
