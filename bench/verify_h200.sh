@@ -6,7 +6,8 @@
 #
 # 1. the CUDA tests of verified loads, of the CUDA engine and of its memory
 #    (test_verified_transfer.py -m cuda, test_transfer_cuda.py,
-#    test_head_start_cuda.py, test_device_memory.py) -> OUT_DIR/cuda_tests.txt
+#    test_head_start_cuda.py, test_device_memory.py, test_partial_chunk_load.py)
+#    -> OUT_DIR/cuda_tests.txt
 # 2. the checksum kernel's cost per GB against the pinned copy of the same
 #    bytes (bench/checksum_gpu.py) -> OUT_DIR/checksum_gpu.json
 # 3. verified against unverified hits of 4k, 16k and 32k tokens, both formats,
@@ -41,7 +42,8 @@ source bench/device_run.sh
 gpu_info
 run cuda_tests 170 python3 -m pytest --noconftest -p no:cacheprovider -m cuda -q \
     tests/connector/test_verified_transfer.py tests/connector/test_transfer_cuda.py \
-    tests/connector/test_head_start_cuda.py tests/connector/test_device_memory.py
+    tests/connector/test_head_start_cuda.py tests/connector/test_device_memory.py \
+    tests/connector/test_partial_chunk_load.py
 if [ "$mode" = group-ab ]; then
     for group in 8 32; do
         run "issue_cost_group$group" 90 python3 bench/verify_issue_cost.py harness --formats chunkwise \

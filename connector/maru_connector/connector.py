@@ -31,6 +31,7 @@ from maru_connector.metadata import MaruConnectorMetadata
 from maru_connector.preflight import check_before_load, startup_line
 from maru_connector.scheduler import MaruSchedulerHalf
 from maru_connector.stats import open_stats
+from maru_connector.transfer.backend import TransferBackend
 from maru_connector.vllm_stats import MaruKVConnectorStats, MaruPromMetrics, StepStatsReader
 from maru_connector.worker import MaruWorkerHalf
 
@@ -102,6 +103,13 @@ def _make_lookup(cfg: MaruConfig) -> LookupService:
     return LookupService(client, timeout_s=cfg.maru_lookup_timeout_s)
 
 
+def _workers_load_partial_chunks(vllm_config: "VllmConfig") -> bool:
+    """Whether the workers' transfer backend loads part of a chunk; from the
+    device vLLM runs on, as the workers pick their backend (``auto``)."""
+    on_cuda = getattr(vllm_config.device_config, "device_type", "cpu") == "cuda"
+    return TransferBackend.for_device("auto", on_cuda).partial_chunk_loads
+
+
 class MaruKVConnector(KVConnectorBase_V1):
     """Shares prefix KV between vLLM engines through a MaruCache pool."""
 
@@ -131,6 +139,7 @@ class MaruKVConnector(KVConnectorBase_V1):
             self.scheduler_half = MaruSchedulerHalf(
                 cfg, namespaces, block_size, _make_lookup(cfg), num_layers=num_layers,
                 stats=open_stats(cfg, "scheduler"), handoff=handoff, kv_events=kv_events_enabled(vllm_config),
+                partial_chunk_loads=_workers_load_partial_chunks(vllm_config),
             )
             logger.info("%s", startup_line("scheduler", checked))
         else:

@@ -17,6 +17,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from maru_connector.transfer.plan import SKIP_BLOCK
+
 
 @dataclass(frozen=True)
 class ChunkRun:
@@ -53,12 +55,20 @@ class LoadSpec(ChunkRun):
     computes many beside it should not wait for all its copies to be queued.
     ``early_pin``: the token under which the lookup's pins of these chunks
     wait in this process's ``PinHandoff`` (0: none; the worker retrieves).
+
+    A load that begins inside its first chunk (vLLM's own prefix cache
+    holds that chunk's first blocks) names those blocks ``SKIP_BLOCK``: the
+    worker verifies their bytes with their object but writes nothing there.
     """
 
     is_async: bool = False
     wait_whole: bool = False
     new_tokens: int = 0
     early_pin: int = 0
+
+    def all_block_ids(self) -> list[int]:
+        """The blocks this load writes (a failed load's, reported to vLLM)."""
+        return [b for b in super().all_block_ids() if b != SKIP_BLOCK]
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from maru_connector.metadata import (
     StoreSpec,
 )
 from maru_connector.request_params import PARK, SYNC, requested_load_mode, requested_store
+from maru_connector.transfer.plan import SKIP_BLOCK
 
 if TYPE_CHECKING:
     from maru_core.keys import KeyNamespace
@@ -87,6 +88,10 @@ class MaruSchedulerHalf:
         kv_events: vLLM publishes KV events: the stores committed on every
             rank and the stored chunks lookups find gone are published
             through :meth:`take_events` (``kv_events.py``).
+        partial_chunk_loads: the workers' transfer engines load a chunk from
+            one of its blocks on (``TransferBackend.partial_chunk_loads``):
+            a local hit that ends inside a chunk is then looked up from that
+            chunk; else such a hit asks the pool for nothing.
     """
 
     def __init__(
@@ -99,6 +104,7 @@ class MaruSchedulerHalf:
         stats: ConnectorStats | None = None,
         handoff: PinHandoff | None = None,
         kv_events: bool = False,
+        partial_chunk_loads: bool = False,
     ) -> None:
         if cfg.maru_kv_chunk_tokens % block_size:
             raise ValueError(
@@ -108,6 +114,8 @@ class MaruSchedulerHalf:
         self.cfg = cfg
         self._namespaces = namespaces
         self._chunk = cfg.maru_kv_chunk_tokens
+        self._block_size = block_size
+        self._partial_chunk_loads = partial_chunk_loads
         self._blocks_per_chunk = cfg.maru_kv_chunk_tokens // block_size
         self._lookup = lookup
         self._storage = strategy_for(configured_format(cfg))
@@ -137,13 +145,17 @@ class MaruSchedulerHalf:
         """Tokens beyond ``num_computed_tokens`` that the pool holds.
 
         Answers ``(None, False)`` while the lookup is in flight, ``(0, False)``
-        on a miss, after a failed load of this request, or when vLLM's own hit
-        does not end on a chunk boundary; otherwise ``(n, park)`` (see
-        :meth:`_should_park`). At least one prompt token is always left to
-        compute.
+        on a miss or after a failed load of this request; otherwise ``(n,
+        park)`` (see :meth:`_should_park`). At least one prompt token is
+        always left to compute.
+
+        vLLM's own hit (``num_computed_tokens``, whole blocks) may end inside
+        a chunk: the lookup then starts at that chunk, and the load writes
+        only its blocks from the hit on (``_plan_load``), where the workers'
+        engines can (``partial_chunk_loads``; else such a hit gets nothing).
         """
         state = self._state(request)
-        if state.load_failed or not state.cacheable or num_computed_tokens % self._chunk:
+        if state.load_failed or not state.cacheable or not self._may_load_from(num_computed_tokens):
             return 0, False
         keys = self._keys(state)
         first = num_computed_tokens // self._chunk
@@ -168,6 +180,14 @@ class MaruSchedulerHalf:
         if ext:
             self._start_head(request.request_id, first, -(-hit_end // self._chunk))
         return ext, state.park
+
+    def _may_load_from(self, num_computed_tokens: int) -> bool:
+        """Whether a load may begin at token ``num_computed_tokens``: on a
+        chunk boundary, or on a block boundary inside a chunk where the
+        engines load part of a chunk."""
+        if num_computed_tokens % self._chunk == 0:
+            return True
+        return self._partial_chunk_loads and num_computed_tokens % self._block_size == 0
 
     def _note_gone(self, request: "Request", keys: RequestKeys, chunk: int) -> None:
         """A lookup answered that ``chunk`` is the first chunk missing: if the
@@ -261,10 +281,14 @@ class MaruSchedulerHalf:
         if end <= first:
             return None
         keys = self._keys(state)
+        chunk_blocks = self._chunk_blocks(block_ids, first, end)
+        held = (local - first * self._chunk) // self._block_size  # vLLM's own blocks of chunk ``first``
+        if held:  # loaded and verified with their object, not written
+            chunk_blocks = ((SKIP_BLOCK,) * held + chunk_blocks[0][held:], *chunk_blocks[1:])
         spec = LoadSpec(
             req_id=request.request_id,
             keys_by_rank=keys.slice(first, end),
-            block_ids=self._chunk_blocks(block_ids, first, end),
+            block_ids=chunk_blocks,
             is_async=state.park,
             wait_whole=state.load_mode == SYNC,
             new_tokens=max(0, request.num_tokens - local - num_external_tokens),

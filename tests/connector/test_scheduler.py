@@ -310,3 +310,41 @@ def test_a_load_mode_the_engine_cannot_honour_falls_back_to_the_engine_s_choice(
     (load,) = half.build_connector_meta(step_output({}, {})).loads
     assert not load.wait_whole
     assert "maru_load" in caplog.text and ("needs the engine" in caplog.text or "unknown" in caplog.text)
+
+
+def make_partial_half(index, **knobs):
+    """A half whose workers' engines load part of a chunk (both backends do)."""
+    half = make_half(index, **knobs)
+    half._partial_chunk_loads = True
+    return half
+
+
+def test_local_hit_inside_a_chunk_loads_the_rest_of_that_chunk_and_the_later_ones(index):
+    from maru_connector.transfer.plan import SKIP_BLOCK
+
+    half = make_partial_half(index)
+    req = request("a", 100)
+    commit_prefix(index, half, req, 3)
+    keys = half._keys(half._state(req)).by_rank[0]
+    assert half.get_num_new_matched_tokens(req, BLOCK) == (3 * CHUNK - BLOCK, False)  # block-aligned
+    half.update_state_after_alloc(req, Blocks(range(10, 17)), 3 * CHUNK - BLOCK)
+    (load,) = half.build_connector_meta(step_output({"a": 4}, {"a": list(range(10, 17))})).loads
+    assert load.keys(0) == tuple(keys[:3])  # the boundary chunk is loaded (and verified) whole
+    assert load.block_ids == ((SKIP_BLOCK, 11), (12, 13), (14, 15))  # vLLM's own block is not written
+    assert load.all_block_ids() == [11, 12, 13, 14, 15]  # what a failure would report
+    assert load.new_tokens == 4
+    assert half.stats.snapshot()["counters"]["lookup_hit_tokens"] == 3 * CHUNK - BLOCK
+
+
+def test_local_hit_inside_a_chunk_whose_chunk_is_not_stored_asks_for_nothing(index):
+    half = make_partial_half(index)
+    req = request("a", 100)
+    commit_prefix(index, half, req, 1)  # chunk 0 only: the hit ends inside chunk 1
+    assert half.get_num_new_matched_tokens(req, CHUNK + BLOCK) == (0, False)
+
+
+def test_local_hit_off_a_block_boundary_asks_for_nothing(index):
+    half = make_partial_half(index)
+    req = request("a", 100)
+    commit_prefix(index, half, req, 3)
+    assert half.get_num_new_matched_tokens(req, BLOCK + 1) == (0, False)  # vLLM's hits are whole blocks

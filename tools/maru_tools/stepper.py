@@ -92,6 +92,8 @@ class SteppedEngine:
             ``max_num_inflight_kv_loads``).
         kv_events_config: vLLM's ``kv_events_config`` dict: the scheduler
             collects KV events (swap ``scheduler.kv_event_publisher`` to see them).
+        prefix_caching: vLLM's own prefix cache (off by default here, so
+            that every hit is the connector's).
     """
 
     def __init__(
@@ -109,6 +111,7 @@ class SteppedEngine:
         defer_finalize: bool = False,
         scheduler_options: dict[str, Any] | None = None,
         kv_events_config: dict[str, Any] | None = None,
+        prefix_caching: bool = False,
     ) -> None:
         from vllm.config import ModelConfig
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -125,12 +128,13 @@ class SteppedEngine:
         self.defer_finalize = defer_finalize
         with _runs_no_kernel():
             self.vllm_config = self._make_config(model, block_size, max_num_batched_tokens, max_num_seqs,
-                                                 kv_transfer_config, scheduler_options)
+                                                 kv_transfer_config, scheduler_options, prefix_caching)
         if kv_events_config is not None:
             from vllm.config.kv_events import KVEventsConfig
 
             self.vllm_config.kv_events_config = KVEventsConfig(**kv_events_config)
-        self._block_hasher = _block_hasher(block_size) if kv_events_config is not None else None
+        hashed = kv_events_config is not None or prefix_caching  # both name blocks by their hashes
+        self._block_hasher = _block_hasher(block_size) if hashed else None
         self.vllm_config.cache_config.num_gpu_blocks = num_blocks
         names = [LAYER_NAME.format(i) for i in range(self.num_layers)]
         spec = FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads,
@@ -157,12 +161,13 @@ class SteppedEngine:
 
     @staticmethod
     def _make_config(model: Any, block_size: int, max_num_batched_tokens: int, max_num_seqs: int,
-                     kv_transfer_config: dict[str, Any], scheduler_options: dict[str, Any] | None) -> Any:
+                     kv_transfer_config: dict[str, Any], scheduler_options: dict[str, Any] | None,
+                     prefix_caching: bool = False) -> Any:
         from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, SchedulerConfig, VllmConfig
 
         return VllmConfig(
             model_config=model,
-            cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=False),
+            cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching),
             scheduler_config=SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                 max_model_len=4096, enable_chunked_prefill=True, is_encoder_decoder=False,

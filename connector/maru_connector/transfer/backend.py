@@ -54,6 +54,13 @@ class TransferBackend(str, enum.Enum):
             raise ValueError(f"device={device!r} but the KV cache is on {where}")
         return kind
 
+    @property
+    def partial_chunk_loads(self) -> bool:
+        """Whether its engine loads a chunk from one of its blocks on
+        (``plan.SKIP_BLOCK``): verifies the whole object, writes only the
+        blocks from there. The scheduler plans such a load only then."""
+        return True  # CPU: the head summed from the pool; CUDA: staged and summed, not scattered
+
 
 class HeadStart(abc.ABC):
     """The first fills of a load, copied before the load was submitted."""

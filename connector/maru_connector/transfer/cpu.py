@@ -27,7 +27,7 @@ from .checks import checkable, describe, objects_due, piece_of
 from .copy_cpus import idle_this_thread, pin_this_thread
 from .engine import TransferEngine
 from .handles import ChecksumMismatch
-from .plan import Run
+from .plan import Run, skipped_head
 from .prefault import PoolPrefaulter
 
 __all__ = ["CpuTransferEngine"]
@@ -92,35 +92,43 @@ class CpuTransferEngine(TransferEngine):
         # moves about 0.1 GB/s on the CPU, a copy of whole blocks GB/s. A
         # verified load sums each run's blocks as they lie in the KV cache
         # right after copying them (the bytes the forward will read), and a
-        # layer is marked only once the objects due at it matched.
+        # layer is marked only once the objects due at it matched. The
+        # skipped head of a load that begins inside its first chunk
+        # (``SKIP_BLOCK``) is not copied: it is summed where it lies in the
+        # pool, so its object is still verified whole.
         sums = [0] * len(job.check) if job.check is not None else None
+        head = skipped_head(job.block_ids)
         for layer in range(self.layout.num_layers):
             dst = self.block_views[layer]
             for run in self._runs(job, layer):
                 views = self._rows(run)
                 for src, a, b in self._block_ranges(run, views):
-                    for first, n, offset in _consecutive(job.block_ids, a, b):
+                    skip = min(max(head - a, 0), b - a)
+                    if skip and sums is not None:
+                        self._sum_blocks(sums, layer, src[:skip], a)
+                    for first, n, offset in _consecutive(job.block_ids, a + skip, b):
+                        offset += skip
                         _copy(dst[first:first + n], src[offset:offset + n])
                         if sums is not None:
-                            self._sum_blocks(sums, layer, dst, first, n, a + offset)
+                            self._sum_blocks(sums, layer, dst[first:first + n], a + offset)
             if sums is not None:
                 self._verify(job, sums, layer)
             job.handle._mark_layer(layer)
 
-    def _sum_blocks(self, sums: list[int], layer: int, dst: torch.Tensor, first: int, n: int,
-                    position: int) -> None:
-        """Add the ``n`` blocks at ``dst[first:]`` (the load's blocks ``position``
-        on, consecutive ids) to the sums of the objects they belong to."""
+    def _sum_blocks(self, sums: list[int], layer: int, blocks: torch.Tensor, position: int) -> None:
+        """Add ``blocks`` (the load's blocks ``position`` on, as they lie in the
+        KV cache or the pool) to the sums of the objects they belong to."""
         bpc = self.fmt.blocks_per_chunk
         block_words = self.layout.block_bytes_per_layer // 4
         segment = self.layout.segment_bytes
-        while n:
-            chunk, k = divmod(position, bpc)
-            take = min(n, bpc - k)  # a run may go on into the next chunk's object
+        done, n = 0, blocks.shape[0]
+        while done < n:
+            chunk, k = divmod(position + done, bpc)
+            take = min(n - done, bpc - k)  # a run may go on into the next chunk's object
             obj, base = piece_of(self.fmt, chunk, layer)
-            rows = dst[first:first + take].numpy().reshape(-1, segment)
+            rows = blocks[done:done + take].numpy().reshape(-1, segment)
             sums[obj] += position_sum_rows(rows, base + k * block_words)
-            first, n, position = first + take, n - take, position + take
+            done += take
 
     def _verify(self, job: LoadJob, sums: list[int], layer: int) -> None:
         check = job.check

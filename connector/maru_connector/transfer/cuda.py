@@ -43,7 +43,7 @@ from ..object_format import ObjectFormat
 from .backend import HeadStart, LoadJob, StoreJob, TransferBackend
 from .engine import TransferEngine
 from .handles import LoadHandle, TransferError
-from .plan import Run, layer_pieces
+from .plan import Run, layer_pieces, skipped_head
 
 __all__ = ["CudaTransferEngine"]
 
@@ -682,17 +682,25 @@ class CudaTransferEngine(TransferEngine):
         blocks = used // count // self.layout.block_bytes_per_layer
         first = pieces[0][0].first_block  # the same for every layer of a group
         index = ids[first:first + blocks]
+        # A fill from the load's first chunk on skips the blocks vLLM holds
+        # already (``SKIP_BLOCK``): summed above with their object, not written.
+        skip = skipped_head(job.block_ids) if first == 0 else 0
         if interleaved:  # staged [chunk][layer][block]: index by (chunk, block)
             per = blocks // interleaved
             source = self._piece_view(staging, offset, per, count * interleaved)
             source = source.view(interleaved, count, *source.shape[1:]).transpose(0, 1)
-            self._stacked_view(layers[0], count)[:, index.view(interleaved, per)] = source
+            rows, stacked = index.view(interleaved, per), self._stacked_view(layers[0], count)
+            if skip:  # the first chunk's tail, then the whole later chunks
+                stacked[:, rows[0, skip:]] = source[:, 0, skip:]
+                rows, source = rows[1:], source[:, 1:]
+            if rows.numel():
+                stacked[:, rows] = source
         elif count > 1:
             self._stacked_view(layers[0], count).index_copy_(
-                1, index, self._piece_view(staging, offset, blocks, count))
+                1, index[skip:], self._piece_view(staging, offset, blocks, count)[:, skip:])
         else:
-            self._wide_views[layers[0]].index_copy_(0, index,
-                                                    self._piece_view(staging, offset, blocks))
+            self._wide_views[layers[0]].index_copy_(0, index[skip:],
+                                                    self._piece_view(staging, offset, blocks)[skip:])
         freed = self._event()
         freed.record(self.scatter_stream)
         if staging is self._head_buffer:

@@ -25,7 +25,7 @@ from ..object_format import ObjectFormat
 from .backend import HeadStart, LoadJob, StoreJob, TransferBackend, TransferJob
 from .checks import PayloadCheck, checkable
 from .handles import LoadHandle, StoreHandle, TransferError
-from .plan import ChunkLoad, ChunkStore, Run, TransferRequestError, check_chunks, layer_runs
+from .plan import ChunkLoad, ChunkStore, Run, TransferRequestError, check_chunks, layer_runs, skipped_head
 
 __all__ = ["HeadStart", "TransferEngine"]
 
@@ -100,7 +100,10 @@ class TransferEngine(abc.ABC):
         copies (see ``CudaTransferEngine``).
 
         Raises ``TransferRequestError`` when a chunk does not fit the format
-        (wrong number of block ids or offsets, block id out of range).
+        (wrong number of block ids or offsets, block id out of range). The
+        first chunk's leading block ids may be ``plan.SKIP_BLOCK`` where the
+        backend has ``partial_chunk_loads``: those blocks are verified with
+        their objects but not written.
         Problems found while copying (e.g. an offset outside the pool) end
         in ``handle.error`` instead. ``head``: this load's ``start_head``,
         whose copies it then reuses when the sources match (else dropped).
@@ -109,14 +112,15 @@ class TransferEngine(abc.ABC):
         the load with ``ChecksumMismatch``.
         """
         try:
-            blocks = check_chunks(self.fmt, chunks, "load")
+            blocks = check_chunks(self.fmt, chunks, "load", skip_head=self.backend.partial_chunk_loads)
             if check is not None:
                 self._check_request(check, len(chunks))
         except BaseException:
             if head is not None:
                 head.drop()
             raise
-        nbytes = len(blocks) * self.layout.block_bytes_per_layer * self.layout.num_layers
+        written = len(blocks) - skipped_head(blocks)
+        nbytes = written * self.layout.block_bytes_per_layer * self.layout.num_layers
         handle = LoadHandle(self.layout.num_layers if chunks else 0, nbytes)
         if chunks:
             job = TransferJob(handle, blocks, [c[1] for c in chunks], beside_long_forward,

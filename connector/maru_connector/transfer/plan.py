@@ -6,6 +6,11 @@ constant ``stride`` in the pool: a plain copy when ``stride == layer_bytes``
 (adjacent objects), otherwise one strided 2-D copy. Its destination is the
 ``rows * blocks_per_chunk`` block ids that follow ``first_block`` in the
 request's concatenated block-id list.
+
+A load may begin inside its first chunk: vLLM's own prefix cache already
+holds that chunk's first blocks. Their block ids are ``SKIP_BLOCK``: the
+engine reads and verifies those bytes like any other (an object is checked
+whole) but writes nothing for them (``check_chunks`` says where they may be).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import numpy as np
 from ..object_format import ObjectFormat
 
 __all__ = [
+    "SKIP_BLOCK",
     "ChunkLoad",
     "ChunkStore",
     "Run",
@@ -27,6 +33,10 @@ __all__ = [
     "layer_runs",
     "split_runs",
 ]
+
+
+# The block id of a loaded block that is verified but not written (vLLM holds it).
+SKIP_BLOCK = -1
 
 
 class TransferRequestError(ValueError):
@@ -61,8 +71,12 @@ class Run:
         return self.offset + (self.rows - 1) * self.stride + row_bytes
 
 
-def check_chunks(fmt: ObjectFormat, chunks: Sequence, what: str) -> list[int]:
-    """Validate a request's shape; return its concatenated block ids."""
+def check_chunks(fmt: ObjectFormat, chunks: Sequence, what: str, skip_head: bool = False) -> list[int]:
+    """Validate a request's shape; return its concatenated block ids.
+
+    ``skip_head``: the first chunk's leading block ids may be ``SKIP_BLOCK``
+    (a load that begins inside it), all but its last; nowhere else.
+    """
     blocks: list[int] = []
     per_chunk = fmt.objects_per_chunk
     nb = fmt.layout.num_blocks
@@ -78,14 +92,26 @@ def check_chunks(fmt: ObjectFormat, chunks: Sequence, what: str) -> list[int]:
                 f"{what} chunk {i} has {len(offsets)} pool offsets; the "
                 f"{fmt.name} format has {per_chunk} object(s) per chunk"
             )
-        bad = [b for b in ids if not 0 <= b < nb]
+        head = skipped_head(ids) if i == 0 and skip_head else 0
+        if head == len(ids):
+            raise TransferRequestError(f"{what} chunk 0 writes no block: load from the next chunk instead")
+        bad = [b for b in ids[head:] if not 0 <= b < nb]
         if bad:
+            where = "" if skip_head or SKIP_BLOCK not in bad else " (this engine writes every block it loads)"
             raise TransferRequestError(
                 f"{what} chunk {i} names block ids {bad} outside the KV "
-                f"cache's {nb} blocks"
+                f"cache's {nb} blocks{where}"
             )
         blocks.extend(ids)
     return blocks
+
+
+def skipped_head(block_ids: Sequence[int]) -> int:
+    """How many leading block ids are ``SKIP_BLOCK``."""
+    n = 0
+    while n < len(block_ids) and block_ids[n] == SKIP_BLOCK:
+        n += 1
+    return n
 
 
 def layer_runs(fmt: ObjectFormat, offsets: Sequence[Sequence[int]], layer: int) -> list[Run]:

@@ -1,0 +1,163 @@
+"""A load that begins inside its first chunk: vLLM's own prefix cache holds
+that chunk's first blocks, named ``SKIP_BLOCK`` in the load. The engines
+verify the whole object (CPU: the skipped head summed where it lies in the
+pool; CUDA: the whole object staged and summed, the head not scattered),
+write only the blocks after it, and leave every other block untouched; a
+corrupted byte in the skipped head fails the load.
+
+The ``cuda`` cases need an NVIDIA GPU (``bench/verify_h200.sh`` runs them).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kv_builders import ALL_KINDS, block_bytes, make_kv_caches
+from maru_connector.kv_layout import detect_kv_layout
+from maru_connector.object_format import ObjectFormat
+from maru_connector.transfer import (
+    ChecksumMismatch,
+    ChunkLoad,
+    ChunkStore,
+    PayloadCheck,
+    TransferRequestError,
+    create_engine,
+)
+from maru_connector.transfer.plan import SKIP_BLOCK
+from test_transfer_cuda import ShmPool
+
+ON_GPU = [pytest.mark.cuda,
+          pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU; run by bench/verify_h200.sh")]
+CUDA = pytest.param("cuda", marks=ON_GPU)
+DEVICES = ["cpu", CUDA]
+# how the CUDA engine issues and stages the load: every path its scatters take
+ISSUE = {"inline": {}, "copy_thread": {"inline_load_bytes": 0, "inline_head_fills": 0},
+         "small_staging": {"staging_bytes": 0}, "layer_by_layer": {"copy_2d": False}}
+DEVICE_ISSUES = [("cpu", "inline"), *(pytest.param("cuda", issue, marks=ON_GPU) for issue in ISSUE)]
+BPC, CHUNKS, LAYERS, BLOCKS = 4, 3, 3, 32
+
+
+@pytest.fixture
+def pool():
+    p = ShmPool(32 << 20)
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def engines(pool):
+    made = []
+
+    def make(kv, fmt, **options):
+        made.append(create_engine(pool.buffer, kv, fmt, **options))
+        return made[-1]
+
+    yield make
+    for engine in made:
+        engine.close()
+
+
+def _stored(engines, pool, device, kind, layerwise, adjacent):
+    """CHUNKS chunks stored from random blocks: (fmt, offsets, source KV, source ids, checksums)."""
+    rng = random.Random(f"{kind}{layerwise}{device}{adjacent}")
+    src = make_kv_caches(kind, layers=LAYERS, blocks=BLOCKS, seed=1, device=device)
+    layout = detect_kv_layout(src)
+    fmt = ObjectFormat(layout, BPC * layout.block_size, layerwise)
+    size, per = fmt.object_bytes, fmt.objects_per_chunk
+    slots = (list(range(3, 3 + CHUNKS * per)) if adjacent
+             else rng.sample(range(pool.map.size() // size), CHUNKS * per))
+    offsets = [tuple(slots[c * per + i] * size for i in range(per)) for c in range(CHUNKS)]
+    src_ids = rng.sample(range(BLOCKS), CHUNKS * BPC)
+    handle = engines(src, fmt).submit_store(
+        [ChunkStore(tuple(src_ids[c * BPC:(c + 1) * BPC]), offsets[c]) for c in range(CHUNKS)])
+    assert handle.wait(30), handle.error
+    return fmt, offsets, src, src_ids, handle.checksums
+
+
+def _load_chunks(dst_ids, offsets, skip):
+    ids = [SKIP_BLOCK] * skip + dst_ids[skip:]
+    return [ChunkLoad(tuple(ids[c * BPC:(c + 1) * BPC]), offsets[c]) for c in range(CHUNKS)]
+
+
+def _loader(engines, fmt, device, **options):
+    dst = make_kv_caches(fmt.layout.kind, layers=LAYERS, blocks=BLOCKS, seed=2, device=device)
+    return engines(dst, ObjectFormat(detect_kv_layout(dst), fmt.chunk_tokens, fmt.layerwise), **options), dst
+
+
+@pytest.mark.parametrize("device, issue", DEVICE_ISSUES)
+@pytest.mark.parametrize("kind", ["cpu", "flash_hnd", "packed_lhbnc"])
+@pytest.mark.parametrize("layerwise", [False, True], ids=["chunkwise", "layerwise"])
+@pytest.mark.parametrize("adjacent", [False, True], ids=["scattered", "adjacent"])
+@pytest.mark.parametrize("skip", [1, BPC - 1])
+@pytest.mark.parametrize("verified", [True, False], ids=["verified", "unverified"])
+def test_a_load_from_inside_its_first_chunk_writes_only_the_blocks_after_the_skipped_head(
+        engines, pool, device, issue, kind, layerwise, adjacent, skip, verified):
+    fmt, offsets, src, src_ids, checksums = _stored(engines, pool, device, kind, layerwise, adjacent)
+    loader, dst = _loader(engines, fmt, device, **({} if device == "cpu" else ISSUE[issue]))
+    before = {name: dst[name].clone() for name in fmt.layout.layer_names}
+    dst_ids = random.Random(7).sample(range(BLOCKS), CHUNKS * BPC)
+    handle = loader.submit_load(_load_chunks(dst_ids, offsets, skip),
+                                check=PayloadCheck.of(checksums) if verified else None)
+    assert handle.wait_all(30) and handle.error is None and handle.done()
+    written = dict(zip(dst_ids[skip:], src_ids[skip:]))
+    assert handle.nbytes == len(written) * fmt.layout.block_bytes_per_layer * LAYERS
+    for name in fmt.layout.layer_names:
+        for block in range(BLOCKS):  # the tail holds the stored KV; every other block is as it was
+            want = src[name] if block in written else before[name]
+            assert torch.equal(block_bytes(kind, dst[name], block),
+                               block_bytes(kind, want, written.get(block, block))), (name, block)
+
+
+@pytest.mark.parametrize("device, issue", DEVICE_ISSUES)
+@pytest.mark.parametrize("layerwise", [False, True], ids=["chunkwise", "layerwise"])
+@pytest.mark.parametrize("layer", [0, LAYERS - 1])
+def test_a_corrupted_byte_in_the_skipped_head_fails_the_verified_load(
+        engines, pool, device, issue, layerwise, layer):
+    fmt, offsets, _, _, checksums = _stored(engines, pool, device, "flash_hnd", layerwise, adjacent=False)
+    skip = 2
+    block = fmt.layout.block_bytes_per_layer
+    pool.buffer[fmt.layer_source(offsets[0], layer) + block + block // 2] ^= 0x01  # in skipped block 1
+    loader, _ = _loader(engines, fmt, device, **({} if device == "cpu" else ISSUE[issue]))
+    handle = loader.submit_load(_load_chunks(list(range(CHUNKS * BPC)), offsets, skip),
+                                check=PayloadCheck.of(checksums))
+    due = layer if layerwise else LAYERS - 1  # a chunkwise object is checked whole, by the last layer
+    handed = [handle.wait_layer_on_device(i, timeout=30) for i in range(LAYERS)]
+    assert not handed[due]  # the forward never gets the layer of the corrupted object
+    assert handle.wait_all(30) is False and isinstance(handle.error, ChecksumMismatch)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_head_start_s_fills_of_a_partial_first_chunk_are_verified_and_scattered_from_the_skip_on(
+        engines, pool, device):
+    """A head start (the CUDA engine's; none on the CPU) copies the load's
+    first fills before its blocks exist; its scatters skip the head too."""
+    fmt, offsets, src, src_ids, checksums = _stored(engines, pool, device, "flash_hnd", False, adjacent=True)
+    loader, dst = _loader(engines, fmt, device)
+    before = dst[fmt.layout.layer_names[0]].clone()
+    head = loader.start_head(offsets)
+    assert (head is not None) == (device == "cuda")
+    dst_ids = list(range(CHUNKS * BPC))
+    handle = loader.submit_load(_load_chunks(dst_ids, offsets, 1), head=head, check=PayloadCheck.of(checksums))
+    assert handle.wait_all(30) and handle.error is None and handle.head_start == (device == "cuda")
+    for name in fmt.layout.layer_names:
+        assert torch.equal(block_bytes("flash_hnd", dst[name], 1), block_bytes("flash_hnd", src[name], src_ids[1]))
+    name = fmt.layout.layer_names[0]
+    assert torch.equal(block_bytes("flash_hnd", dst[name], 0), block_bytes("flash_hnd", before, 0))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_skipped_blocks_only_lead_a_load_s_first_chunk(engines, pool, device):
+    fmt, offsets, _, _, _ = _stored(engines, pool, device, "cpu", False, adjacent=False)
+    loader, _ = _loader(engines, fmt, device)
+    ids = list(range(CHUNKS * BPC))
+    inside = [ChunkLoad((0, SKIP_BLOCK, 2, 3), offsets[0])]
+    later = [ChunkLoad((0, 1, 2, 3), offsets[0]), ChunkLoad((SKIP_BLOCK, 5, 6, 7), offsets[1])]
+    whole = [ChunkLoad((SKIP_BLOCK,) * BPC, offsets[0]), ChunkLoad(tuple(ids[BPC:2 * BPC]), offsets[1])]
+    for chunks in (inside, later, whole):
+        with pytest.raises(TransferRequestError):
+            loader.submit_load(chunks)
+    with pytest.raises(TransferRequestError):
+        loader.submit_store([ChunkStore((SKIP_BLOCK, 1, 2, 3), offsets[0])])
