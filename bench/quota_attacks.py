@@ -11,7 +11,7 @@ Each runs in its own process until ``stop`` is set, as ``attack(url, stop, pool_
   reserve evicts what others stored (the eviction bound used to be per call only);
 - ``token_connection_hoard``: opens 1,024 connections with the token and holds them;
 - ``token_slowloris``: 30 connections with the token, each announcing a 16 MiB frame
-  and sending one byte of it every 5 s.
+  (a map, as every message is) and sending one byte of it every 5 s.
 
 Every connection of theirs, ``IndexClient`` and raw socket alike, leaves from
 ``SOURCE_ADDRESS`` (``bench/index_attacks.py`` sets it from
@@ -133,7 +133,8 @@ def token_connection_hoard(url: str, stop, pool_path: str) -> None:
 
 def token_slowloris(url: str, stop, pool_path: str) -> None:
     socks: dict[socket.socket, int] = {}
-    body = b"\x00" * (16 * 1024 * 1024)
+    # A map's first byte, as every message starts (a large frame that does not is refused at once).
+    body = b"\xdf\x00\x00\x00\x01" + b"\x00" * (16 * 1024 * 1024 - 5)
     while not stop.is_set():
         while len(socks) < 30:
             try:
