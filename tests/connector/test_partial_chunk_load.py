@@ -3,7 +3,8 @@ that chunk's first blocks, named ``SKIP_BLOCK`` in the load. The engines
 verify the whole object (CPU: the skipped head summed where it lies in the
 pool; CUDA: the whole object staged and summed, the head not scattered),
 write only the blocks after it, and leave every other block untouched; a
-corrupted byte in the skipped head fails the load.
+corrupted byte in the skipped head fails the load. The CUDA engine's
+staging and scatters also run here on host memory, in every staging shape.
 
 The ``cuda`` cases need an NVIDIA GPU (``bench/verify_h200.sh`` runs them).
 """
@@ -146,6 +147,65 @@ def test_a_head_start_s_fills_of_a_partial_first_chunk_are_verified_and_scattere
         assert torch.equal(block_bytes("flash_hnd", dst[name], 1), block_bytes("flash_hnd", src[name], src_ids[1]))
     name = fmt.layout.layer_names[0]
     assert torch.equal(block_bytes("flash_hnd", dst[name], 0), block_bytes("flash_hnd", before, 0))
+
+
+def _host_cuda_engine(pool, dst, fmt, rows_cap: int, copy_2d: bool):
+    """The CUDA engine's staging and scatters on host memory (its copy calls
+    done with memmove, its streams and events stand-ins), so each way it
+    stages a fill (one layer, a group layer-major, wide chunk-major rows) is
+    scattered here as on the GPU."""
+    from types import SimpleNamespace
+
+    from maru_connector.transfer import cuda
+    from test_verified_transfer import _fills_engine
+
+    engine = _fills_engine(pool, fmt, rows_cap, copy_2d)
+    engine.block_views = [fmt.layout.block_view(dst[name]) for name in fmt.layout.layer_names]
+    engine._views, engine._head_buffer = {}, None
+    engine._elem = cuda._widest_element(engine.block_views, fmt.layout.layer_stride_bytes)
+    engine._wide_views = [v.view(engine._elem) for v in engine.block_views]
+    engine._stacked = {} if cuda._evenly_spaced(engine.block_views, fmt.layout.layer_stride_bytes) else None
+    engine.scatter_stream = SimpleNamespace(cuda_stream=0, wait_event=lambda event: None)
+    engine._event = lambda: SimpleNamespace(record=lambda stream: None, query=lambda: True)
+    engine._staging = SimpleNamespace(freed=lambda offset, event: None)
+    return engine
+
+
+@pytest.mark.parametrize("kind", ["cpu", "flash_hnd"])
+@pytest.mark.parametrize("layerwise", [False, True], ids=["chunkwise", "layerwise"])
+@pytest.mark.parametrize("adjacent", [False, True], ids=["scattered", "adjacent"])
+@pytest.mark.parametrize("rows_cap", [1, 64])
+@pytest.mark.parametrize("copy_2d", [True, False], ids=["2d", "rows"])
+@pytest.mark.parametrize("skip", [1, BPC - 1])
+def test_the_cuda_engine_s_scatters_leave_the_skipped_head_out_in_every_staging_shape(
+        engines, pool, kind, layerwise, adjacent, rows_cap, copy_2d, skip):
+    from types import SimpleNamespace
+
+    from maru_connector.transfer import LoadHandle
+    from maru_connector.transfer.plan import layer_pieces
+
+    fmt, offsets, src, src_ids, _ = _stored(engines, pool, "cpu", kind, layerwise, adjacent)
+    dst = make_kv_caches(kind, layers=LAYERS, blocks=BLOCKS, seed=2)
+    before = {name: dst[name].clone() for name in fmt.layout.layer_names}
+    engine = _host_cuda_engine(pool, dst, fmt, rows_cap, copy_2d)
+    dst_ids = random.Random(7).sample(range(BLOCKS), CHUNKS * BPC)
+    ids = [SKIP_BLOCK] * skip + dst_ids[skip:]
+    job = SimpleNamespace(check=None, block_ids=ids, handle=LoadHandle(LAYERS, 0))
+    staging = torch.empty(64 * fmt.layer_bytes * LAYERS, dtype=torch.uint8)
+    shapes = set()
+    for unit in engine._units(layer_pieces(fmt, [tuple(o) for o in offsets], rows_cap)):
+        copied = engine._copy_unit(unit, 0, staging)
+        shapes.add("wide" if copied[3] else f"{len(unit[0])} layer(s)")
+        engine._scatter_unit(job, torch.tensor(ids), unit, copied)
+    assert all(job.handle.layer_ready(i) for i in range(LAYERS))
+    if rows_cap == 64 and adjacent and kind == "flash_hnd":  # evenly spaced layers: grouped fills
+        assert shapes & {"wide", "2 layer(s)"}, shapes
+    written = dict(zip(dst_ids[skip:], src_ids[skip:]))
+    for name in fmt.layout.layer_names:
+        for block in range(BLOCKS):
+            want = src[name] if block in written else before[name]
+            assert torch.equal(block_bytes(kind, dst[name], block),
+                               block_bytes(kind, want, written.get(block, block))), (shapes, name, block)
 
 
 @pytest.mark.parametrize("device", DEVICES)
