@@ -58,8 +58,11 @@ class TransferBackend(str, enum.Enum):
     def partial_chunk_loads(self) -> bool:
         """Whether its engine loads a chunk from one of its blocks on
         (``plan.SKIP_BLOCK``): verifies the whole object, writes only the
-        blocks from there. The scheduler plans such a load only then."""
-        return True  # CPU: the head summed from the pool; CUDA: staged and summed, not scattered
+        blocks from there. The scheduler plans such a load only then: a
+        backend that says False gets no pool hit for a local hit that ends
+        inside a chunk. Both do (CPU: the skipped head summed where it lies
+        in the pool; CUDA: staged and summed with its object, not scattered)."""
+        return True
 
 
 class HeadStart(abc.ABC):
