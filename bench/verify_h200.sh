@@ -40,7 +40,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=connector:core:tools:tests/connector:bench/
 source bench/device_run.sh
 
 gpu_info
-run cuda_tests 170 python3 -m pytest --noconftest -p no:cacheprovider -m cuda -q \
+run cuda_tests 300 python3 -m pytest --noconftest -p no:cacheprovider -m cuda -q \
     tests/connector/test_verified_transfer.py tests/connector/test_transfer_cuda.py \
     tests/connector/test_head_start_cuda.py tests/connector/test_device_memory.py \
     tests/connector/test_partial_chunk_load.py

@@ -101,9 +101,8 @@ class TransferEngine(abc.ABC):
 
         Raises ``TransferRequestError`` when a chunk does not fit the format
         (wrong number of block ids or offsets, block id out of range). The
-        first chunk's leading block ids may be ``plan.SKIP_BLOCK`` where the
-        backend has ``partial_chunk_loads``: those blocks are verified with
-        their objects but not written.
+        first chunk's leading block ids may be ``plan.SKIP_BLOCK``: those
+        blocks are verified with their objects but not written.
         Problems found while copying (e.g. an offset outside the pool) end
         in ``handle.error`` instead. ``head``: this load's ``start_head``,
         whose copies it then reuses when the sources match (else dropped).
@@ -112,7 +111,7 @@ class TransferEngine(abc.ABC):
         the load with ``ChecksumMismatch``.
         """
         try:
-            blocks = check_chunks(self.fmt, chunks, "load", skip_head=self.backend.partial_chunk_loads)
+            blocks = check_chunks(self.fmt, chunks, "load", skip_head=True)
             if check is not None:
                 self._check_request(check, len(chunks))
         except BaseException:
