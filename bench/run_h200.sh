@@ -7,6 +7,14 @@
 # Stages (all by default): cuda-tests, transfer, profile, ttft. Each writes
 # into OUT_DIR and prints its summary; a stage that fails does not stop the
 # others (the script exits non-zero at the end).
+#
+# Not yet run on a GPU (the next lease, in this order):
+#   bash bench/run_h200.sh OUT cuda-tests     incl. loads that begin inside a
+#       chunk (test_partial_chunk_load.py); once they pass, let the scheduler
+#       plan them on CUDA (TransferBackend.partial_chunk_loads)
+#   bash bench/verify_h200.sh OUT group-ab    a verified 4k hit's layers in
+#       groups (10 fills instead of 32): the last target of verified loads
+#   bash bench/attacks_16core.sh OUT          the index's attacks, 16 cores
 set -u
 out=${1:?usage: run_h200.sh OUT_DIR [STAGE ...]}
 shift
@@ -22,7 +30,8 @@ for stage in $stages; do
         run cuda_tests 180 python3 -m pytest --noconftest -p no:cacheprovider -m cuda -q \
             tests/connector/test_transfer_cuda.py tests/connector/test_head_start_cuda.py \
             tests/connector/test_graph_pieces_cuda.py tests/connector/test_llama_layer.py \
-            tests/connector/test_verified_transfer.py
+            tests/connector/test_verified_transfer.py tests/connector/test_partial_chunk_load.py \
+            tests/connector/test_device_memory.py
         tail -1 "$out/cuda_tests.txt" ;;
     transfer)
         for shape in "1024 32" "1024 80" "4096 32" "16384 32"; do
