@@ -25,10 +25,9 @@ from maru_connector.transfer import (
     ChunkStore,
     PayloadCheck,
     TransferRequestError,
-    create_engine,
 )
 from maru_connector.transfer.plan import SKIP_BLOCK
-from test_transfer_cuda import ShmPool
+from test_transfer_cuda import engines, pool  # noqa: F401 (fixtures)
 
 ON_GPU = [pytest.mark.cuda,
           pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU; run by bench/verify_h200.sh")]
@@ -39,26 +38,6 @@ ISSUE = {"inline": {}, "copy_thread": {"inline_load_bytes": 0, "inline_head_fill
          "small_staging": {"staging_bytes": 0}, "layer_by_layer": {"copy_2d": False}}
 DEVICE_ISSUES = [("cpu", "inline"), *(pytest.param("cuda", issue, marks=ON_GPU) for issue in ISSUE)]
 BPC, CHUNKS, LAYERS, BLOCKS = 4, 3, 3, 32
-
-
-@pytest.fixture
-def pool():
-    p = ShmPool(32 << 20)
-    yield p
-    p.close()
-
-
-@pytest.fixture
-def engines(pool):
-    made = []
-
-    def make(kv, fmt, **options):
-        made.append(create_engine(pool.buffer, kv, fmt, **options))
-        return made[-1]
-
-    yield make
-    for engine in made:
-        engine.close()
 
 
 def _stored(engines, pool, device, kind, layerwise, adjacent):

@@ -29,35 +29,15 @@ from maru_core.pool.checksum import position_sum
 from kv_builders import ALL_KINDS, block_bytes, make_kv_caches
 from maru_connector.kv_layout import detect_kv_layout
 from maru_connector.object_format import ObjectFormat
-from maru_connector.transfer import ChecksumMismatch, ChunkLoad, ChunkStore, PayloadCheck, create_engine
+from maru_connector.transfer import ChecksumMismatch, ChunkLoad, ChunkStore, PayloadCheck
 from maru_connector.transfer import device_checksum
-from test_transfer_cuda import ShmPool
+from test_transfer_cuda import engines, pool  # noqa: F401 (fixtures)
 
 ON_GPU = [pytest.mark.cuda,
           pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU; run by bench/verify_h200.sh")]
 CUDA = pytest.param("cuda", marks=ON_GPU)
 DEVICES = ["cpu", CUDA]
 BPC, CHUNKS, LAYERS, BLOCKS = 2, 4, 3, 24
-
-
-@pytest.fixture
-def pool():
-    p = ShmPool(32 << 20)
-    yield p
-    p.close()
-
-
-@pytest.fixture
-def engines(pool):
-    made = []
-
-    def make(kv, fmt, **options):
-        made.append(create_engine(pool.buffer, kv, fmt, **options))
-        return made[-1]
-
-    yield make
-    for engine in made:
-        engine.close()
 
 
 def _stored(engines, pool, device, kind, layerwise, **options):

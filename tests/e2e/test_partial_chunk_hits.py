@@ -17,16 +17,14 @@ import itertools
 
 import pytest
 
-from maru_connector.config import make_kv_transfer_config
 from maru_connector.transfer.plan import SKIP_BLOCK
 from maru_tools.cluster import wait_until
-from maru_tools.stepper import LAYER_NAME, SteppedEngine, expected_next_token
+from maru_tools.stepper import LAYER_NAME
 from maru_tools.workload import random_tokens
 
 from .conftest import index_keys, wait_for_keys, wait_settled
+from .test_vllm_scheduler import BLOCK, CHUNK, _config, _expected_tokens, _serve, engines  # noqa: F401 (a fixture)
 
-CHUNK = 32
-BLOCK = 16
 LOCAL = 3 * BLOCK  # vLLM's own hit: ends inside chunk 1
 STORED_CHUNKS = 4
 ORDERS = {"finalize-in-step": False, "deferred-finalize": True}
@@ -34,39 +32,6 @@ MODES = {"sync": {}, "async": {"async_load": True, "park_lone_hits": True},
          "sync-overlap": {"overlap_load_with_compute": True}}
 
 _seeds = itertools.count(61_000)  # a range of its own: tests isolate themselves by prompt
-
-
-def _config(index, url=None, **knobs):
-    return make_kv_transfer_config(url or index.url, pool_path=index.pool_path, token=index.token,
-                                   kv_chunk_tokens=CHUNK, load_timeout_s=5.0, lookup_timeout_s=2.0,
-                                   **knobs)
-
-
-@pytest.fixture
-def engines(model_dir):
-    made: list[SteppedEngine] = []
-
-    def make(config, **kwargs) -> SteppedEngine:
-        engine = SteppedEngine(model_dir, config, block_size=BLOCK, **kwargs)
-        made.append(engine)
-        return engine
-
-    yield make
-    for engine in made:
-        engine.close()
-
-
-def _serve(engine, req_id, prompt, max_tokens=2):
-    engine.add(req_id, prompt, max_tokens)
-    engine.run(until=lambda: req_id in engine.finished)
-    return engine.finished[req_id].output
-
-
-def _expected_tokens(prompt, num_layers, n):
-    tokens = list(prompt)
-    for _ in range(n):
-        tokens.append(expected_next_token(tokens, num_layers))
-    return tokens[len(prompt):]
 
 
 def _prompts():

@@ -222,24 +222,22 @@ def _check_int(field: str, value: Any) -> int:
     return value
 
 
-def _check_group(field: str, value: Any) -> int:
-    if type(value) is not int or not 1 <= value <= MAX_BATCH_KEYS:
-        raise ProtocolError(
-            ErrorType.BAD_REQUEST,
-            f"field {field!r} must be an integer from 1 to {MAX_BATCH_KEYS} (keys per pinned group), "
-            f"got {value!r}"[:200],
-        )
-    return value
+def _int_from_1(most: int, what: str) -> Callable[[str, Any], int]:
+    """A checker of an integer from 1 to ``most`` (``what`` it counts, for the error)."""
+
+    def check(field: str, value: Any) -> int:
+        if type(value) is not int or not 1 <= value <= most:
+            raise ProtocolError(
+                ErrorType.BAD_REQUEST,
+                f"field {field!r} must be an integer from 1 to {most} ({what}), got {value!r}"[:200],
+            )
+        return value
+
+    return check
 
 
-def _check_scan_rows(field: str, value: Any) -> int:
-    if type(value) is not int or not 1 <= value <= MAX_SCAN_ROWS:
-        raise ProtocolError(
-            ErrorType.BAD_REQUEST,
-            f"field {field!r} must be an integer from 1 to {MAX_SCAN_ROWS} (rows scanned per request), "
-            f"got {value!r}"[:200],
-        )
-    return value
+_check_group = _int_from_1(MAX_BATCH_KEYS, "keys per pinned group")
+_check_scan_rows = _int_from_1(MAX_SCAN_ROWS, "rows scanned per request")
 
 
 def _optional_layout(field: str, value: Any) -> int | None:
