@@ -16,6 +16,7 @@ import copy
 import dataclasses
 import hashlib
 import json
+import posixpath
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -25,7 +26,7 @@ from maru_core.storage_format import StorageFormat
 from . import API_VERSION, KIND, LABEL_CACHE, MANAGED_BY
 from .inventory import Device
 from .ledger import Claim
-from .models import DEFAULT_UID, CacheRef, CacheSpec
+from .models import DEFAULT_UID, DEVICE_PLACEHOLDER, CacheRef, CacheSpec
 
 SOCKET_DIR = "/var/run/maru"
 SOCKET_PATH = f"{SOCKET_DIR}/sidecar.sock"
@@ -234,6 +235,13 @@ def pool_mount(placement: Placement) -> dict[str, Any] | None:
     return None
 
 
+def device_resource(spec: CacheSpec, placement: Placement) -> str:
+    """The extended resource of the device the region is on: `pool.deviceResource` with `{device}`
+    replaced by the device's name (`squat.ai/dax1.0` for `/dev/dax1.0`, the same path on every node
+    of the placement), so that the plugin hands a pod that device, not any DAX device of its node."""
+    return spec.pool.device_resource.replace(DEVICE_PLACEHOLDER, posixpath.basename(placement.host_path))
+
+
 def with_device(resources: Mapping[str, Any], spec: CacheSpec, placement: Placement) -> dict[str, Any]:
     """`resources` plus one unit of the DAX device plugin's resource (requests and limits alike)."""
     result = copy.deepcopy(dict(resources))
@@ -241,7 +249,7 @@ def with_device(resources: Mapping[str, Any], spec: CacheSpec, placement: Placem
         return result
     for kind in ("requests", "limits"):
         if kind == "limits" or kind in result:
-            result[kind] = {**(result.get(kind) or {}), spec.pool.device_resource: "1"}
+            result[kind] = {**(result.get(kind) or {}), device_resource(spec, placement): "1"}
     return result
 
 

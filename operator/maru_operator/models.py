@@ -24,7 +24,10 @@ EVICTION_POLICIES = ("lru",)
 DEFAULT_IMAGE = "ghcr.io/marucache/marucache:0.1.0"
 # The extended resource a DAX device plugin advertises (the chart's optional generic-device-plugin
 # names it so); index and sidecar request one unit and the plugin puts the device into the container.
-DEFAULT_DEVICE_RESOURCE = "squat.ai/dax"
+DEFAULT_DEVICE_RESOURCE = "squat.ai/{device}"
+#: In `pool.deviceResource`, the allocated device's name (`dax1.0` for `/dev/dax1.0`): one resource
+#: per device, so that the device plugin hands a pod the device its cache's region is on.
+DEVICE_PLACEHOLDER = "{device}"
 # The image's user and group (Dockerfile); the hand-off socket's group, shared with the vLLM container.
 DEFAULT_UID = 65532
 # Requests equal to limits: a Guaranteed GPU pod stays Guaranteed once the sidecar is injected.
@@ -254,9 +257,12 @@ def _parse_pool(section: Mapping[str, Any]) -> PoolSpec:
     if not isinstance(selector, Mapping) or not all(isinstance(v, str) for v in selector.values()):
         raise SpecError("pool.nodeSelector", "must map label names to string values")
     resource = section.get("deviceResource", DEFAULT_DEVICE_RESOURCE)
-    if not isinstance(resource, str) or not _RESOURCE_NAME.match(resource):
+    example = resource.replace(DEVICE_PLACEHOLDER, "dax0.0", 1) if isinstance(resource, str) else None
+    if example is None or DEVICE_PLACEHOLDER in example or not _RESOURCE_NAME.match(example):
         raise SpecError("pool.deviceResource", f"{resource!r} is not an extended resource name; write it as "
-                                               "the device plugin advertises it, e.g. squat.ai/dax")
+                                               "the device plugin advertises it, with {device} for the "
+                                               "allocated device's name (squat.ai/{device}: squat.ai/dax1.0 for "
+                                               "/dev/dax1.0), or one name for all (squat.ai/dax)")
     return PoolSpec(device_class=device_class, size=size, size_text=str(section["size"]),
                     node_selector=dict(selector), device_resource=resource)
 

@@ -35,7 +35,7 @@ ALL_FEATURES = {
                  "imagePullSecrets": [{"name": "regcred"}], "priorityClassName": "marucache-index",
                  "extraEnv": [{"name": "PYTHONUNBUFFERED", "value": "1"}]},
     "serviceAccount": {"annotations": {"example.com/role": "operator"}},
-    "devicePlugin": {"enabled": True, "count": 16, "paths": ["/dev/dax0.0", "/dev/dax1.0"],
+    "devicePlugin": {"enabled": True, "count": 16, "devices": ["dax0.0", "dax1.0"],
                      "image": {"digest": "sha256:" + "cd" * 32}},
 }
 ALL_FEATURES_SM = {**ALL_FEATURES, "monitoring": {"serviceMonitor": {"enabled": True},

@@ -293,14 +293,17 @@ def test_the_device_plugin_advertises_the_resource_caches_request_by_default(tmp
     (container,) = pod["containers"]
     assert container["image"] == "ghcr.io/squat/generic-device-plugin@sha256:" + "cd" * 32
     domain = next(a for a in container["args"] if a.startswith("--domain=")).split("=", 1)[1]
-    device = json.loads(next(a for a in container["args"] if a.startswith("--device=")).split("=", 1)[1])
-    assert f"{domain}/{device['name']}" == DEFAULT_DEVICE_RESOURCE
-    assert device["groups"] == [{"count": 16, "paths": [{"path": "/dev/dax0.0"}, {"path": "/dev/dax1.0"}]}]
+    devices = [json.loads(a.split("=", 1)[1]) for a in container["args"] if a.startswith("--device=")]
+    # One resource per device, each handing out only its own path: what a cache on /dev/dax1.0
+    # requests (the operator puts the device's name into DEFAULT_DEVICE_RESOURCE) is that device.
+    for name, device in zip(("dax0.0", "dax1.0"), devices, strict=True):
+        assert f"{domain}/{device['name']}" == DEFAULT_DEVICE_RESOURCE.replace("{device}", name)
+        assert device["groups"] == [{"count": 16, "paths": [{"path": f"/dev/{name}"}]}]
     assert pod["nodeSelector"] == {"maru.io/cxl": "true"} and pod["imagePullSecrets"] == [{"name": "regcred"}]
     res = container["resources"]
     assert res["requests"] == res["limits"]
-    with pytest.raises(HelmFailed, match="paths"):
-        render(tmp_path, {"devicePlugin": {"paths": ["dax0.0"]}})  # not a /dev path
+    with pytest.raises(HelmFailed, match="devices"):
+        render(tmp_path, {"devicePlugin": {"devices": ["/dev/dax0.0"]}})  # a name, not a path
 
 
 def test_the_operator_gets_the_native_sidecar_and_usage_flags(tmp_path):

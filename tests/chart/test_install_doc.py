@@ -147,8 +147,9 @@ class Journey:
         assert baseline_violations(plugin) and self.level(flag(argv, "--namespace")) == "privileged", \
             "the device plugin is privileged: its namespace must enforce privileged"
         assert restricted_violations(operator["spec"]["template"]["spec"]) == []
-        device = json.loads(plugin["containers"][0]["args"][1].split("=", 1)[1])
-        assert device == {"name": "dax", "groups": [{"count": 64, "paths": [{"path": "/dev/dax*"}]}]}
+        devices = [json.loads(a.split("=", 1)[1]) for a in plugin["containers"][0]["args"] if a.startswith("--device=")]
+        # the page's node has /dev/dax0.0: it must be one of the resources, alone in its group
+        assert {"name": "dax0.0", "groups": [{"count": 64, "paths": [{"path": "/dev/dax0.0"}]}]} in devices
         hook = one(self.docs, "MutatingWebhookConfiguration")["webhooks"][0]
         ca_file = self.tmp / "ca.crt"
         ca_file.write_bytes(base64.b64decode(hook["clientConfig"]["caBundle"]))
@@ -204,7 +205,7 @@ class Journey:
         pod = index["spec"]["template"]["spec"]
         assert pod["tolerations"][0]["key"] == "nvidia.com/gpu" and not [v for v in pod["volumes"] if "hostPath" in v]
         assert restricted_violations(pod) == []  # admitted whatever the namespace enforces
-        assert pod["containers"][0]["resources"]["limits"]["squat.ai/dax"] == "1"
+        assert pod["containers"][0]["resources"]["limits"]["squat.ai/dax0.0"] == "1"
         self.kube("PATCH", f"/apis/apps/v1/namespaces/{namespace}/deployments/{name}-maru-index/status",
                   {"status": {"availableReplicas": 1, "readyReplicas": 1, "replicas": 1}}, merge=True)
         wait_for(lambda: any(c["type"] == "Ready" and c["status"] == "True" for c in

@@ -21,14 +21,14 @@ COMPLETE = next(p for p in EXAMPLES if p.name == "complete.yaml")
 MINIMAL = next(p for p in EXAMPLES if p.name == "minimal.yaml")
 
 
-def index_of(example, **spec_changes):
+def index_of(example, dax_path="/dev/dax0.0", **spec_changes):
     body = yaml.safe_load(example.read_text())
     body["metadata"]["uid"] = "uid-1"
     body["spec"].update(spec_changes)
     ref, spec = parse_cache(body)
     dax = spec.pool.device_class == "dax"
     device = Device("cxl-a" if dax else "shm:n1", spec.pool.device_class, 256 << 30,
-                    {"n1": "/dev/dax0.0" if dax else "/dev/shm/marucache"})
+                    {"n1": dax_path if dax else "/dev/shm/marucache"})
     _, claim = Ledger().allocate(ref, spec.pool.device_class, spec.pool.size, [device])
     return desired.index_deployment(ref, spec, desired.place(ref, claim, device))
 
@@ -44,7 +44,7 @@ def test_complete_example_schedules_on_tainted_nodes_with_everything_it_asks_for
     term = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]
     assert term["matchFields"] == [{"key": "metadata.name", "operator": "In", "values": ["n1"]}]  # ... and pinned
     (container,) = pod["containers"]
-    assert container["resources"]["limits"]["squat.ai/dax"] == "1"  # the device plugin brings /dev/dax0.0
+    assert container["resources"]["limits"]["squat.ai/dax0.0"] == "1"  # the device plugin brings /dev/dax0.0
     cmd = container["command"]
     assert cmd[cmd.index("--high-watermark") + 1] == "0.9" and cmd[cmd.index("--low-watermark") + 1] == "0.8"
     assert deployment["spec"]["strategy"] == {"type": "Recreate"}
@@ -73,3 +73,15 @@ def test_shm_index_needs_privileged_for_its_host_path_and_says_so_in_the_docs():
 def test_the_checker_catches_what_restricted_refuses(override):
     pod = index_of(COMPLETE, index={"securityContext": override})["spec"]["template"]["spec"]
     assert restricted_violations(pod)
+
+
+@pytest.mark.parametrize("resource, path, requested", [
+    ("squat.ai/{device}", "/dev/dax1.0", "squat.ai/dax1.0"),  # the device the region is on, not dax0.0
+    ("example.com/cxl-{device}", "/dev/dax3.1", "example.com/cxl-dax3.1"),
+    ("example.com/cxl", "/dev/dax1.0", "example.com/cxl"),  # one resource for all, as written
+])
+def test_the_index_requests_the_device_its_region_is_on(resource, path, requested):
+    pool = {"deviceClass": "dax", "size": "1Gi", "deviceResource": resource}
+    (container,) = index_of(COMPLETE, dax_path=path, pool=pool)["spec"]["template"]["spec"]["containers"]
+    limits = container["resources"]["limits"]
+    assert limits[requested] == "1" and not [k for k in limits if "dax" in k and k != requested]

@@ -21,7 +21,7 @@ def test_minimal_gets_the_documented_defaults():
     assert ref.key == "default/demo"
     assert spec.pool.size == 8 << 30 and spec.pool.device_class == "shm"
     assert (spec.storage.layout, spec.storage.chunk_tokens) == ("chunkwise", 256)
-    assert spec.pool.device_resource == "squat.ai/dax"
+    assert spec.pool.device_resource == "squat.ai/{device}"
     sidecar = spec.sidecar.resources
     assert sidecar["requests"] == sidecar["limits"] == {"cpu": "100m", "memory": "128Mi"}  # Guaranteed stays so
     assert spec.sidecar.socket_group == 65532 and spec.index.scheduling.tolerations == ()

@@ -84,7 +84,7 @@ def test_inject_then_second_pass_is_a_no_op(webhook, tmp_path):
     # DAX comes from the device plugin as a resource: no hostPath anywhere in the pod.
     assert not [v for v in spec["volumes"] if "hostPath" in v]
     limits, requests = sidecar["resources"]["limits"], sidecar["resources"]["requests"]
-    assert limits == {"cpu": "100m", "memory": "128Mi", "squat.ai/dax": "1"} == requests  # Guaranteed stays so
+    assert limits == {"cpu": "100m", "memory": "128Mi", "squat.ai/dax0.0": "1"} == requests  # Guaranteed stays so
     security = sidecar["securityContext"]
     assert security["runAsNonRoot"] and security["readOnlyRootFilesystem"] and not security["allowPrivilegeEscalation"]
     assert security["capabilities"] == {"drop": ["ALL"]} and security["seccompProfile"] == {"type": "RuntimeDefault"}
