@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
 
 from maru_core.index.api import IndexError_, IndexRejected, IndexUnavailable
 from maru_core.index.client import IndexClient
@@ -137,7 +136,7 @@ def human_bytes(size: int) -> str:
     return f"{scaled:.1f} {unit}"
 
 
-def table(rows: list[list[Any]], header: list[str]) -> str:
+def table(rows: Sequence[Sequence[object]], header: list[str]) -> str:
     """Left-aligned text columns."""
     cells = [header] + [[str(c) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]

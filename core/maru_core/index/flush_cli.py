@@ -11,10 +11,10 @@ flush waits for it (at most ``--wait`` seconds) and goes on.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
-from typing import Any
 
 from maru_core.index.admin import (
     add_connection_arguments,
@@ -57,24 +57,37 @@ def _confirmed(args: argparse.Namespace, objects: int, size: int) -> bool:
     return answer.strip().lower() in ("y", "yes")
 
 
-def flush_everything(client: IndexClient, args: argparse.Namespace) -> dict[str, Any]:
+@dataclasses.dataclass
+class FlushTotals:
+    """What a whole flush did (``--json`` prints these fields as they are); ``quota``: the
+    quota that held ``held_back`` objects or more past ``--wait`` (None: the flush is complete)."""
+
+    evicted: int = 0
+    evicted_bytes: int = 0
+    pinned: int = 0
+    held_back: int = 0
+    quota: str | None = None
+    requests: int = 0
+
+
+def flush_everything(client: IndexClient, args: argparse.Namespace) -> FlushTotals:
     """Walk the whole record table once, flushing what matches; wait out eviction windows
     for at most ``args.wait`` seconds in all."""
-    totals: dict[str, Any] = {"evicted": 0, "evicted_bytes": 0, "pinned": 0, "held_back": 0, "quota": None,
-                              "requests": 0}  # fmt: skip
+    totals = FlushTotals()
     give_up_at = time.monotonic() + args.wait
     cursor: int | None = 0
     while cursor is not None:
         page = client.flush(cursor, args.page_rows, layout=args.model, fmt=args.format)
-        totals["requests"] += 1
-        for name in ("evicted", "evicted_bytes", "pinned"):
-            totals[name] += getattr(page, name)
+        totals.requests += 1
+        totals.evicted += page.evicted
+        totals.evicted_bytes += page.evicted_bytes
+        totals.pinned += page.pinned
         if page.quota is not None:
             if time.monotonic() + page.retry_after_s > give_up_at:
-                totals["held_back"], totals["quota"] = page.held_back, page.quota
+                totals.held_back, totals.quota = page.held_back, page.quota
                 break
             if not args.json:
-                print(f"marucache flush: {totals['evicted']} objects so far; waiting {page.retry_after_s:g} s for "
+                print(f"marucache flush: {totals.evicted} objects so far; waiting {page.retry_after_s:g} s for "
                       f"the index's {page.quota} quota", file=sys.stderr)
             time.sleep(page.retry_after_s)
         cursor = page.next_cursor
@@ -96,13 +109,13 @@ def run(args: argparse.Namespace) -> int:
         totals = flush_everything(client, args)
         if args.json:
             print(json.dumps({"index": args.index, "model": None if args.model is None else layout_text(args.model),
-                              "format": args.format, **totals}, indent=2))  # fmt: skip
+                              "format": args.format, **dataclasses.asdict(totals)}, indent=2))  # fmt: skip
         else:
-            print(f"flushed {totals['evicted']} objects ({human_bytes(totals['evicted_bytes'])}; {_what(args)}); "
-                  f"skipped {totals['pinned']} pinned objects")
-            if totals["quota"] is not None:
-                print(f"{totals['held_back']} objects or more are left: the index's {totals['quota']} quota held "
+            print(f"flushed {totals.evicted} objects ({human_bytes(totals.evicted_bytes)}; {_what(args)}); "
+                  f"skipped {totals.pinned} pinned objects")
+            if totals.quota is not None:
+                print(f"{totals.held_back} objects or more are left: the index's {totals.quota} quota held "
                       f"them past --wait {args.wait:g}; run the flush again", file=sys.stderr)
-        return EXIT_INCOMPLETE if totals["quota"] is not None else 0
+        return EXIT_INCOMPLETE if totals.quota is not None else 0
 
     return run_with_client(args, "flush", flush)

@@ -9,8 +9,8 @@ meanwhile may be counted or not.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-from typing import Any
 
 from maru_core.index.admin import (
     add_connection_arguments,
@@ -21,6 +21,7 @@ from maru_core.index.admin import (
     table,
 )
 from maru_core.index.client import IndexClient
+from maru_core.index.client_ops import Message
 from maru_core.index.inventory import ObjectGroup
 
 
@@ -29,36 +30,55 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_connection_arguments(parser)
 
 
-def usage_of(stats: dict[str, Any], page_size: int) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class PoolUsage:
+    """The pool's usage in pages and objects (``--json`` prints these fields as they are)."""
+
+    page_bytes: int
+    pages: int
+    pages_used: int
+    pages_free: int
+    pages_reserved: int
+    pages_committed: int
+    pages_pinned: int
+    objects: int
+    objects_pinned: int
+    reservations: int
+    evictions: int
+    leases: int
+    quarantined: bool
+
+
+def usage_of(stats: Message, page_size: int) -> PoolUsage:
     """The pool's usage in pages and objects, from the index's ``stats``."""
     pages = {name: int(stats[f"{name}_bytes"]) // page_size
              for name in ("capacity", "free", "reserved", "committed", "pinned")}  # fmt: skip
-    return {
-        "page_bytes": page_size,
-        "pages": pages["capacity"],
-        "pages_used": pages["reserved"] + pages["committed"],
-        "pages_free": pages["free"],
-        "pages_reserved": pages["reserved"],
-        "pages_committed": pages["committed"],
-        "pages_pinned": pages["pinned"],
-        "objects": int(stats["keys"]),
-        "objects_pinned": int(stats["pinned_keys"]),
-        "reservations": int(stats["reserved_keys"]),
-        "evictions": int(stats["evictions"]),
-        "leases": int(stats["leases"]),
-        "quarantined": bool(stats["quarantined"]),
-    }
+    return PoolUsage(
+        page_bytes=page_size,
+        pages=pages["capacity"],
+        pages_used=pages["reserved"] + pages["committed"],
+        pages_free=pages["free"],
+        pages_reserved=pages["reserved"],
+        pages_committed=pages["committed"],
+        pages_pinned=pages["pinned"],
+        objects=int(stats["keys"]),
+        objects_pinned=int(stats["pinned_keys"]),
+        reservations=int(stats["reserved_keys"]),
+        evictions=int(stats["evictions"]),
+        leases=int(stats["leases"]),
+        quarantined=bool(stats["quarantined"]),
+    )
 
 
-def render(index: str, usage: dict[str, Any], groups: list[ObjectGroup]) -> str:
-    page = usage["page_bytes"]
+def render(index: str, usage: PoolUsage, groups: list[ObjectGroup]) -> str:
+    page = usage.page_bytes
     lines = [
-        f"cache index {index}: {usage['pages']} pages of {human_bytes(page)} ({human_bytes(usage['pages'] * page)})",
-        f"pages: {usage['pages_used']} used ({usage['pages_committed']} committed, {usage['pages_reserved']} "
-        f"reserved), {usage['pages_free']} free, {usage['pages_pinned']} pinned",
-        f"objects: {usage['objects']} ({usage['objects_pinned']} pinned), {usage['reservations']} stores in "
-        f"flight, {usage['leases']} leases, {usage['evictions']} evicted since the index started"
-        + (" (quarantined after a restart)" if usage["quarantined"] else ""),
+        f"cache index {index}: {usage.pages} pages of {human_bytes(page)} ({human_bytes(usage.pages * page)})",
+        f"pages: {usage.pages_used} used ({usage.pages_committed} committed, {usage.pages_reserved} "
+        f"reserved), {usage.pages_free} free, {usage.pages_pinned} pinned",
+        f"objects: {usage.objects} ({usage.objects_pinned} pinned), {usage.reservations} stores in "
+        f"flight, {usage.leases} leases, {usage.evictions} evicted since the index started"
+        + (" (quarantined after a restart)" if usage.quarantined else ""),
         "",
     ]
     if not groups:
@@ -74,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         usage = usage_of(client.stats(), int(client.geometry["page_size"]))
         groups, requests = collect_groups(client, args.page_rows)
         if args.json:
-            print(json.dumps({"index": args.index, "usage": usage, "requests": requests,
+            print(json.dumps({"index": args.index, "usage": dataclasses.asdict(usage), "requests": requests,
                               "groups": [{**vars(g), "model": layout_text(g.layout)} for g in groups]},
                              indent=2))  # fmt: skip
         else:

@@ -5,9 +5,9 @@ index's side; ``docs/architecture.md``, Index protocol, the fields)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from maru_core.index.api import MalformedReply
+from maru_core.index.client_ops import Message
 from maru_core.protocol import Op
 from maru_core.protocol.messages import MAX_SCAN_ROWS, OBJECT_FORMATS
 
@@ -60,12 +60,12 @@ def _check_scan(cursor: int, limit: int) -> None:
         raise ValueError(f"limit must be an int from 1 to {MAX_SCAN_ROWS}, got {limit!r}")
 
 
-def list_objects_request(cursor: int, limit: int) -> dict[str, Any]:
+def list_objects_request(cursor: int, limit: int) -> Message:
     _check_scan(cursor, limit)
     return {"op": Op.LIST_OBJECTS, "cursor": cursor, "limit": limit}
 
 
-def flush_request(cursor: int, limit: int, layout: int | None, fmt: str | None) -> dict[str, Any]:
+def flush_request(cursor: int, limit: int, layout: int | None, fmt: str | None) -> Message:
     _check_scan(cursor, limit)
     if layout is not None and (type(layout) is not int or not 0 <= layout <= _U64):
         raise ValueError(f"layout must be a fingerprint from 0 to 2**64-1, got {layout!r}")
@@ -74,21 +74,21 @@ def flush_request(cursor: int, limit: int, layout: int | None, fmt: str | None) 
     return {"op": Op.FLUSH, "cursor": cursor, "limit": limit, "layout": layout, "format": fmt}
 
 
-def _count(op: Op, reply: dict[str, Any], name: str, value: Any = None) -> int:
+def _count(op: Op, reply: Message, name: str, value: object = None) -> int:
     value = reply.get(name) if value is None else value
     if type(value) is not int or value < 0:
         raise MalformedReply(f"malformed reply: field {name!r} is {value!r}, expected a count", op, reply)
     return value
 
 
-def _next_cursor(op: Op, reply: dict[str, Any], cursor: int) -> int | None:
+def _next_cursor(op: Op, reply: Message, cursor: int) -> int | None:
     value = reply.get("next_cursor")
     if value is not None and (type(value) is not int or value < cursor):
         raise MalformedReply(f"malformed reply: next_cursor {value!r} before the cursor {cursor}", op, reply)
     return value
 
 
-def parse_objects_page(reply: dict[str, Any], cursor: int) -> ObjectsPage:
+def parse_objects_page(reply: Message, cursor: int) -> ObjectsPage:
     op = Op.LIST_OBJECTS
     raw = reply.get("groups")
     if type(raw) is not list or not all(type(g) is dict for g in raw):
@@ -103,7 +103,7 @@ def parse_objects_page(reply: dict[str, Any], cursor: int) -> ObjectsPage:
     return ObjectsPage(tuple(groups), _next_cursor(op, reply, cursor))
 
 
-def parse_flush_page(reply: dict[str, Any], cursor: int) -> FlushPage:
+def parse_flush_page(reply: Message, cursor: int) -> FlushPage:
     op = Op.FLUSH
     evicted, evicted_bytes, pinned, held_back = (
         _count(op, reply, name) for name in ("evicted", "evicted_bytes", "pinned", "held_back"))

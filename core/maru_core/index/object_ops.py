@@ -22,13 +22,18 @@ removed in ``maru_index_flushed_objects_total``.
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 import numpy as np
 
 from maru_core.index.maintenance import CommittedRows
 from maru_core.pool.slot_check import SlotHeaderCheck
 from maru_core.protocol.messages import OBJECT_FORMATS
+
+if TYPE_CHECKING:
+    from maru_core.index.connection import Reply
+    from maru_core.index.registry import Registry
+    from maru_core.pool import Pool
 
 _UNKNOWN = OBJECT_FORMATS.index("unknown")
 #: A flush cut short by an eviction window asks to be sent again after this share of the window.
@@ -38,18 +43,32 @@ RETRY_SHARE_OF_WINDOW = 0.125
 Groups = dict[tuple[int, str], list[int]]
 
 
+class ListArgs(TypedDict):
+    """A ``list_objects`` request's arguments, as ``protocol.messages.SCHEMAS`` checked them."""
+
+    cursor: int
+    limit: int
+
+
+class FlushArgs(ListArgs):
+    """A ``flush`` request's arguments: which objects (``None``: any layout, any format)."""
+
+    layout: int | None
+    format: str | None
+
+
 class ObjectOps:
     """``list_objects`` and ``flush`` over ``registry`` and the slot headers of ``pool``;
     ``slice_rows`` rows per step; ``flushed(objects)`` is told what each flush step evicted."""
 
-    def __init__(self, registry: Any, pool: Any, slice_rows: int, flushed: Callable[[int], object]) -> None:
+    def __init__(self, registry: "Registry", pool: "Pool", slice_rows: int, flushed: Callable[[int], object]) -> None:
         self._registry = registry
         self._heads = SlotHeaderCheck(pool)  # committed heads
         self._page_size = int(pool.geometry.page_size)
         self._slice_rows = slice_rows
         self._flushed = flushed
 
-    def list_objects(self, lease_id: str, args: dict[str, Any]) -> Generator[None, None, dict[str, Any]]:
+    def list_objects(self, lease_id: str, args: ListArgs) -> Generator[None, None, "Reply"]:
         """Committed objects among rows ``[cursor, cursor + limit)``, grouped by layout and format."""
         groups: Groups = {}
         next_cursor: int | None = args["cursor"]
@@ -66,7 +85,7 @@ class ObjectOps:
                             "pinned": pinned} for (layout, fmt), (n, pages, size, pinned) in groups.items()],
                 "next_cursor": next_cursor}  # fmt: skip
 
-    def flush(self, lease_id: str, args: dict[str, Any]) -> Generator[None, None, dict[str, Any]]:
+    def flush(self, lease_id: str, args: FlushArgs) -> Generator[None, None, "Reply"]:
         """Evict the unpinned committed objects among rows ``[cursor, cursor + limit)`` whose
         layout and format match ``layout`` and ``format`` (``None``: any). Stops at the first
         slice an eviction window cut short, whose rows the ``next_cursor`` it answers starts at."""

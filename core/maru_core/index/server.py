@@ -64,14 +64,14 @@ import socket
 import struct
 import time
 from collections.abc import Generator
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 from maru_core.index.accept import Acceptor, bind_tcp
 from maru_core.index.connection import Connection, Job, Reply
 from maru_core.index.heap import HeapTrimmer
 from maru_core.index.limits import SMALL_RECEIVE_BYTES, ServerLimits
 from maru_core.index.listen import RateLimitedLog, UnixListenerPath
-from maru_core.index.object_ops import ObjectOps
+from maru_core.index.object_ops import FlushArgs, ListArgs, ObjectOps
 from maru_core.index.peers import peer_of
 from maru_core.index.registry import RegistryError
 from maru_core.index.turns import PeerTurns
@@ -190,8 +190,9 @@ class IndexServer:
             Op.RESERVE: self._reserve_sliced,
             Op.UNPIN: self._unpin_sliced,
             Op.BYE: self._bye_sliced,
-            Op.LIST_OBJECTS: lambda conn, args: self._objects.list_objects(self._renewed(conn), args),
-            Op.FLUSH: lambda conn, args: self._objects.flush(self._renewed(conn), args),
+            # the arguments as their schemas (protocol.messages.SCHEMAS) checked them
+            Op.LIST_OBJECTS: lambda conn, args: self._objects.list_objects(self._renewed(conn), cast(ListArgs, args)),
+            Op.FLUSH: lambda conn, args: self._objects.flush(self._renewed(conn), cast(FlushArgs, args)),
         }
         self._objects = ObjectOps(registry, pool, slice_keys, self._count_flushed)
 
