@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
 import msgpack
-from maru_core.keys import KeyNamespace, chunk_keys_of_namespaces
+from maru_core.keys import KeyNamespace, block_alias_keys, chunk_keys_of_namespaces
 
 from maru_connector.config import MaruConfig, MaruConfigError
 from maru_connector.log import get_logger
@@ -416,9 +416,17 @@ def base_namespaces(
 
 @dataclass(frozen=True)
 class RequestKeys:
-    """The chunk keys of one request's prompt, one tuple per TP rank."""
+    """The chunk keys of one request's prompt, one tuple per TP rank, and
+    what its chunks' block aliases are derived from (:meth:`block_aliases`).
+
+    ``namespaces``: the request's namespace per rank (``None``: the request
+    has no block aliases, e.g. its KV depends on multimodal input, whose
+    offsets a prefix of a chunk would cut); ``tokens``: its prompt.
+    """
 
     by_rank: tuple[tuple[bytes, ...], ...]
+    namespaces: tuple[KeyNamespace, ...] | None = None
+    tokens: tuple[int, ...] = ()
 
     @property
     def num_chunks(self) -> int:
@@ -426,6 +434,24 @@ class RequestKeys:
 
     def slice(self, start: int, stop: int) -> tuple[tuple[bytes, ...], ...]:
         return tuple(keys[start:stop] for keys in self.by_rank)
+
+    def alias_blocks(self, chunk: int) -> int:
+        """How many block aliases chunk ``chunk`` has: the whole blocks of the
+        prompt in it, below a whole chunk (0 without aliases)."""
+        if self.namespaces is None or chunk > self.num_chunks:
+            return 0
+        ns = self.namespaces[0]
+        in_chunk = min(len(self.tokens) - chunk * ns.chunk_tokens, ns.chunk_tokens - 1)
+        return max(0, in_chunk // ns.block_size)
+
+    def block_aliases(self, rank: int, chunk: int, max_blocks: int) -> list[bytes]:
+        """Rank ``rank``'s aliases of chunk ``chunk`` (``maru_core.keys.block_alias_keys``):
+        its first 1 .. ``max_blocks`` blocks, in that order."""
+        assert self.namespaces is not None, "a request without block aliases"
+        ns = self.namespaces[rank]
+        start = chunk * ns.chunk_tokens
+        prev = self.by_rank[rank][chunk - 1] if chunk else None
+        return list(block_alias_keys(ns, prev, self.tokens[start : start + ns.chunk_tokens], max_blocks))
 
 
 def request_is_cacheable(request: "Request") -> tuple[bool, str]:
@@ -485,6 +511,8 @@ def request_keys(namespaces: tuple[KeyNamespace, ...], request: "Request",
     tokens = list(request.prompt_token_ids or ())
     chunk = namespaces[0].chunk_tokens
     extras = chunk_extras(request, len(tokens) // chunk, chunk)
-    per_rank = chunk_keys_of_namespaces([_request_namespace(ns, request, lora_id) for ns in namespaces],
-                                        tokens, extras)
-    return RequestKeys(tuple(tuple(keys) for keys in per_rank))
+    request_namespaces = tuple(_request_namespace(ns, request, lora_id) for ns in namespaces)
+    per_rank = chunk_keys_of_namespaces(request_namespaces, tokens, extras)
+    plain = extras is None  # token ids alone name its KV: a chunk's blocks may be aliased
+    return RequestKeys(tuple(tuple(keys) for keys in per_rank),
+                       request_namespaces if plain else None, tuple(tokens) if plain else ())

@@ -40,6 +40,7 @@ FORMATS = tuple(f.value for f in StorageFormat)
 
 _NS_PERSON = b"maru.ns"
 _LAYER_PERSON = b"maru.layer"
+_BLOCKS_PERSON = b"maru.blocks"
 _U32_MAX = 2**32 - 1
 
 
@@ -175,6 +176,41 @@ def _chain(ns: KeyNamespace, data: bytes, extras: Sequence[bytes | None] | None)
         piece = data[start : start + step] + extra if extra else data[start : start + step]
         prev = Key(hashlib.blake2b(prev + piece, digest_size=KEY_BYTES).digest())
         keys.append(prev)
+    return keys
+
+
+def block_alias_keys(ns: KeyNamespace, prev: bytes | None, chunk_token_ids: Sequence[int],
+                     max_blocks: int) -> list[Key]:
+    """The block aliases of one chunk: key *j-1* names the prefix that ends
+    after the chunk's first *j* blocks, for *j* = 1 .. ``max_blocks``.
+
+    Alias *j* is ``blake2b(prev || the first j * block_size tokens of the
+    chunk as little-endian int32)`` in its own person, so it never equals a
+    chunk key; ``prev`` is the previous chunk's key (``None`` for chunk 0:
+    the namespace digest). An engine that stores a chunk registers these
+    aliases for it: the chunk's first *j* blocks hold the KV of exactly that
+    prefix (attention is causal), so a prompt that shares only the first *j*
+    blocks of the chunk loads them from it. ``max_blocks`` is below the
+    blocks per chunk (alias *blocks per chunk* would be the chunk key) and
+    at most the whole blocks of ``chunk_token_ids``; a chunk whose KV also
+    depends on something beyond its token ids (multimodal input) has no
+    aliases: the caller never asks for them.
+    """
+    per_chunk = ns.chunk_tokens // ns.block_size
+    whole = len(chunk_token_ids) // ns.block_size
+    if not 0 <= max_blocks < per_chunk or max_blocks > whole:
+        raise ValueError(f"max_blocks must be in [0, {min(per_chunk - 1, whole)}] for a chunk of "
+                         f"{per_chunk} blocks with {whole} whole blocks given, got {max_blocks}")
+    if prev is None:
+        prev = ns.digest()
+    _check_key(prev, "prev")
+    data = _tokens_as_le_int32(chunk_token_ids[: max_blocks * ns.block_size])
+    step = ns.block_size * 4
+    running = hashlib.blake2b(prev, digest_size=KEY_BYTES, person=_BLOCKS_PERSON)
+    keys: list[Key] = []
+    for start in range(0, len(data), step):
+        running.update(data[start : start + step])
+        keys.append(Key(running.copy().digest()))
     return keys
 
 

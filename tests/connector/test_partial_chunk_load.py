@@ -6,6 +6,11 @@ write only the blocks after it, and leave every other block untouched; a
 corrupted byte in the skipped head fails the load. The CUDA engine's
 staging and scatters also run here on host memory, in every staging shape.
 
+A load may also end inside its last chunk (a block alias named only that
+chunk's first blocks): on the CPU engine, the blocks after it are likewise
+summed from the pool and not written; the CUDA engine refuses such a load
+(the scheduler never plans one for it).
+
 The ``cuda`` cases need an NVIDIA GPU (``bench/verify_h200.sh`` runs them).
 """
 
@@ -203,3 +208,76 @@ def test_skipped_blocks_only_lead_a_load_s_first_chunk(engines, pool, device):
             loader.submit_load(chunks)
     with pytest.raises(TransferRequestError):
         loader.submit_store([ChunkStore((SKIP_BLOCK, 1, 2, 3), offsets[0])])
+
+
+def _tail_chunks(dst_ids, offsets, head, tail, chunks=CHUNKS):
+    """A load of the first ``chunks`` chunks that leaves out ``head`` leading and ``tail`` trailing blocks."""
+    n = chunks * BPC
+    ids = [SKIP_BLOCK] * head + dst_ids[head:n - tail] + [SKIP_BLOCK] * tail
+    return [ChunkLoad(tuple(ids[c * BPC:(c + 1) * BPC]), offsets[c]) for c in range(chunks)]
+
+
+@pytest.mark.parametrize("kind", ["cpu", "flash_hnd"])
+@pytest.mark.parametrize("layerwise", [False, True], ids=["chunkwise", "layerwise"])
+@pytest.mark.parametrize("adjacent", [False, True], ids=["scattered", "adjacent"])
+@pytest.mark.parametrize("head, tail, chunks", [(0, 1, CHUNKS), (0, BPC - 1, CHUNKS), (1, 2, CHUNKS),
+                                                (1, 1, 1), (0, BPC - 1, 1)])
+@pytest.mark.parametrize("verified", [True, False], ids=["verified", "unverified"])
+def test_a_load_that_ends_inside_its_last_chunk_writes_only_the_blocks_before_the_skipped_tail(
+        engines, pool, kind, layerwise, adjacent, head, tail, chunks, verified):
+    fmt, offsets, src, src_ids, checksums = _stored(engines, pool, "cpu", kind, layerwise, adjacent)
+    loader, dst = _loader(engines, fmt, "cpu")
+    before = {name: dst[name].clone() for name in fmt.layout.layer_names}
+    dst_ids = random.Random(7).sample(range(BLOCKS), CHUNKS * BPC)
+    per = fmt.objects_per_chunk
+    check = PayloadCheck.of(checksums[:chunks * per]) if verified else None
+    handle = loader.submit_load(_tail_chunks(dst_ids, offsets, head, tail, chunks), check=check)
+    assert handle.wait_all(30) and handle.error is None and handle.done()
+    end = chunks * BPC - tail
+    written = dict(zip(dst_ids[head:end], src_ids[head:end]))
+    assert handle.nbytes == len(written) * fmt.layout.block_bytes_per_layer * LAYERS
+    for name in fmt.layout.layer_names:
+        for block in range(BLOCKS):  # the blocks between hold the stored KV; every other is as it was
+            want = src[name] if block in written else before[name]
+            assert torch.equal(block_bytes(kind, dst[name], block),
+                               block_bytes(kind, want, written.get(block, block))), (name, block)
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["chunkwise", "layerwise"])
+@pytest.mark.parametrize("layer", [0, LAYERS - 1])
+def test_a_corrupted_byte_in_the_skipped_tail_fails_the_verified_load(engines, pool, layerwise, layer):
+    fmt, offsets, _, _, checksums = _stored(engines, pool, "cpu", "flash_hnd", layerwise, adjacent=False)
+    block = fmt.layout.block_bytes_per_layer
+    last = fmt.layer_source(offsets[CHUNKS - 1], layer)
+    pool.buffer[last + (BPC - 1) * block + block // 3] ^= 0x01  # in the last chunk's last block, left out
+    loader, _ = _loader(engines, fmt, "cpu")
+    handle = loader.submit_load(_tail_chunks(list(range(CHUNKS * BPC)), offsets, 0, 2),
+                                check=PayloadCheck.of(checksums))
+    due = layer if layerwise else LAYERS - 1
+    handed = [handle.wait_layer_on_device(i, timeout=30) for i in range(LAYERS)]
+    assert not handed[due]
+    assert handle.wait_all(30) is False and isinstance(handle.error, ChecksumMismatch)
+
+
+def test_skipped_blocks_only_trail_a_load_s_last_chunk_and_never_cover_a_chunk(engines, pool):
+    fmt, offsets, _, _, _ = _stored(engines, pool, "cpu", "cpu", False, adjacent=False)
+    loader, _ = _loader(engines, fmt, "cpu")
+    not_last = [ChunkLoad((0, 1, 2, SKIP_BLOCK), offsets[0]), ChunkLoad((4, 5, 6, 7), offsets[1])]
+    all_skipped = [ChunkLoad((0, 1, 2, 3), offsets[0]), ChunkLoad((SKIP_BLOCK,) * BPC, offsets[1])]
+    head_meets_tail = [ChunkLoad((SKIP_BLOCK, SKIP_BLOCK, SKIP_BLOCK, SKIP_BLOCK), offsets[0])]
+    for chunks in (not_last, all_skipped, head_meets_tail):
+        with pytest.raises(TransferRequestError, match="block"):
+            loader.submit_load(chunks)
+
+
+def test_an_engine_that_writes_a_whole_last_chunk_refuses_a_skipped_tail(pool):
+    from maru_connector.transfer.cuda import CudaTransferEngine
+    from maru_connector.transfer.plan import check_chunks
+
+    fmt = ObjectFormat(detect_kv_layout(make_kv_caches("flash_hnd", layers=1, blocks=BLOCKS, seed=1)),
+                       BPC * 16, False)
+    chunks = [ChunkLoad((0, 1, SKIP_BLOCK, SKIP_BLOCK), (0,))]
+    assert not CudaTransferEngine.skips_tail_blocks
+    with pytest.raises(TransferRequestError, match="outside the KV cache"):
+        check_chunks(fmt, chunks, "load", skip_head=True, skip_tail=CudaTransferEngine.skips_tail_blocks)
+    assert check_chunks(fmt, chunks, "load", skip_head=True, skip_tail=True) == [0, 1, SKIP_BLOCK, SKIP_BLOCK]

@@ -67,6 +67,17 @@ class TransferBackend(str, enum.Enum):
         ``bench/verify_h200.sh``) have passed on a GPU."""
         return self is TransferBackend.CPU
 
+    @property
+    def block_alias_loads(self) -> bool:
+        """Whether the scheduler plans loads that end inside a chunk (the
+        first blocks of a chunk a block alias names; trailing
+        ``plan.SKIP_BLOCK``) for this backend: its engine ``skips_tail_blocks``.
+        The CPU engine sums the blocks it leaves out where they lie in the
+        pool; the CUDA engine writes every block of a load's last chunk, so
+        a CUDA engine's hits stay whole chunks (it still stores aliases for
+        others)."""
+        return self is TransferBackend.CPU
+
 
 class HeadStart(abc.ABC):
     """The first fills of a load, copied before the load was submitted."""

@@ -27,7 +27,7 @@ from .checks import checkable, describe, objects_due, piece_of
 from .copy_cpus import idle_this_thread, pin_this_thread
 from .engine import TransferEngine
 from .handles import ChecksumMismatch
-from .plan import Run, skipped_head
+from .plan import Run, skipped_spans
 from .prefault import PoolPrefaulter
 
 __all__ = ["CpuTransferEngine"]
@@ -35,6 +35,7 @@ __all__ = ["CpuTransferEngine"]
 
 class CpuTransferEngine(TransferEngine):
     backend = TransferBackend.CPU
+    skips_tail_blocks = True
 
     def __init__(self, pool_buffer: memoryview, kv_caches: dict[str, torch.Tensor], fmt: ObjectFormat,
                  prefault: bool = True,
@@ -93,24 +94,25 @@ class CpuTransferEngine(TransferEngine):
         # verified load sums each run's blocks as they lie in the KV cache
         # right after copying them (the bytes the forward will read), and a
         # layer is marked only once the objects due at it matched. The
-        # skipped head of a load that begins inside its first chunk
-        # (``SKIP_BLOCK``) is not copied: it is summed where it lies in the
-        # pool, so its object is still verified whole.
+        # blocks left out of a load that begins or ends inside a chunk
+        # (``SKIP_BLOCK``) are not copied: they are summed where they lie in
+        # the pool, so their object is still verified whole.
         sums = [0] * len(job.check) if job.check is not None else None
-        head = skipped_head(job.block_ids)
         for layer in range(self.layout.num_layers):
             dst = self.block_views[layer]
             for run in self._runs(job, layer):
                 views = self._rows(run)
                 for src, a, b in self._block_ranges(run, views):
-                    skip = min(max(head - a, 0), b - a)
-                    if skip and sums is not None:
-                        self._sum_blocks(sums, layer, src[:skip], a)
-                    for first, n, offset in _consecutive(job.block_ids, a + skip, b):
-                        offset += skip
-                        _copy(dst[first:first + n], src[offset:offset + n])
-                        if sums is not None:
-                            self._sum_blocks(sums, layer, dst[first:first + n], a + offset)
+                    for lo, hi, skipped in skipped_spans(job.block_ids, a, b):
+                        part = src[lo - a : hi - a]
+                        if skipped:
+                            if sums is not None:
+                                self._sum_blocks(sums, layer, part, lo)
+                            continue
+                        for first, n, offset in _consecutive(job.block_ids, lo, hi):
+                            _copy(dst[first:first + n], part[offset:offset + n])
+                            if sums is not None:
+                                self._sum_blocks(sums, layer, dst[first:first + n], lo + offset)
             if sums is not None:
                 self._verify(job, sums, layer)
             job.handle._mark_layer(layer)

@@ -25,7 +25,7 @@ from ..object_format import ObjectFormat
 from .backend import HeadStart, LoadJob, StoreJob, TransferBackend, TransferJob
 from .checks import PayloadCheck, checkable
 from .handles import LoadHandle, StoreHandle, TransferError
-from .plan import ChunkLoad, ChunkStore, Run, TransferRequestError, check_chunks, layer_runs, skipped_head
+from .plan import SKIP_BLOCK, ChunkLoad, ChunkStore, Run, TransferRequestError, check_chunks, layer_runs
 
 __all__ = ["HeadStart", "TransferEngine"]
 
@@ -42,6 +42,9 @@ class TransferEngine(abc.ABC):
     """
 
     backend: ClassVar[TransferBackend]
+    #: A load may end inside its last chunk (trailing ``plan.SKIP_BLOCK`` ids:
+    #: the blocks a block alias does not cover), see ``TransferBackend.block_alias_loads``.
+    skips_tail_blocks: ClassVar[bool] = False
 
     def __init__(self, pool_buffer: memoryview, kv_caches: dict[str, torch.Tensor],
                  fmt: ObjectFormat) -> None:
@@ -101,8 +104,9 @@ class TransferEngine(abc.ABC):
 
         Raises ``TransferRequestError`` when a chunk does not fit the format
         (wrong number of block ids or offsets, block id out of range). The
-        first chunk's leading block ids may be ``plan.SKIP_BLOCK``: those
-        blocks are verified with their objects but not written.
+        first chunk's leading block ids may be ``plan.SKIP_BLOCK``, and the
+        last chunk's trailing ones on an engine that ``skips_tail_blocks``:
+        those blocks are verified with their objects but not written.
         Problems found while copying (e.g. an offset outside the pool) end
         in ``handle.error`` instead. ``head``: this load's ``start_head``,
         whose copies it then reuses when the sources match (else dropped).
@@ -111,14 +115,14 @@ class TransferEngine(abc.ABC):
         the load with ``ChecksumMismatch``.
         """
         try:
-            blocks = check_chunks(self.fmt, chunks, "load", skip_head=True)
+            blocks = check_chunks(self.fmt, chunks, "load", skip_head=True, skip_tail=self.skips_tail_blocks)
             if check is not None:
                 self._check_request(check, len(chunks))
         except BaseException:
             if head is not None:
                 head.drop()
             raise
-        written = len(blocks) - skipped_head(blocks)
+        written = sum(b != SKIP_BLOCK for b in blocks)
         nbytes = written * self.layout.block_bytes_per_layer * self.layout.num_layers
         handle = LoadHandle(self.layout.num_layers if chunks else 0, nbytes)
         if chunks:

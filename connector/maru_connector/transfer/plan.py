@@ -8,7 +8,9 @@ constant ``stride`` in the pool: a plain copy when ``stride == layer_bytes``
 request's concatenated block-id list.
 
 A load may begin inside its first chunk: vLLM's own prefix cache already
-holds that chunk's first blocks. Their block ids are ``SKIP_BLOCK``: the
+holds that chunk's first blocks. It may also end inside its last chunk: a
+block alias (``maru_core.keys.block_alias_keys``) found only that chunk's
+first blocks. The block ids of the blocks left out are ``SKIP_BLOCK``: the
 engine reads and verifies those bytes like any other (an object is checked
 whole) but writes nothing for them (``check_chunks`` says where they may be).
 """
@@ -71,11 +73,14 @@ class Run:
         return self.offset + (self.rows - 1) * self.stride + row_bytes
 
 
-def check_chunks(fmt: ObjectFormat, chunks: Sequence, what: str, skip_head: bool = False) -> list[int]:
+def check_chunks(fmt: ObjectFormat, chunks: Sequence, what: str, skip_head: bool = False,
+                 skip_tail: bool = False) -> list[int]:
     """Validate a request's shape; return its concatenated block ids.
 
     ``skip_head``: the first chunk's leading block ids may be ``SKIP_BLOCK``
-    (a load that begins inside it), all but its last; nowhere else.
+    (a load that begins inside it); ``skip_tail``: the last chunk's trailing
+    ones (a load that ends inside it). Nowhere else, and every chunk writes
+    at least one block.
     """
     blocks: list[int] = []
     per_chunk = fmt.objects_per_chunk
@@ -95,7 +100,10 @@ def check_chunks(fmt: ObjectFormat, chunks: Sequence, what: str, skip_head: bool
         head = skipped_head(ids) if i == 0 and skip_head else 0
         if head == len(ids):
             raise TransferRequestError(f"{what} chunk 0 writes no block: load from the next chunk instead")
-        bad = [b for b in ids[head:] if not 0 <= b < nb]
+        tail = skipped_tail(ids) if i == len(chunks) - 1 and skip_tail else 0
+        if head + tail >= len(ids):
+            raise TransferRequestError(f"{what} chunk {i} writes no block: leave it out of the load")
+        bad = [b for b in ids[head : len(ids) - tail] if not 0 <= b < nb]
         if bad:
             where = "" if skip_head or SKIP_BLOCK not in bad else " (this engine writes every block it loads)"
             raise TransferRequestError(
@@ -112,6 +120,24 @@ def skipped_head(block_ids: Sequence[int]) -> int:
     while n < len(block_ids) and block_ids[n] == SKIP_BLOCK:
         n += 1
     return n
+
+
+def skipped_tail(block_ids: Sequence[int]) -> int:
+    """How many trailing block ids are ``SKIP_BLOCK``."""
+    return skipped_head(block_ids[::-1])
+
+
+def skipped_spans(block_ids: Sequence[int], start: int, stop: int) -> list[tuple[int, int, bool]]:
+    """``block_ids[start:stop]`` cut into ``(first, end, skipped)`` spans of
+    ``SKIP_BLOCK`` ids and of written ones, in order."""
+    spans: list[tuple[int, int, bool]] = []
+    for i in range(start, stop):
+        skipped = block_ids[i] == SKIP_BLOCK
+        if spans and spans[-1][2] == skipped:
+            spans[-1] = (spans[-1][0], i + 1, skipped)
+        else:
+            spans.append((i, i + 1, skipped))
+    return spans
 
 
 def layer_runs(fmt: ObjectFormat, offsets: Sequence[Sequence[int]], layer: int) -> list[Run]:
