@@ -103,11 +103,11 @@ def _make_lookup(cfg: MaruConfig) -> LookupService:
     return LookupService(client, timeout_s=cfg.maru_lookup_timeout_s)
 
 
-def _workers_load_partial_chunks(vllm_config: "VllmConfig") -> bool:
-    """Whether the workers' transfer backend loads part of a chunk; from the
-    device vLLM runs on, as the workers pick their backend (``auto``)."""
+def _workers_backend(vllm_config: "VllmConfig") -> TransferBackend:
+    """The workers' transfer backend, from the device vLLM runs on, as the
+    workers pick it (``auto``): what parts of a chunk they load."""
     on_cuda = getattr(vllm_config.device_config, "device_type", "cpu") == "cuda"
-    return TransferBackend.for_device("auto", on_cuda).partial_chunk_loads
+    return TransferBackend.for_device("auto", on_cuda)
 
 
 class MaruKVConnector(KVConnectorBase_V1):
@@ -139,7 +139,8 @@ class MaruKVConnector(KVConnectorBase_V1):
             self.scheduler_half = MaruSchedulerHalf(
                 cfg, namespaces, block_size, _make_lookup(cfg), num_layers=num_layers,
                 stats=open_stats(cfg, "scheduler"), handoff=handoff, kv_events=kv_events_enabled(vllm_config),
-                partial_chunk_loads=_workers_load_partial_chunks(vllm_config),
+                partial_chunk_loads=_workers_backend(vllm_config).partial_chunk_loads,
+                block_alias_loads=_workers_backend(vllm_config).block_alias_loads,
             )
             logger.info("%s", startup_line("scheduler", checked))
         else:

@@ -33,6 +33,12 @@ its answer. Unpins run on that thread too, sharing the lookup's client (and
 lease): a lookup never queues behind another request's unpin. The service
 owns a pin until ``take_early_pin`` and releases it when the request looks
 up again or is forgotten.
+
+Asked to (``tail``), a lookup that stops before the end of the prompt goes
+on at block granularity: one ``match_alias`` for the block aliases of the
+first chunk it missed (``maru_core.keys.block_alias_keys``), longest prefix
+first. What it finds waits for ``take_tail``; such a lookup keeps no early
+pin (the worker pins the whole load, the found chunk included, itself).
 """
 
 from __future__ import annotations
@@ -58,6 +64,32 @@ logger = get_logger(__name__)
 _KeyList = bytes | list[bytes]
 
 
+@dataclass(frozen=True)
+class TailQuery:
+    """Where a lookup may go on past the whole chunks it matches.
+
+    ``candidates(chunks_matched)``: ``(blocks, alias key)`` of the first
+    chunk missed, longest prefix first (empty: none worth asking for);
+    ``layers``: the layerwise format's layers (the index checks that each
+    layer object of the found chunk is committed), ``None`` for chunkwise.
+    """
+
+    objects_per_chunk: int
+    layers: tuple[int, ...] | None
+    candidates: Callable[[int], list[tuple[int, bytes]]]
+
+
+@dataclass(frozen=True)
+class TailHit:
+    """A block alias a lookup found: the first ``blocks`` blocks of the
+    committed chunk ``target`` hold the KV of the prompt's chunk that follows
+    the ``chunks`` it matched whole."""
+
+    chunks: int
+    blocks: int
+    target: bytes
+
+
 @dataclass(eq=False)
 class _Lookup:
     """One request's lookup, from the engine thread to the lookup thread."""
@@ -66,6 +98,7 @@ class _Lookup:
     key_lists: list[_KeyList]
     pin_group: int
     queued_at: float
+    tail: TailQuery | None = None
     future: "Future[_Answer]" = field(default_factory=Future)
 
 
@@ -104,6 +137,8 @@ class LookupService:
         # One entry per live request at most; dropped by forget() at request end.
         self._pending: dict[str, _Lookup] = {}
         self._early: dict[str, EarlyPin] = {}  # early pins not yet taken
+        self._tails: dict[str, TailHit] = {}  # block aliases found, not yet taken
+        self._aliases = True  # False once the index said it knows no match_alias
         self._down_until = 0.0
         self._one_round_trip = one_round_trip
         self._batched = True  # False once the index said it knows no match_prefixes
@@ -113,13 +148,15 @@ class LookupService:
         self._draining = False  # a drain of the queue is submitted and not finished
 
     def match(self, req_id: str, key_lists: Sequence[bytes | Sequence[bytes]],
-              pin_group: int = 0) -> int | None:
+              pin_group: int = 0, tail: TailQuery | None = None) -> int | None:
         """Leading keys committed for every key list (min over TP ranks); a
         list is a sequence of keys or the keys packed end to end.
 
         ``pin_group`` > 0 (one key list only): then also pin the matched keys,
         in whole groups of that many (a chunk's objects), as an early pin for
         ``take_early_pin``; a new lookup releases the request's last one.
+        ``tail`` (one key list only): then also look for a block alias of the
+        first chunk missed, for ``take_tail``.
 
         Returns the count, or ``None`` while the lookup is still in flight
         (it waited what was left of this pass's ``timeout_s``, or was already
@@ -137,10 +174,12 @@ class LookupService:
                 return 0
             return None
         self._release_early(req_id)
+        self._tails.pop(req_id, None)
         if now < self._down_until:
             return 0
         lists: list[_KeyList] = [k if isinstance(k, bytes) else list(k) for k in key_lists]  # a snapshot
-        lookup = self._submit(_Lookup(req_id, lists, pin_group if len(lists) == 1 else 0, now))
+        one = len(lists) == 1
+        lookup = self._submit(_Lookup(req_id, lists, pin_group if one else 0, now, tail if one else None))
         if not self._wait(lookup.future):
             self._pending[req_id] = lookup
             return None
@@ -164,10 +203,15 @@ class LookupService:
         """The request's early pin, now the caller's to hand on or release."""
         return self._early.pop(req_id, None)
 
+    def take_tail(self, req_id: str) -> TailHit | None:
+        """The block alias the request's last answered lookup found, if any."""
+        return self._tails.pop(req_id, None)
+
     def forget(self, req_id: str) -> None:
         """Drop a request's pending lookup and early pin (the request ended)."""
         self._drop_pending(req_id)
         self._release_early(req_id)
+        self._tails.pop(req_id, None)
 
     @property
     def num_early_pins(self) -> int:
@@ -230,18 +274,48 @@ class LookupService:
         try:
             if self._client is None:
                 self._client = self._client_factory()
+            client = self._client
             if len(batch) == 1:
-                answers = [self._match_all(self._client, batch[0].key_lists, batch[0].pin_group)]
+                answers = [self._match_all(client, batch[0].key_lists, batch[0].pin_group)]
             else:
-                answers = self._match_batch(self._client, batch)
+                answers = self._match_batch(client, batch)
         except Exception as exc:  # the index failed them all: each counts as a miss
             for lookup in batch:
                 lookup.future.set_exception(exc)
             return
-        for lookup, answer in zip(batch, answers):
-            lookup.future.set_result(answer)
+        for lookup, (matched, pin) in zip(batch, answers):
+            try:
+                tail = self._find_tail(client, lookup.tail, matched)
+            except Exception as exc:  # a failed index: the lookup is a miss, as any other failure
+                if pin is not None:
+                    pin.release()
+                lookup.future.set_exception(exc)
+                continue
+            lookup.future.set_result((matched, pin, tail))
 
-    def _match_batch(self, client: IndexApi, batch: list[_Lookup]) -> list["_Answer"]:
+    def _find_tail(self, client: IndexApi, query: TailQuery | None, matched: int) -> TailHit | None:
+        """The longest block alias of the first chunk missed whose chunk is committed."""
+        if query is None or not self._aliases:
+            return None
+        chunks = matched // query.objects_per_chunk
+        candidates = query.candidates(chunks)
+        if not candidates:
+            return None
+        try:
+            found = client.match_alias(b"".join(key for _, key in candidates), query.layers)
+        except IndexRejected as exc:
+            if exc.error_type is ErrorType.UNKNOWN_OP:
+                logger.info("the index has no match_alias (an older version); hits stay whole chunks")
+                self._aliases = False
+            else:  # the whole chunks found stand: only the part beyond them is lost
+                logger.warning("match_alias refused (%s); this lookup's hit stays whole chunks", exc)
+            return None
+        if found is None:
+            return None
+        position, target = found
+        return TailHit(chunks, candidates[position][0], target)
+
+    def _match_batch(self, client: IndexApi, batch: list[_Lookup]) -> list["_Matched"]:
         """Several requests' lookups in one ``match_prefixes``; their early pins follow
         on the pins' thread."""
         counts = iter(self._match_lists(client, [keys for q in batch for keys in q.key_lists]))
@@ -264,7 +338,7 @@ class LookupService:
                 self._batched = False
         return [client.match_prefix(keys) if keys else 0 for keys in key_lists]
 
-    def _match_all(self, client: IndexApi, key_lists: list[_KeyList], pin_group: int) -> "_Answer":
+    def _match_all(self, client: IndexApi, key_lists: list[_KeyList], pin_group: int) -> "_Matched":
         """One request's lookup, sent alone: with an early pin, one ``retrieve_prefix``."""
         if pin_group and self._one_round_trip and key_lists[0]:
             try:
@@ -279,7 +353,7 @@ class LookupService:
         return self._pin_after_match(client, key_lists[0], pin_group, matched)
 
     def _pin_after_match(self, client: IndexApi, keys: _KeyList, pin_group: int,
-                         matched: int) -> "_Answer":
+                         matched: int) -> "_Matched":
         """The early pin of ``matched`` keys, taken by a ``retrieve`` on the pins' thread."""
         pinned = matched - matched % pin_group if pin_group else 0
         if not pinned:
@@ -289,7 +363,7 @@ class LookupService:
         pin.start(self._pinner.submit(self._retrieve_early, client, pin))
         return matched, pin
 
-    def _match_and_pin(self, client: IndexApi, keys: _KeyList, pin_group: int) -> "_Answer":
+    def _match_and_pin(self, client: IndexApi, keys: _KeyList, pin_group: int) -> "_Matched":
         """The lookup and its early pin in one ``retrieve_prefix``.
 
         A reply the client rejected (it has seen to any pins of it) is not
@@ -337,8 +411,12 @@ class LookupService:
     def _result(self, req_id: str, future: "Future[_Answer]") -> int:
         exc = future.exception()
         if exc is None:
-            matched, pin = future.result()
-            if pin is not None:
+            matched, pin, tail = future.result()
+            if tail is not None:
+                self._tails[req_id] = tail
+                if pin is not None:  # the load's keys are not the pin's: the worker pins them all
+                    pin.release()
+            elif pin is not None:
                 self._early[req_id] = pin
             return matched
         self._mark_down(f"{type(exc).__name__}: {exc}")
@@ -362,7 +440,8 @@ class LookupService:
         self._down_until = self._clock() + self._retry_after_s
 
 
-_Answer = tuple[int, EarlyPin | None]  # matched keys, and the early pin taken for them
+_Matched = tuple[int, EarlyPin | None]  # matched keys, and the early pin taken for them
+_Answer = tuple[int, EarlyPin | None, TailHit | None]  # and the block alias found after them
 
 
 def _release_answer(future: "Future[_Answer]") -> None:

@@ -59,6 +59,8 @@ class LoadSpec(ChunkRun):
     A load that begins inside its first chunk (vLLM's own prefix cache
     holds that chunk's first blocks) names those blocks ``SKIP_BLOCK``: the
     worker verifies their bytes with their object but writes nothing there.
+    So does one that ends inside its last chunk: that chunk's key is then
+    the stored chunk a block alias named, whose first blocks it writes.
     """
 
     is_async: bool = False
@@ -73,9 +75,18 @@ class LoadSpec(ChunkRun):
 
 @dataclass(frozen=True)
 class StoreSpec(ChunkRun):
-    """Store these chunks, computed in scheduler step ``step``, from these blocks."""
+    """Store these chunks, computed in scheduler step ``step``, from these blocks.
+
+    ``aliases_by_rank[r][i]``: the block aliases of chunk ``i`` for TP rank
+    ``r``, packed end to end (``maru_core.keys.block_alias_keys``), which the
+    worker registers for each chunk the index committed (empty: none).
+    """
 
     step: int = 0
+    aliases_by_rank: tuple[tuple[bytes, ...], ...] = ()
+
+    def aliases(self, tp_rank: int) -> tuple[bytes, ...]:
+        return self.aliases_by_rank[tp_rank] if self.aliases_by_rank else ()
 
 
 @dataclass

@@ -27,7 +27,7 @@ from maru_connector.identity import (
 )
 from maru_connector.kv_events import StoreEventLedger, chunk_block_hashes, chunk_payloads
 from maru_connector.log import get_logger
-from maru_connector.lookup import LookupService
+from maru_connector.lookup import LookupService, TailQuery
 from maru_connector.metadata import (
     LoadSpec,
     MaruConnectorMetadata,
@@ -36,6 +36,7 @@ from maru_connector.metadata import (
 )
 from maru_connector.request_params import PARK, SYNC, requested_load_mode, requested_store
 from maru_connector.transfer.plan import SKIP_BLOCK
+from maru_core.storage_format import StorageFormat
 
 if TYPE_CHECKING:
     from maru_core.keys import KeyNamespace
@@ -52,6 +53,16 @@ logger = get_logger(__name__)
 _MAX_STEPS_AWAITING_VERDICT = 256
 
 
+@dataclass(frozen=True)
+class _AliasHit:
+    """A lookup's block alias: chunk ``chunk`` of the prompt loads the first
+    ``blocks`` blocks of the committed chunk ``target``."""
+
+    chunk: int
+    blocks: int
+    target: bytes
+
+
 @dataclass
 class _RequestState:
     request: "Request"
@@ -61,6 +72,7 @@ class _RequestState:
     keys: RequestKeys | None = None
     local_tokens: int = 0  # vLLM's own (block-aligned) hit at the last lookup
     hit_tokens: int = 0  # what the last lookup answered beyond local_tokens
+    alias_hit: _AliasHit | None = None  # the last lookup's hit ends inside this chunk
     stored_chunks: int = 0  # chunks [0, stored_chunks) are in the pool or on their way
     load_first_chunk: int | None = None  # where the last planned load began
     lookup_first_chunk: int | None = None  # where the lookup in flight began
@@ -92,6 +104,10 @@ class MaruSchedulerHalf:
             one of its blocks on (``TransferBackend.partial_chunk_loads``):
             a local hit that ends inside a chunk is then looked up from that
             chunk; else such a hit asks the pool for nothing.
+        block_alias_loads: the workers' transfer engines load a chunk's
+            first blocks only (``TransferBackend.block_alias_loads``): with
+            ``maru_block_aliases``, a lookup that stops before the end of the
+            prompt then goes on to the block aliases of the chunk it missed.
     """
 
     def __init__(
@@ -105,6 +121,7 @@ class MaruSchedulerHalf:
         handoff: PinHandoff | None = None,
         kv_events: bool = False,
         partial_chunk_loads: bool = False,
+        block_alias_loads: bool = False,
     ) -> None:
         if cfg.maru_kv_chunk_tokens % block_size:
             raise ValueError(
@@ -116,6 +133,10 @@ class MaruSchedulerHalf:
         self._chunk = cfg.maru_kv_chunk_tokens
         self._block_size = block_size
         self._partial_chunk_loads = partial_chunk_loads
+        # Aliases of stored chunks are registered whenever on; looked up (one
+        # rank only: the load's keys are the lookup's) where the engines load them.
+        self._store_aliases = cfg.maru_block_aliases
+        self._load_aliases = cfg.maru_block_aliases and block_alias_loads and len(namespaces) == 1
         self._blocks_per_chunk = cfg.maru_kv_chunk_tokens // block_size
         self._lookup = lookup
         self._storage = strategy_for(configured_format(cfg))
@@ -165,7 +186,8 @@ class MaruSchedulerHalf:
         # even when vLLM's own hit has grown since.
         base = state.lookup_first_chunk if state.lookup_first_chunk is not None else first
         matched = self._lookup.match(request.request_id, self._lookup_keys(keys, first),
-                                     pin_group=self._early_pin_group())
+                                     pin_group=self._early_pin_group(),
+                                     tail=self._tail_query(keys, first, num_computed_tokens))
         if matched is None:
             state.lookup_first_chunk = base
             return None, False
@@ -173,13 +195,42 @@ class MaruSchedulerHalf:
         matched //= self._objects_per_chunk
         self._note_gone(request, keys, base + matched)
         self.stats.record_lookup()
-        hit_end = min((base + matched) * self._chunk, request.num_tokens - 1)
+        hit_end = (base + matched) * self._chunk
+        state.alias_hit = self._alias_hit(request.request_id, base + matched)
+        if state.alias_hit is not None:
+            hit_end = state.alias_hit.chunk * self._chunk + state.alias_hit.blocks * self._block_size
+        hit_end = min(hit_end, request.num_tokens - 1)
         ext = max(0, hit_end - num_computed_tokens)
         state.local_tokens, state.hit_tokens = num_computed_tokens, ext
         state.park = bool(ext) and self._should_park(state)
         if ext:
             self._start_head(request.request_id, first, -(-hit_end // self._chunk))
         return ext, state.park
+
+    def _tail_query(self, keys: RequestKeys, first: int, num_computed_tokens: int) -> TailQuery | None:
+        """What a lookup from chunk ``first`` asks beyond its whole chunks: the
+        block aliases of the chunk it misses that reach past vLLM's own hit."""
+        if not self._load_aliases or keys.namespaces is None:
+            return None
+
+        def candidates(chunks_matched: int) -> list[tuple[int, bytes]]:  # on the lookup thread
+            chunk = first + chunks_matched
+            most = keys.alias_blocks(chunk)
+            held = max(0, num_computed_tokens - chunk * self._chunk) // self._block_size
+            if most <= held:
+                return []
+            aliases = keys.block_aliases(0, chunk, most)
+            return [(j, aliases[j - 1]) for j in range(most, held, -1)]
+
+        layers = self._layers if self._storage.storage is StorageFormat.LAYERWISE else None
+        return TailQuery(self._objects_per_chunk, layers, candidates)
+
+    def _alias_hit(self, req_id: str, chunk: int) -> _AliasHit | None:
+        """The block alias the lookup found for chunk ``chunk``, the first it missed."""
+        tail = self._lookup.take_tail(req_id)
+        if tail is None:
+            return None
+        return _AliasHit(chunk, tail.blocks, tail.target)
 
     def _may_load_from(self, num_computed_tokens: int) -> bool:
         """Whether a load may begin at token ``num_computed_tokens``: on a
@@ -277,17 +328,26 @@ class MaruSchedulerHalf:
         first = local // self._chunk
         end = -(-(local + num_external_tokens) // self._chunk)
         block_ids = blocks.get_block_ids()[0]
-        end = min(end, len(block_ids) // self._blocks_per_chunk)
+        alias = state.alias_hit if state.alias_hit is not None and state.alias_hit.chunk == end - 1 else None
+        whole_end = min(end - 1 if alias else end, len(block_ids) // self._blocks_per_chunk)
+        keys_by_rank = self._keys(state).slice(first, whole_end)
+        chunk_blocks = self._chunk_blocks(block_ids, first, whole_end)
+        if alias is not None and whole_end == alias.chunk:  # its first blocks, from the chunk it names
+            start = alias.chunk * self._blocks_per_chunk
+            written = tuple(block_ids[start : start + alias.blocks])
+            chunk_blocks += (written + (SKIP_BLOCK,) * (self._blocks_per_chunk - len(written)),)
+            keys_by_rank = ((*keys_by_rank[0], alias.target),)
+            end = whole_end + 1
+        else:
+            end = whole_end
         if end <= first:
             return None
-        keys = self._keys(state)
-        chunk_blocks = self._chunk_blocks(block_ids, first, end)
         held = (local - first * self._chunk) // self._block_size  # vLLM's own blocks of chunk ``first``
         if held:  # loaded and verified with their object, not written
             chunk_blocks = ((SKIP_BLOCK,) * held + chunk_blocks[0][held:], *chunk_blocks[1:])
         spec = LoadSpec(
             req_id=request.request_id,
-            keys_by_rank=keys.slice(first, end),
+            keys_by_rank=keys_by_rank,
             block_ids=chunk_blocks,
             is_async=state.park,
             wait_whole=state.load_mode == SYNC,
@@ -297,7 +357,7 @@ class MaruSchedulerHalf:
         if spec.is_async:
             self.stats.record_parked_load()
         state.load_first_chunk = min(first, state.stored_chunks)
-        state.stored_chunks = max(state.stored_chunks, end)
+        state.stored_chunks = max(state.stored_chunks, whole_end)  # an aliased chunk is still ours to store
         state.parked = spec.is_async
         return spec
 
@@ -371,7 +431,17 @@ class MaruSchedulerHalf:
             keys_by_rank=keys.slice(start, full),
             block_ids=self._chunk_blocks(block_ids, start, full),
             step=self._step,
+            aliases_by_rank=self._store_aliases_of(keys, start, full),
         )
+
+    def _store_aliases_of(self, keys: RequestKeys, start: int, end: int) -> tuple[tuple[bytes, ...], ...]:
+        """Per rank, per chunk ``start`` to ``end``: its block aliases packed end
+        to end, which the workers register once the chunk is committed."""
+        if not self._store_aliases or keys.namespaces is None or self._blocks_per_chunk == 1:
+            return ()
+        most = self._blocks_per_chunk - 1
+        return tuple(tuple(b"".join(keys.block_aliases(rank, c, most)) for c in range(start, end))
+                     for rank in range(len(keys.by_rank)))
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         """Turn failed loads into misses, decide the step's stores, unpark

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from maru_core.index.api import IndexApi, IndexRejected
+from maru_core.keys import split_keys
 from maru_core.pool.slots import SlotHeader
 from maru_core.protocol import ErrorType
 from maru_core.stats import ConnectorStats
@@ -121,6 +122,7 @@ class Storer:
         self._by_step: dict[int, list[_StoreJob]] = {}  # copied, awaiting their step's verdict
         self._inbox: queue.Queue[_StoreJob | dict[int, bool] | None] = queue.Queue()
         self._report_settled = report_settled
+        self._aliases = True  # False once the index said it knows no put_aliases
         self._settled: list[SettledStore] = []  # since the last take_settled
         self._thread: threading.Thread | None = None
         if async_store:
@@ -311,6 +313,27 @@ class Storer:
                 self._stats.record_store(job.nbytes, time.monotonic() - job.started)
             else:
                 self._stats.record_store_failure("commit_error")
+        self._put_aliases(jobs)
+
+    def _put_aliases(self, jobs: list[_StoreJob]) -> None:
+        """Register the block aliases of the chunks just committed. Best effort:
+        an alias not registered costs only a hit shorter by part of a chunk."""
+        pairs = []
+        for job in jobs:
+            aliases, chunk_keys = job.spec.aliases(self._tp_rank), job.spec.keys(self._tp_rank)
+            if aliases:
+                pairs += [(alias, chunk_keys[i]) for i in job.committed for alias in split_keys(aliases[i])]
+        if not pairs or not self._aliases:
+            return
+        try:
+            assert self._client is not None, "keys were committed, so the client exists"
+            self._client.put_aliases(pairs)
+        except Exception as exc:
+            if isinstance(exc, IndexRejected) and exc.error_type is ErrorType.UNKNOWN_OP:
+                logger.info("the index has no put_aliases (an older version); no block aliases are registered")
+                self._aliases = False
+            else:
+                logger.warning("%d block aliases not registered (%s)", len(pairs), exc)
 
     def _finish(self, job: _StoreJob) -> None:
         job.blocks_read.set()

@@ -77,6 +77,10 @@ class ConnectorKnobs:
     # Pin what a lookup matched right after it, for a worker in the same
     # process (the connector's early_pins.py); off: the worker retrieves, one round trip more.
     maru_early_pins: bool = _doc(True, "pin a lookup's matches in its own round trip (one worker in-process)")
+    # Block aliases (maru_core.keys.block_alias_keys): a prompt that shares only the
+    # first blocks of a stored chunk loads them (CPU engines; every engine registers them).
+    maru_block_aliases: bool = _doc(True, "hits down to vLLM's block, not whole chunks: register and "
+                                          "look up block aliases")
     maru_lookup_timeout_s: float = _doc(0.05, "longest a scheduling pass waits for lookup replies")
     maru_load_timeout_s: float = _doc(10.0, "longest a load waits for the index; beyond it, recompute")
     maru_model_id: str | None = _doc(None, "a name for the model in keys, beside its files' fingerprint")

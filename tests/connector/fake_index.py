@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 from maru_core.index.api import IndexRejected, IndexUnavailable, Keys
+from maru_core.keys import packed_layer_keys, split_keys
 from maru_core.pool.commit_records import CommitRecords
 from maru_core.protocol import ErrorType, Location, LocationList, Op, Slot, SlotList
 from maru_core.protocol.messages import unpack_keys
@@ -52,6 +53,8 @@ class FakeIndex:
         self.retrieve_hook: Callable[[list[Location | None]], list[Location | None]] | None = None
         self.knows_retrieve_prefix = True  # False: answers it as an older index would (unknown op)
         self.knows_match_prefixes = True  # likewise
+        self.knows_aliases = True  # likewise for put_aliases and match_alias
+        self.aliases: dict[bytes, bytes] = {}  # block alias -> chunk key
         self.quarantined = False  # True: refuses reserves as a restarted index does
         self.unpin_gate: threading.Event | None = None  # unpins wait until it is set (10 s at most)
 
@@ -204,6 +207,29 @@ class FakeClient:
         self._ix._enter("abort")
         with self._ix.lock:
             return sum(self._ix.reserved.pop(k, None) is not None for k in _keys(keys))
+
+    def put_aliases(self, items: Sequence[tuple[bytes, bytes]]) -> int:
+        self._ix._enter("put_aliases")
+        if not self._ix.knows_aliases:
+            raise IndexRejected(ErrorType.UNKNOWN_OP, "unknown op 'put_aliases'", Op.PUT_ALIASES)
+        with self._ix.lock:
+            self._ix.aliases.update(items)
+        return len(items)
+
+    def match_alias(self, candidates: Keys, layers: Sequence[int] | None = None) -> tuple[int, bytes] | None:
+        """The first candidate whose chunk's objects are all committed, as the index answers."""
+        self._ix._enter("match_alias")
+        if not self._ix.knows_aliases:
+            raise IndexRejected(ErrorType.UNKNOWN_OP, "unknown op 'match_alias'", Op.MATCH_ALIAS)
+        with self._ix.lock:
+            for position, alias in enumerate(_keys(candidates)):
+                target = self._ix.aliases.get(alias)
+                if target is None:
+                    continue
+                objects = [target] if layers is None else split_keys(packed_layer_keys([target], layers))
+                if all(k in self._ix.committed for k in objects):
+                    return position, target
+        return None
 
     def close(self) -> None:
         self.closed = True

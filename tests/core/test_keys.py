@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from maru_core.keys import (
     KEY_BYTES,
     KeyNamespace,
+    block_alias_keys,
     chunk_keys,
     chunk_keys_of_namespaces,
     layer_key,
@@ -250,3 +251,43 @@ def test_same_keys_in_processes_with_different_hash_seeds() -> None:
     # ... and the keys do not, in either child or here.
     here = [k.hex() for k in chunk_keys(NS, TOKENS)] + [layer_key(chunk_keys(NS, TOKENS)[0], 5).hex()]
     assert first[:-1] == second[:-1] == here
+
+
+# ---- block aliases: the prefix up to block j of a chunk
+
+WIDE = dataclasses.replace(NS, chunk_tokens=64)  # four blocks of 16 per chunk
+
+
+def test_block_aliases_follow_the_documented_derivation() -> None:
+    """alias[j-1] = blake2b(previous chunk key || the chunk's first j blocks, person "maru.blocks")."""
+    keys = chunk_keys(WIDE, TOKENS)
+    chunk = TOKENS[64:128]
+    aliases = block_alias_keys(WIDE, keys[0], chunk, 3)
+    for j, alias in enumerate(aliases, start=1):
+        data = b"".join(t.to_bytes(4, "little") for t in chunk[: 16 * j])
+        assert alias == hashlib.blake2b(keys[0] + data, digest_size=16, person=b"maru.blocks").digest()
+    first = block_alias_keys(WIDE, None, TOKENS[:64], 1)  # chunk 0 hangs off the namespace digest
+    assert first == block_alias_keys(WIDE, WIDE.digest(), TOKENS[:64], 1)
+
+
+def test_a_block_alias_names_only_its_prefix_and_never_equals_a_key() -> None:
+    keys = chunk_keys(WIDE, TOKENS)
+    diverged = TOKENS[:64] + TOKENS[64:96] + [7] * 32  # shares chunk 1's first two blocks only
+    ours = block_alias_keys(WIDE, keys[0], TOKENS[64:128], 3)
+    theirs = block_alias_keys(WIDE, chunk_keys(WIDE, diverged)[0], diverged[64:128], 3)
+    assert ours[:2] == theirs[:2] and ours[2] != theirs[2]
+    assert len(set(ours)) == 3 and not set(ours) & set(keys)
+    assert chunk_keys(WIDE, diverged)[1] != keys[1]  # the chunk keys cannot say what the aliases do
+    other_prev = block_alias_keys(WIDE, keys[1], TOKENS[64:128], 3)  # the prefix before the chunk counts
+    assert not set(other_prev) & set(ours)
+
+
+@pytest.mark.parametrize("prev, tokens, max_blocks, message", [
+    (None, TOKENS[:64], 4, "max_blocks must be in"),  # a whole chunk is the chunk key
+    (None, TOKENS[:40], 3, "max_blocks must be in"),  # only two whole blocks given
+    (None, TOKENS[:64], -1, "max_blocks must be in"),
+    (b"short", TOKENS[:64], 1, "prev must be 16 bytes"),
+])
+def test_block_alias_keys_check_their_arguments(prev, tokens, max_blocks, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        block_alias_keys(WIDE, prev, tokens, max_blocks)
