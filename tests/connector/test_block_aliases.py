@@ -180,3 +180,66 @@ def test_a_request_without_aliases_asks_for_whole_chunks(index):
 @pytest.fixture
 def index():
     return FakeIndex(Geometry())
+
+
+# ---- the worker half: registers the aliases of what it committed, loads a chunk's first blocks
+
+
+def _worker_store(env, n_tokens, commit=True):
+    from maru_connector.metadata import MaruConnectorMetadata, StoreSpec
+    from worker_env import BLOCK as W_BLOCK, spec_blocks, tokens as make_tokens
+
+    writer, kv_w = env.worker(seed=1, maru_async_store=False)
+    prompt = make_tokens(n_tokens)
+    keys = env.keys(prompt)
+    per = env.ns.chunk_tokens // W_BLOCK
+    aliases = tuple(b"".join(block_alias_keys(env.ns, keys[c - 1] if c else None,
+                                              prompt[c * env.ns.chunk_tokens:], per - 1))
+                    for c in range(len(keys)))
+    spec = StoreSpec(req_id="w", keys_by_rank=(tuple(keys),), block_ids=spec_blocks(0, len(keys)),
+                     step=1, aliases_by_rank=(aliases,))
+    writer.wait_for_save(MaruConnectorMetadata(step=1, stores=[spec]))
+    writer.wait_for_save(MaruConnectorMetadata(step=2, store_verdicts={1: commit}))
+    return keys, aliases, kv_w, writer
+
+
+@pytest.fixture
+def env():
+    from worker_env import WorkerEnv
+
+    env = WorkerEnv()
+    yield env
+    env.close()
+
+
+def test_the_worker_registers_the_aliases_of_the_chunks_it_committed_only(env):
+    keys, aliases, _, _ = _worker_store(env, 64)
+    assert {a: k for k, packed in zip(keys, aliases) for a in split_keys(packed)} == env.index.aliases
+    assert env.index.calls["put_aliases"] == 1  # one call for the step's chunks
+
+
+def test_a_dropped_store_registers_no_alias(env):
+    _worker_store(env, 64, commit=False)
+    assert not env.index.committed and not env.index.aliases
+    assert env.index.calls["put_aliases"] == 0
+
+
+def test_an_index_without_aliases_still_commits_the_store(env):
+    env.index.knows_aliases = False
+    keys, _, _, writer = _worker_store(env, 64)
+    assert set(keys) <= set(env.index.committed) and not env.index.aliases
+    assert not any(writer.stats.snapshot()["store_failures"].values())
+
+
+def test_a_load_of_a_chunk_s_first_blocks_writes_them_and_nothing_after(env):
+    from maru_connector.metadata import LoadSpec, MaruConnectorMetadata
+    from worker_env import blocks_equal
+
+    keys, _, kv_w, _ = _worker_store(env, 64)  # two chunks of two blocks: blocks 0-3 of the writer
+    reader, kv_r = env.worker(seed=2, maru_async_store=False)
+    before = {name: t.clone() for name, t in kv_r.items()}
+    spec = LoadSpec(req_id="r", keys_by_rank=((keys[0], keys[1]),), block_ids=((20, 21), (22, SKIP_BLOCK)))
+    reader.start_load_kv(MaruConnectorMetadata(loads=[spec]))
+    assert not reader.get_block_ids_with_load_errors()
+    assert blocks_equal(kv_w, range(3), kv_r, range(20, 23))
+    assert blocks_equal(before, [23], kv_r, [23])  # the block the alias does not cover is untouched
