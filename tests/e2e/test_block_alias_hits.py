@@ -1,0 +1,132 @@
+"""Hits at vLLM's block granularity, with vLLM's own ``Scheduler`` over the
+toy model of :mod:`maru_tools.stepper` (its KV is exact) and a real index.
+
+The writer stores a prompt, and with each chunk its block aliases. The
+reader's prompt shares two chunks and one more block of it, then diverges:
+without aliases the pool would give it the two chunks; it gets the block
+too, from the writer's chunk 2, whose first block is all it writes (the
+whole object is verified, its second block summed where it lies). Any
+doubt (a corrupted byte in the block left out, the chunk gone before the
+load) is a recompute, and the KV is always the computed KV.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from maru_connector.transfer.plan import SKIP_BLOCK
+from maru_tools.cluster import wait_until
+
+from .conftest import wait_settled
+from .test_partial_chunk_hits import _counters, _record_plans, _serve_to_output
+from .test_vllm_scheduler import BLOCK, CHUNK, _config, _expected_tokens, _serve, engines  # noqa: F401 (a fixture)
+from maru_tools.workload import random_tokens
+
+SHARED = 2 * CHUNK + BLOCK + 3  # two chunks, one block of the third and three tokens more
+STORED_CHUNKS = 4
+ORDERS = {"finalize-in-step": False, "deferred-finalize": True}
+MODES = {"sync": {}, "async": {"async_load": True, "park_lone_hits": True},
+         "sync-overlap": {"overlap_load_with_compute": True}}
+
+_seeds = itertools.count(62_000)  # a range of its own: tests isolate themselves by prompt
+
+
+def _prompts():
+    stored = random_tokens(STORED_CHUNKS * CHUNK + 5, seed=next(_seeds))
+    reader = stored[:SHARED] + random_tokens(2 * CHUNK, seed=next(_seeds))
+    return stored, reader
+
+
+def _store(engines, index, prompt):
+    """Serve ``prompt`` on a writer; wait until its chunks and their aliases are in."""
+    aliases = index.stats()["aliases"]
+    writer = engines(_config(index))
+    assert _serve(writer, "w", prompt) == _expected_tokens(prompt, writer.num_layers, 2)
+    per_chunk = CHUNK // BLOCK - 1
+    wait_until(lambda: index.stats()["aliases"] >= aliases + per_chunk * (len(prompt) // CHUNK), 30.0,
+               what="the writer's aliases registered")
+
+
+@pytest.mark.parametrize("defer_finalize", list(ORDERS.values()), ids=list(ORDERS))
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_prompt_sharing_part_of_a_chunk_loads_that_chunk_s_first_blocks(engines, index, mode, defer_finalize):
+    stored, prompt = _prompts()
+    _store(engines, index, stored)
+    reader = engines(_config(index, **MODES[mode]), defer_finalize=defer_finalize)
+    planned = _record_plans(reader)
+    _serve_to_output(reader, "r", prompt)
+    assert reader.wrong_positions("r", prompt) == []  # the KV bytes are the computed KV
+    ids = reader.block_ids("r")
+    (spec,) = planned
+    assert spec.block_ids[-1] == (ids[2 * CHUNK // BLOCK], SKIP_BLOCK)  # the block after it is not written
+    assert spec.all_block_ids() == ids[:SHARED // BLOCK]
+    assert _counters(reader)["lookup_hit_tokens"] == SHARED // BLOCK * BLOCK  # vLLM's granularity, not 2 chunks
+    assert not any(r.invalid_block_ids or r.failed_recving for r in reader.history)
+    reader.run(until=lambda: "r" in reader.finished)
+    assert reader.finished["r"].output == _expected_tokens(prompt, reader.num_layers, 2)
+    wait_settled(index)
+
+
+class _CorruptSkippedTail:
+    """The worker's engine, flipping one byte of the last block of the load's
+    last object (the block the alias does not cover) before the copies."""
+
+    def __init__(self, real):
+        self.real = real
+        self.flipped = 0
+
+    def submit_load(self, chunks, *args, **kwargs):
+        ids, sources = chunks[-1]
+        if ids[-1] == SKIP_BLOCK:
+            block = self.real.layout.block_bytes_per_layer
+            at = self.real.fmt.layer_source(tuple(sources), 0) + (len(ids) - 1) * block + 5
+            self.real.pool[at] ^= 0x01
+            self.flipped += 1
+        return self.real.submit_load(chunks, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+@pytest.mark.parametrize("defer_finalize", list(ORDERS.values()), ids=list(ORDERS))
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_corrupted_byte_in_the_block_left_out_fails_the_load_and_it_is_recomputed(
+        engines, index, mode, defer_finalize):
+    stored, prompt = _prompts()
+    _store(engines, index, stored)
+    wrapped = []
+
+    def wrap(resources):
+        resources.engine = _CorruptSkippedTail(resources.engine)
+        wrapped.append(resources.engine)
+        return resources
+
+    reader = engines(_config(index, **MODES[mode]), wrap_resources=wrap, defer_finalize=defer_finalize)
+    assert _serve(reader, "r", prompt) == _expected_tokens(prompt, reader.num_layers, 2)
+    assert wrapped[0].flipped == 1  # the load of the chunk's first block ran, on a corrupted object
+    failures = reader.worker.worker_half.stats.snapshot()["load_failures"]
+    assert failures.get("header_mismatch") == 1  # the whole object was verified
+    assert len([r for r in reader.history if r.invalid_block_ids]) == 1
+    wait_settled(index)
+    _serve_to_output(reader, "again", prompt)  # what it recomputed is exact
+    assert reader.wrong_positions("again", prompt) == []
+
+
+def test_the_aliased_chunk_gone_before_the_load_is_recomputed(engines, index, proxy):
+    stored, prompt = _prompts()
+    _store(engines, index, stored)
+    reader = engines(_config(index, url=proxy.url))
+    planned = _record_plans(reader)
+    proxy.arm("miss", count=1, op="retrieve", position=2)  # the aliased chunk's object
+    try:
+        assert _serve(reader, "r", prompt) == _expected_tokens(prompt, reader.num_layers, 2)
+    finally:
+        proxy.disarm()
+    assert proxy.fired == 1
+    assert reader.worker.worker_half.stats.snapshot()["load_failures"].get("miss") == 1
+    (spec,) = planned
+    (invalid,) = [r.invalid_block_ids for r in reader.history if r.invalid_block_ids]
+    assert invalid == set(spec.all_block_ids())
+    wait_settled(index)
