@@ -9,9 +9,10 @@
 # others (the script exits non-zero at the end).
 #
 # Not yet run on a GPU (the next lease, in this order):
-#   bash bench/run_h200.sh OUT cuda-tests     incl. loads that begin inside a
-#       chunk (test_partial_chunk_load.py); once they pass, let the scheduler
-#       plan them on CUDA (TransferBackend.partial_chunk_loads)
+#   bash bench/run_h200.sh OUT cuda-tests     incl. loads that begin or end
+#       inside a chunk (test_partial_chunk_load.py); once they pass, let the
+#       scheduler plan them on CUDA (TransferBackend.partial_chunk_loads and
+#       block_alias_loads)
 #   bash bench/verify_h200.sh OUT group-ab    a verified 4k hit's layers in
 #       groups (10 fills instead of 32): the last target of verified loads
 #   bash bench/attacks_16core.sh OUT          the index's attacks, 16 cores

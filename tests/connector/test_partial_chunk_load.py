@@ -7,9 +7,8 @@ corrupted byte in the skipped head fails the load. The CUDA engine's
 staging and scatters also run here on host memory, in every staging shape.
 
 A load may also end inside its last chunk (a block alias named only that
-chunk's first blocks): on the CPU engine, the blocks after it are likewise
-summed from the pool and not written; the CUDA engine refuses such a load
-(the scheduler never plans one for it).
+chunk's first blocks): the blocks after it are likewise verified with their
+object and not written, in every staging shape of the CUDA engine too.
 
 The ``cuda`` cases need an NVIDIA GPU (``bench/verify_h200.sh`` runs them).
 """
@@ -37,8 +36,8 @@ from test_transfer_cuda import engines, pool  # noqa: F401 (fixtures)
 ON_GPU = [pytest.mark.cuda,
           pytest.mark.skipif(not torch.cuda.is_available(), reason=(
               "needs an NVIDIA GPU; not yet run on one (bench/run_h200.sh cuda-tests): until it passes "
-              "there, the scheduler plans no load that begins inside a chunk on CUDA "
-              "(TransferBackend.partial_chunk_loads is False for it)"))]
+              "there, the scheduler plans no load that begins or ends inside a chunk on CUDA "
+              "(TransferBackend.partial_chunk_loads and block_alias_loads are False for it)"))]
 CUDA = pytest.param("cuda", marks=ON_GPU)
 DEVICES = ["cpu", CUDA]
 # how the CUDA engine issues and stages the load: every path its scatters take
@@ -163,9 +162,9 @@ def _host_cuda_engine(pool, dst, fmt, rows_cap: int, copy_2d: bool):
 @pytest.mark.parametrize("adjacent", [False, True], ids=["scattered", "adjacent"])
 @pytest.mark.parametrize("rows_cap", [1, 64])
 @pytest.mark.parametrize("copy_2d", [True, False], ids=["2d", "rows"])
-@pytest.mark.parametrize("skip", [1, BPC - 1])
-def test_the_cuda_engine_s_scatters_leave_the_skipped_head_out_in_every_staging_shape(
-        engines, pool, kind, layerwise, adjacent, rows_cap, copy_2d, skip):
+@pytest.mark.parametrize("skip, tail", [(1, 0), (BPC - 1, 0), (0, 1), (0, BPC - 1), (1, 2)])
+def test_the_cuda_engine_s_scatters_leave_the_skipped_blocks_out_in_every_staging_shape(
+        engines, pool, kind, layerwise, adjacent, rows_cap, copy_2d, skip, tail):
     from types import SimpleNamespace
 
     from maru_connector.transfer import LoadHandle
@@ -176,7 +175,8 @@ def test_the_cuda_engine_s_scatters_leave_the_skipped_head_out_in_every_staging_
     before = {name: dst[name].clone() for name in fmt.layout.layer_names}
     engine = _host_cuda_engine(pool, dst, fmt, rows_cap, copy_2d)
     dst_ids = random.Random(7).sample(range(BLOCKS), CHUNKS * BPC)
-    ids = [SKIP_BLOCK] * skip + dst_ids[skip:]
+    end = CHUNKS * BPC - tail
+    ids = [SKIP_BLOCK] * skip + dst_ids[skip:end] + [SKIP_BLOCK] * tail
     job = SimpleNamespace(check=None, block_ids=ids, handle=LoadHandle(LAYERS, 0))
     staging = torch.empty(64 * fmt.layer_bytes * LAYERS, dtype=torch.uint8)
     shapes = set()
@@ -187,7 +187,7 @@ def test_the_cuda_engine_s_scatters_leave_the_skipped_head_out_in_every_staging_
     assert all(job.handle.layer_ready(i) for i in range(LAYERS))
     if rows_cap == 64 and adjacent and kind == "flash_hnd":  # evenly spaced layers: grouped fills
         assert shapes & {"wide", "2 layer(s)"}, shapes
-    written = dict(zip(dst_ids[skip:], src_ids[skip:]))
+    written = dict(zip(dst_ids[skip:end], src_ids[skip:end]))
     for name in fmt.layout.layer_names:
         for block in range(BLOCKS):
             want = src[name] if block in written else before[name]
@@ -217,6 +217,7 @@ def _tail_chunks(dst_ids, offsets, head, tail, chunks=CHUNKS):
     return [ChunkLoad(tuple(ids[c * BPC:(c + 1) * BPC]), offsets[c]) for c in range(chunks)]
 
 
+@pytest.mark.parametrize("device, issue", DEVICE_ISSUES)
 @pytest.mark.parametrize("kind", ["cpu", "flash_hnd"])
 @pytest.mark.parametrize("layerwise", [False, True], ids=["chunkwise", "layerwise"])
 @pytest.mark.parametrize("adjacent", [False, True], ids=["scattered", "adjacent"])
@@ -224,9 +225,9 @@ def _tail_chunks(dst_ids, offsets, head, tail, chunks=CHUNKS):
                                                 (1, 1, 1), (0, BPC - 1, 1)])
 @pytest.mark.parametrize("verified", [True, False], ids=["verified", "unverified"])
 def test_a_load_that_ends_inside_its_last_chunk_writes_only_the_blocks_before_the_skipped_tail(
-        engines, pool, kind, layerwise, adjacent, head, tail, chunks, verified):
-    fmt, offsets, src, src_ids, checksums = _stored(engines, pool, "cpu", kind, layerwise, adjacent)
-    loader, dst = _loader(engines, fmt, "cpu")
+        engines, pool, device, issue, kind, layerwise, adjacent, head, tail, chunks, verified):
+    fmt, offsets, src, src_ids, checksums = _stored(engines, pool, device, kind, layerwise, adjacent)
+    loader, dst = _loader(engines, fmt, device, **({} if device == "cpu" else ISSUE[issue]))
     before = {name: dst[name].clone() for name in fmt.layout.layer_names}
     dst_ids = random.Random(7).sample(range(BLOCKS), CHUNKS * BPC)
     per = fmt.objects_per_chunk
@@ -243,14 +244,15 @@ def test_a_load_that_ends_inside_its_last_chunk_writes_only_the_blocks_before_th
                                block_bytes(kind, want, written.get(block, block))), (name, block)
 
 
+@pytest.mark.parametrize("device, issue", DEVICE_ISSUES)
 @pytest.mark.parametrize("layerwise", [False, True], ids=["chunkwise", "layerwise"])
 @pytest.mark.parametrize("layer", [0, LAYERS - 1])
-def test_a_corrupted_byte_in_the_skipped_tail_fails_the_verified_load(engines, pool, layerwise, layer):
-    fmt, offsets, _, _, checksums = _stored(engines, pool, "cpu", "flash_hnd", layerwise, adjacent=False)
+def test_a_corrupted_byte_in_the_skipped_tail_fails_the_verified_load(engines, pool, device, issue, layerwise, layer):
+    fmt, offsets, _, _, checksums = _stored(engines, pool, device, "flash_hnd", layerwise, adjacent=False)
     block = fmt.layout.block_bytes_per_layer
     last = fmt.layer_source(offsets[CHUNKS - 1], layer)
     pool.buffer[last + (BPC - 1) * block + block // 3] ^= 0x01  # in the last chunk's last block, left out
-    loader, _ = _loader(engines, fmt, "cpu")
+    loader, _ = _loader(engines, fmt, device, **({} if device == "cpu" else ISSUE[issue]))
     handle = loader.submit_load(_tail_chunks(list(range(CHUNKS * BPC)), offsets, 0, 2),
                                 check=PayloadCheck.of(checksums))
     due = layer if layerwise else LAYERS - 1
@@ -259,25 +261,13 @@ def test_a_corrupted_byte_in_the_skipped_tail_fails_the_verified_load(engines, p
     assert handle.wait_all(30) is False and isinstance(handle.error, ChecksumMismatch)
 
 
-def test_skipped_blocks_only_trail_a_load_s_last_chunk_and_never_cover_a_chunk(engines, pool):
-    fmt, offsets, _, _, _ = _stored(engines, pool, "cpu", "cpu", False, adjacent=False)
-    loader, _ = _loader(engines, fmt, "cpu")
+@pytest.mark.parametrize("device", DEVICES)
+def test_skipped_blocks_only_trail_a_load_s_last_chunk_and_never_cover_a_chunk(engines, pool, device):
+    fmt, offsets, _, _, _ = _stored(engines, pool, device, "cpu", False, adjacent=False)
+    loader, _ = _loader(engines, fmt, device)
     not_last = [ChunkLoad((0, 1, 2, SKIP_BLOCK), offsets[0]), ChunkLoad((4, 5, 6, 7), offsets[1])]
     all_skipped = [ChunkLoad((0, 1, 2, 3), offsets[0]), ChunkLoad((SKIP_BLOCK,) * BPC, offsets[1])]
     head_meets_tail = [ChunkLoad((SKIP_BLOCK, SKIP_BLOCK, SKIP_BLOCK, SKIP_BLOCK), offsets[0])]
     for chunks in (not_last, all_skipped, head_meets_tail):
         with pytest.raises(TransferRequestError, match="block"):
             loader.submit_load(chunks)
-
-
-def test_an_engine_that_writes_a_whole_last_chunk_refuses_a_skipped_tail(pool):
-    from maru_connector.transfer.cuda import CudaTransferEngine
-    from maru_connector.transfer.plan import check_chunks
-
-    fmt = ObjectFormat(detect_kv_layout(make_kv_caches("flash_hnd", layers=1, blocks=BLOCKS, seed=1)),
-                       BPC * 16, False)
-    chunks = [ChunkLoad((0, 1, SKIP_BLOCK, SKIP_BLOCK), (0,))]
-    assert not CudaTransferEngine.skips_tail_blocks
-    with pytest.raises(TransferRequestError, match="outside the KV cache"):
-        check_chunks(fmt, chunks, "load", skip_head=True, skip_tail=CudaTransferEngine.skips_tail_blocks)
-    assert check_chunks(fmt, chunks, "load", skip_head=True, skip_tail=True) == [0, 1, SKIP_BLOCK, SKIP_BLOCK]

@@ -35,7 +35,6 @@ __all__ = ["CpuTransferEngine"]
 
 class CpuTransferEngine(TransferEngine):
     backend = TransferBackend.CPU
-    skips_tail_blocks = True
 
     def __init__(self, pool_buffer: memoryview, kv_caches: dict[str, torch.Tensor], fmt: ObjectFormat,
                  prefault: bool = True,

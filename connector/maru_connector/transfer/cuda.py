@@ -43,7 +43,7 @@ from ..object_format import ObjectFormat
 from .backend import HeadStart, LoadJob, StoreJob, TransferBackend
 from .engine import TransferEngine
 from .handles import LoadHandle, TransferError
-from .plan import Run, layer_pieces, skipped_head
+from .plan import Run, layer_pieces, skipped_head, skipped_tail
 
 __all__ = ["CudaTransferEngine"]
 
@@ -682,25 +682,31 @@ class CudaTransferEngine(TransferEngine):
         blocks = used // count // self.layout.block_bytes_per_layer
         first = pieces[0][0].first_block  # the same for every layer of a group
         index = ids[first:first + blocks]
-        # A fill from the load's first chunk on skips the blocks vLLM holds
-        # already (``SKIP_BLOCK``): summed above with their object, not written.
-        skip = skipped_head(job.block_ids) if first == 0 else 0
+        # The blocks a load leaves out (``SKIP_BLOCK``: vLLM's own at the head
+        # of its first chunk, those a block alias does not cover at the end
+        # of its last) are summed above with their object, not written.
+        head = skipped_head(job.block_ids) if first == 0 else 0
+        tail = skipped_tail(job.block_ids) if first + blocks == len(job.block_ids) else 0
+        end = blocks - tail
         if interleaved:  # staged [chunk][layer][block]: index by (chunk, block)
             per = blocks // interleaved
             source = self._piece_view(staging, offset, per, count * interleaved)
             source = source.view(interleaved, count, *source.shape[1:]).transpose(0, 1)
             rows, stacked = index.view(interleaved, per), self._stacked_view(layers[0], count)
-            if skip:  # the first chunk's tail, then the whole later chunks
-                stacked[:, rows[0, skip:]] = source[:, 0, skip:]
-                rows, source = rows[1:], source[:, 1:]
+            if head or tail:  # the first and last chunks in part, then the whole ones between
+                last = interleaved - 1
+                for c in sorted({0, last}):
+                    a, b = (head if c == 0 else 0), per - (tail if c == last else 0)
+                    stacked[:, rows[c, a:b]] = source[:, c, a:b]
+                rows, source = rows[1:last], source[:, 1:last]
             if rows.numel():
                 stacked[:, rows] = source
         elif count > 1:
             self._stacked_view(layers[0], count).index_copy_(
-                1, index[skip:], self._piece_view(staging, offset, blocks, count)[:, skip:])
+                1, index[head:end], self._piece_view(staging, offset, blocks, count)[:, head:end])
         else:
-            self._wide_views[layers[0]].index_copy_(0, index[skip:],
-                                                    self._piece_view(staging, offset, blocks)[skip:])
+            self._wide_views[layers[0]].index_copy_(0, index[head:end],
+                                                    self._piece_view(staging, offset, blocks)[head:end])
         freed = self._event()
         freed.record(self.scatter_stream)
         if staging is self._head_buffer:

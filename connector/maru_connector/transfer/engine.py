@@ -42,9 +42,6 @@ class TransferEngine(abc.ABC):
     """
 
     backend: ClassVar[TransferBackend]
-    #: A load may end inside its last chunk (trailing ``plan.SKIP_BLOCK`` ids:
-    #: the blocks a block alias does not cover), see ``TransferBackend.block_alias_loads``.
-    skips_tail_blocks: ClassVar[bool] = False
 
     def __init__(self, pool_buffer: memoryview, kv_caches: dict[str, torch.Tensor],
                  fmt: ObjectFormat) -> None:
@@ -104,9 +101,9 @@ class TransferEngine(abc.ABC):
 
         Raises ``TransferRequestError`` when a chunk does not fit the format
         (wrong number of block ids or offsets, block id out of range). The
-        first chunk's leading block ids may be ``plan.SKIP_BLOCK``, and the
-        last chunk's trailing ones on an engine that ``skips_tail_blocks``:
-        those blocks are verified with their objects but not written.
+        first chunk's leading block ids and the last chunk's trailing ones
+        may be ``plan.SKIP_BLOCK``: those blocks are verified with their
+        objects but not written.
         Problems found while copying (e.g. an offset outside the pool) end
         in ``handle.error`` instead. ``head``: this load's ``start_head``,
         whose copies it then reuses when the sources match (else dropped).
@@ -115,7 +112,7 @@ class TransferEngine(abc.ABC):
         the load with ``ChecksumMismatch``.
         """
         try:
-            blocks = check_chunks(self.fmt, chunks, "load", skip_head=True, skip_tail=self.skips_tail_blocks)
+            blocks = check_chunks(self.fmt, chunks, "load", skip_ends=True)
             if check is not None:
                 self._check_request(check, len(chunks))
         except BaseException:

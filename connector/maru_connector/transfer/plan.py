@@ -73,14 +73,13 @@ class Run:
         return self.offset + (self.rows - 1) * self.stride + row_bytes
 
 
-def check_chunks(fmt: ObjectFormat, chunks: Sequence, what: str, skip_head: bool = False,
-                 skip_tail: bool = False) -> list[int]:
+def check_chunks(fmt: ObjectFormat, chunks: Sequence, what: str, skip_ends: bool = False) -> list[int]:
     """Validate a request's shape; return its concatenated block ids.
 
-    ``skip_head``: the first chunk's leading block ids may be ``SKIP_BLOCK``
-    (a load that begins inside it); ``skip_tail``: the last chunk's trailing
-    ones (a load that ends inside it). Nowhere else, and every chunk writes
-    at least one block.
+    ``skip_ends``: the first chunk's leading block ids may be ``SKIP_BLOCK``
+    (a load that begins inside it), and the last chunk's trailing ones (a
+    load that ends inside it); nowhere else, and every chunk writes at least
+    one block.
     """
     blocks: list[int] = []
     per_chunk = fmt.objects_per_chunk
@@ -97,15 +96,15 @@ def check_chunks(fmt: ObjectFormat, chunks: Sequence, what: str, skip_head: bool
                 f"{what} chunk {i} has {len(offsets)} pool offsets; the "
                 f"{fmt.name} format has {per_chunk} object(s) per chunk"
             )
-        head = skipped_head(ids) if i == 0 and skip_head else 0
+        head = skipped_head(ids) if i == 0 and skip_ends else 0
         if head == len(ids):
             raise TransferRequestError(f"{what} chunk 0 writes no block: load from the next chunk instead")
-        tail = skipped_tail(ids) if i == len(chunks) - 1 and skip_tail else 0
+        tail = skipped_tail(ids) if i == len(chunks) - 1 and skip_ends else 0
         if head + tail >= len(ids):
             raise TransferRequestError(f"{what} chunk {i} writes no block: leave it out of the load")
         bad = [b for b in ids[head : len(ids) - tail] if not 0 <= b < nb]
         if bad:
-            where = "" if skip_head or SKIP_BLOCK not in bad else " (this engine writes every block it loads)"
+            where = "" if skip_ends or SKIP_BLOCK not in bad else " (a store reads every block it names)"
             raise TransferRequestError(
                 f"{what} chunk {i} names block ids {bad} outside the KV "
                 f"cache's {nb} blocks{where}"
