@@ -427,7 +427,7 @@ class AsyncLoader:
         release_pins(self._client, load.pins)
         self._stats.record_load(load.copies.nbytes, time.monotonic() - load.started)
         logger.debug("hit %s: %d tokens, %d bytes loaded (park)", load.spec.req_id,
-                     load.spec.num_chunks * self._fmt.chunk_tokens, load.copies.nbytes)
+                     len(load.spec.all_block_ids()) * self._fmt.layout.block_size, load.copies.nbytes)
         with self._lock:
             self._loads.pop(load.spec.req_id, None)
         load.done.set()

@@ -458,7 +458,7 @@ class MaruWorkerHalf:
                 continue
             self.stats.record_load(load.handle.nbytes, time.monotonic() - started)
             logger.debug("hit %s: %d tokens, %d bytes loaded (%s)", load.spec.req_id,
-                         load.spec.num_chunks * self.cfg.maru_kv_chunk_tokens, load.handle.nbytes,
+                         len(load.spec.all_block_ids()) * self._block_size, load.handle.nbytes,
                          "overlap" if load.overlapped else "sync")
 
     def _release_later(self, pinned: PinnedLoad) -> None:
