@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 from maru_core.index.api import IndexRejected, IndexUnavailable, Keys
+from maru_core.keys import packed_layer_keys
 from maru_core.pool.commit_records import CommitRecords
 from maru_core.protocol import ErrorType, Location, LocationList, Op, Slot, SlotList
 from maru_core.protocol.messages import unpack_keys
@@ -45,6 +46,7 @@ class FakeIndex:
         self.committed: dict[bytes, Location] = {}
         self.reserved: dict[bytes, Location] = {}
         self.pins: Counter[bytes] = Counter()
+        self.aliases: dict[bytes, bytes] = {}  # block alias -> target chunk key (no capacity)
         self.calls: Counter[str] = Counter()
         self.down = False
         self.delay_s = 0.0
@@ -204,6 +206,26 @@ class FakeClient:
         self._ix._enter("abort")
         with self._ix.lock:
             return sum(self._ix.reserved.pop(k, None) is not None for k in _keys(keys))
+
+    def put_aliases(self, items: Sequence[tuple[bytes, bytes]]) -> int:
+        self._ix._enter("put_aliases")
+        with self._ix.lock:
+            self._ix.aliases.update(items)
+            return len(items)
+
+    def match_alias(self, candidates: bytes | Sequence[bytes], layers: Sequence[int] | None = None, *,
+                    timeout_s: float | None = None) -> tuple[int, bytes] | None:  # fmt: skip
+        """As the index: the first candidate whose target's objects are all committed."""
+        self._ix._enter("match_alias")
+        with self._ix.lock:
+            for position, alias in enumerate(_keys(candidates)):
+                target = self._ix.aliases.get(alias)
+                if target is None:
+                    continue
+                objects = [target] if layers is None else _keys(packed_layer_keys(target, layers))
+                if all(key in self._ix.committed for key in objects):
+                    return position, target
+        return None
 
     def close(self) -> None:
         self.closed = True
