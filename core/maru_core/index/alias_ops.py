@@ -2,9 +2,9 @@
 (``maru_core.index.aliases``), and what a whole-cache flush does to it.
 
 ``put_aliases`` stores a slice of ``PUT_SLICE`` aliases per step;
-``match_alias`` checks the candidates' targets in order, a target's object
-keys looked up per registry call, with other connections answered between
-steps once ``LOOKUP_SLICE_KEYS`` keys were looked up. Both run as the
+``match_alias`` checks the candidates' distinct targets in order, the
+object keys of a batch of targets looked up at once, with other connections
+answered between batches of ``LOOKUP_SLICE_KEYS`` keys. Both run as the
 server's sliced jobs. ``match_alias`` is read-only for the pool: it pins and
 reserves nothing, and refreshes only the alias it answers.
 """
@@ -63,23 +63,31 @@ class AliasOps:
 
     def match_alias(self, lease_id: str, args: MatchAliasArgs) -> Generator[None, None, "Reply"]:
         """The position of the first candidate whose target's objects are all committed,
-        and that target; ``None`` for both when none is."""
+        and that target; ``None`` for both when none is.
+
+        The distinct targets, in the order of their first candidate, are checked a
+        batch per step, each batch's object keys looked up at once (at most
+        ``LOOKUP_SLICE_KEYS``, or one target's); the first target found whole is
+        the one of the first candidate that has a whole target."""
         self._registry.renew(lease_id)
-        layers = args["layers"]
-        looked_up = 0
-        checked: dict[bytes, bool] = {}  # target -> whether its objects are all committed
-        for position, target in enumerate(self.table.targets_of(args["candidates"])):
-            if target is None:
-                continue
-            if target not in checked:
-                if looked_up >= LOOKUP_SLICE_KEYS:
-                    yield
-                    looked_up = 0
-                keys = target if layers is None else packed_layer_keys(target, layers)
-                checked[target] = self._registry.match_prefix(keys) == len(keys) // KEY_BYTES
-                looked_up += len(keys) // KEY_BYTES
-            if checked[target]:
-                self.table.touch(args["candidates"][position * KEY_BYTES : (position + 1) * KEY_BYTES], target)
+        candidates, layers = args["candidates"], args["layers"]
+        first_of: dict[bytes, int] = {}  # distinct target -> its first candidate's position
+        for position, target in enumerate(self.table.targets_of(candidates)):
+            if target is not None and target not in first_of:
+                first_of[target] = position
+        targets = list(first_of)
+        per_target = 1 if layers is None else len(layers)
+        batch = max(1, LOOKUP_SLICE_KEYS // per_target)
+        for start in range(0, len(targets), batch):
+            if start:
+                yield
+            chosen = b"".join(targets[start : start + batch])
+            keys = chosen if layers is None else packed_layer_keys(chosen, layers)
+            whole = self._registry.committed(keys).reshape(-1, per_target).all(axis=1)
+            if whole.any():
+                target = targets[start + int(whole.argmax())]
+                position = first_of[target]
+                self.table.touch(candidates[position * KEY_BYTES : (position + 1) * KEY_BYTES], target)
                 return {"position": position, "target": target}
         return {"position": None, "target": None}
 
