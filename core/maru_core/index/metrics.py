@@ -1,7 +1,8 @@
 """Prometheus metrics of the index, on an explicit ``CollectorRegistry``.
 
 Pool, key, eviction and lease figures are read from the registry's stats at
-scrape time (a collector keeps no state between scrapes); RPC durations and
+scrape time, the block aliases' from their table (a collector keeps no state
+between scrapes); RPC durations and
 errors are recorded by the server as requests are answered. Names and labels
 are those of ``docs/architecture.md`` (Metrics).
 
