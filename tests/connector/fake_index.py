@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 from maru_core.index.api import IndexRejected, IndexUnavailable, Keys
-from maru_core.keys import packed_layer_keys, split_keys
+from maru_core.keys import packed_layer_keys
 from maru_core.pool.commit_records import CommitRecords
 from maru_core.protocol import ErrorType, Location, LocationList, Op, Slot, SlotList
 from maru_core.protocol.messages import unpack_keys
@@ -46,6 +46,7 @@ class FakeIndex:
         self.committed: dict[bytes, Location] = {}
         self.reserved: dict[bytes, Location] = {}
         self.pins: Counter[bytes] = Counter()
+        self.aliases: dict[bytes, bytes] = {}  # block alias -> target chunk key (no capacity)
         self.calls: Counter[str] = Counter()
         self.down = False
         self.delay_s = 0.0
@@ -54,7 +55,6 @@ class FakeIndex:
         self.knows_retrieve_prefix = True  # False: answers it as an older index would (unknown op)
         self.knows_match_prefixes = True  # likewise
         self.knows_aliases = True  # likewise for put_aliases and match_alias
-        self.aliases: dict[bytes, bytes] = {}  # block alias -> chunk key
         self.quarantined = False  # True: refuses reserves as a restarted index does
         self.unpin_gate: threading.Event | None = None  # unpins wait until it is set (10 s at most)
 
@@ -214,10 +214,11 @@ class FakeClient:
             raise IndexRejected(ErrorType.UNKNOWN_OP, "unknown op 'put_aliases'", Op.PUT_ALIASES)
         with self._ix.lock:
             self._ix.aliases.update(items)
-        return len(items)
+            return len(items)
 
-    def match_alias(self, candidates: Keys, layers: Sequence[int] | None = None) -> tuple[int, bytes] | None:
-        """The first candidate whose chunk's objects are all committed, as the index answers."""
+    def match_alias(self, candidates: bytes | Sequence[bytes], layers: Sequence[int] | None = None, *,
+                    timeout_s: float | None = None) -> tuple[int, bytes] | None:  # fmt: skip
+        """As the index: the first candidate whose target's objects are all committed."""
         self._ix._enter("match_alias")
         if not self._ix.knows_aliases:
             raise IndexRejected(ErrorType.UNKNOWN_OP, "unknown op 'match_alias'", Op.MATCH_ALIAS)
@@ -226,8 +227,8 @@ class FakeClient:
                 target = self._ix.aliases.get(alias)
                 if target is None:
                     continue
-                objects = [target] if layers is None else split_keys(packed_layer_keys([target], layers))
-                if all(k in self._ix.committed for k in objects):
+                objects = [target] if layers is None else _keys(packed_layer_keys(target, layers))
+                if all(key in self._ix.committed for key in objects):
                     return position, target
         return None
 

@@ -154,6 +154,18 @@ class IndexApi(Protocol):
         """Release reservations that will not be committed; return how many."""
         ...
 
+    def put_aliases(self, items: Sequence[tuple[bytes, bytes]]) -> int:
+        """Store block aliases, ``(alias key, target chunk key)`` pairs; return how many
+        were stored. An index older than this op raises ``IndexRejected`` of type ``unknown_op``."""
+        ...
+
+    def match_alias(self, candidates: bytes | Sequence[bytes], layers: Sequence[int] | None = None, *,
+                    timeout_s: float | None = None) -> tuple[int, bytes] | None:  # fmt: skip
+        """``(position, target)`` of the first of ``candidates`` whose target's objects
+        (the target key; with ``layers``, its layer keys) are all committed, else
+        ``None`` (pins nothing); an older index raises ``IndexRejected`` of type ``unknown_op``."""
+        ...
+
     def close(self) -> None:
         """End the lease (releasing its pins and reservations) and disconnect."""
         ...

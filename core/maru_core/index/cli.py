@@ -138,6 +138,7 @@ def one_line_errors(parser: argparse.ArgumentParser) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from maru_core.index.aliases import DEFAULT_MAX_ALIASES
     from maru_core.index.limits import PRE_AUTH_FRAME_BYTES, ServerLimits, default_max_connections
     from maru_core.index.quotas import EVICT_WINDOW_S, MAX_LEASE_EVICT_FRACTION, MAX_LEASE_PIN_FRACTION
     from maru_core.index.registry import MAX_EVICT_FRACTION, MAX_FENCE_S, MAX_LEASE_POOL_FRACTION
@@ -230,6 +231,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-fence", type=_positive_seconds, default=MAX_FENCE_S, metavar="S",
                         help="seconds a lapsed reservation's pages stay fenced while its writer's lease lives "
                              f"(default {MAX_FENCE_S:g})")
+    parser.add_argument("--max-aliases", type=_count_arg, default=DEFAULT_MAX_ALIASES, metavar="N",
+                        help="block aliases the index keeps, least recently used out beyond (about 190 bytes "
+                             f"each at most; default {DEFAULT_MAX_ALIASES})")
     parser.add_argument("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
@@ -411,6 +415,7 @@ async def _serve(args: argparse.Namespace, pool: Any, token: str | None, fresh: 
         max_lease_pin_fraction=args.max_lease_pin_fraction,
         max_lease_evict_fraction=args.max_lease_evict_fraction,
         evict_window_s=args.evict_window,
+        max_aliases=args.max_aliases,
         **_peer_quotas(args),
     )
     try:

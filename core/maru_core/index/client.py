@@ -24,6 +24,12 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
+from maru_core.index.alias_requests import (
+    match_alias_request,
+    parse_match_alias,
+    parse_stored,
+    put_aliases_request,
+)
 from maru_core.index.api import (
     IndexError_,
     IndexRejected,
@@ -247,6 +253,24 @@ class IndexClient:
         """Release reservations that will not be committed; return how many."""
         request = keys_request(Op.ABORT, keys)
         return parse_count(Op.ABORT, self._call(request), "aborted", request_size(request))
+
+    def put_aliases(self, items: Sequence[tuple[bytes, bytes]]) -> int:
+        """Store block aliases, ``(alias key, target chunk key)`` pairs; return how many
+        were stored (all, or the table's capacity when more). At most
+        ``MAX_ALIAS_ITEMS`` per call (``too_large`` beyond); an index older than this
+        op raises ``IndexRejected`` with ``error_type`` ``ErrorType.UNKNOWN_OP``."""
+        request = put_aliases_request(items)
+        return parse_stored(self._call(request), request)
+
+    def match_alias(self, candidates: bytes | Sequence[bytes], layers: Sequence[int] | None = None, *,
+                    timeout_s: float | None = None) -> tuple[int, bytes] | None:  # fmt: skip
+        """The position of the first of ``candidates`` (alias keys, in order of preference)
+        whose target chunk's objects are all committed, and that target key; ``None``
+        when none is. ``layers`` ``None``: the target key is the object's (chunkwise);
+        else its objects are ``maru_core.keys.packed_layer_keys(target, layers)``.
+        Pins nothing: retrieve the target's objects to load them."""
+        request = match_alias_request(candidates, layers)
+        return parse_match_alias(self._call(request, timeout_s), request)
 
     def stats(self) -> dict[str, Any]:
         """The index's counters and pool bytes by state."""

@@ -1,7 +1,8 @@
 """Prometheus metrics of the index, on an explicit ``CollectorRegistry``.
 
 Pool, key, eviction and lease figures are read from the registry's stats at
-scrape time (a collector keeps no state between scrapes); RPC durations and
+scrape time, the block aliases' from their table (a collector keeps no state
+between scrapes); RPC durations and
 errors are recorded by the server as requests are answered. Names and labels
 are those of ``docs/architecture.md`` (Metrics).
 
@@ -20,6 +21,7 @@ from typing import Any, Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from maru_core.index.aliases import AliasTable
 from maru_core.index.peers import RATE_LIMIT_REASONS
 from maru_core.index.quotas import QUOTAS
 from maru_core.protocol import OPS, REPLY_ERROR_TYPES
@@ -78,6 +80,21 @@ class PoolCollector:
         yield GaugeMetricFamily("maru_leases", "Live client leases.", value=stats.leases)
 
 
+class AliasCollector:
+    """Reads the alias table's size and counters at scrape time (``len`` and ints:
+    safe to read from the scrape's thread)."""
+
+    def __init__(self, table: AliasTable) -> None:
+        self._table = table
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily("maru_index_aliases", "Block aliases the index holds (--max-aliases at most).",
+                                value=len(self._table))  # fmt: skip
+        yield CounterMetricFamily("maru_index_alias_evictions",
+                                  "Block aliases dropped, least recently used first, to stay within --max-aliases.",
+                                  value=self._table.evicted)  # fmt: skip
+
+
 class IndexMetrics:
     """The index's metrics. ``observe_rpc`` is thread-safe and cheap (a few µs)."""
 
@@ -88,6 +105,7 @@ class IndexMetrics:
         registry: CollectorRegistry | None = None,
         *,
         process_metrics: bool = True,
+        aliases: AliasTable | None = None,
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._duration = Histogram(
@@ -149,6 +167,8 @@ class IndexMetrics:
             registry=self.registry,
         )
         self.registry.register(PoolCollector(read_stats, capacity_bytes))
+        if aliases is not None:
+            self.registry.register(AliasCollector(aliases))
         if process_metrics:
             ProcessCollector(registry=self.registry)
         self._http: Any = None

@@ -45,6 +45,10 @@ class Reads:
         joined = joined_keys(keys)
         return run_to_end(self.match_prefix_sliced(joined, max(1, len(joined) // KEY_BYTES)))
 
+    def committed(self, keys: Keys) -> np.ndarray:
+        """Whether each of ``keys`` is committed, as a bool array (no pin, no lease needed)."""
+        return self._lookup_in_state(keys, State.COMMITTED)[1]
+
     def _committed_sliced(
         self, joined: bytes, slice_keys: int, stop_at_miss: bool
     ) -> Generator[None, None, tuple[np.ndarray, np.ndarray]]:

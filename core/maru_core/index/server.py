@@ -28,6 +28,8 @@ a miss.
 
 ``list_objects`` and ``flush`` (``maru_core.index.object_ops``) walk the
 record table a range of rows per request, a slice of rows per step.
+``put_aliases`` and ``match_alias`` (``maru_core.index.alias_ops``) run in
+steps too, over the index's table of block aliases.
 
 Connections are accepted a few per event-loop callback
 (``maru_core.index.accept``); one whose peer already closed it is dropped
@@ -67,6 +69,8 @@ from collections.abc import Generator
 from typing import Any, Callable, cast
 
 from maru_core.index.accept import Acceptor, bind_tcp
+from maru_core.index.alias_ops import AliasOps, MatchAliasArgs, PutAliasesArgs
+from maru_core.index.aliases import AliasTable
 from maru_core.index.connection import Connection, Job, Reply
 from maru_core.index.heap import HeapTrimmer
 from maru_core.index.limits import SMALL_RECEIVE_BYTES, ServerLimits
@@ -102,7 +106,8 @@ from maru_core.protocol import (
 log = logging.getLogger(__name__)
 
 # run as jobs whatever their size
-_ALWAYS_SLICED = frozenset({Op.UNPIN, Op.BYE, Op.MATCH_PREFIXES, Op.LIST_OBJECTS, Op.FLUSH})
+_ALWAYS_SLICED = frozenset({Op.UNPIN, Op.BYE, Op.MATCH_PREFIXES, Op.LIST_OBJECTS, Op.FLUSH, Op.PUT_ALIASES,
+                            Op.MATCH_ALIAS})
 
 #: Keys per slice of a large ``commit`` or ``abort`` (a slice is about a millisecond of work).
 SLICE_KEYS = 2048
@@ -118,7 +123,8 @@ class IndexServer:
     through it to verify commits, and marks them committed); ``token``, when set, must be presented by ``hello``;
     ``metrics`` an optional ``IndexMetrics`` that records every request;
     ``slice_keys`` the keys per slice of a large commit or abort;
-    ``limits`` what one connection may cost (``ServerLimits``).
+    ``limits`` what one connection may cost (``ServerLimits``);
+    ``aliases`` the table of block aliases (``None``: one of the default capacity).
     """
 
     def __init__(
@@ -131,6 +137,7 @@ class IndexServer:
         metrics: Any = None,
         slice_keys: int = SLICE_KEYS,
         limits: ServerLimits | None = None,
+        aliases: AliasTable | None = None,
     ) -> None:
         if slice_keys < 1:
             raise ValueError(f"slice_keys must be at least 1, got {slice_keys}")
@@ -167,6 +174,9 @@ class IndexServer:
         self.quota_refusals: collections.Counter[str] = collections.Counter()
         self._quota_logs: dict[str, RateLimitedLog] = {}  # a line per 10 s and quota
         registry.quota_listener = self._quota_refused
+        self._objects = ObjectOps(registry, pool, slice_keys, self._count_flushed)
+        self.alias_ops = alias_ops = AliasOps(aliases if aliases is not None else AliasTable(), registry)
+        flush = alias_ops.clearing_after(self._objects.flush)
         self._handlers: dict[Op, Callable[[Connection, dict], Reply]] = {
             Op.HELLO: self._hello,
             Op.HEARTBEAT: self._heartbeat,
@@ -179,7 +189,7 @@ class IndexServer:
             Op.STATS: self._stats,
         }
         # Ops that may run in slices: commit, abort, reserve, the retrieves and
-        # match_prefix when large; unpin, bye and match_prefixes always.
+        # match_prefix when large; unpin, bye, match_prefixes and the rest below always.
         self._sliced: dict[Op, Callable[[Connection, dict], Generator[None, None, dict]]] = {
             Op.MATCH_PREFIX: self._match_prefix_sliced,
             Op.MATCH_PREFIXES: self._match_prefixes_sliced,
@@ -192,9 +202,10 @@ class IndexServer:
             Op.BYE: self._bye_sliced,
             # the arguments as their schemas (protocol.messages.SCHEMAS) checked them
             Op.LIST_OBJECTS: lambda conn, args: self._objects.list_objects(self._renewed(conn), cast(ListArgs, args)),
-            Op.FLUSH: lambda conn, args: self._objects.flush(self._renewed(conn), cast(FlushArgs, args)),
+            Op.FLUSH: lambda conn, args: flush(self._renewed(conn), cast(FlushArgs, args)),
+            Op.PUT_ALIASES: lambda conn, args: alias_ops.put_aliases(self._renewed(conn), cast(PutAliasesArgs, args)),
+            Op.MATCH_ALIAS: lambda conn, args: alias_ops.match_alias(self._renewed(conn), cast(MatchAliasArgs, args)),
         }
-        self._objects = ObjectOps(registry, pool, slice_keys, self._count_flushed)
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -618,7 +629,7 @@ class IndexServer:
 
     def _stats(self, conn: Connection, args: dict) -> dict:
         self._renewed(conn)
-        return stats_to_wire(self.registry.stats())
+        return {**stats_to_wire(self.registry.stats()), "aliases": len(self.alias_ops.table)}
 
     def _bye_sliced(self, conn: Connection, args: dict) -> Generator[None, None, dict]:
         """End the lease now (a client closing cleanly): its pins and reservations go at once

@@ -8,6 +8,7 @@ import enum
 import logging
 from typing import Any
 
+from maru_core.index.aliases import DEFAULT_MAX_ALIASES, AliasTable
 from maru_core.index.metrics import IndexMetrics
 from maru_core.index.limits import ServerLimits
 from maru_core.index.quotas import EVICT_WINDOW_S, MAX_LEASE_EVICT_FRACTION, MAX_LEASE_PIN_FRACTION
@@ -84,6 +85,7 @@ def build_service(
     max_peer_pool_fraction: float | _Default = AS_LEASE,
     max_peer_pin_fraction: float | _Default = AS_LEASE,
     max_peer_evict_fraction: float | None | _Default = AS_LEASE,
+    max_aliases: int = DEFAULT_MAX_ALIASES,
 ) -> IndexService:
     """Build the index of ``pool``; call inside the running loop that will serve it.
 
@@ -99,7 +101,8 @@ def build_service(
     ``max_peer_pool_fraction``, ``max_peer_pin_fraction`` and
     ``max_peer_evict_fraction`` the same for all the leases of one peer
     (``AS_LEASE``: as its lease's, so raising a lease's quota never leaves an
-    engine, one lease of its peer, held to a lower one).
+    engine, one lease of its peer, held to a lower one); ``max_aliases`` the
+    block aliases the index keeps (``maru_core.index.aliases``).
     """
     high, low = watermarks
     if max_peer_pool_fraction is AS_LEASE:
@@ -115,6 +118,7 @@ def build_service(
                         max_lease_evict_fraction=max_lease_evict_fraction, evict_window_s=evict_window_s,
                         max_peer_pages_fraction=max_peer_pool_fraction, max_peer_pin_fraction=max_peer_pin_fraction,
                         max_peer_evict_fraction=max_peer_evict_fraction)  # fmt: skip
+    aliases = AliasTable(max_aliases)
     restored = 0
     if not fresh_pool:
         restored = restore_registry(registry, pool)
@@ -130,7 +134,8 @@ def build_service(
         def read_stats() -> Any:
             return asyncio.run_coroutine_threadsafe(stats(), loop).result(_STATS_TIMEOUT_S)
 
-        metrics = IndexMetrics(read_stats, pool.geometry.capacity_bytes)
+        metrics = IndexMetrics(read_stats, pool.geometry.capacity_bytes, aliases=aliases)
     interval = expiry_interval_s or min(1.0, lease_ttl_s / 4)
-    server = IndexServer(registry, pool, token=token, expiry_interval_s=interval, metrics=metrics, limits=limits)
+    server = IndexServer(registry, pool, token=token, expiry_interval_s=interval, metrics=metrics, limits=limits,
+                         aliases=aliases)
     return IndexService(server=server, metrics=metrics, restored=restored)

@@ -67,7 +67,16 @@ MAX_SCAN_ROWS = 65536
 #: the slot header's format byte (``maru_core.pool.slots.SlotFormat``) in lower
 #: case, and ``unknown`` for an object whose head entry no longer reads as its own.
 OBJECT_FORMATS = ("unspecified", "chunkwise", "layerwise", "unknown")
-
+#: Most aliases one ``put_aliases`` request stores (a 64k-token prompt in
+#: 256-token chunks of 16-token blocks registers 3,840).
+MAX_ALIAS_ITEMS = 16384
+#: Most candidate alias keys one ``match_alias`` request names (a chunk of
+#: 4,096 tokens has 255 block boundaries of 16 tokens inside it).
+MAX_ALIAS_CANDIDATES = 256
+#: Most layers one ``match_alias`` request names: with the candidates' cap,
+#: at most ``MAX_BATCH_KEYS`` object keys looked up per request.
+MAX_ALIAS_LAYERS = 512
+_U32 = (1 << 32) - 1
 
 
 class Request(NamedTuple):
@@ -216,6 +225,38 @@ def _check_counts(field: str, value: Any) -> list[int]:
     return counts
 
 
+def _keys_at_most(most: int, what: str, advice: str) -> Callable[[str, Any], bytes]:
+    """A checker of keys (as ``_check_keys``) of which at most ``most`` (``what`` they are
+    and ``advice``, what to do instead, for the error)."""
+
+    def check(field: str, value: Any) -> bytes:
+        keys = _check_keys(field, value)
+        if len(keys) > KEY_BYTES * most:
+            raise ProtocolError(
+                ErrorType.TOO_LARGE,
+                f"{len(keys) // KEY_BYTES} {what} in one request, more than {most}; {advice}",
+            )
+        return keys
+
+    return check
+
+
+def _optional_layers(field: str, value: Any) -> tuple[int, ...] | None:
+    """``nil`` (the chunkwise format: a target is one object) or the layer indices of the
+    layerwise format's objects: 1 to ``MAX_ALIAS_LAYERS`` distinct integers from 0 to 2**32-1."""
+    if value is None:
+        return None
+    if (type(value) is not list or not 1 <= len(value) <= MAX_ALIAS_LAYERS
+            or set(map(type, value)) != {int} or min(value) < 0 or max(value) > _U32
+            or len(set(value)) != len(value)):  # fmt: skip
+        raise ProtocolError(
+            ErrorType.BAD_REQUEST,
+            f"field {field!r} must be nil (chunkwise objects) or an array of 1 to {MAX_ALIAS_LAYERS} distinct "
+            f"layer indices from 0 to 2**32-1 (the layerwise objects' layers), got {str(value)[:80]}",
+        )
+    return tuple(value)
+
+
 def _check_int(field: str, value: Any) -> int:
     if type(value) is not int or not 0 <= value <= _U63:
         raise _bad(field, "a non-negative integer", value)
@@ -306,6 +347,14 @@ SCHEMAS: dict[Op, dict[str, _Field]] = {
         "layout": (_optional_layout, False),
         "format": (_optional_format, False),
     },
+    Op.PUT_ALIASES: {
+        "aliases": (_keys_at_most(MAX_ALIAS_ITEMS, "aliases", "split the batch"), True),
+        "targets": (_keys_at_most(MAX_ALIAS_ITEMS, "targets", "split the batch"), True),
+    },
+    Op.MATCH_ALIAS: {
+        "candidates": (_keys_at_most(MAX_ALIAS_CANDIDATES, "candidates", "send the preferred ones"), True),
+        "layers": (_optional_layers, False),
+    },
 }
 
 
@@ -363,6 +412,12 @@ def parse_request(message: Any) -> Request:
         raise ProtocolError(
             ErrorType.BAD_REQUEST,
             f"match_prefixes got {len(args['keys']) // KEY_BYTES} keys but counts adding up to {sum(args['counts'])}",
+        )
+    if op is Op.PUT_ALIASES and len(args["aliases"]) != len(args["targets"]):
+        raise ProtocolError(
+            ErrorType.BAD_REQUEST,
+            f"put_aliases got {len(args['aliases']) // KEY_BYTES} aliases but {len(args['targets']) // KEY_BYTES} "
+            "targets: send one target chunk key per alias key, in the same order",
         )
     return Request(rid, op, args)
 

@@ -28,6 +28,8 @@ class Op(str, enum.Enum):
     # Added within protocol 1: an older index answers them ``unknown_op``.
     LIST_OBJECTS = "list_objects"
     FLUSH = "flush"
+    PUT_ALIASES = "put_aliases"
+    MATCH_ALIAS = "match_alias"
 
     def __str__(self) -> str:
         return str(self.value)
