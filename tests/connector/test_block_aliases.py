@@ -149,6 +149,7 @@ def test_an_index_without_aliases_gives_whole_chunk_hits_and_is_asked_once(index
     half = make_half(index)
     store_writer(index, half)
     index.knows_aliases = False
+    index.calls.clear()
     assert half.get_num_new_matched_tokens(request("r", READER), 0) == (CHUNK, False)
     assert half.get_num_new_matched_tokens(request("r2", READER), 0) == (CHUNK, False)
     assert index.calls["match_alias"] == 1
