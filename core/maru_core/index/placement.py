@@ -166,7 +166,8 @@ class Placement:
         if not placed.any():
             raise NoSpace(
                 f"no room for any of {len(cand_idx)} objects ({int(pages.sum())} pages) in a pool of "
-                f"{g.num_pages} pages: the rest is pinned or reserved"
+                f"{g.num_pages} pages: the rest is pinned or reserved, or kept for other peers (their fair "
+                "share of the pool)"
             )
         return cand_idx[placed], starts[placed], pages[placed]
 
