@@ -22,10 +22,14 @@ Rules it keeps:
   ends, unless the writer commits or aborts the key first; a late copy of a
   lapsed writer can never land in another writer's object.
 - Eviction: when a reserve would push used pages (reserved + committed) above
-  ``high_watermark`` of the capacity, committed unpinned objects are evicted,
-  least recently used first, until used pages plus the reserve fit under
-  ``low_watermark``. When free space is fragmented, more are evicted until
-  each object fits. One reserve never evicts more than
+  ``high_watermark`` of the capacity, committed unpinned objects are evicted
+  until used pages plus the reserve fit under ``low_watermark``, by fair
+  share among the peers (``maru_core.index.ownership``: each object's owner
+  is the peer that committed it): the least recently used of those above
+  their owners' shares (or whose owner holds no lease) first, then the
+  reserving peer's own, then anyone's only while that peer is within its
+  share. A peer alone has the whole pool, least recently used first. When
+  free space is fragmented, more are evicted until each object fits. One reserve never evicts more than
   ``max_evict_fraction`` of the pool's pages, and one lease's reserves never
   more than ``max_lease_evict_fraction`` of them within ``evict_window_s``:
   the items that do not fit then get no slot, so neither one batch nor a few
