@@ -548,6 +548,8 @@ class RegistryMachine(RuleBasedStateMachine):
         self.reserved: dict[bytes, tuple[str, Slot, int, float]] = {}  # key -> lease, slot, length, deadline
         self.pins: dict[str, Counter] = {}
         self.max_generation = 0
+        self.peer_of: dict[str, str] = {}  # lease id -> the peer that opened it
+        self.owner_of: dict[bytes, str] = {}  # committed key -> the peer whose lease committed it
         # Lapsed reservations whose pages are fenced: [key, lease, offset, length, until].
         self.fenced: list[list] = []
 
@@ -586,6 +588,7 @@ class RegistryMachine(RuleBasedStateMachine):
             if self.reg.describe(k) is None:
                 assert not any(c[k] for c in self.pins.values()), "a pinned object was evicted"
                 del self.committed[k]
+                del self.owner_of[k]
 
     # -- rules
 
@@ -595,6 +598,7 @@ class RegistryMachine(RuleBasedStateMachine):
         assert lease not in self.leases
         self.leases[lease] = self.clock.now + LEASE_TTL
         self.pins[lease] = Counter()
+        self.peer_of[lease] = peer
 
     @precondition(lambda self: self.leases)
     @rule(data=st.data())
@@ -667,6 +671,7 @@ class RegistryMachine(RuleBasedStateMachine):
                 done.add(k)
                 if ok:
                     self.committed[k] = Location(slot.offset, length, slot.generation)
+                    self.owner_of[k] = self.peer_of[lease]
         for k, loc in before.items():  # write-once: committed objects never move
             assert self.committed[k] == loc
 
@@ -744,6 +749,14 @@ class RegistryMachine(RuleBasedStateMachine):
             assert account.held_pages == sum(lease.held_pages for lease in leases)
             assert account.pin_pages == sum(lease.pins.pages for lease in leases)
             assert account.leases == len(leases)
+
+    @invariant()
+    def each_peer_owns_the_pages_it_committed(self) -> None:
+        """What eviction by fair share counts: committed pages by the peer that committed them."""
+        ps, owned = self.geometry.page_size, Counter()
+        for k, loc in self.committed.items():
+            owned[self.owner_of[k]] += -(-loc.length // ps)
+        assert self.reg.owned_pages() == dict(owned)
 
     @invariant()
     def live_objects_never_overlap(self) -> None:

@@ -35,7 +35,7 @@ def test_a_huge_batch_into_a_pinned_pool_tries_eviction_a_bounded_number_of_time
     reg.retrieve(lease, keys)  # everything pinned: nothing can be evicted
     calls = []
     evict = reg._evict
-    reg._evict = lambda pages: calls.append(pages) or evict(pages)
+    reg._evict = lambda pages, *claim: calls.append(pages) or evict(pages, *claim)
     with pytest.raises(NoSpace):
         reg.reserve(lease, [(key(10_000 + i), PAGE) for i in range(50_000)])
     assert len(calls) <= 2, len(calls)  # not once per item
@@ -50,7 +50,7 @@ def test_a_reserve_into_a_full_pool_with_nothing_to_evict_gives_up_without_walki
     assert None not in reg.reserve(lease, [(key(i), PAGE) for i in range(100)])  # reserved: not evictable
     calls = []
     evict, place_runs = reg._evict, reg._alloc.allocate
-    reg._evict = lambda pages: calls.append(("evict", pages)) or evict(pages)
+    reg._evict = lambda pages, *claim: calls.append(("evict", pages)) or evict(pages, *claim)
     reg._alloc.allocate = lambda count: calls.append(("allocate", count)) or place_runs(count)
     with pytest.raises(NoSpace):
         reg.reserve(lease, [(key(10_000 + i), PAGE) for i in range(50_000)])

@@ -167,8 +167,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reservation-ttl", type=_positive_seconds, default=30.0, metavar="S",
                         help="seconds a reservation may stay uncommitted (default 30)")
     parser.add_argument("--high-watermark", type=_fraction_arg, default=0.95, metavar="F",
-                        help="used fraction of the pool at which a reserve evicts least recently used "
-                             "objects (default 0.95)")
+                        help="used fraction of the pool at which a reserve evicts objects, least recently "
+                             "used first by fair share among peers (default 0.95)")
     parser.add_argument("--low-watermark", type=_fraction_arg, default=0.85, metavar="F",
                         help="used fraction eviction brings the pool down to; below --high-watermark "
                              "(default 0.85)")

@@ -1,5 +1,6 @@
 """Where a reserve's objects go: placing a batch in the pool's pages,
-evicting for it within its budget, and the large reserve done a slice per
+evicting for it within its budget (whose objects, by fair share among the
+peers: ``maru_core.index.ownership``), and the large reserve done a slice per
 step. A part of ``maru_core.index.registry.Registry`` (its base class), kept
 apart because it is the one part that decides about space.
 """
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING, Callable, NoReturn
 
 import numpy as np
 
+from maru_core.index import ownership
 from maru_core.index.records import KEY_BYTES, RecordTable, State
 from maru_core.index.registry_types import (
     Keys,
@@ -27,6 +29,7 @@ from maru_core.protocol.locations import SlotList
 if TYPE_CHECKING:
     from maru_core.index.allocator import ExtentAllocator
     from maru_core.index.leases import Lease
+    from maru_core.index.peer_accounts import PeerAccounts
     from maru_core.pool.geometry import PoolGeometry
 
 
@@ -50,6 +53,8 @@ class Placement:
     evict_window_s: float
     _high_pages: int
     _low_pages: int
+    _owners: ownership.Owners
+    _peers: "PeerAccounts"
     _lease: Callable[[str], "Lease"]
     absent_keys: Callable[[Keys], np.ndarray]
     _add_reserved: Callable[..., np.ndarray]
@@ -161,7 +166,8 @@ class Placement:
         if not placed.any():
             raise NoSpace(
                 f"no room for any of {len(cand_idx)} objects ({int(pages.sum())} pages) in a pool of "
-                f"{g.num_pages} pages: the rest is pinned or reserved"
+                f"{g.num_pages} pages: the rest is pinned or reserved, or kept for other peers (their fair "
+                "share of the pool)"
             )
         return cand_idx[placed], starts[placed], pages[placed]
 
@@ -200,7 +206,7 @@ class Placement:
         lefts = [max(0, limit - evicted.pages(now, window_s)) for evicted, limit in windows]
         budget = min([self._max_evict_pages, *lefts])
         before = self._evicted_pages
-        starts = self._place(pages, budget)
+        starts = self._place(pages, budget, lease)
         for evicted, _ in windows:
             evicted.add(self._evicted_pages - before, now, window_s)
         if budget >= self._max_evict_pages or (starts >= 0).all():
@@ -230,47 +236,48 @@ class Placement:
 
     # -- space --------------------------------------------------------------------------------
 
-    def _evict(self, min_pages: int) -> int:
-        """Evict least recently used unpinned committed objects totalling at least
-        ``min_pages`` pages, or all there are; return the pages freed."""
+    def _evict(self, min_pages: int, claimant: Lease | None = None, incoming: int = 0) -> int:
+        """Evict unpinned committed objects totalling at least ``min_pages`` pages, or all
+        there may be; return the pages freed. For a reserve of ``claimant``'s placing
+        ``incoming`` pages: by fair share (``maru_core.index.ownership``); else (``None``)
+        least recently used first."""
         rec, hw = self._records, self._records.high_water
         victims = np.flatnonzero((rec.state[:hw] == State.COMMITTED) & (rec.pins[:hw] == 0))
         if not len(victims) or min_pages <= 0:
             return 0
-        pages = rec.pages[victims]
-        k = min(len(victims), max(16, int(1.25 * min_pages / pages.mean()) + 1))
-        while True:
-            if k < len(victims):
-                chosen = victims[np.argpartition(rec.last_used[victims], k - 1)[:k]]
-            else:
-                chosen = victims
-            chosen = chosen[np.argsort(rec.last_used[chosen], kind="stable")]
-            total = np.cumsum(rec.pages[chosen])
-            if total[-1] >= min_pages or k == len(victims):
-                break
-            k = min(len(victims), 2 * k)
-        chosen = chosen[: int(np.searchsorted(total, min_pages)) + 1]
+        if claimant is None:
+            chosen = ownership.oldest(rec, victims, min_pages)
+        else:
+            shares = self._owners.shares(self._holdings, claimant.account.peer, incoming, self._low_pages)
+            chosen = ownership.fair_victims(rec, victims, min_pages, shares)
         freed = int(rec.pages[chosen].sum())
         self._release(chosen, State.COMMITTED)
         self._evictions += len(chosen)
         self._evicted_pages += freed
         return freed
 
-    def _place(self, pages: np.ndarray, budget: int) -> np.ndarray:
-        """First page for each object (-1 where none fits), evicting as the watermarks
-        say but never more than ``budget`` pages (at most ``max_evict_pages``)."""
+    def _holdings(self, peer: str) -> int | None:
+        """The pages ``peer``'s leases hold reserved or fenced; ``None`` when it has no
+        account (no live lease, nor one within the eviction window)."""
+        account = self._peers.get(peer)
+        return None if account is None else account.held_pages
+
+    def _place(self, pages: np.ndarray, budget: int, lease: Lease) -> np.ndarray:
+        """First page for each object (-1 where none fits) of ``lease``'s batch, evicting
+        as the watermarks say but never more than ``budget`` pages (at most
+        ``max_evict_pages``)."""
         need = int(pages.sum())
         used = self._alloc.used_pages
         if used + need > self._high_pages:
             wanted = min(used + need - self._low_pages, budget)
-            freed = self._evict(wanted)
+            freed = self._evict(wanted, lease, need)
             budget = budget - freed if freed >= wanted else 0  # less than asked: nothing is left to evict
         start = self._alloc.allocate(need) if need <= self._alloc.largest_free else None
         if start is not None:
             return start + np.concatenate(([0], np.cumsum(pages)[:-1]))
-        return self._place_each(pages, budget)
+        return self._place_each(pages, budget, lease)
 
-    def _place_each(self, pages: np.ndarray, budget: int) -> np.ndarray:
+    def _place_each(self, pages: np.ndarray, budget: int, lease: Lease) -> np.ndarray:
         """Place the objects of a batch that fits nowhere whole, in order: as many
         consecutive objects as the largest free extent holds go there with one
         allocation; an object that fits in no extent is given room by eviction,
@@ -296,7 +303,7 @@ class Placement:
             i, count = int(todo[0]), int(pages[todo[0]])
             first = self._alloc.allocate(count)
             while first is None and budget >= count:
-                freed = self._evict(count)
+                freed = self._evict(count, lease, int(pages.sum()))
                 if not freed:
                     break
                 budget -= freed

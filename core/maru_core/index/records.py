@@ -48,6 +48,7 @@ _FIELDS: dict[str, tuple[str, int | float]] = {
     "state": ("i1", State.FREE),
     "pins": ("i4", 0),  # leases pinning it (each counts its own pins: leases.LeasePins)
     "owner": ("i4", -1),  # number of the lease holding the reservation
+    "peer": ("i4", -1),  # owner id of the peer that committed it (maru_core.index.ownership)
     "last_used": ("i8", 0),  # LRU tick of its last commit or retrieve
     "deadline": ("f8", 0.0),  # when an uncommitted reservation lapses
 }
@@ -101,6 +102,7 @@ class RecordTable:
     state: np.ndarray
     pins: np.ndarray
     owner: np.ndarray
+    peer: np.ndarray
     last_used: np.ndarray
     deadline: np.ndarray
 

@@ -22,10 +22,14 @@ Rules it keeps:
   ends, unless the writer commits or aborts the key first; a late copy of a
   lapsed writer can never land in another writer's object.
 - Eviction: when a reserve would push used pages (reserved + committed) above
-  ``high_watermark`` of the capacity, committed unpinned objects are evicted,
-  least recently used first, until used pages plus the reserve fit under
-  ``low_watermark``. When free space is fragmented, more are evicted until
-  each object fits. One reserve never evicts more than
+  ``high_watermark`` of the capacity, committed unpinned objects are evicted
+  until used pages plus the reserve fit under ``low_watermark``, by fair
+  share among the peers (``maru_core.index.ownership``: each object's owner
+  is the peer that committed it): the least recently used of those above
+  their owners' shares (or whose owner holds no lease) first, then the
+  reserving peer's own, then anyone's only while that peer is within its
+  share. A peer alone has the whole pool, least recently used first. When
+  free space is fragmented, more are evicted until each object fits. One reserve never evicts more than
   ``max_evict_fraction`` of the pool's pages, and one lease's reserves never
   more than ``max_lease_evict_fraction`` of them within ``evict_window_s``:
   the items that do not fit then get no slot, so neither one batch nor a few
@@ -54,6 +58,7 @@ from maru_core.index.allocator import ExtentAllocator
 from maru_core.index.fencing import LapsedFence
 from maru_core.index.leases import Lease, new_lease_id
 from maru_core.index.maintenance import Maintenance
+from maru_core.index.ownership import RESTORED, Owners
 from maru_core.index.peer_accounts import DEFAULT_MAX_IDLE_ACCOUNTS, PeerAccounts
 from maru_core.index.placement import Placement
 from maru_core.index.quotas import EVICT_WINDOW_S
@@ -203,6 +208,7 @@ class Registry(Reads, Placement, Maintenance):
         self.max_peer_pin_pages = max(1, math.floor(max_peer_pin_fraction * geometry.num_pages))
         self.max_peer_evict_pages = self._pages_of(max_peer_evict_fraction)
         self._peers = PeerAccounts(max_idle_peer_accounts)
+        self._owners = Owners()
         self.evict_window_s = float(evict_window_s)
         self.quota_listener: QuotaListener | None = None
         self._clock = clock
@@ -359,6 +365,10 @@ class Registry(Reads, Placement, Maintenance):
         """The peers' accounts (``peer_accounts``), for inspection."""
         return self._peers
 
+    def owned_pages(self) -> dict[str, int]:
+        """Committed pages by owner: the peer that committed them, or ``ownership.RESTORED``."""
+        return self._owners.owned()
+
     # -- writers --------------------------------------------------------------------------------
 
     def reserve(self, lease_id: str, items: Sequence[tuple[bytes, int]]) -> SlotList:
@@ -462,6 +472,7 @@ class Registry(Reads, Placement, Maintenance):
         pages = int(rec.pages.take(done).sum())
         rec.state[done] = State.COMMITTED
         rec.owner[done] = -1
+        self._owners.own(rec.peer, done, lease.account.peer, pages)
         lease.held_pages -= pages
         self._reserved_pages -= pages
         self._reserved_keys -= len(done)
@@ -492,6 +503,8 @@ class Registry(Reads, Placement, Maintenance):
         rec = self._records
         pages = int(rec.pages[rows].sum())
         self._alloc.free_runs(rec.page[rows], rec.pages[rows])
+        if state == State.COMMITTED:
+            self._owners.disown(rec.peer[rows], rec.pages[rows])
         rec.remove(rows)
         if state == State.RESERVED:
             self._reserved_pages -= pages
@@ -579,6 +592,7 @@ class Registry(Reads, Placement, Maintenance):
         rec.page[rows], rec.pages[rows], rec.length[rows], rec.generation[rows] = pages, counts, lengths, gens
         rec.offset[rows] = pages * self.geometry.page_size + self.geometry.data_offset
         rec.state[rows] = State.COMMITTED
+        self._owners.own(rec.peer, rows, RESTORED, int(counts.sum()))  # the headers name no peer
         # Older generations count as less recently used.
         order = np.argsort(gens, kind="stable")
         rec.last_used[rows[order]] = self._tick + np.arange(len(rows), dtype=np.int64)
