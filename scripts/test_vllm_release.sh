@@ -23,4 +23,5 @@ VENV="$VENV" bash scripts/install_vllm_release.sh "$version"
 echo "==> the connector's scheduler-level tests against vLLM $version"
 # VLLM_TARGET_DEVICE: a CUDA wheel on a machine without a GPU picks no platform otherwise.
 MARUCACHE_EXPECT_VLLM="$version" VLLM_TARGET_DEVICE=cpu PYTHONPATH="$target" \
-    "$VENV/bin/python" -m pytest -p no:cacheprovider tests/connector tests/e2e/test_vllm_scheduler.py "$@"
+    "$VENV/bin/python" -m pytest -p no:cacheprovider tests/connector tests/e2e/test_vllm_scheduler.py \
+    tests/e2e/test_partial_chunk_hits.py tests/e2e/test_block_alias_hits.py "$@"
