@@ -6,6 +6,7 @@ regions of caches it cannot see."""
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import json
 import time
@@ -108,3 +109,24 @@ def test_claims_and_drains_of_caches_outside_the_namespaces_are_kept(kube: Kube,
     assert alloc["offset"] == 4 * GiB, alloc
     assert {(c["namespace"], c["name"]) for c in ledger["claims"]} == {("team-b", "kept"), ("team-a", "new")}
     assert [d["uid"] for d in ledger.get("draining", [])] == ["uid-moved"]
+
+
+def test_a_scoped_operator_waits_for_the_marucache_resource_to_be_served(kube: Kube, options, cluster, caplog):
+    """kopf's scanning is off when scoped (no CRD watch): a CRD established after the operator started
+    is found because the operator waits for it in the API's discovery before kopf starts."""
+    resources = cluster.emulator.resources
+    key = next(r for r in resources if r.plural == "marucaches")
+    info = cluster.call(lambda: resources.pop(key))
+    operator = OperatorThread(dataclasses.replace(options, watch_namespaces=("team-a",)))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        started = pool.submit(operator.__enter__)
+        wait_for(lambda: "does not serve maru.io/v1alpha1/marucaches yet" in caplog.text, what="the wait logged")
+        assert not started.done()
+        cluster.call(lambda: resources.__setitem__(key, info))  # the CRD is established
+        started.result(timeout=60)
+    try:
+        kube.apply_cache("late", {"pool": {"deviceClass": "dax", "size": "2Gi"}}, ns="team-a")
+        wait_for(lambda: ((kube.cache("late", "team-a") or {}).get("status") or {}).get("allocations"),
+                 what="the cache reconciled")
+    finally:
+        operator.stop()
