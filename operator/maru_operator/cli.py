@@ -211,8 +211,9 @@ async def run_kopf(options: OperatorOptions, metrics: OperatorMetrics, stop_flag
                    standby: bool = False) -> None:
     registry, settings, ctx = build_operator(options, metrics, standby)
     try:
-        if not ctx.scope.cluster_wide:
-            await wait_until_served(ctx.api)  # kopf serves only what discovery lists at its start
+        # Namespaced, kopf serves only what discovery lists at its start: wait for the MaruCache resource.
+        if not ctx.scope.cluster_wide and not await _served_unless_stopped(ctx.api, stop_flag):
+            return
         await kopf.operator(registry=registry, settings=settings, clusterwide=ctx.scope.cluster_wide,
                             namespaces=list(ctx.scope.namespaces), standalone=True,
                             liveness_endpoint=options.liveness, stop_flag=stop_flag, ready_flag=ready_flag)
@@ -232,6 +233,18 @@ async def _flag_set(flag: Any) -> None:
 async def _first(*tasks: asyncio.Task[Any]) -> set[asyncio.Task[Any]]:
     done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     return done
+
+
+async def _served_unless_stopped(api: KubeApi, stop_flag: Any) -> bool:
+    """Wait until the MaruCache resource is served (True) or `stop_flag` is set (False)."""
+    served = asyncio.create_task(wait_until_served(api))
+    stopping = asyncio.create_task(_flag_set(stop_flag))
+    try:
+        return served in await _first(served, stopping)
+    finally:
+        for task in (served, stopping):
+            task.cancel()
+        await asyncio.gather(served, stopping, return_exceptions=True)
 
 
 def _listen_addresses(options: OperatorOptions) -> list[tuple[str, int]]:

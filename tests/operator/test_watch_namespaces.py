@@ -6,15 +6,17 @@ regions of caches it cannot see."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import concurrent.futures
 import dataclasses
 import json
+import threading
 import time
 
 import pytest
 
 from kube_helpers import Kube, condition, wait_for
-from maru_operator.cli import add_arguments, options_from_args
+from maru_operator.cli import add_arguments, options_from_args, run_operator
 from maru_operator.ledger import Claim, Drain, Ledger, Region
 from maru_operator.models import CacheRef
 from maru_tools.kube_emulator import KmockCluster, OperatorThread
@@ -130,3 +132,16 @@ def test_a_scoped_operator_waits_for_the_marucache_resource_to_be_served(kube: K
                  what="the cache reconciled")
     finally:
         operator.stop()
+
+
+def test_a_scoped_operator_waiting_for_the_resource_stops_when_asked(options, cluster, caplog):
+    resources = cluster.emulator.resources
+    key = next(r for r in resources if r.plural == "marucaches")
+    cluster.call(lambda: resources.pop(key))
+    stop = threading.Event()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(asyncio.run, run_operator(dataclasses.replace(options, watch_namespaces=("team-a",)),
+                                                        stop_flag=stop))
+        wait_for(lambda: "does not serve maru.io/v1alpha1/marucaches yet" in caplog.text, what="the wait logged")
+        stop.set()
+        assert running.result(timeout=5) is None  # returned, kopf never started
