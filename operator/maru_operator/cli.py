@@ -1,7 +1,8 @@
 """`marucache operator`: the composition root of the operator process.
 
 Builds the API client, the ledger store, the metrics registry and the kopf
-registry and settings once, and runs kopf cluster-wide. The same
+registry and settings once, and runs kopf cluster-wide, or in the namespaces
+of `--watch-namespace` (`scope`). The same
 `OperatorOptions` → `build_operator` path is used by the tests and the
 benchmark, which run it in a thread against kmock.
 """
@@ -28,6 +29,7 @@ from .k8s import KubeApi, LedgerStore, load_configuration
 from .leader import LeaseElector
 from .metrics import OperatorMetrics
 from .models import DEFAULT_IMAGE
+from .scope import Scope, parse_namespaces, wait_until_served
 from .usage import DEFAULT_URL_TEMPLATE, http_reader, url_template
 from .webhook import SelfSigningWebhookServer, register_webhook
 from .webhook_tls import DEFAULT_CHECK_SECONDS, ReloadingWebhookServer
@@ -59,6 +61,7 @@ class OperatorOptions:
     lease_name: str = "marucache-operator"
     lease_seconds: float = 15.0
     identity: str = ""  # empty: $POD_NAME, else the host name
+    watch_namespaces: tuple[str, ...] = ()  # empty: every namespace (cluster-wide)
 
 
 class LeadershipLost(RuntimeError):
@@ -110,11 +113,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how long a Lease nobody renews stays held before another replica takes it over")
     parser.add_argument("--identity", default=os.environ.get("POD_NAME", d.identity),
                         help="this replica's name in the Lease (default: $POD_NAME, else the host name)")
+    parser.add_argument("--watch-namespace", dest="watch_namespaces", action="append", default=[],
+                        type=_namespaces_argument, metavar="NS[,NS...]",
+                        help="serve only the MaruCaches (and watch only the pods and Deployments) of these "
+                             "namespaces; repeat it or separate names by commas. Default: every namespace")
+
+
+def _namespaces_argument(value: str) -> tuple[str, ...]:
+    try:
+        names = parse_namespaces([value])
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not names:
+        raise argparse.ArgumentTypeError(f"{value!r} names no namespace; leave the flag out to serve every namespace")
+    return names
 
 
 def options_from_args(args: argparse.Namespace) -> OperatorOptions:
     fields = {f.name for f in dataclasses.fields(OperatorOptions)}
-    return OperatorOptions(**{k: v for k, v in vars(args).items() if k in fields})
+    values = {k: v for k, v in vars(args).items() if k in fields}
+    if "watch_namespaces" in values:  # one tuple per --watch-namespace
+        values["watch_namespaces"] = parse_namespaces(",".join(group) for group in values["watch_namespaces"])
+    return OperatorOptions(**values)
 
 
 def webhook_server(options: OperatorOptions) -> kopf.WebhookServer:
@@ -137,7 +157,8 @@ def build_operator(options: OperatorOptions, metrics: OperatorMetrics | None = N
     """The operator's kopf registry, settings and shared context; `standby`: only the webhook and what
     it reads (a replica waiting for leadership)."""
     api = KubeApi(load_configuration(options.kubeconfig, options.context))
-    ctx = OperatorContext(api=api, ledger=LedgerStore(api, options.namespace, options.ledger_name),
+    scope = Scope(parse_namespaces(options.watch_namespaces))
+    ctx = OperatorContext(api=api, ledger=LedgerStore(api, options.namespace, options.ledger_name), scope=scope,
                           metrics=metrics or OperatorMetrics.create(), resync_seconds=options.resync_seconds,
                           default_image=options.default_image,
                           native_mode=options.native_sidecars, usage_seconds=options.usage_seconds,
@@ -158,6 +179,8 @@ def build_operator(options: OperatorOptions, metrics: OperatorMetrics | None = N
     # the change handlers on the older body, which lacks that patch: a new cache is then
     # reconciled a second time. Kopf's default (5 s) outlasts a busy API server's watch lag.
     settings.persistence.consistency_timeout = 5.0
+    # Namespaced: no watch of every namespace and every CRD (cluster-wide reads), see scope.py.
+    settings.scanning.disabled = not scope.cluster_wide
     if options.webhook:
         register_webhook(registry, native=lambda: ctx.native_sidecars,
                          report=lambda pod, reason: report_refusal(ctx, pod, reason))
@@ -188,7 +211,11 @@ async def run_kopf(options: OperatorOptions, metrics: OperatorMetrics, stop_flag
                    standby: bool = False) -> None:
     registry, settings, ctx = build_operator(options, metrics, standby)
     try:
-        await kopf.operator(registry=registry, settings=settings, clusterwide=True, standalone=True,
+        # Namespaced, kopf serves only what discovery lists at its start: wait for the MaruCache resource.
+        if not ctx.scope.cluster_wide and not await _served_unless_stopped(ctx.api, stop_flag):
+            return
+        await kopf.operator(registry=registry, settings=settings, clusterwide=ctx.scope.cluster_wide,
+                            namespaces=list(ctx.scope.namespaces), standalone=True,
                             liveness_endpoint=options.liveness, stop_flag=stop_flag, ready_flag=ready_flag)
     finally:
         ctx.api.close()
@@ -206,6 +233,18 @@ async def _flag_set(flag: Any) -> None:
 async def _first(*tasks: asyncio.Task[Any]) -> set[asyncio.Task[Any]]:
     done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     return done
+
+
+async def _served_unless_stopped(api: KubeApi, stop_flag: Any) -> bool:
+    """Wait until the MaruCache resource is served (True) or `stop_flag` is set (False)."""
+    served = asyncio.create_task(wait_until_served(api))
+    stopping = asyncio.create_task(_flag_set(stop_flag))
+    try:
+        return served in await _first(served, stopping)
+    finally:
+        for task in (served, stopping):
+            task.cancel()
+        await asyncio.gather(served, stopping, return_exceptions=True)
 
 
 def _listen_addresses(options: OperatorOptions) -> list[tuple[str, int]]:

@@ -12,6 +12,7 @@ from .k8s import KubeApi, LedgerStore
 from .metrics import OperatorMetrics
 from .models import DEFAULT_IMAGE
 from .results import ReconcileResult
+from .scope import Scope
 from .usage import UsageReader
 
 
@@ -45,6 +46,7 @@ class OperatorContext:
     default_image: str = DEFAULT_IMAGE  # what index and sidecar run where a cache names no image
     last_usage: dict[str, float] = dataclasses.field(default_factory=dict)
     stale_reported: set[str] = dataclasses.field(default_factory=set)  # "pod uid:reason:placement" with an Event
+    scope: Scope = Scope()  # the namespaces served (`--watch-namespace`); empty: cluster-wide
 
     def lock(self, uid: str) -> asyncio.Lock:
         return self.locks.setdefault(uid, asyncio.Lock())

@@ -116,7 +116,7 @@ async def run_reconcile(ctx: OperatorContext, live_body: kopf.Body, maru_nodes: 
                     ctx.api, ctx.ledger, body, _nodes(maru_nodes),
                     _available(maru_deployments, str(meta.get("namespace")), str(meta.get("name"))),
                     all_pods(maru_pods), index_why(health, str(meta.get("namespace")), str(meta.get("name"))),
-                    default_image=ctx.default_image)
+                    default_image=ctx.default_image, seen=ctx.scope.covers)
             except Exception:
                 ctx.metrics.count_reconcile(ReconcileResult.ERROR)
                 raise
@@ -253,9 +253,10 @@ def _is_settled(body: Mapping[str, Any], available: int | None) -> bool:
 
 
 async def rebuild_ledger_at_start(ctx: OperatorContext) -> None:
-    """Reconcile the stored ledger with the caches that exist and the claims their status records."""
+    """Reconcile the stored ledger with the caches that exist and the claims their status records
+    (in the namespaces served, `ctx.scope`)."""
     before, _version = await ctx.ledger.read()
-    bodies = await ctx.api.list_caches()
+    bodies = await ctx.api.list_caches(ctx.scope.namespaces)
     live: dict[str, CacheRef] = {}
     recorded = []
     for body in bodies:
@@ -264,7 +265,9 @@ async def rebuild_ledger_at_start(ctx: OperatorContext) -> None:
             live[meta["uid"]] = CacheRef(str(meta.get("namespace")), str(meta.get("name")), str(meta["uid"]))
             recorded += reconciler.claims_from_status(body)
     ctx.ledger.forget()
-    known = frozenset(c.owner.uid for c in before.claims)
+    # Claims of caches in namespaces this operator does not serve are kept: it cannot tell whether
+    # those caches exist (`rebuild` keeps every claim it was not given as listed before).
+    known = frozenset(c.owner.uid for c in before.claims if ctx.scope.covers(c.owner.namespace))
     problems = await ctx.ledger.update(lambda led: rebuild(led, live, recorded, known))
     for problem in problems:
         logger.warning("ledger rebuild: %s", problem)
@@ -350,7 +353,8 @@ def build_registry(ctx: OperatorContext) -> kopf.OperatorRegistry:
         ref = CacheRef(str(meta.get("namespace")), str(meta.get("name")), uid)
         pods = all_pods(maru_pods)  # its region drains while one of them maps it
         async with ctx.lock(uid):
-            claim, drain = await reconciler.release(ctx.ledger, uid, reconciler.status_placement(ref, body), pods)
+            claim, drain = await reconciler.release(ctx.ledger, uid, reconciler.status_placement(ref, body), pods,
+                                                    ctx.scope.covers)
         ctx.forget(uid)
         ctx.metrics.forget_cache(str(meta.get("namespace")), str(meta.get("name")))
         ctx.metrics.count_reconcile(ReconcileResult.RELEASED)

@@ -17,7 +17,7 @@ import asyncio
 import builtins
 import json
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import kubernetes.client
@@ -167,8 +167,11 @@ class KubeApi:
         await self.merge_patch(object_path(API_VERSION, "MaruCache", namespace, name, "status"),
                                {"status": dict(status)})
 
-    async def list_caches(self) -> builtins.list[dict[str, Any]]:  # `list` here is the method above
-        return await self.list(object_path(API_VERSION, "MaruCache"))
+    async def list_caches(self, namespaces: Sequence[str] = ()) -> builtins.list[dict[str, Any]]:
+        """Every MaruCache of the cluster, or (`namespaces`) of those namespaces only, one list each."""
+        if not namespaces:  # `list` here is the method above
+            return await self.list(object_path(API_VERSION, "MaruCache"))
+        return [cache for ns in namespaces for cache in await self.list(object_path(API_VERSION, "MaruCache", ns))]
 
 
 class LedgerStore:

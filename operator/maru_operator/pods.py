@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import secrets
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from . import ANNOTATION_INJECTED, ANNOTATION_PLACEMENT, ANNOTATION_REGION, ANNOTATION_SKIPPED
@@ -74,6 +74,15 @@ def pods_mapping(pods: Iterable[PodView], drain: Drain) -> list[PodView]:
         pod.region == text if pod.region else
         pod.injected and bool(drain.placement) and pod.placement == drain.placement
         and (pod.namespace, pod.cache) == (drain.owner.namespace, drain.owner.name))]
+
+
+def mapped_by(pods: Iterable[PodView], seen: Callable[[str], bool] | None = None) -> Callable[[Drain], bool]:
+    """Whether a draining region may still be mapped (`Ledger.settle` frees it otherwise): by one of
+    `pods`, or by pods nobody here can see. Pods map only their own namespace's caches, so a region
+    left by a cache of a namespace whose pods are not watched (`seen(namespace)` False; None: every
+    namespace is) stays draining."""
+    pods = list(pods)
+    return lambda drain: (seen is not None and not seen(drain.owner.namespace)) or bool(pods_mapping(pods, drain))
 
 
 def draining_note(drains: Iterable[tuple[Drain, int]]) -> str:

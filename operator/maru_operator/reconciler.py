@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from . import desired
@@ -21,7 +21,7 @@ from .k8s import KubeApi, LedgerStore, object_path
 from .injection import placement_from_status
 from .ledger import AllocationError, Claim, Drain, Impossible, Ledger, Region
 from .models import DEFAULT_IMAGE, CacheRef, CacheSpec, SpecError, parse_cache
-from .pods import PodView, pods_mapping
+from .pods import PodView, mapped_by, pods_mapping
 from .results import EnsureAction, EventType, ReconcileResult
 
 Event = tuple[EventType, str, str]  # (type, reason, message)
@@ -102,7 +102,7 @@ def unsatisfiable_message(spec: CacheSpec, nodes: list[NodeInfo]) -> str:
 
 async def reconcile(api: KubeApi, ledger: LedgerStore, body: Mapping[str, Any], nodes: Iterable[NodeInfo],
                     index_available: int | None, pods: Iterable[PodView] = (), index_why: str = "",
-                    default_image: str = DEFAULT_IMAGE) -> Outcome:
+                    default_image: str = DEFAULT_IMAGE, seen: Callable[[str], bool] | None = None) -> Outcome:
     """Bring one MaruCache's region and children in line with its spec.
 
     `nodes` is the current node inventory; `index_available` the index
@@ -110,7 +110,8 @@ async def reconcile(api: KubeApi, ledger: LedgerStore, body: Mapping[str, Any], 
     `pods` every opted-in pod of the cluster (which draining regions they
     still map); `index_why` what the index's Deployment and pod say is wrong
     (`index_health`); `default_image` the operator's image for an index the
-    cache names none for. Returns the status to store and the Events to post; raises
+    cache names none for; `seen` the namespaces whose pods `pods` covers
+    (None: every one; `mapped_by`). Returns the status to store and the Events to post; raises
     only on API errors (kopf retries the handler).
     """
     nodes, pods = list(nodes), list(pods)
@@ -126,7 +127,7 @@ async def reconcile(api: KubeApi, ledger: LedgerStore, body: Mapping[str, Any], 
     injected = status_placement(ref, body)  # the digest the cache's pods were injected with
     try:
         claim, previous, draining = await ledger.update(
-            lambda led: _allocate(led, ref, spec, devices, injected, pods))
+            lambda led: _allocate(led, ref, spec, devices, injected, mapped_by(pods, seen)))
     except Impossible:
         return _invalid(body, "Unsatisfiable", unsatisfiable_message(spec, nodes))
     except AllocationError as exc:
@@ -170,14 +171,14 @@ async def reconcile(api: KubeApi, ledger: LedgerStore, body: Mapping[str, Any], 
 
 
 def _allocate(led: Ledger, ref: CacheRef, spec: CacheSpec, devices: list[Device], placement: str,
-              pods: list[PodView]) -> tuple[Ledger, tuple[Claim, Claim | None, tuple[Drain, ...]]]:
+              mapped: Callable[[Drain], bool]) -> tuple[Ledger, tuple[Claim, Claim | None, tuple[Drain, ...]]]:
     """Free the draining regions no pod maps any more, then allocate; a region this cache
     leaves now drains while a pod maps it. Returns the claim, the one before, and what
     this cache left that still drains."""
-    led, _ = led.settle(lambda drain: bool(pods_mapping(pods, drain)))
+    led, _ = led.settle(mapped)
     previous = led.claim_of(ref.uid)
     new, claim = led.allocate(ref, spec.pool.device_class, spec.pool.size, devices, placement)
-    new, _ = new.settle(lambda drain: bool(pods_mapping(pods, drain)))
+    new, _ = new.settle(mapped)
     return new, (claim, previous, new.draining_of(ref.uid))
 
 
@@ -249,15 +250,16 @@ async def _ensure_children(api: KubeApi, ref: CacheRef, spec: CacheSpec,
             if names]
 
 
-async def release(ledger: LedgerStore, uid: str, placement: str = "",
-                  pods: Iterable[PodView] = ()) -> tuple[Claim | None, Drain | None]:
+async def release(ledger: LedgerStore, uid: str, placement: str = "", pods: Iterable[PodView] = (),
+                  seen: Callable[[str], bool] | None = None) -> tuple[Claim | None, Drain | None]:
     """Return a deleted cache's region to the ledger: the claim released, if any, and its
-    drain while pods (`pods`: every opted-in pod) still map it, else None (free at once)."""
-    pods = list(pods)
+    drain while pods (`pods`: every opted-in pod of the namespaces `seen`) still map it, else None
+    (free at once)."""
+    mapped = mapped_by(pods, seen)
 
     def change(led: Ledger) -> tuple[Ledger, tuple[Claim | None, Drain | None]]:
         claim = led.claim_of(uid)
-        new, _ = led.retire(uid, placement).settle(lambda drain: bool(pods_mapping(pods, drain)))
+        new, _ = led.retire(uid, placement).settle(mapped)
         return new, (claim, next((d for d in new.draining_of(uid) if claim and d.region == claim.region), None))
     return await ledger.update(change)
 

@@ -19,8 +19,8 @@ from .desired import fingerprint
 from .k8s import ApiError, object_path
 from .models import CacheRef, SpecError, parse_cache
 from .ledger import Drain, Ledger, Region
-from .pods import (PODS_CURRENT, REASONS, PodView, condition_of, core_event, draining_note, pods_condition,
-                   pods_mapping, stale_event, stale_pods)
+from .pods import (PODS_CURRENT, REASONS, PodView, condition_of, core_event, draining_note, mapped_by,
+                   pods_condition, pods_mapping, stale_event, stale_pods)
 from .results import EventType
 from .usage import quantity
 
@@ -54,7 +54,7 @@ async def settle_drains(ctx: OperatorContext, body: Mapping[str, Any], pods: lis
     """Free the draining regions (of any cache) that no pod maps any more, with an Event on the cache
     that left each; return the PodsCurrent note for the regions this cache left that still drain.
 
-    `pods` is every opted-in pod of the cluster. Nothing is read or written while the ledger this
+    `pods` is every opted-in pod the operator watches (of the cluster, or of `ctx.scope`). Nothing is read or written while the ledger this
     process holds has no draining region.
     """
     known = ctx.ledger.cached
@@ -62,7 +62,7 @@ async def settle_drains(ctx: OperatorContext, body: Mapping[str, Any], pods: lis
         return ""
 
     def settle(led: Ledger) -> tuple[Ledger, tuple[tuple[Drain, ...], tuple[Drain, ...]]]:
-        new, freed = led.settle(lambda drain: bool(pods_mapping(pods, drain)))
+        new, freed = led.settle(mapped_by(pods, ctx.scope.covers))
         return new, (freed, new.draining)
     freed, draining = await ctx.ledger.update(settle)
     for drain in freed:

@@ -43,6 +43,7 @@ DOCUMENTED = {
                                             "annotations": {"cert-manager.io/inject-ca-from": "maru-system/c"}}},
     "plain-sidecars-no-usage": {"operator": {"nativeSidecars": "never", "usageSeconds": 0}},
     "tls-cert-manager": {"webhook": {"tls": {"mode": "certManager"}}},
+    "watch-namespaces": {"operator": {"watchNamespaces": ["team-a", "team-b"]}},
     "tls-cert-manager-cluster-issuer": {"webhook": {"tls": {"mode": "certManager", "certManager": {
         "issuerRef": {"name": "corp-ca", "kind": "ClusterIssuer"}}}}},
 }

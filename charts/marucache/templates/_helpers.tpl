@@ -118,3 +118,84 @@ wins over a tag; an empty tag means the chart's appVersion.
 {{- define "marucache.leaseName" -}}
 {{- default (include "marucache.operator.fullname" .) .Values.operator.leaderElection.leaseName -}}
 {{- end -}}
+
+{{/*
+The operator's rules on namespaced resources: in its ClusterRole (cluster-wide), or in a Role
+per namespace of operator.watchNamespaces.
+*/}}
+{{- define "marucache.operator.namespacedRules" -}}
+# MaruCaches: watched, their finalizer and kopf's progress annotations patched.
+- apiGroups: [maru.io]
+  resources: [marucaches]
+  verbs: [get, list, watch, patch]
+# Conditions, allocations and the index endpoint are written to the status subresource.
+- apiGroups: [maru.io]
+  resources: [marucaches/status]
+  verbs: [patch]
+# Children carry ownerReferences with blockOwnerDeletion: the API server requires
+# update on the owner's finalizers for that (OwnerReferencesPermissionEnforcement).
+- apiGroups: [maru.io]
+  resources: [marucaches/finalizers]
+  verbs: [update]
+# Children of each cache: the connector ConfigMap (and, cluster-wide, the region ledger in the
+# release namespace), the index Service, Deployment and NetworkPolicy; created, read, patched.
+- apiGroups: [""]
+  resources: [configmaps, services]
+  verbs: [get, create, patch]
+# The index token Secret is created once and never read back or changed.
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [create]
+# Index Deployments are also watched (their availability makes a cache Ready).
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, list, watch, create, patch]
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, create, patch]
+# Pods labelled maru.io/cache: watched (read only) to find those that run without the sidecar or
+# with an old pool placement (Event, gauge, PodsCurrent condition).
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list, watch]
+# Every action and refusal is reported as an Event on the MaruCache, on a pod the webhook could
+# not inject, and on a stale pod.
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
+{{- end -}}
+
+{{/* Name of the operator's Role in each namespace of operator.watchNamespaces. */}}
+{{- define "marucache.operator.scopedRoleName" -}}
+{{- printf "%s-caches" (include "marucache.operator.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Name of the operator's Role on the ledger ConfigMap (with operator.watchNamespaces). */}}
+{{- define "marucache.operator.ledgerRoleName" -}}
+{{- printf "%s-ledger" (include "marucache.operator.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* namespaceSelector of the monitors of indexes and sidecars: the watched namespaces, else any. */}}
+{{- define "marucache.monitor.namespaceSelector" -}}
+{{- with .Values.operator.watchNamespaces -}}
+matchNames:
+  {{- toYaml . | nindent 2 }}
+{{- else -}}
+any: true
+{{- end -}}
+{{- end -}}
+
+{{/*
+The webhook's namespaceSelector: webhook.namespaceSelector, and with operator.watchNamespaces
+also those namespaces only (pods elsewhere are never sent to the webhook). Empty: every namespace.
+*/}}
+{{- define "marucache.webhook.namespaceSelector" -}}
+{{- $selector := deepCopy (.Values.webhook.namespaceSelector | default dict) -}}
+{{- with .Values.operator.watchNamespaces -}}
+{{- $watched := dict "key" "kubernetes.io/metadata.name" "operator" "In" "values" . -}}
+{{- $_ := set $selector "matchExpressions" (append ($selector.matchExpressions | default list) $watched) -}}
+{{- end -}}
+{{- with $selector -}}
+{{- toYaml . -}}
+{{- end -}}
+{{- end -}}
