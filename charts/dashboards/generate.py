@@ -196,6 +196,13 @@ def index() -> dashboard.Dashboard:
     d = d.with_panel(series("Objects flushed per second", [Query(rate("maru_index_flushed_objects_total", "cache"),
                                                                  "{{cache}}")],
                             "short", "Objects removed by `marucache flush` (not the evictions that make room)."))
+    d = d.with_panel(series("Block aliases", [
+        Query(f"sum by (cache) (maru_index_aliases{{{SEL}}})", "{{cache}} held"),
+        Query(rate("maru_index_alias_evictions_total", "cache"), "{{cache}} evicted/s")],
+                            "short", "Block aliases the index holds (hits down to vLLM's block: each names "
+                            "the first blocks of a stored chunk) and how fast its table's bound pushes the "
+                            "oldest out. A steady eviction rate means `--max-aliases` is smaller than the "
+                            "pool's chunks need: hits fall back to whole chunks."))
     d = d.with_row(dashboard.Row("Operator"))
     d = d.with_panel(single("Caches not Ready", f"sum (1 - maru_cache_ready{{{SEL}}})", "short",
                             "MaruCaches whose status is not Ready (kubectl describe mcache says why)."))
