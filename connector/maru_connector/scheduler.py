@@ -18,6 +18,7 @@ from maru_core.stats import ConnectorStats
 from maru_connector.config import MaruConfig
 from maru_connector.early_pins import PinHandoff
 from maru_connector.formats import configured_format, strategy_for
+from maru_connector.block_aliases import chunk_aliases, prompt_tail
 from maru_connector.identity import (
     AdapterIdentities,
     AdapterUnreadable,
@@ -73,6 +74,7 @@ class _RequestState:
     local_tokens: int = 0  # vLLM's own (block-aligned) hit at the last lookup
     hit_tokens: int = 0  # what the last lookup answered beyond local_tokens
     alias_hit: _AliasHit | None = None  # the last lookup's hit ends inside this chunk
+    tail_stored: bool = False  # the prompt's tail (``block_aliases.py``) is in the pool or on its way
     stored_chunks: int = 0  # chunks [0, stored_chunks) are in the pool or on their way
     load_first_chunk: int | None = None  # where the last planned load began
     lookup_first_chunk: int | None = None  # where the lookup in flight began
@@ -137,6 +139,9 @@ class MaruSchedulerHalf:
         # rank only: the load's keys are the lookup's) where the engines load them.
         self._store_aliases = cfg.maru_block_aliases
         self._load_aliases = cfg.maru_block_aliases and block_alias_loads and len(namespaces) == 1
+        # Prompt tails take a chunk's room for a few blocks: stored only where
+        # engines of this kind (one namespace: the same backend) load them.
+        self._store_tails = self._load_aliases and cfg.maru_kv_chunk_tokens > block_size
         self._blocks_per_chunk = cfg.maru_kv_chunk_tokens // block_size
         self._lookup = lookup
         self._storage = strategy_for(configured_format(cfg))
@@ -403,6 +408,8 @@ class MaruSchedulerHalf:
         return self._events.take_events() if self._events is not None else []
 
     def _plan_store(self, req_id: str, num_tokens: int, block_state: Any) -> StoreSpec | None:
+        """The chunks this step completes, with their block aliases, and once
+        the prompt is computed its tail (``block_aliases.py``) as one more."""
         state = self._reqs.get(req_id)
         if state is None or state.parked or not state.cacheable or not state.store or block_state is None:
             return None
@@ -410,28 +417,39 @@ class MaruSchedulerHalf:
         prompt_len = len(request.prompt_token_ids or ())
         computed_after = min(request.num_computed_tokens + num_tokens, prompt_len)
         full = computed_after // self._chunk
-        if full <= state.stored_chunks:
+        tail_due = self._store_tails and not state.tail_stored and computed_after == prompt_len
+        if full <= state.stored_chunks and not tail_due:
             return None
         groups = block_state.get_block_ids(req_id)
         if not groups:
             return None
         block_ids = groups[0]
-        full = min(full, len(block_ids) // self._blocks_per_chunk)
         start = state.stored_chunks
-        if full <= start:
-            return None
+        full = max(start, min(full, len(block_ids) // self._blocks_per_chunk))
         keys = self._keys(state)
+        tail = prompt_tail(keys, block_ids, self._blocks_per_chunk) if tail_due and keys.namespaces else None
+        if full == start and tail is None:
+            return None
         state.stored_chunks = full
         state.store_sent = True
-        if self._events is not None:
+        if self._events is not None:  # the tail is not a chunk of the prompt: never published
             self._events.plan(self._step, req_id, chunk_payloads(
                 request, start, keys.by_rank[0][start:full], self._chunk, self._chunk // self._blocks_per_chunk))
-        return StoreSpec(
+        spec = StoreSpec(
             req_id=req_id,
             keys_by_rank=keys.slice(start, full),
             block_ids=self._chunk_blocks(block_ids, start, full),
             step=self._step,
             aliases_by_rank=self._store_aliases_of(keys, start, full),
+        )
+        if tail is None:
+            return spec
+        state.tail_stored = True
+        return replace(
+            spec,
+            keys_by_rank=tuple((*k, t) for k, t in zip(spec.keys_by_rank, tail.keys_by_rank)),
+            block_ids=(*spec.block_ids, tail.block_ids),
+            aliases_by_rank=tuple((*a, t) for a, t in zip(spec.aliases_by_rank, tail.aliases_by_rank)),
         )
 
     def _store_aliases_of(self, keys: RequestKeys, start: int, end: int) -> tuple[tuple[bytes, ...], ...]:
@@ -439,9 +457,7 @@ class MaruSchedulerHalf:
         to end, which the workers register once the chunk is committed."""
         if not self._store_aliases or keys.namespaces is None or self._blocks_per_chunk == 1:
             return ()
-        most = self._blocks_per_chunk - 1
-        return tuple(tuple(b"".join(keys.block_aliases(rank, c, most)) for c in range(start, end))
-                     for rank in range(len(keys.by_rank)))
+        return chunk_aliases(keys, start, end, self._blocks_per_chunk)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         """Turn failed loads into misses, decide the step's stores, unpark
@@ -474,6 +490,7 @@ class MaruSchedulerHalf:
         # vLLM recomputes from the failed blocks on: those chunks may be stored again.
         if state.load_first_chunk is not None:
             state.stored_chunks = min(state.stored_chunks, state.load_first_chunk)
+            state.tail_stored = False
 
     def _decide(self, step: int, commit: bool) -> None:
         for waiting in sorted(self._awaiting_verdict):

@@ -65,15 +65,18 @@ def store_writer(index, half, layerwise=False):
     return keys
 
 
-def test_every_stored_chunk_carries_its_block_aliases(index):
+def test_every_stored_chunk_carries_its_block_aliases_and_the_prompt_its_tail(index):
     half = make_half(index)
-    keys = store_writer(index, half)
+    *keys, tail = store_writer(index, half)
     ns = half._namespaces[0]
-    assert keys == tuple(chunk_keys(ns, WRITER))
+    assert keys == chunk_keys(ns, WRITER)  # three chunks, then two whole blocks and no more
     want = [b"".join(block_alias_keys(ns, keys[c - 1] if c else None, WRITER[c * CHUNK:(c + 1) * CHUNK], PER - 1))
             for c in range(len(keys))]
-    assert len(index.aliases) == len(keys) * (PER - 1)
     assert [b"".join(a for a, k in index.aliases.items() if k == key) for key in keys] == want
+    tail_aliases = block_alias_keys(ns, keys[-1], WRITER[3 * CHUNK:], 2)
+    assert tail == tail_aliases[-1]  # stored under its longest alias, which names it too
+    assert [a for a, k in index.aliases.items() if k == tail] == tail_aliases
+    assert len(index.aliases) == len(keys) * (PER - 1) + 2
 
 
 @pytest.mark.parametrize("layerwise", [False, True], ids=["chunkwise", "layerwise"])
@@ -91,9 +94,12 @@ def test_a_prompt_that_shares_part_of_a_chunk_loads_that_chunk_s_first_blocks(in
     assert load.block_ids == (tuple(ids[:PER]), (ids[4], ids[5], SKIP_BLOCK, SKIP_BLOCK))
     assert load.all_block_ids() == ids[:6]
     assert half.stats.snapshot()["counters"]["lookup_hit_tokens"] == len(SHARED)
-    # The reader's own chunk 1 is not the writer's: it stores it once computed.
+    # The reader's own chunk 1 is not the writer's: it stores it once computed, and its tail.
     (store,) = meta.stores
-    assert store.keys(0) == (chunk_keys(half._namespaces[0], READER)[1],)
+    ns = half._namespaces[0]
+    reader_keys = chunk_keys(ns, READER)
+    assert store.keys(0) == (reader_keys[1], block_alias_keys(ns, reader_keys[1], READER[2 * CHUNK:], 2)[-1])
+    assert store.block_ids[-1] == (ids[8], ids[9], ids[9], ids[9])  # two whole blocks, the last repeated
 
 
 def test_the_longest_alias_whose_chunk_is_committed_wins(index):
@@ -176,6 +182,48 @@ def test_a_request_without_aliases_asks_for_whole_chunks(index):
     state = half._state(req)
     state.keys = dataclasses.replace(state.keys, namespaces=None)  # as for multimodal input
     assert half.get_num_new_matched_tokens(req, 0) == (CHUNK, False)
+
+
+def test_a_prompt_that_ends_where_a_stored_prompt_ends_loads_its_tail(index):
+    half = make_half(index)
+    *keys, tail = store_writer(index, half)
+    req = request("r", WRITER[:3 * CHUNK + BLOCK] + [7] * 40)  # the writer's tail's first block, then others
+    assert half.get_num_new_matched_tokens(req, 0) == (3 * CHUNK + BLOCK, False)
+    ids = list(range(40, 56))
+    half.update_state_after_alloc(req, Blocks(ids), 3 * CHUNK + BLOCK)
+    (load,) = half.build_connector_meta(step_output({"r": 40}, {"r": ids})).loads
+    assert load.keys(0) == (*keys, tail)
+    assert load.block_ids[-1] == (ids[12], SKIP_BLOCK, SKIP_BLOCK, SKIP_BLOCK)
+
+
+@pytest.mark.parametrize("length", [3 * CHUNK, 3 * CHUNK + BLOCK - 1])
+def test_a_prompt_without_a_whole_block_past_its_chunks_stores_no_tail(index, length):
+    half = make_half(index)
+    req = request("w", WRITER[:length])
+    half.get_num_new_matched_tokens(req, 0)
+    half.update_state_after_alloc(req, Blocks(range(20)), 0)
+    (store,) = half.build_connector_meta(step_output({"w": length}, {"w": list(range(20))})).stores
+    assert store.keys(0) == tuple(chunk_keys(half._namespaces[0], WRITER[:length]))
+
+
+def test_the_tail_is_stored_once_when_the_prompt_is_computed(index):
+    half = make_half(index)
+    req = request("w", WRITER)
+    half.get_num_new_matched_tokens(req, 0)
+    half.update_state_after_alloc(req, Blocks(range(20)), 0)
+    stores = []
+    for computed, tokens in ((0, 2 * CHUNK), (2 * CHUNK, CHUNK + BLOCK), (3 * CHUNK + BLOCK, BLOCK), (len(WRITER), 1)):
+        req.num_computed_tokens = computed  # chunked prefill, then a decode step
+        stores += half.build_connector_meta(step_output({"w": tokens}, {"w": list(range(20))})).stores
+    # chunks 0-1, chunk 2, then the tail once the prompt is computed; nothing while decoding
+    assert [len(s.keys(0)) for s in stores] == [2, 1, 1]
+    assert stores[-1].block_ids == ((12, 13, 13, 13),)
+
+
+def test_an_engine_that_loads_no_alias_stores_no_tail(index):
+    half = make_half(index, alias_loads=False)
+    keys = store_writer(index, half)
+    assert keys == tuple(chunk_keys(half._namespaces[0], WRITER))  # chunks only (their aliases are metadata)
 
 
 @pytest.fixture

@@ -1,8 +1,9 @@
 """Hits at vLLM's block granularity, with vLLM's own ``Scheduler`` over the
 toy model of :mod:`maru_tools.stepper` (its KV is exact) and a real index.
 
-The writer stores a prompt, and with each chunk its block aliases. The
-reader's prompt shares two chunks and one more block of it, then diverges:
+The writer stores a prompt, and with each chunk its block aliases (and the
+whole blocks of its last chunk as its tail). The reader's prompt shares two
+chunks and one more block of it, then diverges:
 without aliases the pool would give it the two chunks; it gets the block
 too, from the writer's chunk 2, whose first block is all it writes (the
 whole object is verified, its second block summed where it lies). Any
@@ -64,6 +65,27 @@ def test_a_prompt_sharing_part_of_a_chunk_loads_that_chunk_s_first_blocks(engine
     assert spec.all_block_ids() == ids[:SHARED // BLOCK]
     assert _counters(reader)["lookup_hit_tokens"] == SHARED // BLOCK * BLOCK  # vLLM's granularity, not 2 chunks
     assert not any(r.invalid_block_ids or r.failed_recving for r in reader.history)
+    reader.run(until=lambda: "r" in reader.finished)
+    assert reader.finished["r"].output == _expected_tokens(prompt, reader.num_layers, 2)
+    wait_settled(index)
+
+
+@pytest.mark.parametrize("defer_finalize", list(ORDERS.values()), ids=list(ORDERS))
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_prompt_that_goes_on_from_a_stored_prompt_loads_its_tail(engines, index, mode, defer_finalize):
+    """The stored prompt's last, partial chunk holds a whole block: it is
+    stored as the prompt's tail, and a prompt that goes on from the stored
+    one (a conversation's next turn) loads it."""
+    stored = random_tokens(STORED_CHUNKS * CHUNK + BLOCK + 5, seed=next(_seeds))
+    _store(engines, index, stored)
+    prompt = stored[:STORED_CHUNKS * CHUNK + BLOCK] + random_tokens(CHUNK, seed=next(_seeds))
+    reader = engines(_config(index, **MODES[mode]), defer_finalize=defer_finalize)
+    planned = _record_plans(reader)
+    _serve_to_output(reader, "r", prompt)
+    assert reader.wrong_positions("r", prompt) == []
+    (spec,) = planned
+    assert spec.block_ids[-1] == (reader.block_ids("r")[STORED_CHUNKS * CHUNK // BLOCK], SKIP_BLOCK)
+    assert _counters(reader)["lookup_hit_tokens"] == STORED_CHUNKS * CHUNK + BLOCK
     reader.run(until=lambda: "r" in reader.finished)
     assert reader.finished["r"].output == _expected_tokens(prompt, reader.num_layers, 2)
     wait_settled(index)
