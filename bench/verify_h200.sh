@@ -40,10 +40,12 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=connector:core:tools:tests/connector:bench/
 source bench/device_run.sh
 
 gpu_info
-run cuda_tests 300 python3 -m pytest --noconftest -p no:cacheprovider -m cuda -q \
-    tests/connector/test_verified_transfer.py tests/connector/test_transfer_cuda.py \
-    tests/connector/test_head_start_cuda.py tests/connector/test_device_memory.py \
-    tests/connector/test_partial_chunk_load.py
+if [ -z "${SKIP_CUDA_TESTS:-}" ]; then  # set: they ran in this lease already (bench/run_h200.sh cuda-tests)
+    run cuda_tests 300 python3 -m pytest --noconftest -p no:cacheprovider -m cuda -q \
+        tests/connector/test_verified_transfer.py tests/connector/test_transfer_cuda.py \
+        tests/connector/test_head_start_cuda.py tests/connector/test_device_memory.py \
+        tests/connector/test_partial_chunk_load.py
+fi
 if [ "$mode" = group-ab ]; then
     for group in 8 32; do
         run "issue_cost_group$group" 90 python3 bench/verify_issue_cost.py harness --formats chunkwise \
