@@ -14,11 +14,12 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from maru_core.stats import ConnectorStats
+from maru_core.storage_format import StorageFormat
 
+from maru_connector.block_aliases import chunk_aliases, prompt_tail
 from maru_connector.config import MaruConfig
 from maru_connector.early_pins import PinHandoff
 from maru_connector.formats import configured_format, strategy_for
-from maru_connector.block_aliases import chunk_aliases, prompt_tail
 from maru_connector.identity import (
     AdapterIdentities,
     AdapterUnreadable,
@@ -37,7 +38,6 @@ from maru_connector.metadata import (
 )
 from maru_connector.request_params import PARK, SYNC, requested_load_mode, requested_store
 from maru_connector.transfer.plan import SKIP_BLOCK
-from maru_core.storage_format import StorageFormat
 
 if TYPE_CHECKING:
     from maru_core.keys import KeyNamespace
