@@ -74,6 +74,16 @@ def _loader(engines, fmt, device, **options):
     return engines(dst, ObjectFormat(detect_kv_layout(dst), fmt.chunk_tokens, fmt.layerwise), **options), dst
 
 
+def _assert_only_written(fmt, kind, dst, src, before, written, *context):
+    """Blocks ``written`` (destination -> source block) hold the stored KV of
+    their source; every other block of ``dst`` is as it was (``before``)."""
+    for name in fmt.layout.layer_names:
+        for block in range(BLOCKS):
+            want = src[name] if block in written else before[name]
+            assert torch.equal(block_bytes(kind, dst[name], block),
+                               block_bytes(kind, want, written.get(block, block))), (*context, name, block)
+
+
 @pytest.mark.parametrize("device, issue", DEVICE_ISSUES)
 @pytest.mark.parametrize("kind", ["cpu", "flash_hnd", "packed_lhbnc"])
 @pytest.mark.parametrize("layerwise", [False, True], ids=["chunkwise", "layerwise"])
@@ -91,11 +101,7 @@ def test_a_load_from_inside_its_first_chunk_writes_only_the_blocks_after_the_ski
     assert handle.wait_all(30) and handle.error is None and handle.done()
     written = dict(zip(dst_ids[skip:], src_ids[skip:]))
     assert handle.nbytes == len(written) * fmt.layout.block_bytes_per_layer * LAYERS
-    for name in fmt.layout.layer_names:
-        for block in range(BLOCKS):  # the tail holds the stored KV; every other block is as it was
-            want = src[name] if block in written else before[name]
-            assert torch.equal(block_bytes(kind, dst[name], block),
-                               block_bytes(kind, want, written.get(block, block))), (name, block)
+    _assert_only_written(fmt, kind, dst, src, before, written)
 
 
 @pytest.mark.parametrize("device, issue", DEVICE_ISSUES)
@@ -187,12 +193,7 @@ def test_the_cuda_engine_s_scatters_leave_the_skipped_blocks_out_in_every_stagin
     assert all(job.handle.layer_ready(i) for i in range(LAYERS))
     if rows_cap == 64 and adjacent and kind == "flash_hnd":  # evenly spaced layers: grouped fills
         assert shapes & {"wide", "2 layer(s)"}, shapes
-    written = dict(zip(dst_ids[skip:end], src_ids[skip:end]))
-    for name in fmt.layout.layer_names:
-        for block in range(BLOCKS):
-            want = src[name] if block in written else before[name]
-            assert torch.equal(block_bytes(kind, dst[name], block),
-                               block_bytes(kind, want, written.get(block, block))), (shapes, name, block)
+    _assert_only_written(fmt, kind, dst, src, before, dict(zip(dst_ids[skip:end], src_ids[skip:end])), shapes)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -237,11 +238,7 @@ def test_a_load_that_ends_inside_its_last_chunk_writes_only_the_blocks_before_th
     end = chunks * BPC - tail
     written = dict(zip(dst_ids[head:end], src_ids[head:end]))
     assert handle.nbytes == len(written) * fmt.layout.block_bytes_per_layer * LAYERS
-    for name in fmt.layout.layer_names:
-        for block in range(BLOCKS):  # the blocks between hold the stored KV; every other is as it was
-            want = src[name] if block in written else before[name]
-            assert torch.equal(block_bytes(kind, dst[name], block),
-                               block_bytes(kind, want, written.get(block, block))), (name, block)
+    _assert_only_written(fmt, kind, dst, src, before, written)
 
 
 @pytest.mark.parametrize("device, issue", DEVICE_ISSUES)

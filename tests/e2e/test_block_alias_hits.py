@@ -21,7 +21,8 @@ from maru_connector.transfer.plan import SKIP_BLOCK
 from maru_tools.cluster import wait_until
 
 from .conftest import wait_settled
-from .test_partial_chunk_hits import _counters, _record_plans, _serve_to_output
+from .test_partial_chunk_hits import (_counters, _record_plans, _serve_to_output, assert_recomputed_exactly,
+                                      corrupting)
 from .test_vllm_scheduler import BLOCK, CHUNK, _config, _expected_tokens, _serve, engines  # noqa: F401 (a fixture)
 from maru_tools.workload import random_tokens
 
@@ -91,49 +92,16 @@ def test_a_prompt_that_goes_on_from_a_stored_prompt_loads_its_tail(engines, inde
     wait_settled(index)
 
 
-class _CorruptSkippedTail:
-    """The worker's engine, flipping one byte of the last block of the load's
-    last object (the block the alias does not cover) before the copies."""
-
-    def __init__(self, real):
-        self.real = real
-        self.flipped = 0
-
-    def submit_load(self, chunks, *args, **kwargs):
-        ids, sources = chunks[-1]
-        if ids[-1] == SKIP_BLOCK:
-            block = self.real.layout.block_bytes_per_layer
-            at = self.real.fmt.layer_source(tuple(sources), 0) + (len(ids) - 1) * block + 5
-            self.real.pool[at] ^= 0x01
-            self.flipped += 1
-        return self.real.submit_load(chunks, *args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self.real, name)
-
-
 @pytest.mark.parametrize("defer_finalize", list(ORDERS.values()), ids=list(ORDERS))
 @pytest.mark.parametrize("mode", list(MODES))
 def test_a_corrupted_byte_in_the_block_left_out_fails_the_load_and_it_is_recomputed(
         engines, index, mode, defer_finalize):
     stored, prompt = _prompts()
     _store(engines, index, stored)
-    wrapped = []
-
-    def wrap(resources):
-        resources.engine = _CorruptSkippedTail(resources.engine)
-        wrapped.append(resources.engine)
-        return resources
-
+    wrapped, wrap = corrupting("tail")
     reader = engines(_config(index, **MODES[mode]), wrap_resources=wrap, defer_finalize=defer_finalize)
     assert _serve(reader, "r", prompt) == _expected_tokens(prompt, reader.num_layers, 2)
-    assert wrapped[0].flipped == 1  # the load of the chunk's first block ran, on a corrupted object
-    failures = reader.worker.worker_half.stats.snapshot()["load_failures"]
-    assert failures.get("header_mismatch") == 1  # the whole object was verified
-    assert len([r for r in reader.history if r.invalid_block_ids]) == 1
-    wait_settled(index)
-    _serve_to_output(reader, "again", prompt)  # what it recomputed is exact
-    assert reader.wrong_positions("again", prompt) == []
+    assert_recomputed_exactly(reader, index, prompt, wrapped)
 
 
 def test_the_aliased_chunk_gone_before_the_load_is_recomputed(engines, index, proxy):

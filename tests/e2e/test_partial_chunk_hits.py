@@ -14,6 +14,7 @@ boundary chunk gone) is a recompute, and the KV is always the computed KV.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import pytest
 
@@ -112,24 +113,54 @@ def test_a_local_hit_ending_inside_a_chunk_gets_the_rest_from_the_pool(engines, 
     wait_settled(index)
 
 
-class _CorruptSkippedHead:
-    """The worker's engine, flipping one byte of the first block of the
-    load's first object (the block vLLM holds already) before the copies."""
+class CorruptLeftOutBlock:
+    """The worker's engine, flipping one byte of a block a load leaves out
+    (``SKIP_BLOCK``) before the copies: the first block of the load's first
+    object (``end="head"``: the block vLLM holds already) or the last block
+    of its last (``end="tail"``: a block a block alias does not cover)."""
 
-    def __init__(self, real):
+    def __init__(self, real, end: str):
         self.real = real
+        self.end = end
         self.flipped = 0
 
     def submit_load(self, chunks, *args, **kwargs):
-        ids, sources = chunks[0]
-        if ids[0] == SKIP_BLOCK:
-            at = self.real.fmt.layer_source(tuple(sources), 0) + 5  # inside the first block
-            self.real.pool[at] ^= 0x01
+        ids, sources = chunks[0] if self.end == "head" else chunks[-1]
+        position = 0 if self.end == "head" else len(ids) - 1
+        if ids[position] == SKIP_BLOCK:
+            block = self.real.layout.block_bytes_per_layer
+            self.real.pool[self.real.fmt.layer_source(tuple(sources), 0) + position * block + 5] ^= 0x01
             self.flipped += 1
         return self.real.submit_load(chunks, *args, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self.real, name)
+
+
+def corrupting(end: str) -> tuple[list, Callable]:
+    """A ``wrap_resources`` hook putting a ``CorruptLeftOutBlock`` before the
+    worker's engine, and the list it puts each one made into."""
+    made: list[CorruptLeftOutBlock] = []
+
+    def wrap(resources):
+        resources.engine = CorruptLeftOutBlock(resources.engine, end)
+        made.append(resources.engine)
+        return resources
+
+    return made, wrap
+
+
+def assert_recomputed_exactly(reader, index, prompt, wrapped) -> None:
+    """The corrupted load ran once, failed its check, was reported once, and
+    what the reader recomputed is exact (checked in a fresh request's blocks,
+    the corrupted object now refused on every load)."""
+    assert wrapped[0].flipped == 1
+    failures = reader.worker.worker_half.stats.snapshot()["load_failures"]
+    assert failures.get("header_mismatch") == 1  # the whole object was verified
+    assert len([r for r in reader.history if r.invalid_block_ids]) == 1
+    wait_settled(index)
+    _serve_to_output(reader, "again", prompt)
+    assert reader.wrong_positions("again", prompt) == []
 
 
 @pytest.mark.parametrize("defer_finalize", list(ORDERS.values()), ids=list(ORDERS))
@@ -138,26 +169,11 @@ def test_a_corrupted_byte_in_the_skipped_head_fails_the_load_and_it_is_recompute
         engines, index, mode, defer_finalize):
     stored, sibling = _prompts()
     _store(engines, index, stored)
-    wrapped = []
-
-    def wrap(resources):
-        resources.engine = _CorruptSkippedHead(resources.engine)
-        wrapped.append(resources.engine)
-        return resources
-
+    wrapped, wrap = corrupting("head")
     reader = _reader(engines, index, sibling, knobs=MODES[mode], wrap_resources=wrap,
                      defer_finalize=defer_finalize)
     assert _serve(reader, "r", stored) == _expected_tokens(stored, reader.num_layers, 2)
-    assert wrapped[0].flipped == 1  # the partial load ran, on a corrupted head
-    failures = reader.worker.worker_half.stats.snapshot()["load_failures"]
-    assert failures.get("header_mismatch") == 1  # the whole object was verified
-    reported = [r for r in reader.history if r.invalid_block_ids]
-    assert len(reported) == 1
-    wait_settled(index)
-    # What it recomputed is exact (checked in a fresh request's blocks, the
-    # corrupted object now refused on every load).
-    _serve_to_output(reader, "again", stored)
-    assert reader.wrong_positions("again", stored) == []
+    assert_recomputed_exactly(reader, index, stored, wrapped)
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
