@@ -185,8 +185,8 @@ class MaruSchedulerHalf:
             return 0, False
         keys = self._keys(state)
         first = num_computed_tokens // self._chunk
-        if keys.num_chunks <= first:
-            return 0, False
+        if keys.num_chunks <= first and self._tail_query(keys, first, num_computed_tokens) is None:
+            return 0, False  # no whole chunk to ask for, nor any block past vLLM's own hit
         # A lookup still in flight answers for the chunks it was asked about,
         # even when vLLM's own hit has grown since.
         base = state.lookup_first_chunk if state.lookup_first_chunk is not None else first
@@ -217,6 +217,9 @@ class MaruSchedulerHalf:
         block aliases of the chunk it misses that reach past vLLM's own hit."""
         if not self._load_aliases or keys.namespaces is None:
             return None
+        if keys.num_chunks <= first and keys.alias_blocks(first) * self._block_size <= (
+                num_computed_tokens - first * self._chunk):
+            return None  # the prompt's last chunk has no whole block beyond vLLM's own hit
 
         def candidates(chunks_matched: int) -> list[tuple[int, bytes]]:  # on the lookup thread
             chunk = first + chunks_matched

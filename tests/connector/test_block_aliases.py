@@ -196,6 +196,24 @@ def test_a_prompt_that_ends_where_a_stored_prompt_ends_loads_its_tail(index):
     assert load.block_ids[-1] == (ids[12], SKIP_BLOCK, SKIP_BLOCK, SKIP_BLOCK)
 
 
+def test_a_prompt_shorter_than_a_chunk_loads_a_stored_prompt_s_tail(index):
+    half = make_half(index)
+    short = WRITER[:2 * BLOCK + 5]  # no whole chunk: only its tail can hold it
+    req = request("w", short)
+    assert half.get_num_new_matched_tokens(req, 0) == (0, False)  # asked: nothing stored yet
+    half.update_state_after_alloc(req, Blocks(range(4)), 0)
+    (store,) = half.build_connector_meta(step_output({"w": len(short)}, {"w": list(range(4))})).stores
+    (tail,) = store.keys(0)
+    index.committed[tail] = Location(4096, 4096, 1)
+    index.aliases.update((a, tail) for a in split_keys(store.aliases(0)[0]))
+    half.request_finished(req, [])
+    reader = request("r", short[:BLOCK + 3] + [9] * 20)
+    assert half.get_num_new_matched_tokens(reader, 0) == (BLOCK, False)
+    index.calls.clear()
+    assert half.get_num_new_matched_tokens(request("r2", short[:BLOCK - 1]), 0) == (0, False)
+    assert not index.calls  # not even a whole block: the index is not asked
+
+
 @pytest.mark.parametrize("length", [3 * CHUNK, 3 * CHUNK + BLOCK - 1])
 def test_a_prompt_without_a_whole_block_past_its_chunks_stores_no_tail(index, length):
     half = make_half(index)

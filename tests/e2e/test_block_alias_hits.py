@@ -42,13 +42,12 @@ def _prompts():
 
 
 def _store(engines, index, prompt):
-    """Serve ``prompt`` on a writer; wait until its chunks and their aliases are in."""
+    """Serve ``prompt`` on a writer; wait until its chunks, its tail and their aliases are in."""
     aliases = index.stats()["aliases"]
     writer = engines(_config(index))
     assert _serve(writer, "w", prompt) == _expected_tokens(prompt, writer.num_layers, 2)
-    per_chunk = CHUNK // BLOCK - 1
-    wait_until(lambda: index.stats()["aliases"] >= aliases + per_chunk * (len(prompt) // CHUNK), 30.0,
-               what="the writer's aliases registered")
+    expected = (CHUNK // BLOCK - 1) * (len(prompt) // CHUNK) + len(prompt) % CHUNK // BLOCK  # chunks', tail's
+    wait_until(lambda: index.stats()["aliases"] >= aliases + expected, 30.0, what="the writer's aliases registered")
 
 
 @pytest.mark.parametrize("defer_finalize", list(ORDERS.values()), ids=list(ORDERS))
@@ -102,6 +101,20 @@ def test_a_corrupted_byte_in_the_block_left_out_fails_the_load_and_it_is_recompu
     reader = engines(_config(index, **MODES[mode]), wrap_resources=wrap, defer_finalize=defer_finalize)
     assert _serve(reader, "r", prompt) == _expected_tokens(prompt, reader.num_layers, 2)
     assert_recomputed_exactly(reader, index, prompt, wrapped)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_prompt_shorter_than_a_chunk_loads_a_stored_prompt_s_tail(engines, index, mode):
+    stored = random_tokens(CHUNK - 5, seed=next(_seeds))  # one whole block, no whole chunk
+    _store(engines, index, stored)
+    prompt = stored[:BLOCK + 3] + random_tokens(8, seed=next(_seeds))
+    reader = engines(_config(index, **MODES[mode]))
+    _serve_to_output(reader, "r", prompt)
+    assert reader.wrong_positions("r", prompt) == []
+    assert _counters(reader)["lookup_hit_tokens"] == BLOCK
+    reader.run(until=lambda: "r" in reader.finished)
+    assert reader.finished["r"].output == _expected_tokens(prompt, reader.num_layers, 2)
+    wait_settled(index)
 
 
 def test_the_aliased_chunk_gone_before_the_load_is_recomputed(engines, index, proxy):
