@@ -12,13 +12,14 @@ reserves nothing, and refreshes only the alias it answers.
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, TypedDict
 
 from maru_core.index.aliases import AliasTable
 from maru_core.keys import KEY_BYTES, packed_layer_keys
 
 if TYPE_CHECKING:
     from maru_core.index.connection import Reply
+    from maru_core.index.object_ops import FlushArgs
     from maru_core.index.registry import Registry
 
 #: Aliases stored per step of a ``put_aliases`` (about 0.3 ms; 16,384 in one step took 5 to 20 ms).
@@ -91,15 +92,15 @@ class AliasOps:
                 return {"position": position, "target": target}
         return {"position": None, "target": None}
 
-    def clearing_after(self, flush: Callable[[str, Any], Generator[None, None, "Reply"]]
-                       ) -> Callable[[str, Any], Generator[None, None, "Reply"]]:  # fmt: skip
+    def clearing_after(self, flush: Callable[[str, "FlushArgs"], Generator[None, None, "Reply"]]
+                       ) -> Callable[[str, "FlushArgs"], Generator[None, None, "Reply"]]:  # fmt: skip
         """``flush`` that also clears the table when it flushed the whole cache: a request
         with no ``layout`` or ``format`` filter that reached the record table's end (the
         last request of ``marucache flush`` without filters). A flush by layout or
         format, or of rows short of the end, keeps the aliases: those whose targets it
         evicted answer as unknown from then on, and age out."""
 
-        def flush_and_clear(lease_id: str, args: Any) -> Generator[None, None, "Reply"]:
+        def flush_and_clear(lease_id: str, args: "FlushArgs") -> Generator[None, None, "Reply"]:
             reply = yield from flush(lease_id, args)
             if args["layout"] is None and args["format"] is None and reply["next_cursor"] is None:
                 self.table.clear()
