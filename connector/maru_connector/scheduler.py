@@ -185,14 +185,15 @@ class MaruSchedulerHalf:
             return 0, False
         keys = self._keys(state)
         first = num_computed_tokens // self._chunk
-        if keys.num_chunks <= first and self._tail_query(keys, first, num_computed_tokens) is None:
+        tail = self._tail_query(keys, first, num_computed_tokens)
+        if keys.num_chunks <= first and tail is None:
             return 0, False  # no whole chunk to ask for, nor any block past vLLM's own hit
         # A lookup still in flight answers for the chunks it was asked about,
         # even when vLLM's own hit has grown since.
         base = state.lookup_first_chunk if state.lookup_first_chunk is not None else first
         matched = self._lookup.match(request.request_id, self._lookup_keys(keys, first),
                                      pin_group=self._early_pin_group(),
-                                     tail=self._tail_query(keys, first, num_computed_tokens))
+                                     tail=tail)
         if matched is None:
             state.lookup_first_chunk = base
             return None, False
