@@ -68,6 +68,7 @@ import time
 from collections.abc import Generator
 from typing import Any, Callable, cast
 
+from maru_core import pod_credentials
 from maru_core.index.accept import Acceptor, bind_tcp
 from maru_core.index.alias_ops import AliasOps, MatchAliasArgs, PutAliasesArgs
 from maru_core.index.aliases import AliasTable
@@ -488,9 +489,13 @@ class IndexServer:
 
     def _hello(self, conn: Connection, args: dict) -> dict:
         protocol = negotiate(args["protocol"])
+        peer = conn.peer_key  # whose quotas, share of the pool and turns the lease uses
         if self._token is not None:
             offered = (args["token"] or "").encode()
-            if not hmac.compare_digest(offered, self._token):
+            pod = pod_credentials.pod_of(self._token.decode(), args["token"]) if args["token"] else None
+            if pod is not None:  # its pod is its peer, whatever the address it comes from
+                peer = f"pod:{pod}"
+            elif not hmac.compare_digest(offered, self._token):
                 conn.close_after_reply = "auth"
                 self.refusals.warning("wrong or missing token from %s (client %r): closing the connection",
                                        conn.peer, str(args["client"])[:64])  # fmt: skip
@@ -500,12 +505,16 @@ class IndexServer:
                     self._count_rate_limited("auth_failures", conn.peer_key)
                 if self._metrics is not None:
                     self._metrics.count_auth_failure()
+                if pod_credentials.is_credential(args["token"] or ""):
+                    raise ProtocolError(ErrorType.AUTH, "a pod credential not minted with this cache's token (another "
+                                        "cache's, or forged); the pod's sidecar writes the right one")
                 raise ProtocolError(
                     ErrorType.AUTH,
                     "wrong or missing token; use the token of this cache's index (its token file or Secret)",
                 )
         self._check_lease_cap(conn, args["lease_id"])
-        conn.opened(self.registry.open_lease(args["client"], args["lease_id"], peer=conn.peer_key))
+        conn.peer_key = peer
+        conn.opened(self.registry.open_lease(args["client"], args["lease_id"], peer=peer))
         conn.client = args["client"]
         return {
             "lease_id": conn.lease_id,

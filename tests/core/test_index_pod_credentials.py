@@ -1,0 +1,81 @@
+"""Per-pod credentials on a real index process: two pods behind one address
+(as behind a NAT, or hostNetwork pods) are two peers, each with its own
+share of the pins, while two clients of that address with the cache token
+stay one peer; a credential minted with another token, or with its pod's
+name changed, is refused with ``auth``."""
+
+from __future__ import annotations
+
+import pytest
+from quota_objects import numbered, store
+from test_index_peer_quotas import serve
+
+from maru_core import pod_credentials
+from maru_core.index.client import IndexClient
+from maru_core.index.client_ops import IndexRejected
+from maru_core.pool import Pool
+from maru_tools.index_process import IndexProcess
+
+
+def _client(index: IndexProcess, token: str) -> IndexClient:
+    client = IndexClient(index.url, token=token, client_name="marucache-testing", timeout_s=5.0)
+    client.connect()
+    return client
+
+
+def _pins_until_refused(clients: list[IndexClient], keys: list[bytes]) -> tuple[int, IndexRejected | None]:
+    """Pin ``keys`` 250 at a time, the clients (leases of one pod) in turn, until refused."""
+    pinned = 0
+    for n, start in enumerate(range(0, len(keys), 250)):
+        try:
+            clients[n % len(clients)].retrieve(keys[start : start + 250])
+        except IndexRejected as exc:
+            return pinned, exc
+        pinned += len(keys[start : start + 250])
+    return pinned, None
+
+
+@pytest.mark.parametrize("by_pod", [True, False], ids=["pod credentials", "cache token"])
+def test_two_pods_behind_one_address_have_a_share_each(by_pod):
+    """Two leases per pod (an engine's scheduler and worker), so the peer's quota binds, not a lease's."""
+    process, _ = serve()
+    with process as index, Pool.attach(index.pool_path) as pool:
+        tokens = ([pod_credentials.mint(index.token, f"team-a/vllm-{n}") for n in range(2)] if by_pod
+                  else [index.token, index.token])  # fmt: skip
+        pod_a, pod_b = ([_client(index, token) for _ in range(2)] for token in tokens)  # all from 127.0.0.1
+        try:
+            pages = pool.geometry.num_pages
+            keys = numbered(1, int(0.9 * pages))
+            for start in range(0, len(keys), 1000):
+                store(pod_a[0], pool, keys[start : start + 1000])
+            share = pages // 2  # a peer's default pin quota
+            split = int(0.6 * pages)
+            pinned_a, refused_a = _pins_until_refused(pod_a, keys[:split])
+            assert refused_a is not None and refused_a.error_type == "quota"
+            assert "--max-peer-pin-fraction" in refused_a.message
+            assert share - 250 < pinned_a <= share
+            pinned_b, refused_b = _pins_until_refused(pod_b, keys[split - 1000 :])
+            if by_pod:
+                assert "peer pod:team-a/vllm-0" in refused_a.message
+                assert refused_b is None, refused_b  # its own share: the other pod's pins cost it nothing
+                assert pinned_b == len(keys) - split + 1000
+            else:
+                assert "peer 127.0.0.1" in refused_a.message
+                assert refused_b is not None and pinned_b == 0  # one peer: its share is spent
+        finally:
+            for client in pod_a + pod_b:
+                client.close()
+
+
+def test_forged_credentials_are_refused():
+    process, _ = serve()
+    with process as index:
+        genuine = pod_credentials.mint(index.token, "team-a/vllm-0")
+        other_cache = pod_credentials.mint("another cache's token, long enough", "team-a/vllm-0")
+        renamed = genuine.replace("vllm-0", "vllm-1")
+        for credential in (other_cache, renamed, genuine[:-1]):
+            with pytest.raises(IndexRejected) as refused:
+                _client(index, credential)
+            assert refused.value.error_type == "auth"
+            assert "pod credential not minted with this cache's token" in refused.value.message
+        _client(index, genuine).close()
