@@ -13,6 +13,7 @@ else in the connector reads the raw dict.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,9 @@ PREFAULT_UNSET_MAX_BYTES = 64 << 30  # 128 MiB of page tables per worker
 # The connector's name for the core's error: ``except MaruConfigError`` catches every knob error.
 MaruConfigError = ConnectorConfigError
 
+
+#: How long a token file that a sidecar writes (a pod credential) is waited for.
+TOKEN_FILE_WAIT_S = 5.0
 
 @dataclass(frozen=True)
 class MaruConfig(ConnectorKnobs):
@@ -109,18 +113,28 @@ class MaruConfig(ConnectorKnobs):
         return handoff_url
 
     def resolve_token(self) -> str | None:
-        """The index token: inline, or read from ``maru_token_file``."""
+        """The index token: inline, or read from ``maru_token_file``. With a sidecar, a file that
+        does not exist yet is waited for, ``TOKEN_FILE_WAIT_S`` at most: it may be the pod's
+        credential, which the sidecar writes at start (before it serves its socket)."""
         if self.maru_token is not None:
             return self.maru_token
         if self.maru_token_file is not None:
-            try:
-                return Path(self.maru_token_file).read_text().strip()
-            except OSError as exc:
-                raise MaruConfigError(
-                    f"maru_token_file={self.maru_token_file!r} cannot be read ({exc}); "
-                    "point it at the file holding the cache's index token"
-                ) from exc
+            wait_s = TOKEN_FILE_WAIT_S if self.maru_sidecar_socket is not None else 0.0
+            deadline = time.monotonic() + wait_s
+            while True:
+                try:
+                    return Path(self.maru_token_file).read_text().strip()
+                except FileNotFoundError:
+                    if time.monotonic() >= deadline:
+                        raise MaruConfigError(self._unreadable_token(f"no such file after {wait_s:g} s")) from None
+                    time.sleep(0.05)
+                except OSError as exc:
+                    raise MaruConfigError(self._unreadable_token(str(exc))) from exc
         return None
+
+    def _unreadable_token(self, why: str) -> str:
+        return (f"maru_token_file={self.maru_token_file!r} cannot be read ({why}); point it at the file holding "
+                "the cache's index token, or the pod credential its sidecar writes (--credential-file)")
 
 
 def _check_copy_settings(cfg: MaruConfig) -> None:

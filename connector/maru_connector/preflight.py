@@ -39,7 +39,8 @@ SIDECAR_WAIT_S = 5.0
 
 # What to change for each refusal type of the hand-off (maru_core.handoff.ERROR_TYPES).
 _REFUSAL_FIXES = {
-    "auth": "set maru_token or maru_token_file to the cache's token (the one its sidecar was started with)",
+    "auth": "set maru_token or maru_token_file to the cache's token (the one its sidecar was started with) or to "
+            "the pod credential the sidecar writes (--credential-file)",
     "wrong_cache": "set maru_cache_name to the name of the cache this sidecar serves",
     "protocol": "run the same MaruCache version in the vLLM and sidecar containers",
 }
@@ -72,7 +73,15 @@ def check_before_load(extra_config: Mapping[str, Any] | None) -> Checked:
 
 
 def _check(cfg: MaruConfig) -> Checked:
-    token = cfg.resolve_token()
+    try:
+        token = cfg.resolve_token()
+    except MaruConfigError:
+        if not _sidecar_not_up(cfg):
+            raise
+        # The pod credential its sidecar writes before serving its socket: both come later.
+        logger.warning("MaruCache: neither maru_token_file=%s nor the sidecar's socket exist yet; the connector "
+                       "asks again when it starts", cfg.maru_token_file)
+        return Checked(cfg, cfg.maru_index_url, None)
     if cfg.maru_sidecar_socket is None:
         return Checked(cfg, cfg.resolve_index_url(), _read_pool_file(cfg))
     from maru_core.handoff import HandoffProtocolError, HandoffRefused, HandoffUnavailable, fetch_pool
@@ -88,6 +97,12 @@ def _check(cfg: MaruConfig) -> Checked:
         return Checked(cfg, cfg.maru_index_url, None)
     os.close(handoff.fd)
     return Checked(cfg, cfg.resolve_index_url(handoff.index_url), handoff.pool_identity())
+
+
+def _sidecar_not_up(cfg: MaruConfig) -> bool:
+    """A sidecar is configured whose socket does not exist, and the token file is missing too."""
+    return (cfg.maru_sidecar_socket is not None and not os.path.exists(cfg.maru_sidecar_socket)
+            and cfg.maru_token_file is not None and not os.path.exists(cfg.maru_token_file))
 
 
 def _read_pool_file(cfg: MaruConfig) -> "PoolIdentity | None":

@@ -138,6 +138,16 @@ def test_a_sidecar_not_up_yet_is_no_error(tmp_path, monkeypatch):
     assert checked.index_url is None and checked.pool is None
 
 
+def test_a_sidecar_not_up_yet_with_its_pod_credential_is_no_error(tmp_path, monkeypatch):
+    """The token file is the pod credential the sidecar writes at start: neither exists yet."""
+    monkeypatch.setattr("maru_connector.preflight.SIDECAR_WAIT_S", 0.3)
+    monkeypatch.setattr("maru_connector.config.TOKEN_FILE_WAIT_S", 0.3)
+    kv = make_kv_transfer_config(None, sidecar_socket=str(tmp_path / "later.sock"), cache_name=CACHE,
+                                 token_file=str(tmp_path / "credential"))
+    checked = check_before_load(kv["kv_connector_extra_config"])
+    assert checked.index_url is None and checked.pool is None
+
+
 def test_the_index_address_comes_from_the_sidecar_s_hand_off(index, sidecar):
     """Without maru_index_url the worker's clients and the scheduler's lookup use
     the index the sidecar names: a store and a lookup round-trip through it."""

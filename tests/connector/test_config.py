@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import pathlib
 import re
+import threading
+import time
 
 import pytest
 from vllm.config import KVTransferConfig
@@ -117,6 +119,31 @@ def test_token_file_is_read(tmp_path):
     assert parse_config({**BASE, "maru_token_file": str(token)}).resolve_token() == "s3cret"
     with pytest.raises(MaruConfigError, match="cannot be read"):
         parse_config({**BASE, "maru_token_file": str(tmp_path / "none")}).resolve_token()
+
+
+def test_with_a_sidecar_a_token_file_written_later_is_waited_for(tmp_path, monkeypatch):
+    """A pod credential is written by the sidecar at start, maybe after vLLM started."""
+    monkeypatch.setattr("maru_connector.config.TOKEN_FILE_WAIT_S", 2.0)
+    credential = tmp_path / "credential"
+    knobs = {"maru_sidecar_socket": str(tmp_path / "sidecar.sock"), "maru_cache_name": "c1",
+             "maru_token_file": str(credential)}
+    writer = threading.Timer(0.3, credential.write_text, args=("maru-pod-v1:ns/pod:ab\n",))
+    writer.start()
+    try:
+        assert parse_config(knobs).resolve_token() == "maru-pod-v1:ns/pod:ab"
+    finally:
+        writer.cancel()
+    monkeypatch.setattr("maru_connector.config.TOKEN_FILE_WAIT_S", 0.2)
+    with pytest.raises(MaruConfigError, match=r"no such file after 0.2 s.*--credential-file"):
+        parse_config({**knobs, "maru_token_file": str(tmp_path / "never")}).resolve_token()
+
+
+def test_without_a_sidecar_a_missing_token_file_is_an_error_at_once(tmp_path, monkeypatch):
+    monkeypatch.setattr("maru_connector.config.TOKEN_FILE_WAIT_S", 30.0)
+    started = time.monotonic()
+    with pytest.raises(MaruConfigError, match="cannot be read"):
+        parse_config({**BASE, "maru_token_file": str(tmp_path / "none")}).resolve_token()
+    assert time.monotonic() - started < 5
 
 
 def test_make_kv_transfer_config_is_accepted_by_vllm():
