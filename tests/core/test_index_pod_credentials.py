@@ -1,13 +1,15 @@
 """Per-pod credentials on a real index process: two pods behind one address
 (as behind a NAT, or hostNetwork pods) are two peers, each with its own
-share of the pins, while two clients of that address with the cache token
-stay one peer; a credential minted with another token, or with its pod's
-name changed, is refused with ``auth``."""
+share of the pins and of the pool (fair-share eviction), while two clients
+of that address with the cache token stay one peer; a credential minted
+with another token, or with its pod's name changed, is refused with
+``auth``."""
 
 from __future__ import annotations
 
 import pytest
 from quota_objects import numbered, store
+from test_index_fair_eviction import NO_EVICTION_WINDOWS, _keys, _store_what_fits
 from test_index_peer_quotas import serve
 
 from maru_core import pod_credentials
@@ -65,6 +67,28 @@ def test_two_pods_behind_one_address_have_a_share_each(by_pod):
         finally:
             for client in pod_a + pod_b:
                 client.close()
+
+
+def test_a_pod_storing_without_end_leaves_a_neighbour_pods_objects_within_its_share():
+    """The fair-share test of ``test_index_fair_eviction``, both pods behind one address:
+    with the cache token they would be one peer, and the victim's objects the oldest of it."""
+    process, _ = serve(*NO_EVICTION_WINDOWS)
+    with process as index, Pool.attach(index.pool_path) as pool:
+        pages = pool.geometry.num_pages
+        victim = _client(index, pod_credentials.mint(index.token, "team-a/victim"))
+        attacker = _client(index, pod_credentials.mint(index.token, "team-a/attacker"))
+        try:
+            mine = numbered(1, pages // 8)
+            store(victim, pool, mine)
+            stored = 0
+            while stored < 3 * pages:
+                stored += _store_what_fits(attacker, pool, _keys(stored, 1000))
+            assert victim.stats()["evictions"] >= 2 * pages  # the attacker turned the pool over
+            assert victim.retrieve(mine).misses() == 0, "the neighbour pod evicted the victim's objects"
+            assert victim.unpin(mine) == len(mine)
+        finally:
+            attacker.close()
+            victim.close()
 
 
 def test_forged_credentials_are_refused():
