@@ -9,7 +9,7 @@ index's resident memory at the end of each scenario, the share of a core it
 used while measured (CPU), and whether it lived. Usage (repository root)::
 
     python bench/index_attacks.py [--seconds 5] [--only NAME ...] [--honest-clients 200] [--out ...]
-        [--alternate] [--pin-cores] [--attacker-address 127.0.0.2] [--time-budget S]
+        [--alternate] [--pin-cores] [--attacker-address 127.0.0.2] [--pods] [--time-budget S]
     python bench/index_attacks.py --loop [--seconds 5] [--out ...]   # longest event-loop callbacks instead
 
 Each attack is what an unauthenticated peer, a broken client or a client
@@ -23,9 +23,15 @@ refuse the normal client too. The attacks of ``bench/quota_attacks.py`` (a
 client with the token: pins without end, reservations never committed,
 evictions, connections held, a slow frame) join ``ATTACKS``. The
 ``*_same_address`` attacks always come from 127.0.0.1, on purpose: a
-neighbour behind the normal clients' NAT. ``--honest-clients N`` adds N
-clients behind that address (a heartbeat every 0.5 s each) and reports how
-many got in and how many answers a second they got.
+neighbour behind the normal clients' NAT. With ``--pods`` every client
+presents its own pod's credential instead of the token (``credential``: the
+normal client, the key holder, each honest client, the attacker), and the
+attacks of a token holder (``TOKEN_HOLDER_ATTACKS``) come from 127.0.0.1: a
+hostile pod behind the honest pods' own address, told apart by its credential
+alone; ``--attacker-address 127.0.0.1`` without it shows the same attacks
+with the cache token, one peer with the normal clients. ``--honest-clients
+N`` adds N clients behind that address (a heartbeat every 0.5 s each) and
+reports how many got in and how many answers a second they got.
 
 ``--alternate`` runs the baseline (no attack) before each attack, so each is
 judged against a baseline measured just before it; ``--pin-cores`` puts the
@@ -56,19 +62,19 @@ import threading
 import time
 
 import numpy as np
-import quota_attacks
 
+from maru_core import pod_credentials
 from maru_core.index.client import IndexClient
 from maru_core.index.launcher import IndexProcess, unique_shm_path
 from maru_core.pool import Pool, SlotHeader
 from maru_core.protocol import MAX_BATCH_KEYS, PROTOCOL_VERSION, FrameDecoder, encode_frame, pack_lengths, parse_url
 from maru_core.protocol.framing import HEADER
 from quota_attacks import ATTACKS as TOKEN_ATTACKS
-from quota_attacks import still_open
+from quota_attacks import Attacker, still_open
 
 TOKEN = "bench-attack-token-0123456789abcdef"
 NORMAL_KEYS = 8000
-#: Source address of the attacker's connections (set in its process by ``_run_attack``).
+#: Default source address of the attacker's connections (``--attacker-address``).
 ATTACKER_ADDRESS = "127.0.0.2"
 #: The normal client's and the honest fleet's address (the system's choice for 127.0.0.1).
 HONEST_ADDRESS = "127.0.0.1"
@@ -77,14 +83,22 @@ HONEST_ADDRESS = "127.0.0.1"
 # -- attacks (each runs in its own process until `stop` is set) ----------------------------------
 
 
-def _connect(url: str) -> socket.socket:
+def credential(role: str, pods: bool) -> str:
+    """What ``role`` presents in ``hello``: the cache token, or with ``--pods`` the credential of a
+    pod of its own, ``bench/<role>``. The roles: ``client`` (the normal client, which also stores the
+    normal and the kept objects), ``holder`` (keeps the normal objects pinned), ``fleet-N`` (each
+    honest client) and ``attacker`` (every connection of an attack that holds the token)."""
+    return pod_credentials.mint(TOKEN, f"bench/{role}") if pods else TOKEN
+
+
+def _connect(url: str, attacker: Attacker) -> socket.socket:
     address = parse_url(url)
-    sock = socket.create_connection((address.host, address.port), timeout=10, source_address=(ATTACKER_ADDRESS, 0))
+    sock = socket.create_connection((address.host, address.port), timeout=10, source_address=(attacker.address, 0))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return sock
 
 
-def _hello(sock: socket.socket, token: str = TOKEN, rid: int = 0) -> bytes:
+def _hello(token: str, rid: int = 0) -> bytes:
     return encode_frame({"id": rid, "op": "hello", "protocol": PROTOCOL_VERSION, "client": "attacker", "token": token})
 
 
@@ -98,13 +112,13 @@ def _drain(sock: socket.socket) -> None:
     sock.setblocking(True)
 
 
-def preauth_memory(url: str, stop) -> None:
+def preauth_memory(url: str, stop, attacker: Attacker) -> None:
     """100 connections each announce a 16 MiB frame and send 6 bytes, before any hello; reconnect when closed."""
     socks = []
     while not stop.is_set():
         while len(socks) < 100:
             try:
-                s = _connect(url)
+                s = _connect(url, attacker)
                 s.sendall(HEADER.pack(16 * 1024 * 1024) + b"abcdef")
                 socks.append(s)
             except OSError:
@@ -113,7 +127,7 @@ def preauth_memory(url: str, stop) -> None:
         socks = still_open(socks)
 
 
-def idle_flood(url: str, stop) -> None:
+def idle_flood(url: str, stop, attacker: Attacker) -> None:
     """Keep 2,000 idle connections open (reopened as the index closes them)."""
     import resource
 
@@ -124,7 +138,7 @@ def idle_flood(url: str, stop) -> None:
         socks = [s for s in socks if s.fileno() >= 0]
         while len(socks) < 2000 and not stop.is_set():
             try:
-                socks.append(_connect(url))
+                socks.append(_connect(url, attacker))
             except OSError:
                 time.sleep(0.05)
                 break
@@ -140,14 +154,14 @@ def idle_flood(url: str, stop) -> None:
         time.sleep(0.2)
 
 
-def slowloris(url: str, stop) -> None:
+def slowloris(url: str, stop, attacker: Attacker) -> None:
     """200 connections sending one byte of a hello every second."""
-    frame = _hello(None)  # type: ignore[arg-type]
+    frame = _hello(attacker.token)
     socks = {}
     while not stop.is_set():
         while len(socks) < 200:
             try:
-                socks[_connect(url)] = 0
+                socks[_connect(url, attacker)] = 0
             except OSError:
                 break
         for s, sent in list(socks.items()):
@@ -160,38 +174,38 @@ def slowloris(url: str, stop) -> None:
         stop.wait(1.0)
 
 
-def stats_pipeline(url: str, stop) -> None:
+def stats_pipeline(url: str, stop, attacker: Attacker) -> None:
     """One connection (with the token) pipelines stats requests as fast as it can, reading the replies."""
-    sock = _connect(url)
-    sock.sendall(_hello(sock))
+    sock = _connect(url, attacker)
+    sock.sendall(_hello(attacker.token))
     batch = b"".join(encode_frame({"id": i, "op": "stats"}) for i in range(1, 2001))
     while not stop.is_set():
         try:
             sock.sendall(batch)
             _drain(sock)
         except OSError:
-            sock = _connect(url)
-            sock.sendall(_hello(sock))
+            sock = _connect(url, attacker)
+            sock.sendall(_hello(attacker.token))
 
 
-def hello_flood(url: str, stop) -> None:
+def hello_flood(url: str, stop, attacker: Attacker) -> None:
     """One connection pipelines hello after hello (each would open a lease)."""
-    sock = _connect(url)
-    batch = b"".join(_hello(sock, rid=i) for i in range(500))
+    sock = _connect(url, attacker)
+    batch = b"".join(_hello(attacker.token, rid=i) for i in range(500))
     while not stop.is_set():
         try:
             sock.sendall(batch)
             _drain(sock)
         except OSError:
-            sock = _connect(url)
+            sock = _connect(url, attacker)
 
 
-def reserve_flood(url: str, stop) -> None:
+def reserve_flood(url: str, stop, attacker: Attacker) -> None:
     """Reserves of 131,072 one-byte objects, one after the other (the first fills the pool with reservations,
     the next find it full of what cannot be evicted)."""
     lengths = pack_lengths(np.ones(MAX_BATCH_KEYS, dtype=np.int64))
-    sock = _connect(url)
-    sock.sendall(_hello(sock))
+    sock = _connect(url, attacker)
+    sock.sendall(_hello(attacker.token))
     decoder = FrameDecoder()
     rid = 1
     while not stop.is_set():
@@ -207,30 +221,30 @@ def reserve_flood(url: str, stop) -> None:
             rid += 1
         except OSError:
             time.sleep(0.01)
-            sock, decoder, rid = _connect(url), FrameDecoder(), 1
-            sock.sendall(_hello(sock))
+            sock, decoder, rid = _connect(url, attacker), FrameDecoder(), 1
+            sock.sendall(_hello(attacker.token))
 
 
-def unpin_bye(url: str, stop, pool_path: str) -> None:
+def unpin_bye(url: str, stop, attacker: Attacker, pool_path: str) -> None:
     """Pin 100 x 8,000 keys (800,000 pins in one lease), unpin 64 of them (not a retrieve's batch), then bye."""
-    keys = _store(url, pool_path, 8000, first=10**7, source_address=ATTACKER_ADDRESS)
+    keys = _store(url, pool_path, 8000, attacker.token, first=10**7, source_address=attacker.address)
     packed = b"".join(keys)
     while not stop.is_set():
-        client = IndexClient(url, token=TOKEN, timeout_s=30, heartbeat=False, source_address=ATTACKER_ADDRESS)
+        client = IndexClient(url, token=attacker.token, timeout_s=30, heartbeat=False, source_address=attacker.address)
         for _ in range(100):
             client.retrieve(packed)
         client.unpin(b"".join(keys[::125]))
         client.close()  # bye
 
 
-def nil_frames(url: str, stop) -> None:
+def nil_frames(url: str, stop, attacker: Attacker) -> None:
     """16 MiB frames of nils (a msgpack array), with the token, back to back."""
     payload = b"\xdd" + (16 * 1024 * 1024 - 5).to_bytes(4, "big") + b"\xc0" * (16 * 1024 * 1024 - 5)
     frame = HEADER.pack(len(payload)) + payload
     while not stop.is_set():
         try:
-            sock = _connect(url)
-            sock.sendall(_hello(sock))
+            sock = _connect(url, attacker)
+            sock.sendall(_hello(attacker.token))
             sock.sendall(frame)
             _drain(sock)
             sock.close()
@@ -238,14 +252,14 @@ def nil_frames(url: str, stop) -> None:
             time.sleep(0.01)
 
 
-def brute_force(url: str, stop) -> None:
+def brute_force(url: str, stop, attacker: Attacker) -> None:
     """Wrong-token hellos as fast as possible (the index closes the connection after each)."""
     i = 0
     while not stop.is_set():
         try:
-            sock = _connect(url)
+            sock = _connect(url, attacker)
             for _ in range(50):
-                sock.sendall(_hello(sock, token=f"guess-{i}"))
+                sock.sendall(_hello(f"guess-{i}"))
                 i += 1
             _drain(sock)
             sock.close()
@@ -253,22 +267,22 @@ def brute_force(url: str, stop) -> None:
             pass
 
 
-def many_connections_pipelining(url: str, stop) -> None:
+def many_connections_pipelining(url: str, stop, attacker: Attacker) -> None:
     """20 connections with the token, each pipelining stats requests as ``stats_pipeline`` does."""
-    threads = [threading.Thread(target=stats_pipeline, args=(url, stop), daemon=True) for _ in range(20)]
+    threads = [threading.Thread(target=stats_pipeline, args=(url, stop, attacker), daemon=True) for _ in range(20)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
 
 
-def wrong_token_same_address(url: str, stop) -> None:
+def wrong_token_same_address(url: str, stop, attacker: Attacker) -> None:
     """Two wrong-token hellos a second from the normal clients' address (a neighbour behind
     their NAT), each on its own connection, waiting for its answer."""
     def guess(i: int) -> None:
         try:
-            sock = _connect(url)
-            sock.sendall(_hello(sock, token=f"guess-{i}"))
+            sock = _connect(url, attacker)
+            sock.sendall(_hello(f"guess-{i}"))
             sock.recv(1 << 16)
             sock.close()
         except OSError:
@@ -280,12 +294,12 @@ def wrong_token_same_address(url: str, stop) -> None:
         i += 1
 
 
-def connect_close_same_address(url: str, stop) -> None:
+def connect_close_same_address(url: str, stop, attacker: Attacker) -> None:
     """Connections opened and closed at once, as fast as the index takes them, from the normal
     clients' address."""
     while not stop.is_set():
         try:
-            _connect(url).close()
+            _connect(url, attacker).close()
         except OSError:
             pass
 
@@ -314,14 +328,28 @@ KEPT_KEYS = 2000
 
 #: Attacks from the normal clients' own address (127.0.0.1), whatever ``--attacker-address`` says.
 SAME_ADDRESS_ATTACKS = frozenset({"wrong_token_same_address", "connect_close_same_address"})
+#: Attacks of a client that holds the token (its hellos succeed): with ``--pods`` a pod of its own,
+#: ``bench/attacker``, behind the normal clients' address. The others never get past ``hello``
+#: (none, a wrong token, or one byte a second): before it the index knows only the address.
+TOKEN_HOLDER_ATTACKS = frozenset({"stats_pipeline", "hello_flood", "reserve_flood", "unpin_bye", "nil_frames",
+                                  "many_connections_pipelining", *TOKEN_ATTACKS})  # fmt: skip
+
+
+def attacker_of(name: str, address: str, pods: bool) -> Attacker:
+    """Where attack ``name``'s connections leave from and what they present: ``address``
+    (``--attacker-address``), or the normal clients' own for the *_same_address attacks and,
+    with ``--pods``, for the token holder's (told apart by its pod credential)."""
+    same_address = name in SAME_ADDRESS_ATTACKS or (pods and name in TOKEN_HOLDER_ATTACKS)
+    return Attacker(address=HONEST_ADDRESS if same_address else address, token=credential("attacker", pods))
 
 
 # -- the normal client ---------------------------------------------------------------------------
 
 
-def _store(url: str, pool_path: str, count: int, first: int = 0, source_address: str | None = None) -> list[bytes]:
+def _store(url: str, pool_path: str, count: int, token: str, first: int = 0,
+           source_address: str | None = None) -> list[bytes]:  # fmt: skip
     keys = [(first + i).to_bytes(16, "little") for i in range(count)]
-    with IndexClient(url, token=TOKEN, timeout_s=30, source_address=source_address) as client, \
+    with IndexClient(url, token=token, timeout_s=30, source_address=source_address) as client, \
             Pool.attach(pool_path) as pool:  # fmt: skip
         slots = client.reserve([(k, 16) for k in keys])
         for k, slot in zip(keys, slots):
@@ -330,11 +358,11 @@ def _store(url: str, pool_path: str, count: int, first: int = 0, source_address:
     return keys
 
 
-def measure(url: str, keys: list[bytes], seconds: float) -> dict:
+def measure(url: str, keys: list[bytes], seconds: float, token: str) -> dict:
     """Heartbeats every 10 ms and an 8,000-key retrieve + unpin every 50 ms, for ``seconds``."""
     packed = b"".join(keys)
     heartbeats, retrieves, misses, failures = [], [], 0, 0
-    with IndexClient(url, token=TOKEN, timeout_s=5) as client:
+    with IndexClient(url, token=token, timeout_s=5) as client:
         client.connect()
         end = time.monotonic() + seconds
         tick = 0
@@ -362,16 +390,18 @@ def measure(url: str, keys: list[bytes], seconds: float) -> dict:
     }  # fmt: skip
 
 
-def honest_fleet(url: str, clients: int, seconds: float, results) -> None:
-    """``clients`` clients with the token behind the normal client's address, each connecting
-    and sending a heartbeat every 0.5 s for ``seconds`` (reconnecting by itself when refused);
-    puts on ``results`` how many got at least one answer, and the answers per second."""
+def honest_fleet(url: str, tokens: list[str], seconds: float, results) -> None:
+    """A client per token (the cache token, or its own pod's credential) behind the normal client's
+    address, each connecting and sending a heartbeat every 0.5 s for ``seconds`` (reconnecting by
+    itself when refused); puts on ``results`` how many got at least one answer, and the answers per
+    second."""
+    clients = len(tokens)
     answered = [0] * clients
     failed = [0] * clients
     end = time.monotonic() + seconds
 
     def client(i: int) -> None:
-        with IndexClient(url, token=TOKEN, timeout_s=5, heartbeat=False) as index_client:
+        with IndexClient(url, token=tokens[i], timeout_s=5, heartbeat=False) as index_client:
             while time.monotonic() < end:
                 try:
                     index_client.heartbeat()
@@ -411,14 +441,12 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _run_attack(name: str, url: str, stop, pool_path: str, source: str) -> None:
-    global ATTACKER_ADDRESS
-    ATTACKER_ADDRESS = HONEST_ADDRESS if name in SAME_ADDRESS_ATTACKS else source
-    quota_attacks.SOURCE_ADDRESS = ATTACKER_ADDRESS  # the token holder's attacks, raw and IndexClient alike
+def _run_attack(name: str, url: str, stop, pool_path: str, attacker: Attacker) -> None:
+    """Attack ``name`` (in its own process) as ``attacker`` until ``stop`` is set."""
     if name in POOL_ATTACKS:
-        ATTACKS[name](url, stop, pool_path)
+        ATTACKS[name](url, stop, attacker, pool_path)
     else:
-        ATTACKS[name](url, stop)
+        ATTACKS[name](url, stop, attacker)
 
 
 def _physical_core(cpu: int) -> tuple[int, int]:
@@ -504,9 +532,9 @@ class _RssSampler:
         return self.samples
 
 
-def _kept_left(url: str, keys: list[bytes]) -> int:
+def _kept_left(url: str, keys: list[bytes], token: str) -> int:
     """How many of ``keys`` are still committed (each retrieved alone: a miss pins nothing)."""
-    with IndexClient(url, token=TOKEN, timeout_s=30, heartbeat=False) as client:
+    with IndexClient(url, token=token, timeout_s=30, heartbeat=False) as client:
         left = 0
         for key in keys:
             if client.retrieve(key).misses() == 0:
@@ -516,9 +544,10 @@ def _kept_left(url: str, keys: list[bytes]) -> int:
 
 
 def scenario(name: str, seconds: float, token_file: str, source: str, honest_clients: int = 0,
-             cores: dict[str, int] | None = None) -> dict:  # fmt: skip
+             cores: dict[str, int] | None = None, pods: bool = False) -> dict:  # fmt: skip
     """A fresh index, the normal keys stored and held pinned, the attack (if any) running, the figures
-    (with ``honest_clients``, also those of a fleet of clients behind the normal client's address)."""
+    (with ``honest_clients``, also those of a fleet of clients behind the normal client's address;
+    with ``pods``, each client presents its own pod's credential: see ``credential``)."""
     pool_path = unique_shm_path("bench-attacks")
     index = IndexProcess(pool_path, pool_size="256Mi", token_file=token_file,
                          extra_args=["--page-size", "4Ki", "--log-level", "ERROR"]).start()  # fmt: skip
@@ -526,14 +555,16 @@ def scenario(name: str, seconds: float, token_file: str, source: str, honest_cli
     ctx = multiprocessing.get_context("spawn")
     stop, attacker = ctx.Event(), None
     try:
-        keys = _store(index.url, pool_path, NORMAL_KEYS)
-        kept = _store(index.url, pool_path, KEPT_KEYS, first=10**8)
-        holder = IndexClient(index.url, token=TOKEN, timeout_s=30)  # keeps the normal keys pinned: always a hit
+        keys = _store(index.url, pool_path, NORMAL_KEYS, credential("client", pods))
+        kept = _store(index.url, pool_path, KEPT_KEYS, credential("client", pods), first=10**8)
+        # keeps the normal keys pinned: always a hit
+        holder = IndexClient(index.url, token=credential("holder", pods), timeout_s=30)
         holder.retrieve(b"".join(keys))
         rss = _RssSampler(index.proc.pid)
         rss_before = _rss_mb(index.proc.pid)
         if name != "alone":
-            attacker = ctx.Process(target=_run_attack, args=(name, index.url, stop, pool_path, source), daemon=True)
+            who = attacker_of(name, source, pods)
+            attacker = ctx.Process(target=_run_attack, args=(name, index.url, stop, pool_path, who), daemon=True)
             attacker.start()
             _pin(attacker.pid, "attacker", cores)
             time.sleep(1.0)  # let the attack build up
@@ -541,14 +572,15 @@ def scenario(name: str, seconds: float, token_file: str, source: str, honest_cli
         attacker_cpu_before = _cpu_s(attacker.pid) if attacker is not None else 0.0
         fleet, fleet_results = None, ctx.Queue()
         if honest_clients:
-            fleet = ctx.Process(target=honest_fleet, args=(index.url, honest_clients, seconds, fleet_results))
+            tokens = [credential(f"fleet-{i}", pods) for i in range(honest_clients)]
+            fleet = ctx.Process(target=honest_fleet, args=(index.url, tokens, seconds, fleet_results))
             fleet.start()
             _pin(fleet.pid, "fleet", cores)
         peers: dict[str, int] = {}
         census = threading.Timer(seconds / 2, lambda: peers.update(peers_of(index.url)))  # mid-measurement
         census.start()
         try:
-            figures = measure(index.url, keys, seconds)
+            figures = measure(index.url, keys, seconds, credential("client", pods))
         except Exception as exc:  # the index stopped answering altogether
             figures = {"error": f"{type(exc).__name__}: {exc}"}
         if attacker is not None and attacker.is_alive():
@@ -566,12 +598,12 @@ def scenario(name: str, seconds: float, token_file: str, source: str, honest_cli
         census.join()
         figures["peers_connected"] = peers
         if name != "alone":
-            figures["attacker_address"] = HONEST_ADDRESS if name in SAME_ADDRESS_ATTACKS else source
+            figures["attacker_address"] = who.address
         stop.set()  # the attack ends before what it left is counted
         if attacker is not None:
             attacker.join(10)
         if figures["index_alive"]:
-            figures["kept_lost"] = KEPT_KEYS - _kept_left(index.url, kept)
+            figures["kept_lost"] = KEPT_KEYS - _kept_left(index.url, kept, credential("client", pods))
             # Eviction takes the least recently used first, whoever stored them: the kept objects, older
             # than anything an attack stores, go at its first evictions. The count says how far it went.
             figures["index_evictions"] = holder.stats()["evictions"]
@@ -587,7 +619,7 @@ def scenario(name: str, seconds: float, token_file: str, source: str, honest_cli
     return figures
 
 
-def longest_callbacks(name: str, seconds: float, source: str) -> list[float]:
+def longest_callbacks(name: str, seconds: float, source: str, pods: bool = False) -> list[float]:
     """The five longest event-loop callbacks of an index (in this process) while the attack runs
     (in another), in CPU milliseconds of the loop's thread: what one request or turn costs the
     others, whatever else the machine is running."""
@@ -609,9 +641,10 @@ def longest_callbacks(name: str, seconds: float, source: str) -> list[float]:
     stop = ctx.Event()
     try:
         with ThreadedIndex(pool, token=TOKEN) as index:
-            _store(index.url, pool_path, NORMAL_KEYS)
+            _store(index.url, pool_path, NORMAL_KEYS, credential("client", pods))
             events.Handle._run = timed
-            attacker = ctx.Process(target=_run_attack, args=(name, index.url, stop, pool_path, source), daemon=True)
+            who = attacker_of(name, source, pods)
+            attacker = ctx.Process(target=_run_attack, args=(name, index.url, stop, pool_path, who), daemon=True)
             attacker.start()
             time.sleep(seconds)
             stop.set()
@@ -648,13 +681,19 @@ def _parser() -> argparse.ArgumentParser:
                              "peer than the normal client's 127.0.0.1, as a hostile pod is; from 127.0.0.1 the "
                              "attacker would share the normal client's per-peer quotas, and refusals meant for it "
                              "would refuse the normal client). The *_same_address attacks use 127.0.0.1 whatever "
-                             "this says")
+                             "this says, and with --pods so do the token holder's")
+    parser.add_argument("--pods", action="store_true",
+                        help="every client presents its own pod's credential, minted from the cache token, instead "
+                             "of the token (the normal client bench/client, the key holder bench/holder, each honest "
+                             "client bench/fleet-N, the attacker bench/attacker), and the attacks of a token holder "
+                             "leave from 127.0.0.1, the honest clients' address: a hostile pod behind their NAT, "
+                             "told apart by its credential")
     parser.add_argument("--time-budget", type=float, default=None, metavar="S",
                         help="start no attack (with its baseline) that would likely end past S seconds from the start")
     return parser
 
 
-def _check_address(parser: argparse.ArgumentParser, address: str) -> None:
+def _check_address(parser: argparse.ArgumentParser, address: str, pods: bool) -> None:
     """The attacker's address must be one this host can send from."""
     try:
         with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as probe:
@@ -662,14 +701,19 @@ def _check_address(parser: argparse.ArgumentParser, address: str) -> None:
     except OSError as exc:
         parser.error(f"--attacker-address {address} cannot be bound on this host ({exc}): give one of its "
                      "addresses, e.g. 127.0.0.2 on Linux")  # fmt: skip
-    if address == HONEST_ADDRESS:
-        print(f"note: the attacker leaves from {HONEST_ADDRESS}, the normal client's address: one peer", flush=True)
+    if pods:
+        print(f"pods: every client presents its own pod's credential (bench/client, bench/holder, bench/fleet-N, "
+              f"bench/attacker); the token holder's attacks leave from {HONEST_ADDRESS}, the others from "
+              f"{address}", flush=True)  # fmt: skip
+    elif address == HONEST_ADDRESS:
+        print(f"note: the attacker leaves from {HONEST_ADDRESS}, the normal client's address, with the cache "
+              "token: one peer", flush=True)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    _check_address(parser, args.attacker_address)
+    _check_address(parser, args.attacker_address, args.pods)
     cores = None
     if args.pin_cores:
         try:
@@ -680,11 +724,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pinned: {cores}", flush=True)
     header = {"machine": os.uname().machine, "python": sys.version.split()[0], "cpus": os.cpu_count(),
               "pinned_cores": cores, "seconds": args.seconds, "attacker_address": args.attacker_address,
-              "load_average_before": os.getloadavg()}  # fmt: skip
+              "pods": args.pods, "load_average_before": os.getloadavg()}  # fmt: skip
     if args.loop:
         loop_results = {}
         for name in args.only or ATTACKS:
-            loop_results[name] = longest_callbacks(name, args.seconds, args.attacker_address)
+            loop_results[name] = longest_callbacks(name, args.seconds, args.attacker_address, args.pods)
             print(f"{name:16} longest callbacks, CPU ms: {loop_results[name]}", flush=True)
         _write(args.out, {**header, "longest_callbacks_ms": loop_results})
         return 0
@@ -717,7 +761,7 @@ def _run_all(args: argparse.Namespace, token_file: str, cores: dict[str, int] | 
             continue
         for run in group:
             results[run] = f = scenario(run.split("#")[0], args.seconds, token_file, args.attacker_address,
-                                        args.honest_clients, cores)  # fmt: skip
+                                        args.honest_clients, cores, args.pods)  # fmt: skip
             print(_line(run, f, args.honest_clients) + f" {time.monotonic() - started:>5.0f}", flush=True)
             _write(args.out, {**header, "load_average_after": os.getloadavg(), "results": results, "skipped": skipped})
         longest = max(longest, time.monotonic() - started - elapsed)

@@ -1,7 +1,7 @@
 """What one client holding the cache's token could do to the others: the attacks of
 `bench/index_attacks.py` that need the token and, some of them, the pool.
 
-Each runs in its own process until ``stop`` is set, as ``attack(url, stop, pool_path)``:
+Each runs in its own process until ``stop`` is set, as ``attack(url, stop, attacker, pool_path)``:
 
 - ``pin_flood``: retrieves 20,000 keys of its own again and again, never unpinning,
   keeping its lease alive (every occurrence of a pin used to be kept);
@@ -14,28 +14,39 @@ Each runs in its own process until ``stop`` is set, as ``attack(url, stop, pool_
   (a map, as every message is) and sending one byte of it every 5 s.
 
 Every connection of theirs, ``IndexClient`` and raw socket alike, leaves from
-``SOURCE_ADDRESS`` (``bench/index_attacks.py`` sets it from
-``--attacker-address``): another peer than the normal clients, as another
-pod is, so the per-peer quotas that stop the attack are the attacker's own.
+``attacker.address`` and presents ``attacker.token`` in its ``hello`` (an
+``Attacker``, which ``bench/index_attacks.py`` makes from its flags): by
+default another address than the normal clients' with the cache token, with
+``--pods`` the normal clients' own address with a pod credential of its own.
+Either way another peer than the normal clients, as another pod is, so the
+per-peer quotas that stop the attack are the attacker's own.
 """
 
 from __future__ import annotations
 
 import socket
 import time
+from dataclasses import dataclass
 
 from maru_core.index.client import IndexClient
 from maru_core.pool import Pool, SlotHeader
 from maru_core.protocol import PROTOCOL_VERSION, encode_frame, parse_url
 from maru_core.protocol.framing import HEADER
 
-TOKEN = "bench-attack-token-0123456789abcdef"
-#: Source address of these attacks' connections: another peer than the normal clients.
-SOURCE_ADDRESS = "127.0.0.2"
 
 
-def _client(url: str, timeout_s: float = 30) -> IndexClient:
-    return IndexClient(url, token=TOKEN, timeout_s=timeout_s, client_name="attacker", source_address=SOURCE_ADDRESS)
+@dataclass(frozen=True)
+class Attacker:
+    """Who an attack is: the address its connections leave from and what it presents in ``hello``
+    (the cache token, or a pod credential minted from it). Passed to each attack's process."""
+
+    address: str
+    token: str
+
+
+def _client(url: str, attacker: Attacker, timeout_s: float = 30) -> IndexClient:
+    return IndexClient(url, token=attacker.token, timeout_s=timeout_s, client_name="attacker",
+                       source_address=attacker.address)  # fmt: skip
 
 
 def _keys(first: int, count: int) -> list[bytes]:
@@ -57,9 +68,9 @@ def _store(client: IndexClient, pool: Pool, keys: list[bytes]) -> int:
         return 0
 
 
-def pin_flood(url: str, stop, pool_path: str) -> None:
+def pin_flood(url: str, stop, attacker: Attacker, pool_path: str) -> None:
     keys = _keys(2 * 10**7, 20_000)
-    with _client(url) as client, Pool.attach(pool_path) as pool:
+    with _client(url, attacker) as client, Pool.attach(pool_path) as pool:
         _store(client, pool, keys)
         packed = b"".join(keys)
         while not stop.is_set():
@@ -69,9 +80,9 @@ def pin_flood(url: str, stop, pool_path: str) -> None:
                 time.sleep(0.01)
 
 
-def reserve_hog(url: str, stop, pool_path: str) -> None:
+def reserve_hog(url: str, stop, attacker: Attacker, pool_path: str) -> None:
     first = 3 * 10**7
-    with _client(url) as client:
+    with _client(url, attacker) as client:
         while not stop.is_set():
             try:
                 client.reserve([(k, 4096) for k in _keys(first, 8_000)])
@@ -80,20 +91,20 @@ def reserve_hog(url: str, stop, pool_path: str) -> None:
             first += 8_000
 
 
-def evict_wipe(url: str, stop, pool_path: str) -> None:
+def evict_wipe(url: str, stop, attacker: Attacker, pool_path: str) -> None:
     first = 4 * 10**7
-    with _client(url) as client, Pool.attach(pool_path) as pool:
+    with _client(url, attacker) as client, Pool.attach(pool_path) as pool:
         while not stop.is_set():
             if not _store(client, pool, _keys(first, 16_000)):
                 stop.wait(0.05)
             first += 16_000
 
 
-def _token_socket(url: str) -> socket.socket:
+def _token_socket(url: str, attacker: Attacker) -> socket.socket:
     address = parse_url(url)
-    sock = socket.create_connection((address.host, address.port), timeout=10, source_address=(SOURCE_ADDRESS, 0))
+    sock = socket.create_connection((address.host, address.port), timeout=10, source_address=(attacker.address, 0))
     sock.sendall(encode_frame({"id": 0, "op": "hello", "protocol": PROTOCOL_VERSION, "client": "attacker",
-                               "token": TOKEN}))  # fmt: skip
+                               "token": attacker.token}))  # fmt: skip
     return sock
 
 
@@ -115,7 +126,7 @@ def still_open(socks: list[socket.socket]) -> list[socket.socket]:
     return alive
 
 
-def token_connection_hoard(url: str, stop, pool_path: str) -> None:
+def token_connection_hoard(url: str, stop, attacker: Attacker, pool_path: str) -> None:
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -124,21 +135,21 @@ def token_connection_hoard(url: str, stop, pool_path: str) -> None:
     while not stop.is_set():
         while len(socks) < 1024 and not stop.is_set():
             try:
-                socks.append(_token_socket(url))
+                socks.append(_token_socket(url, attacker))
             except OSError:
                 break
         stop.wait(0.5)
         socks = still_open(socks)  # the index may close some (displacement): open them again
 
 
-def token_slowloris(url: str, stop, pool_path: str) -> None:
+def token_slowloris(url: str, stop, attacker: Attacker, pool_path: str) -> None:
     socks: dict[socket.socket, int] = {}
     # A map's first byte, as every message starts (a large frame that does not is refused at once).
     body = b"\xdf\x00\x00\x00\x01" + b"\x00" * (16 * 1024 * 1024 - 5)
     while not stop.is_set():
         while len(socks) < 30:
             try:
-                s = _token_socket(url)
+                s = _token_socket(url, attacker)
                 s.sendall(HEADER.pack(len(body)))
                 socks[s] = 0
             except OSError:
