@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry
 from maru_core.stats_aggregate import RegionAggregator
 from maru_sidecar.collector import ConnectorCollector, SidecarCollector
 from maru_sidecar.config import SidecarConfig
+from maru_sidecar.credential_file import CredentialFile
 from maru_sidecar.endpoints import EndpointServer
 from maru_sidecar.handoff_server import HandoffServer, PoolNotReady, PoolOffer
 from maru_sidecar.health import (IndexProbe, IndexReachabilityCollector, IndexWatch, handoff_readiness)
@@ -93,16 +94,19 @@ class Sidecar:
         self.config = config
         self._stop = threading.Event()
         self.attacher = PoolAttacher(config, self._stop)
+        self.credential = (CredentialFile(config.credential_file, config.pod_identity, config.socket_gid)
+                           if config.credential_file is not None and config.pod_identity is not None else None)  # fmt: skip
         self.handoff = HandoffServer(
             config.socket_path,
             cache=config.cache,
             index_url=config.index_url,
             stats_dir=config.stats_dir,
             offer=self.attacher.offer,
-            read_token=config.read_token,
+            read_token=self._read_token,
             socket_gid=config.socket_gid,
+            pod=config.pod_identity,
         )
-        probe = IndexProbe(config.index_url, config.read_token, config.index_timeout_s, f"sidecar@{config.pod}",
+        probe = IndexProbe(config.index_url, self._read_token, config.index_timeout_s, f"sidecar@{config.pod}",
                            mapped=self.attacher.identity)
         self.index_watch = IndexWatch(probe, INDEX_PROBE_INTERVAL_S, self._stop)
         self.registry = CollectorRegistry(auto_describe=False)
@@ -118,10 +122,28 @@ class Sidecar:
 
     def start(self) -> None:
         self.attacher.start()
+        if self.credential is not None:
+            self._write_credential(self.credential)
         self.handoff.start()
         self.index_watch.start()
         self._region_scans.start()
         self.endpoints.start()
+
+    def _write_credential(self, credential: CredentialFile) -> None:
+        """Before the socket is bound: a connector that finds the socket finds its credential."""
+        token = self.config.read_token()
+        assert token is not None  # the config requires --token-file with --credential-file
+        credential.write(token)
+        log.info("pod %s: its credential is in %s (rewritten when the cache token changes)",
+                 credential.pod, credential.path)  # fmt: skip
+
+    def _read_token(self) -> str | None:
+        """The cache token, read afresh (every hand-off, every index probe); a changed token
+        rewrites the pod's credential, so a rotation reaches the file within a probe interval."""
+        token = self.config.read_token()
+        if token is not None and self.credential is not None:
+            self.credential.refresh(token)
+        return token
 
     def readiness(self) -> tuple[bool, str]:
         """Ready when the hand-off works: pool attached and the hand-off socket served.

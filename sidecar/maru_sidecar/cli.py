@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signum, lambda *_: sidecar.request_stop())
     try:
         sidecar.start()
-    except OSError as exc:  # e.g. another sidecar serves the socket
+    except (OSError, ConfigError) as exc:  # e.g. another sidecar serves the socket, the credential is unwritable
         print(f"marucache sidecar: cannot start: {exc}", file=sys.stderr)
         sidecar.stop()
         return 2

@@ -8,9 +8,11 @@ import math
 import os
 import socket
 import stat
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from maru_core.pod_credentials import check_pod
 from maru_core.protocol.url import parse_url
 
 DEFAULT_METRICS_PORT = 9477
@@ -52,6 +54,10 @@ class SidecarConfig:
     metrics_port: int  # 0: an ephemeral port, printed at start
     index_timeout_s: float
     socket_gid: int | None = None  # group of the hand-off socket (--socket-group); None: the sidecar's own
+    # `namespace/name` of the pod when told (--pod NAMESPACE/NAME or the downward API), else None:
+    # the hand-off accepts a pod credential only of this pod
+    pod_identity: str | None = None
+    credential_file: Path | None = None  # where the pod's credential is written (--credential-file)
 
     @property
     def stats_dir(self) -> Path:
@@ -106,6 +112,8 @@ class SidecarConfig:
             raise ConfigError(f"--index-timeout {args.index_timeout}: expected seconds above 0 and at most 60")
         if str(getattr(args, "log_level", "INFO")).upper() not in LOG_LEVELS:
             raise ConfigError(f"--log-level {args.log_level}: expected one of {', '.join(LOG_LEVELS)}")
+        namespace, pod, pod_identity = _pod_names(args, env)
+        credential_file = _credential_file(args, pod_identity)
         config = cls(
             pool_path=Path(args.pool),
             pool_offset=pool_offset,
@@ -113,15 +121,68 @@ class SidecarConfig:
             index_url=args.index,
             token_file=Path(args.token_file) if args.token_file else None,
             cache=args.cache or env.get("MARU_CACHE_NAME") or "default",
-            namespace=args.namespace or env.get("POD_NAMESPACE") or "local",
-            pod=args.pod or env.get("POD_NAME") or socket.gethostname(),
+            namespace=namespace,
+            pod=pod,
             metrics_host=args.metrics_host,
             metrics_port=args.metrics_port,
             index_timeout_s=args.index_timeout,
             socket_gid=_group_id(getattr(args, "socket_group", None)),
+            pod_identity=pod_identity,
+            credential_file=credential_file,
         )
         config.read_token()  # fail at start, not at the first hand-off
         return config
+
+
+def _pod_names(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[str, str, str | None]:
+    """The metric labels (namespace, pod) and the pod's identity ``namespace/name``, None when
+    either part is not told (then the labels fall back to 'local' and the host name).
+
+    ``--pod`` is a name or ``NAMESPACE/NAME``; an identity given in full is checked here, one
+    put together from separate parts only when a credential depends on it (`_credential_file`).
+    """
+    namespace, name = args.namespace or env.get("POD_NAMESPACE"), args.pod or env.get("POD_NAME")
+    if args.pod and "/" in args.pod:
+        try:
+            check_pod(args.pod)
+        except ValueError as exc:
+            raise ConfigError(f"--pod: {exc}") from None
+        told_namespace, name = args.pod.split("/")
+        if args.namespace and args.namespace != told_namespace:
+            raise ConfigError(f"--pod {args.pod} and --namespace {args.namespace} name two namespaces; "
+                              "give the namespace once")  # fmt: skip
+        namespace = told_namespace
+    identity = f"{namespace}/{name}" if namespace and name else None
+    return namespace or "local", name or socket.gethostname(), identity
+
+
+def _credential_file(args: argparse.Namespace, pod_identity: str | None) -> Path | None:
+    """``--credential-file``, checked: it needs the token to mint with and the pod to name."""
+    path_text = getattr(args, "credential_file", None)
+    if not path_text:
+        return None
+    path = Path(path_text).absolute()
+    if not args.token_file:
+        raise ConfigError(f"--credential-file {path} needs the cache token to mint the credential with; "
+                          "set --token-file")  # fmt: skip
+    if pod_identity is None:
+        raise ConfigError(f"--credential-file {path} needs the pod's identity; set --pod NAMESPACE/NAME "
+                          "(or the environment variables POD_NAMESPACE and POD_NAME, from the downward API)")
+    try:
+        check_pod(pod_identity)
+    except ValueError as exc:
+        raise ConfigError(f"--credential-file needs a valid pod identity (--pod or $POD_NAMESPACE/$POD_NAME): "
+                          f"{exc}") from None
+    if not path.parent.is_dir():
+        raise ConfigError(f"--credential-file {path}: directory {path.parent} does not exist")
+    if path.is_dir():
+        raise ConfigError(f"--credential-file {path} is a directory; give the path of the file to write")
+    if path.exists() and path.resolve() == Path(args.token_file).resolve():
+        raise ConfigError(f"--credential-file {path} is the --token-file: the token would be overwritten; "
+                          "give the credential a path of its own (beside the hand-off socket)")
+    if path == Path(args.socket).absolute():
+        raise ConfigError(f"--credential-file {path} is the --socket; give the credential a path of its own")
+    return path
 
 
 def _group_id(group: str | None) -> int | None:
@@ -169,7 +230,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--cache", help="the MaruCache name (default: $MARU_CACHE_NAME or 'default')")
     parser.add_argument("--namespace", help="metrics label (default: $POD_NAMESPACE or 'local')")
-    parser.add_argument("--pod", help="metrics label (default: $POD_NAME or the host name)")
+    parser.add_argument(
+        "--pod", metavar="[NAMESPACE/]NAME",
+        help="the pod: metrics label, and with its namespace the identity a pod credential names "
+             "(default: $POD_NAMESPACE/$POD_NAME, from the downward API; labels else 'local' and the host name)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--credential-file", metavar="PATH",
+        help="write this pod's credential here (mode 0440, group --socket-group), minted from the cache token "
+             "(needs --token-file and the pod's identity): the token file of the vLLM container",
+    )  # fmt: skip
     parser.add_argument("--metrics-host", default="0.0.0.0", help="address of the HTTP endpoints (default 0.0.0.0)")
     parser.add_argument(
         "--metrics-port", type=_int_arg, default=DEFAULT_METRICS_PORT,

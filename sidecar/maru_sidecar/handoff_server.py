@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from maru_core.index.listen import RateLimitedLog
+from maru_core.pod_credentials import is_credential, pod_of
 from maru_core.handoff import (ERROR_TYPES, HANDOFF_PROTOCOL, MAX_FRAME_BYTES, MIN_HANDOFF_PROTOCOL, HandoffError,
                                handoff_protocol, recv_frame, send_frame)
 
@@ -75,8 +76,10 @@ class HandoffServer:
     """Serves `maru_core.handoff.fetch_pool` requests on `socket_path`, one thread per connection.
 
     `offer()` returns the current `PoolOffer` or raises `PoolNotReady`;
-    `read_token()` returns the expected token (None: no auth). `results`
-    counts answers by result (one of `RESULTS`) for the metrics.
+    `read_token()` returns the expected token (None: no auth); a request
+    presents that token or the credential of ``pod`` (this sidecar's pod,
+    ``namespace/name``; None: the cache token only). `results` counts
+    answers by result (one of `RESULTS`) for the metrics.
     """
 
     def __init__(
@@ -89,9 +92,10 @@ class HandoffServer:
         offer: Callable[[], PoolOffer],
         read_token: Callable[[], str | None],
         socket_gid: int | None = None,
+        pod: str | None = None,
     ):
         self.socket_path = socket_path
-        self._socket_gid = socket_gid
+        self._socket_gid, self._pod = socket_gid, pod
         self._refusals = RateLimitedLog(log)  # a flood of bad clients costs a log line a second
         self._cache, self._index_url, self._stats_dir = cache, index_url, str(stats_dir)
         self._offer, self._read_token = offer, read_token
@@ -246,15 +250,32 @@ class HandoffServer:
         except ValueError as exc:  # the token file vanished or was emptied
             log.error("%s", exc)
             raise Refusal("unavailable", "the sidecar cannot read its token file; see its log") from exc
-        token = request.get("token")
-        if expected is not None and not (
-            isinstance(token, str) and hmac.compare_digest(token.encode(), expected.encode())
-        ):
-            raise Refusal("auth", f"the token does not match the token of cache {self._cache!r}")
+        if expected is not None:
+            self._authenticate(request.get("token"), expected)
         try:
             return self._offer()
         except PoolNotReady as exc:
             raise Refusal("unavailable", f"the pool is not attached yet: {exc}") from exc
+
+    def _authenticate(self, offered: Any, expected: str) -> None:
+        """Accept the cache token, or the credential of this sidecar's own pod; refuse anything else."""
+        if not isinstance(offered, str):
+            raise Refusal("auth", f"the token does not match the token of cache {self._cache!r}")
+        if not is_credential(offered):
+            if not hmac.compare_digest(offered.encode(), expected.encode()):
+                raise Refusal("auth", f"the token does not match the token of cache {self._cache!r}")
+            return
+        if self._pod is None:
+            raise Refusal("auth", "a pod credential was presented, but this sidecar does not know its pod "
+                                  "(set --pod NAMESPACE/NAME, or POD_NAMESPACE and POD_NAME); present the cache token")
+        pod = pod_of(expected, offered)  # checks the MAC in constant time
+        if pod is None:
+            raise Refusal("auth", f"the pod credential was not minted with the token of cache {self._cache!r} "
+                                  f"(forged, altered, or from before a token rotation); this sidecar serves "
+                                  f"pod {self._pod!r}: read its credential file again")  # fmt: skip
+        if pod != self._pod:
+            raise Refusal("auth", f"the credential names pod {pod!r}; this sidecar serves pod {self._pod!r}: "
+                                  "present this pod's own credential file")  # fmt: skip
 
     def _send(self, conn: socket.socket, reply: dict[str, Any], fds: tuple[int, ...], peer: str) -> bool:
         try:

@@ -24,8 +24,12 @@ class SidecarProcess:
 
     def __init__(self, pool: str, socket_path: Path, index_url: str, *, token_file: str | None = None,
                  cache: str = "c1", port: int = 0, env: dict[str, str] | None = None,
-                 pool_offset: str | None = None, log_path: Path | None = None):  # fmt: skip
+                 pool_offset: str | None = None, log_path: Path | None = None,
+                 credential_file: Path | None = None, pod: str | None = None):  # fmt: skip
+        """``credential_file``: where the sidecar writes its pod's credential (``--credential-file``);
+        ``pod``: ``[NAMESPACE/]NAME`` (``--pod``; default: ``$POD_NAMESPACE``/``$POD_NAME`` of ``env``)."""
         self.socket_path = socket_path
+        self.credential_file = credential_file
         self.port = port
         self.log_path = log_path or socket_path.parent.parent / f"{socket_path.parent.name}-sidecar-{os.getpid()}.log"
         self.cmd = [
@@ -33,6 +37,8 @@ class SidecarProcess:
             "--index", index_url, "--cache", cache, "--metrics-host", "127.0.0.1",
             "--index-timeout", "0.5", *(["--token-file", token_file] if token_file else []),
             *(["--pool-offset", pool_offset] if pool_offset is not None else []),
+            *(["--credential-file", str(credential_file)] if credential_file is not None else []),
+            *(["--pod", pod] if pod is not None else []),
         ]  # fmt: skip
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None
