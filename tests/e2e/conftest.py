@@ -123,7 +123,12 @@ SIDECAR_NAMESPACE = "e2e-ns"
 class Sidecars:
     """One real `marucache sidecar` per engine, as in a pod: `config(pod)` is a
     `kv_transfer_config(stats_dir)` factory that starts a sidecar whose socket
-    lies in the engine's stats directory and points the connector at it."""
+    lies in the engine's stats directory and points the connector at it.
+
+    As the operator sets a pod up, the sidecar holds the cache token and writes
+    its pod's credential beside the socket (`--credential-file`), and the
+    connector presents that credential, never the cache token, to the
+    hand-off and to the index."""
 
     def __init__(self, index: IndexProcess):
         self._index = index
@@ -131,16 +136,17 @@ class Sidecars:
 
     def config(self, pod: str, **knobs: Any):
         def build(stats_dir: str) -> dict[str, Any]:
+            credential = Path(stats_dir) / "credential"
             sidecar = SidecarProcess(
                 self._index.pool_path, Path(stats_dir) / "maru.sock", self._index.url,
                 token_file=self._index.token_file, cache=SIDECAR_CACHE,
-                env={"POD_NAMESPACE": SIDECAR_NAMESPACE, "POD_NAME": pod},
+                credential_file=credential, pod=f"{SIDECAR_NAMESPACE}/{pod}",
             )  # fmt: skip
             self.by_stats_dir[stats_dir] = sidecar
             sidecar.start()
             sidecar.wait_ready()
             return make_kv_transfer_config(
-                self._index.url, sidecar_socket=str(sidecar.socket_path), token_file=self._index.token_file,
+                self._index.url, sidecar_socket=str(sidecar.socket_path), token_file=str(credential),
                 cache_name=SIDECAR_CACHE, **{**TEST_KNOBS, **knobs},
             )  # fmt: skip
 
