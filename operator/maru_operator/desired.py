@@ -4,9 +4,13 @@ Every function here is deterministic: the same cache, placement and token
 give byte-identical manifests, which is what lets a reconcile compare and
 skip writes (idempotence). Names of children:
 
-- `<name>-maru-config`  ConfigMap: `kv-transfer-config.json` (for vLLM's
-  `--kv-transfer-config`) and `sidecar.json` (the sidecar's settings);
-- `<name>-maru-token`   Secret: `token`, the index's shared secret;
+- `<name>-maru-config`  ConfigMap: `kv-transfer-config-credential.json` (for
+  vLLM's `--kv-transfer-config`: the connector presents its pod's credential),
+  `kv-transfer-config.json` (the same but for the cache token's file: the key
+  pods injected by an earlier operator read) and `sidecar.json` (the
+  sidecar's settings);
+- `<name>-maru-token`   Secret: `token`, the index's shared secret (the
+  cache token, from which each sidecar mints its pod's credential);
 - `<name>-maru-index`   Deployment, Service and NetworkPolicy of the index.
 """
 
@@ -32,7 +36,15 @@ SOCKET_DIR = "/var/run/maru"
 SOCKET_PATH = f"{SOCKET_DIR}/sidecar.sock"
 TOKEN_DIR = "/var/run/maru-token"
 TOKEN_FILE = f"{TOKEN_DIR}/token"
+# The pod's own credential (maru_core.pod_credentials), which the sidecar mints from the cache token and
+# writes into the socket's volume: the one the vLLM container reads, which never sees the cache token.
+CREDENTIAL_FILE = f"{SOCKET_DIR}/credential"
 SHM_MOUNT = "/var/lib/marucache/pool"
+# The config injected pods read: the connector presents its pod's credential.
+CREDENTIAL_CONFIG_KEY = "kv-transfer-config-credential.json"
+# The same config naming the cache token's file: pods injected by an earlier operator read this key and
+# mount the token, and a vLLM container re-reads the key whenever it restarts, so it keeps naming the token
+# (their sidecar may write no credential).
 CONFIG_KEY = "kv-transfer-config.json"
 SIDECAR_KEY = "sidecar.json"
 LABEL_INDEX_OF = "maru.io/index-of"  # on index pods; never maru.io/cache, which opts pods into injection
@@ -147,12 +159,12 @@ WRITTEN_KNOBS = ("maru_index_url", "maru_sidecar_socket", "maru_token_file", "ma
                  "maru_overlap_load_with_compute", "maru_overlap_release_after_layers")
 
 
-def connector_knobs(ref: CacheRef, spec: CacheSpec) -> ConnectorKnobs:
-    """The connector knobs a MaruCache's vLLM pods run with."""
+def connector_knobs(ref: CacheRef, spec: CacheSpec, token_file: str = CREDENTIAL_FILE) -> ConnectorKnobs:
+    """The connector knobs a MaruCache's vLLM pods run with, presenting what `token_file` holds."""
     return ConnectorKnobs(
         maru_index_url=index_url(ref, spec),
         maru_sidecar_socket=SOCKET_PATH,
-        maru_token_file=TOKEN_FILE,
+        maru_token_file=token_file,
         maru_cache_name=ref.name,
         maru_kv_chunk_tokens=spec.storage.chunk_tokens,
         maru_format=spec.storage.layout,
@@ -163,14 +175,15 @@ def connector_knobs(ref: CacheRef, spec: CacheSpec) -> ConnectorKnobs:
     )
 
 
-def kv_transfer_config(ref: CacheRef, spec: CacheSpec) -> KvTransferConfig:
-    """The `--kv-transfer-config` every vLLM pod of this cache runs with.
+def kv_transfer_config(ref: CacheRef, spec: CacheSpec, token_file: str = CREDENTIAL_FILE) -> KvTransferConfig:
+    """The `--kv-transfer-config` every vLLM pod of this cache runs with (`token_file`: the pod's
+    credential, or the cache token's file for pods injected by an earlier operator).
 
     The format goes out in its older spelling, `maru_use_layerwise`, which
     every release's connector reads: a connector of the previous release
     refuses `maru_format` as an unknown key, and during an upgrade pods of
     both releases run with this config."""
-    config = build_kv_transfer_config(connector_knobs(ref, spec), WRITTEN_KNOBS)
+    config = build_kv_transfer_config(connector_knobs(ref, spec, token_file), WRITTEN_KNOBS)
     extra = dict(config["kv_connector_extra_config"])
     extra["maru_use_layerwise"] = StorageFormat(extra.pop("maru_format")) is StorageFormat.LAYERWISE
     config["kv_connector_extra_config"] = extra
@@ -189,6 +202,7 @@ def sidecar_settings(ref: CacheRef, spec: CacheSpec, placement: Placement) -> di
     return {"cache": ref.name, "namespace": ref.namespace, "pool": placement.pool_path,
             "poolOffset": placement.offset, "poolSize": placement.size, "deviceClass": placement.device_class,
             "socket": SOCKET_PATH, "index": index_url(ref, spec), "tokenFile": TOKEN_FILE,
+            "credentialFile": CREDENTIAL_FILE,
             "metricsPort": spec.sidecar.metrics_port, "nodes": list(placement.nodes)}
 
 
@@ -196,7 +210,8 @@ def config_map(ref: CacheRef, spec: CacheSpec, placement: Placement) -> dict[str
     dump = lambda obj: json.dumps(obj, sort_keys=True, separators=(",", ":"))  # noqa: E731
     return {"apiVersion": "v1", "kind": "ConfigMap",
             "metadata": _metadata(ref, config_map_name(ref.name), "config"),
-            "data": {CONFIG_KEY: dump(kv_transfer_config(ref, spec)),
+            "data": {CREDENTIAL_CONFIG_KEY: dump(kv_transfer_config(ref, spec)),
+                     CONFIG_KEY: dump(kv_transfer_config(ref, spec, TOKEN_FILE)),
                      SIDECAR_KEY: dump(sidecar_settings(ref, spec, placement))}}
 
 
@@ -255,8 +270,9 @@ def with_device(resources: Mapping[str, Any], spec: CacheSpec, placement: Placem
 
 def token_volume(ref: CacheRef, mode: int = 0o440) -> dict[str, Any]:
     """The index token. 0440 in the index pod, whose fsGroup owns it; 0444 in a vLLM pod, whose
-    fsGroup the webhook leaves alone (it would re-own the user's volumes), so that the sidecar and a
-    vLLM container of any user can read it — only containers that mount it can."""
+    fsGroup the webhook leaves alone (it would re-own the user's volumes), so that the sidecar (and
+    the vLLM container of a user's own config, of any user) can read it — only containers that mount
+    it can."""
     return {"name": "maru-token", "secret": {"secretName": secret_name(ref.name), "defaultMode": mode}}
 
 

@@ -7,10 +7,18 @@ A pod opts in with the label `maru.io/cache: <name>`. It gets:
 - an `emptyDir` socket volume shared by the sidecar and the vLLM container,
   and the hand-off socket's group as a supplemental group of the pod, so a
   vLLM container of any user may connect to the 0660 socket;
-- the index token (the connector presents it to the sidecar);
+- the cache token (the index's shared secret), mounted in the sidecar only:
+  the sidecar mints its pod's own credential from it
+  (`maru_core.pod_credentials`, `--credential-file`) and writes it into the
+  socket volume, where the connector reads it and presents it to the sidecar
+  and the index in place of the token. The vLLM container does not see the
+  cache token, so it cannot mint another pod's credential, and the index
+  tells the pod apart from others behind its address;
 - `--kv-transfer-config $(MARU_KV_TRANSFER_CONFIG)` on the vLLM container,
-  the variable coming from the cache's ConfigMap — unless the user already
-  passes `--kv-transfer-config`, which is never overwritten;
+  the variable coming from the cache's ConfigMap (the config naming the
+  credential) — unless the user already passes `--kv-transfer-config`, which
+  is never overwritten: their config may name the cache token's file, so
+  that vLLM container keeps the token mounted;
 - a required node affinity to the nodes that reach the pool.
 
 The vLLM container is the one the annotation `maru.io/container` names, else
@@ -38,9 +46,9 @@ from typing import Any
 
 from . import (ANNOTATION_CONTAINER, ANNOTATION_INJECTED, ANNOTATION_PLACEMENT, ANNOTATION_REGION,
                ANNOTATION_SKIPPED)
-from .desired import (CONFIG_KEY, CONTAINER_SECURITY, SHM_MOUNT, SOCKET_DIR, SOCKET_PATH, TMP_MOUNT, TMP_VOLUME,
-                      TOKEN_DIR, TOKEN_FILE, Placement, config_map_name, fingerprint, index_url, pool_mount,
-                      pool_volume, token_volume, with_device, with_node_affinity)
+from .desired import (CONTAINER_SECURITY, CREDENTIAL_CONFIG_KEY, CREDENTIAL_FILE, SHM_MOUNT, SOCKET_DIR, SOCKET_PATH,
+                      TMP_MOUNT, TMP_VOLUME, TOKEN_FILE, TOKEN_MOUNT, Placement, config_map_name, fingerprint,
+                      index_url, pool_mount, pool_volume, token_volume, with_device, with_node_affinity)
 from .ledger import Region
 from .models import DEFAULT_IMAGE, DEFAULT_UID, CacheRef, CacheSpec, SpecError, parse_cache
 
@@ -179,13 +187,14 @@ def _inject(pod: Mapping[str, Any], containers: list[dict[str, Any]], index: int
     spec = pod.get("spec") or {}
     vllm = copy.deepcopy(containers[index])
     user_config = _has_user_config(vllm)
+    # The connector reads its pod's credential from the socket volume; only a user's own config may
+    # name the cache token's file, so only then does the vLLM container see the token.
     vllm["volumeMounts"] = list(vllm.get("volumeMounts") or []) + [
-        {"name": SOCKET_VOLUME, "mountPath": SOCKET_DIR},
-        {"name": "maru-token", "mountPath": TOKEN_DIR, "readOnly": True}]
+        {"name": SOCKET_VOLUME, "mountPath": SOCKET_DIR}] + ([dict(TOKEN_MOUNT)] if user_config else [])
     if not user_config:
         vllm["env"] = list(vllm.get("env") or []) + [
             {"name": CONFIG_ENV, "valueFrom": {"configMapKeyRef": {"name": config_map_name(info.ref.name),
-                                                                    "key": CONFIG_KEY}}}]
+                                                                    "key": CREDENTIAL_CONFIG_KEY}}}]
         if append_args:
             vllm["args"] = list(vllm.get("args") or []) + [CONFIG_FLAG, f"$({CONFIG_ENV})"]
     containers = containers[:index] + [vllm] + containers[index + 1:]
@@ -234,9 +243,9 @@ def sidecar_container(info: CacheInfo) -> dict[str, Any]:
         command += ["--pool-offset", str(placement.offset)]
     command += ["--socket", SOCKET_PATH, "--socket-group", str(spec.sidecar.socket_group),
                 "--index", index_url(info.ref, spec), "--token-file", TOKEN_FILE,
+                "--credential-file", CREDENTIAL_FILE,  # minted from POD_NAMESPACE/POD_NAME (env below)
                 "--metrics-port", str(spec.sidecar.metrics_port), "--cache", info.ref.name]
-    mounts = [{"name": SOCKET_VOLUME, "mountPath": SOCKET_DIR}, pool_mount(placement),
-              {"name": "maru-token", "mountPath": TOKEN_DIR, "readOnly": True}, TMP_MOUNT]
+    mounts = [{"name": SOCKET_VOLUME, "mountPath": SOCKET_DIR}, pool_mount(placement), dict(TOKEN_MOUNT), TMP_MOUNT]
     return {
         "name": SIDECAR_NAME,
         "image": spec.sidecar.image,

@@ -151,7 +151,8 @@ def a_cache_lifetime(run: OperatorRun, ns: str = "default") -> None:
         "ports"]], what="network policy updated")
     def chunk_tokens() -> int:
         data = run.kube("GET", f"/api/v1/namespaces/{ns}/configmaps/life-maru-config")["data"]
-        return json.loads(data["kv-transfer-config.json"])["kv_connector_extra_config"]["maru_kv_chunk_tokens"]
+        pods_config = json.loads(data["kv-transfer-config-credential.json"])  # what injected pods read
+        return pods_config["kv_connector_extra_config"]["maru_kv_chunk_tokens"]
     wait_for(lambda: chunk_tokens() == 128, what="config map updated")
     pod = {"apiVersion": "v1", "kind": "Pod",
            "metadata": {"name": "vllm-0", "namespace": ns, "labels": {"maru.io/cache": "life"}},

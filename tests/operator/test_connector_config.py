@@ -35,7 +35,7 @@ def _rendered_extra_config(spec: dict) -> tuple[object, object, dict]:
             "spec": {"pool": {"deviceClass": "shm", "size": "1Gi"}, **spec}}
     ref, parsed = parse_cache(body)
     config_map = desired.config_map(ref, parsed, SHM)
-    rendered = json.loads(config_map["data"][desired.CONFIG_KEY])  # the bytes a vLLM pod reads
+    rendered = json.loads(config_map["data"][desired.CREDENTIAL_CONFIG_KEY])  # the bytes an injected vLLM pod reads
     assert rendered["kv_connector"] == "MaruKVConnector" and rendered["kv_load_failure_policy"] == "recompute"
     return ref, parsed, rendered["kv_connector_extra_config"]
 
@@ -47,7 +47,7 @@ def test_the_connector_parses_what_the_operator_writes_as_the_spec_asked(spec):
     storage, load = spec.get("storage", {}), spec.get("load", {})
     asked = {
         "maru_index_url": f"tcp://c-maru-index.ns.svc:{spec.get('index', {}).get('port', 7070)}",
-        "maru_sidecar_socket": desired.SOCKET_PATH, "maru_token_file": desired.TOKEN_FILE, "maru_cache_name": "c",
+        "maru_sidecar_socket": desired.SOCKET_PATH, "maru_token_file": desired.CREDENTIAL_FILE, "maru_cache_name": "c",
         "maru_kv_chunk_tokens": storage.get("chunkTokens", 256),
         "maru_format": StorageFormat(storage.get("layout", "chunkwise")),
         "maru_async_load": load.get("async", True), "maru_park_lone_hits": load.get("parkLoneHits", False),
@@ -94,3 +94,20 @@ def test_an_empty_spec_runs_the_connectors_defaults_but_for_the_profile():
     assert "maru_format" not in extra and extra["maru_use_layerwise"] is False
     from_spec = ["maru_format" if name == "maru_use_layerwise" else name for name in from_spec]
     assert {name: getattr(cfg, name) for name in from_spec} == {name: expected[name] for name in from_spec}
+
+
+@pytest.mark.parametrize("spec", SPECS.values(), ids=SPECS.keys())
+def test_pods_of_an_earlier_operator_keep_a_config_naming_the_token_and_nothing_else_differs(spec):
+    """An injected pod reads its pod's credential (the sidecar writes it); the key pods injected by an
+    earlier operator read, again at every restart of their vLLM container, still names the cache token
+    they mount (their sidecar may write no credential). The two configs differ in nothing else."""
+    body = {"metadata": {"name": "c", "namespace": "ns", "uid": "u"},
+            "spec": {"pool": {"deviceClass": "shm", "size": "1Gi"}, **spec}}
+    ref, parsed = parse_cache(body)
+    data = desired.config_map(ref, parsed, SHM)["data"]
+    assert desired.CONFIG_KEY == "kv-transfer-config.json"  # the key older pods' specs name
+    pods, older_pods = (json.loads(data[key]) for key in (desired.CREDENTIAL_CONFIG_KEY, desired.CONFIG_KEY))
+    assert parse_config(pods["kv_connector_extra_config"]).maru_token_file == desired.CREDENTIAL_FILE
+    assert parse_config(older_pods["kv_connector_extra_config"]).maru_token_file == desired.TOKEN_FILE
+    older_pods["kv_connector_extra_config"]["maru_token_file"] = desired.CREDENTIAL_FILE
+    assert older_pods == pods

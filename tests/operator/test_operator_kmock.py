@@ -38,6 +38,10 @@ def test_create_makes_children_and_becomes_ready(kube: Kube, operator: OperatorT
     extra = config["kv_connector_extra_config"]
     assert config["kv_connector"] == "MaruKVConnector" and config["kv_load_failure_policy"] == "recompute"
     assert extra["maru_index_url"] == "tcp://demo-maru-index.default.svc:7070" and extra["maru_kv_chunk_tokens"] == 512
+    assert extra["maru_token_file"] == "/var/run/maru-token/token"  # what pods of an earlier operator read
+    data = kube.objects("v1/configmaps")[("default", "demo-maru-config")]["data"]
+    pods = json.loads(data["kv-transfer-config-credential.json"])["kv_connector_extra_config"]
+    assert pods == {**extra, "maru_token_file": "/var/run/maru/credential"}  # injected pods: their own credential
     deploy = kube.objects("apps/v1/deployments")[("default", "demo-maru-index")]
     command = deploy["spec"]["template"]["spec"]["containers"][0]["command"]
     assert command[:4] == ["marucache", "index", "--pool", "/dev/dax0.0"] and "--token-file" in command

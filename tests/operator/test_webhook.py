@@ -19,6 +19,8 @@ from kube_helpers import Kube, wait_for
 from pod_security import restricted_violations
 from test_crd import VALIDATE
 from maru_operator import ANNOTATION_INJECTED, ANNOTATION_PLACEMENT, ANNOTATION_SKIPPED
+from maru_connector.config import parse_config
+from maru_operator.desired import CREDENTIAL_FILE, SOCKET_DIR, TOKEN_FILE
 from maru_operator.injection import CONFIG_ENV, SIDECAR_NAME
 from maru_operator.webhook import SelfSigningWebhookServer
 from maru_tools.index_process import free_port
@@ -223,6 +225,58 @@ def test_user_config_is_left_alone(webhook):
     assert not any(e["name"] == CONFIG_ENV for e in vllm.get("env", []))
     assert [c["name"] for c in patched["spec"]["containers"]] == ["vllm", SIDECAR_NAME]
     assert patched["metadata"]["annotations"]["maru.io/kv-transfer-config"].startswith("user-provided")
+
+
+def _token_mounts(patched: dict, container: dict) -> list[dict]:
+    """The mounts of `container` that show the cache's token Secret, whatever the volume is called."""
+    secret_volumes = {v["name"] for v in patched["spec"]["volumes"]
+                      if (v.get("secret") or {}).get("secretName") == "shared-maru-token"}
+    return [m for m in container.get("volumeMounts") or () if m["name"] in secret_volumes]
+
+
+def _mounting(container: dict, path: str) -> str:
+    """The volume `container` sees `path` on."""
+    return max((m for m in container.get("volumeMounts") or () if path.startswith(m["mountPath"].rstrip("/") + "/")),
+               key=lambda m: len(m["mountPath"]))["name"]
+
+
+def test_the_vllm_container_reads_its_pods_credential_and_never_sees_the_cache_token(webhook, kube):
+    """The sidecar mints the pod's credential from the cache token and writes it into the volume it
+    shares with vLLM, where vLLM's config looks for its token; the vLLM container does not mount the
+    token, so it cannot mint another pod's credential."""
+    script = 'exec vllm serve /models/llama --kv-transfer-config "$MARU_KV_TRANSFER_CONFIG"'
+    for body in (pod("shared", name="plain"), pod("shared", name="script", command=["sh", "-c", script])):
+        _, patched = review(webhook, body)
+        vllm, sidecar = patched["spec"]["containers"]
+        assert _token_mounts(patched, vllm) == [], "the vLLM container must not see the cache token"
+        assert _token_mounts(patched, sidecar) and sidecar["command"][sidecar["command"].index("--token-file") + 1] \
+            == TOKEN_FILE, "the sidecar mints the credential from the cache token"
+        command = sidecar["command"]
+        assert command[command.index("--credential-file") + 1] == CREDENTIAL_FILE
+        env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in sidecar["env"]}
+        assert env == {"POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace"}
+        # vLLM's config names the file the sidecar writes, on the same volume in both containers.
+        key = next(e for e in vllm["env"] if e["name"] == CONFIG_ENV)["valueFrom"]["configMapKeyRef"]
+        config = wait_for(lambda: kube.objects("v1/configmaps").get(("default", key["name"])), what="config map")
+        extra = json.loads(config["data"][key["key"]])["kv_connector_extra_config"]
+        assert parse_config(extra).maru_token_file == CREDENTIAL_FILE
+        assert _mounting(vllm, CREDENTIAL_FILE) == _mounting(sidecar, CREDENTIAL_FILE) == "maru-socket"
+        assert CREDENTIAL_FILE.startswith(SOCKET_DIR + "/")
+
+
+def test_a_pod_with_its_own_config_keeps_the_token_mounted(webhook):
+    """A user's own --kv-transfer-config may name the cache token's file: that vLLM container keeps
+    the token, read-only, where it always was; its sidecar writes the pod's credential all the same."""
+    user = pod("shared", args=["--model", "m", "--kv-transfer-config",
+                               json.dumps({"kv_connector": "MaruKVConnector",
+                                           "kv_connector_extra_config": {"maru_token_file": TOKEN_FILE}})])
+    _, patched = review(webhook, user)
+    vllm, sidecar = patched["spec"]["containers"]
+    assert _token_mounts(patched, vllm) == [{"name": "maru-token", "mountPath": "/var/run/maru-token",
+                                             "readOnly": True}]
+    assert TOKEN_FILE.startswith("/var/run/maru-token/")
+    assert sidecar["command"][sidecar["command"].index("--credential-file") + 1] == CREDENTIAL_FILE
+    assert _mounting(vllm, CREDENTIAL_FILE) == "maru-socket"  # a config naming the credential works too
 
 
 def test_pods_without_the_label_are_not_touched(webhook):
