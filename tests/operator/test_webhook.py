@@ -264,6 +264,31 @@ def test_the_vllm_container_reads_its_pods_credential_and_never_sees_the_cache_t
         assert CREDENTIAL_FILE.startswith(SOCKET_DIR + "/")
 
 
+def test_the_injected_sidecar_command_starts_a_sidecar_that_writes_the_pods_credential(webhook, tmp_path):
+    """The sidecar's own parser and checks take the command the webhook injects, with the pod's
+    name and namespace from the downward API, and name the pod and the file vLLM reads."""
+    import argparse
+
+    from maru_sidecar.cli import add_arguments
+    from maru_sidecar.config import SidecarConfig
+
+    _, patched = review(webhook, pod("shared", name="vllm-7"))
+    sidecar = patched["spec"]["containers"][1]
+    socket_dir, token_dir = tmp_path / "socket", tmp_path / "token"
+    socket_dir.mkdir()
+    token_dir.mkdir()
+    (token_dir / "token").write_text("t" * 32)
+    (token_dir / "token").chmod(0o600)
+    here = [str(word).replace(TOKEN_FILE, str(token_dir / "token")).replace(SOCKET_DIR + "/", f"{socket_dir}/")
+            for word in sidecar["command"][2:]]  # after `marucache sidecar`
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    downward = {"POD_NAME": "vllm-7", "POD_NAMESPACE": patched["metadata"]["namespace"]}
+    config = SidecarConfig.from_args(parser.parse_args(here), environ=downward)
+    assert config.pod_identity == "default/vllm-7"
+    assert config.credential_file == socket_dir / CREDENTIAL_FILE.removeprefix(SOCKET_DIR + "/")
+
+
 def test_a_pod_with_its_own_config_keeps_the_token_mounted(webhook):
     """A user's own --kv-transfer-config may name the cache token's file: that vLLM container keeps
     the token, read-only, where it always was; its sidecar writes the pod's credential all the same."""
