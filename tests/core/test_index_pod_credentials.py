@@ -7,6 +7,8 @@ with another token, or with its pod's name changed, is refused with
 
 from __future__ import annotations
 
+import urllib.request
+
 import pytest
 from quota_objects import numbered, store
 from test_index_fair_eviction import NO_EVICTION_WINDOWS, _keys, _store_what_fits
@@ -103,3 +105,34 @@ def test_forged_credentials_are_refused():
             assert refused.value.error_type == "auth"
             assert "pod credential not minted with this cache's token" in refused.value.message
         _client(index, genuine).close()
+
+
+def test_a_pod_opening_connections_without_end_spends_its_own_budget_not_its_addresss():
+    """Connections are charged to their address at accept (nothing is known of them before they
+    speak) and to their pod from its credential ``hello`` on. Before, a pod's 30 connections spent
+    its address's 20 tokens and every other pod behind that address was reset at accept."""
+    process, metrics_port = serve("--peer-connection-burst", "20", "--peer-connection-rate", "0.01")
+    with process as index:
+        hog = pod_credentials.mint(index.token, "team-a/hog")
+        held, refused = [], []
+        for _ in range(30):
+            try:
+                held.append(_client(index, hog))
+            except IndexRejected as exc:
+                refused.append(exc)
+        assert len(held) == 20, "the pod's own budget: 20 connections"
+        assert refused and all(exc.error_type == "quota" and "--peer-connection-rate" in exc.message
+                               and "pod:team-a/hog" in exc.message for exc in refused)  # fmt: skip
+        neighbours = [_client(index, pod_credentials.mint(index.token, f"team-a/vllm-{n}")) for n in range(5)]
+        neighbours.append(_client(index, index.token))  # a client of the address with the cache token too
+        assert all(c.stats()["keys"] >= 0 for c in neighbours)
+        assert _rate_limited(metrics_port, "connections") == len(refused)
+        for client in held + neighbours:
+            client.close()
+
+
+def _rate_limited(metrics_port: int, reason: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return float(next(line.split()[-1] for line in text.splitlines()
+                      if line.startswith(f'maru_index_rate_limited_total{{reason="{reason}"}}')))  # fmt: skip

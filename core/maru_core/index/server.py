@@ -116,6 +116,10 @@ SLICE_KEYS = 2048
 _RESET_ON_CLOSE = struct.pack("ii", 1, 0)
 
 
+#: How a pod that presented its credential is named as a peer (addresses and ``uid N`` never start so).
+_POD_PEER = "pod:"
+
+
 class IndexServer:
     """Serves one ``Registry`` over TCP or a Unix socket.
 
@@ -300,8 +304,8 @@ class IndexServer:
         if self._metrics is not None:
             self._metrics.count_rate_limited(reason)
         if reason == "connections":
-            self._rate_limit_log.warning("closing new connections from %s at accept: over its budget of "
-                                         "connections (--peer-connection-rate/--peer-connection-burst)", peer)
+            self._rate_limit_log.warning("closing new connections from %s: over its budget of connections "
+                                         "(--peer-connection-rate/--peer-connection-burst)", peer)
         else:
             self._rate_limit_log.warning("holding back the answers to wrong tokens from %s: over its budget of auth "
                                          "failures (--peer-auth-failure-rate/--peer-auth-failure-burst)", peer)
@@ -489,30 +493,10 @@ class IndexServer:
 
     def _hello(self, conn: Connection, args: dict) -> dict:
         protocol = negotiate(args["protocol"])
-        peer = conn.peer_key  # whose quotas, share of the pool and turns the lease uses
-        if self._token is not None:
-            offered = (args["token"] or "").encode()
-            pod = pod_credentials.pod_of(self._token.decode(), args["token"]) if args["token"] else None
-            if pod is not None:  # its pod is its peer, whatever the address it comes from
-                peer = f"pod:{pod}"
-            elif not hmac.compare_digest(offered, self._token):
-                conn.close_after_reply = "auth"
-                self.refusals.warning("wrong or missing token from %s (client %r): closing the connection",
-                                       conn.peer, str(args["client"])[:64])  # fmt: skip
-                backoff = min(self._peers.auth_failed(conn.peer_key), self.limits.hello_timeout_s)
-                if backoff > 0:  # the failing connection pays, not its neighbours
-                    conn.hold_last_reply_s = backoff
-                    self._count_rate_limited("auth_failures", conn.peer_key)
-                if self._metrics is not None:
-                    self._metrics.count_auth_failure()
-                if pod_credentials.is_credential(args["token"] or ""):
-                    raise ProtocolError(ErrorType.AUTH, "a pod credential not minted with this cache's token (another "
-                                        "cache's, or forged); the pod's sidecar writes the right one")
-                raise ProtocolError(
-                    ErrorType.AUTH,
-                    "wrong or missing token; use the token of this cache's index (its token file or Secret)",
-                )
+        peer = self._authenticate(conn, args)
         self._check_lease_cap(conn, args["lease_id"])
+        if peer != conn.peer_key and not conn.peer_key.startswith(_POD_PEER):
+            self._charge_pod(conn, peer)
         conn.peer_key = peer
         conn.opened(self.registry.open_lease(args["client"], args["lease_id"], peer=peer))
         conn.client = args["client"]
@@ -523,6 +507,47 @@ class IndexServer:
             "pool": self._served_pool.to_wire(),
             "protocol": protocol,
         }
+
+    def _authenticate(self, conn: Connection, args: dict) -> str:
+        """The peer a ``hello`` opens its lease for: the pod its credential names (whatever the
+        address it comes from), else its connection's peer when it presents the token (or none is
+        required); else ``auth``, and the connection is closed after the answer."""
+        if self._token is None:
+            return conn.peer_key
+        offered = args["token"] or ""
+        pod = pod_credentials.pod_of(self._token.decode(), offered) if offered else None
+        if pod is not None:
+            return f"{_POD_PEER}{pod}"
+        if hmac.compare_digest(offered.encode(), self._token):
+            return conn.peer_key
+        conn.close_after_reply = "auth"
+        self.refusals.warning("wrong or missing token from %s (client %r): closing the connection",
+                               conn.peer, str(args["client"])[:64])  # fmt: skip
+        backoff = min(self._peers.auth_failed(conn.peer_key), self.limits.hello_timeout_s)
+        if backoff > 0:  # the failing connection pays, not its neighbours
+            conn.hold_last_reply_s = backoff
+            self._count_rate_limited("auth_failures", conn.peer_key)
+        if self._metrics is not None:
+            self._metrics.count_auth_failure()
+        if pod_credentials.is_credential(offered):
+            raise ProtocolError(ErrorType.AUTH, "a pod credential not minted with this cache's token (another "
+                                "cache's, or forged); the pod's sidecar writes the right one")
+        raise ProtocolError(
+            ErrorType.AUTH,
+            "wrong or missing token; use the token of this cache's index (its token file or Secret)",
+        )
+
+    def _charge_pod(self, conn: Connection, pod_peer: str) -> None:
+        """A connection's first credential ``hello``: the connection token its address spent at
+        accept comes back, and its pod spends one of its own instead, or the connection is closed
+        (``quota``). So a pod that opens connections without end empties its own budget, never the
+        budget of the pods behind its address (a NAT, a node's hostNetwork pods)."""
+        self._peers.refund(conn.peer_key)
+        if self._peers.admit(pod_peer) is not None:
+            conn.close_after_reply = "connection_limit"
+            self._count_rate_limited("connections", pod_peer)
+            raise ProtocolError(ErrorType.QUOTA, f"{pod_peer} opens connections faster than its budget "
+                                "(--peer-connection-rate, --peer-connection-burst): keep connections open and reuse them")
 
     def _check_lease_cap(self, conn: Connection, resume: str | None) -> None:
         """Refuse a ``hello`` that would give ``conn`` more live leases than the cap."""
