@@ -42,7 +42,9 @@ def main(source: str, target: str) -> None:
     right.legend(fontsize=6, ncol=2)
     skipped = figures.get("skipped") or []
     fig.suptitle(f"{figures.get('cpus')} CPUs, pinned {figures.get('pinned_cores')}, attacker from "
-                 f"{figures.get('attacker_address')}, {figures.get('seconds')} s each"
+                 f"{figures.get('attacker_address')}"
+                 + (" (token holders from 127.0.0.1, each client its own pod)" if figures.get("pods") else "")
+                 + f", {figures.get('seconds')} s each"
                  + (f"; not run (time budget): {', '.join(skipped)}" if skipped else ""), fontsize=8)
     fig.tight_layout()
     fig.savefig(target, dpi=110)
