@@ -16,6 +16,8 @@
 #   bash bench/verify_h200.sh OUT group-ab    a verified 4k hit's layers in
 #       groups (10 fills instead of 32): the last target of verified loads
 #   bash bench/attacks_16core.sh OUT          the index's attacks, 16 cores
+#   bash bench/attacks_16core.sh OUT --pods   the same, token holders behind the
+#       honest clients' address, every client with its own pod credential
 set -u
 out=${1:?usage: run_h200.sh OUT_DIR [STAGE ...]}
 shift
