@@ -35,9 +35,7 @@ from test_transfer_cuda import engines, pool  # noqa: F401 (fixtures)
 
 ON_GPU = [pytest.mark.cuda,
           pytest.mark.skipif(not torch.cuda.is_available(), reason=(
-              "needs an NVIDIA GPU; not yet run on one (bench/run_h200.sh cuda-tests): until it passes "
-              "there, the scheduler plans no load that begins or ends inside a chunk on CUDA "
-              "(TransferBackend.partial_chunk_loads and block_alias_loads are False for it)"))]
+              "needs an NVIDIA GPU; passed on an H100, recorded in bench/RESULTS.md (CUDA tests)"))]
 CUDA = pytest.param("cuda", marks=ON_GPU)
 DEVICES = ["cpu", CUDA]
 # how the CUDA engine issues and stages the load: every path its scatters take

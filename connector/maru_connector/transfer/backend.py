@@ -60,25 +60,21 @@ class TransferBackend(str, enum.Enum):
         (``plan.SKIP_BLOCK``: the whole object verified, only the blocks from
         there written) for this backend: a backend that says False gets no
         pool hit for a local hit that ends inside a chunk. Both engines load
-        them (CPU: the skipped head summed where it lies in the pool; CUDA:
-        staged and summed with its object, left out of the scatter), but the
-        CUDA engine's have run only on host memory so far: they are planned
-        for it once its ``-m cuda`` tests (``test_partial_chunk_load.py``, in
-        ``bench/verify_h200.sh``) have passed on a GPU."""
-        return self is TransferBackend.CPU
+        them: the CPU engine sums the skipped head where it lies in the pool;
+        the CUDA engine stages and sums it with its object and leaves it out
+        of the scatter (its ``-m cuda`` tests, ``test_partial_chunk_load.py``,
+        passed on an H100: bench/RESULTS.md, "CUDA tests")."""
+        return True
 
     @property
     def block_alias_loads(self) -> bool:
         """Whether the scheduler plans loads that end inside a chunk (the
         first blocks of a chunk a block alias names; trailing
-        ``plan.SKIP_BLOCK``) for this backend. Both engines load them as they
-        load a skipped head (CPU: summed where they lie in the pool; CUDA:
-        staged and summed, left out of the scatter), and as for those the
-        CUDA engine's have run only on host memory so far: planned for it
-        once its ``-m cuda`` tests (``test_partial_chunk_load.py``) have
-        passed on a GPU. Until then a CUDA engine's hits stay whole chunks;
-        it registers aliases for others all the same."""
-        return self is TransferBackend.CPU
+        ``plan.SKIP_BLOCK``) for this backend, and stores prompt tails for
+        them. Both engines load them as they load a skipped head (CPU: summed
+        where they lie in the pool; CUDA: staged and summed, left out of the
+        scatter; its ``-m cuda`` tests passed on an H100)."""
+        return True
 
 
 class HeadStart(abc.ABC):
