@@ -8,16 +8,11 @@
 # into OUT_DIR and prints its summary; a stage that fails does not stop the
 # others (the script exits non-zero at the end).
 #
-# Not yet run on a GPU (the next lease, in this order):
-#   bash bench/run_h200.sh OUT cuda-tests     incl. loads that begin or end
-#       inside a chunk (test_partial_chunk_load.py); once they pass, let the
-#       scheduler plan them on CUDA (TransferBackend.partial_chunk_loads and
-#       block_alias_loads)
-#   bash bench/verify_h200.sh OUT group-ab    a verified 4k hit's layers in
-#       groups (10 fills instead of 32): the last target of verified loads
-#   bash bench/attacks_16core.sh OUT          the index's attacks, 16 cores
-#   bash bench/attacks_16core.sh OUT --pods   the same, token holders behind the
-#       honest clients' address, every client with its own pod credential
+# Last run on an H100 (bench/RESULTS.md: "CUDA tests", "Verified loads"
+# round 6, "Index under attack", 16 cores):
+#   bash bench/run_h200.sh OUT cuda-tests
+#   SKIP_CUDA_TESTS=1 bash bench/verify_h200.sh OUT group-ab
+#   bash bench/attacks_16core.sh OUT [--pods]
 set -u
 out=${1:?usage: run_h200.sh OUT_DIR [STAGE ...]}
 shift
