@@ -59,7 +59,7 @@ def test_ctrl_c_cleans_up():
 
 def test_bench_index_json_lines():
     done = subprocess.run(
-        [sys.executable, "-m", "maru_core.cli", "bench", "index", "--json", "--repeats", "3", "--memory-keys", "2000"],
+        [sys.executable, "-m", "maru_core.cli", "bench", "index", "--json", "--repeats", "12", "--memory-keys", "2000"],
         capture_output=True, text=True, timeout=120,
     )
     assert done.returncode == 0, done.stderr
