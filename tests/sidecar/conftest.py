@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import tempfile
+import uuid
 from pathlib import Path
 
 import pytest
 from sidecar_helpers import StatsWriter
 
+from maru_core.pool import Pool
 from maru_tools.sidecar_process import SidecarProcess
 
 
@@ -50,3 +52,18 @@ def sidecars():
     yield start
     for process in started:
         process.close()
+
+
+@pytest.fixture
+def pool_path():
+    path = f"/dev/shm/maru-sidecar-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    yield path
+    if os.path.exists(path):
+        os.unlink(path)
+
+
+@pytest.fixture
+def pool(pool_path):
+    """An 8 MiB pool file in /dev/shm, removed at the end."""
+    with Pool.create(pool_path, size=8 * 1024 * 1024) as created:
+        yield created

@@ -17,19 +17,10 @@ import pytest
 from sidecar_helpers import SidecarProcess, run_client
 
 from maru_core.pod_credentials import mint, pod_of
-from maru_core.pool import Pool
 from test_sidecar_handoff import NO_INDEX, TOKEN
 
 POD = "test-ns/pod-a"
 NEW_TOKEN = "rotated-token-9876543210"
-
-
-@pytest.fixture
-def pool(sock_dir):
-    path = f"/dev/shm/maru-credentials-{os.getpid()}-{sock_dir.name}"
-    with Pool.create(path, size=8 * 1024 * 1024) as created:
-        yield created
-    os.unlink(path)
 
 
 @pytest.fixture

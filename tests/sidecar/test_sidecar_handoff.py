@@ -8,7 +8,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 
 import pytest
 from sidecar_helpers import HoldingClient, run_client
@@ -19,20 +18,6 @@ from maru_core.stats import ConnectorStats
 
 TOKEN = "s3cret-token-0123456789"
 NO_INDEX = "tcp://127.0.0.1:9"  # nothing listens: hand-offs work without the index
-
-
-@pytest.fixture
-def pool_path():
-    path = f"/dev/shm/maru-sidecar-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    yield path
-    if os.path.exists(path):
-        os.unlink(path)
-
-
-@pytest.fixture
-def pool(pool_path):
-    with Pool.create(pool_path, size=8 * 1024 * 1024) as created:
-        yield created
 
 
 @pytest.fixture

@@ -21,18 +21,9 @@ from sidecar_helpers import SidecarProcess, run_client
 import maru_sidecar.handoff_server as handoff_server
 from maru_core import stats
 from maru_core.handoff import fetch_pool
-from maru_core.pool import Pool
 from maru_core.stats_aggregate import RegionAggregator
 from maru_sidecar.handoff_server import HandoffServer, PoolOffer
 from test_sidecar_handoff import NO_INDEX, TOKEN
-
-
-@pytest.fixture
-def pool(sock_dir):
-    path = f"/dev/shm/maru-hardening-{os.getpid()}-{sock_dir.name}"
-    with Pool.create(path, size=8 * 1024 * 1024) as created:
-        yield created
-    os.unlink(path)
 
 
 def sidecar_cli(*flags: str) -> subprocess.CompletedProcess:
