@@ -257,7 +257,7 @@ class HandoffServer:
         except PoolNotReady as exc:
             raise Refusal("unavailable", f"the pool is not attached yet: {exc}") from exc
 
-    def _authenticate(self, offered: Any, expected: str) -> None:
+    def _authenticate(self, offered: object, expected: str) -> None:
         """Accept the cache token, or the credential of this sidecar's own pod; refuse anything else."""
         if not isinstance(offered, str):
             raise Refusal("auth", f"the token does not match the token of cache {self._cache!r}")
