@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "inspect": ("maru_core.index.inspect_cli", "list a cache's objects by model and format, and its usage"),
     "flush": ("maru_core.index.flush_cli", "evict a cache's unpinned objects (all, or one model's)"),
     "bench": ("maru_core.bench_cli", "run a benchmark (index, ...)"),
+    "credential": ("maru_core.credential_cli", "print a pod credential minted from the cache token"),
     "sidecar": ("maru_sidecar.cli", "hand the pool to vLLM and export metrics"),
     "operator": ("maru_operator.cli", "run the Kubernetes operator"),
     "demo": ("maru_tools.demo", "two vLLM engines sharing one cache"),

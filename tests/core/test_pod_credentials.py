@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -35,3 +38,17 @@ def test_pods_that_are_not_namespace_slash_name_are_refused(pod):
     with pytest.raises(ValueError, match="NAMESPACE/NAME"):
         pod_credentials.mint("t" * 32, pod)
     assert pod_credentials.pod_of("t" * 32, f"{pod_credentials.PREFIX}:{pod}:00") is None
+
+
+def test_the_credential_command_prints_what_the_index_accepts(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("t" * 32 + "\n")
+    command = [sys.executable, "-m", "maru_core.cli", "credential", "--token-file", str(token_file)]
+    done = subprocess.run([*command, "--pod", "local/engine-a"], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert pod_credentials.pod_of("t" * 32, done.stdout.strip()) == "local/engine-a"
+    bad = subprocess.run([*command, "--pod", "engine-a"], capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 2 and "--pod" in bad.stderr and "NAMESPACE/NAME" in bad.stderr
+    missing = subprocess.run([sys.executable, "-m", "maru_core.cli", "credential", "--token-file",
+                              str(tmp_path / "none"), "--pod", "local/a"], capture_output=True, text=True, timeout=30)
+    assert missing.returncode == 2 and "cannot read it" in missing.stderr
