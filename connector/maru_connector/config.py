@@ -47,6 +47,7 @@ MaruConfigError = ConnectorConfigError
 #: How long a token file that a sidecar writes (a pod credential) is waited for.
 TOKEN_FILE_WAIT_S = 5.0
 
+
 @dataclass(frozen=True)
 class MaruConfig(ConnectorKnobs):
     """The validated connector configuration: the knobs of :class:`ConnectorKnobs`

@@ -149,7 +149,7 @@ class IndexServer:
         self.registry = registry
         self.pool = pool
         self.limits = limits or ServerLimits()
-        self._token = token.encode() if token else None
+        self._token = token or None  # also the key pod credentials are minted with
         self._expiry_interval_s = expiry_interval_s
         self._metrics = metrics
         self._slice_keys = slice_keys
@@ -515,10 +515,10 @@ class IndexServer:
         if self._token is None:
             return conn.peer_key
         offered = args["token"] or ""
-        pod = pod_credentials.pod_of(self._token.decode(), offered) if offered else None
+        pod = pod_credentials.pod_of(self._token, offered) if offered else None
         if pod is not None:
             return f"{_POD_PEER}{pod}"
-        if hmac.compare_digest(offered.encode(), self._token):
+        if hmac.compare_digest(offered.encode(), self._token.encode()):
             return conn.peer_key
         conn.close_after_reply = "auth"
         self.refusals.warning("wrong or missing token from %s (client %r): closing the connection",
