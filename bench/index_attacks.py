@@ -619,21 +619,27 @@ def scenario(name: str, seconds: float, token_file: str, source: str, honest_cli
     return figures
 
 
-def longest_callbacks(name: str, seconds: float, source: str, pods: bool = False) -> list[float]:
+def longest_callbacks(name: str, seconds: float, source: str, pods: bool = False) -> list[list]:
     """The five longest event-loop callbacks of an index (in this process) while the attack runs
-    (in another), in CPU milliseconds of the loop's thread: what one request or turn costs the
-    others, whatever else the machine is running."""
+    (in another) and the normal client (in a third) keeps the index contended, as honest clients
+    do: each in CPU milliseconds of the loop's thread, with what ran (what one request or turn
+    costs the others, whatever else the machine is running)."""
     from asyncio import events
 
     from maru_core.index.launcher import ThreadedIndex
 
-    durations: list[float] = []
+    durations: list[tuple[float, str]] = []
     run = events.Handle._run
 
     def timed(handle) -> None:
         started = time.thread_time()
         run(handle)
-        durations.append(time.thread_time() - started)
+        took = time.thread_time() - started
+        if took > 2e-4:
+            callback = handle._callback
+            what = getattr(callback, "__qualname__", type(callback).__name__)
+            protocol = getattr(getattr(callback, "__self__", None), "_protocol", None)  # a transport's
+            durations.append((took, f"{what} of {getattr(protocol, 'peer_key', '?')}" if protocol else what))
 
     pool_path = unique_shm_path("bench-attacks-loop")
     pool = Pool.create(pool_path, 256 * 1024 * 1024, page_size=4096)
@@ -641,22 +647,26 @@ def longest_callbacks(name: str, seconds: float, source: str, pods: bool = False
     stop = ctx.Event()
     try:
         with ThreadedIndex(pool, token=TOKEN) as index:
-            _store(index.url, pool_path, NORMAL_KEYS, credential("client", pods))
+            keys = _store(index.url, pool_path, NORMAL_KEYS, credential("client", pods))
             events.Handle._run = timed
             who = attacker_of(name, source, pods)
             attacker = ctx.Process(target=_run_attack, args=(name, index.url, stop, pool_path, who), daemon=True)
+            normal = ctx.Process(target=measure, args=(index.url, keys, seconds, credential("client", pods)),
+                                 daemon=True)  # fmt: skip
             attacker.start()
+            normal.start()
             time.sleep(seconds)
             stop.set()
-            attacker.join(10)
-            if attacker.is_alive():
-                attacker.kill()
+            for process in (attacker, normal):
+                process.join(10)
+                if process.is_alive():
+                    process.kill()
             events.Handle._run = run
     finally:
         events.Handle._run = run
         pool.close()
         os.unlink(pool_path)
-    return [round(1000 * d, 2) for d in sorted(durations, reverse=True)[:5]]
+    return [[round(1000 * d, 2), what] for d, what in sorted(durations, reverse=True)[:5]]
 
 
 def _parser() -> argparse.ArgumentParser:

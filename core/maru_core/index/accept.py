@@ -11,7 +11,9 @@ drops one whose peer closed it already (neither taken nor refused), checks
 the peer's budget and either makes it a connection (it is taken) or closes
 it at once (refused).
 
-A callback also stops after ``ACCEPT_TURN_S`` of work, refusals included:
+A callback also stops after ``ACCEPT_TURN_S`` of work, refusals included
+(or less: the server's turns shorten it while peers are served,
+``maru_core.index.turns``):
 accepting and resetting a loopback connection costs about 100 µs of kernel
 time on a small VM. When a callback refused every socket it accepted (a
 flood from peers over their budgets), accepting pauses for
@@ -52,6 +54,8 @@ _OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 #: unset: the caller makes a socket it takes non-blocking); false if it refused it,
 #: ``None`` if it dropped it because its peer had closed it already (neither).
 OnAccepted = Callable[[socket.socket, object], "bool | None"]
+#: ``turn() -> seconds``: called as a callback starts accepting, how long it may take.
+AcceptTurn = Callable[[], float]
 
 
 def bind_tcp(host: str, port: int, backlog: int = LISTEN_BACKLOG) -> list[socket.socket]:
@@ -89,16 +93,18 @@ def bind_tcp(host: str, port: int, backlog: int = LISTEN_BACKLOG) -> list[socket
 
 
 class Acceptor:
-    """Accepts on one listening socket, ``batch`` connections per callback at most."""
+    """Accepts on one listening socket, ``batch`` connections per callback at most,
+    for ``ACCEPT_TURN_S`` or what ``turn`` allows, whichever is less."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, on_accepted: OnAccepted,
-                 batch: int = ACCEPT_BATCH) -> None:  # fmt: skip
+                 turn: AcceptTurn | None = None, batch: int = ACCEPT_BATCH) -> None:  # fmt: skip
         if batch < 1:
             raise ValueError(f"batch must be at least 1, got {batch}")
         self.sock = sock
         self._loop = loop
         self._on_accepted = on_accepted
         self._batch = batch
+        self._turn = turn
         self._watching = False
         self._retry: asyncio.TimerHandle | None = None
         self._errors = RateLimitedLog(log, interval_s=10.0)
@@ -115,7 +121,8 @@ class Acceptor:
 
     def _accept_some(self) -> None:
         taken = refused = 0
-        turn_ends = time.perf_counter() + ACCEPT_TURN_S
+        turn_s = ACCEPT_TURN_S if self._turn is None else min(ACCEPT_TURN_S, self._turn())
+        turn_ends = time.perf_counter() + turn_s
         while taken < self._batch and time.perf_counter() < turn_ends:
             try:
                 conn, address = self.sock.accept()

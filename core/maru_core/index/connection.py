@@ -7,13 +7,14 @@ frame is decoded from there and answered in the same callback, with one
 ``write`` per reply. Requests of one connection are answered in arrival
 order, so a pipelined client gets its replies in the order it sent them.
 
-Fairness: a connection answers buffered frames for at most ``turn_s`` of
-event-loop time, then stops reading and waits for its peer's next turn
-(``maru_core.index.turns``: every waiting peer gets one share of
-``turn_s`` per round, however many connections it has); a sliced request (see ``IndexServer``)
-likewise runs one slice per turn. So a peer that pipelines thousands of
-requests, on one connection or on twenty, delays the others by one turn,
-not by its whole backlog.
+Fairness: a connection answers buffered frames for at most its peer's
+share of event-loop time (``maru_core.index.turns``: every waiting peer
+gets one share per round, however many connections it has; 1 ms while it
+is served alone, 0.2 ms while others are too), then stops reading and
+waits for its peer's next turn; a sliced request (see ``IndexServer``)
+likewise runs slices until its turn is used (one at least). So a peer that
+pipelines thousands of requests, on one connection or on twenty, delays
+the others by one turn, not by its whole backlog.
 """
 
 from __future__ import annotations
@@ -203,7 +204,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def _answer_buffered(self) -> None:
         """Answer complete frames in order until one starts a sliced job or the turn is over."""
-        turn_ends = time.perf_counter() + self._server.limits.turn_s
+        turn_ends = time.perf_counter() + self._server.turns.share_s
         answered = 0  # at least one frame per turn, however short the turn
         try:
             while self._transport is not None and self._job is None and self._frames.complete():
@@ -264,12 +265,16 @@ class Connection(asyncio.BufferedProtocol):
         self._answer_buffered()
 
     def _step_job(self) -> None:
-        """Run the next slice of the job; when it is done, send its reply and go on reading."""
+        """Run the job's next slices until this turn is used (one at least: the first
+        ran in ``handle``); when it is done, send its reply and go on reading."""
         job = self._job
         if job is None:
             return  # the connection closed meanwhile
+        turn_ends = time.perf_counter() + self._server.turns.share_s
         try:
             next(job)
+            while time.perf_counter() < turn_ends:
+                next(job)
         except StopIteration as done:
             self._job = None
             self._send(done.value)

@@ -67,8 +67,12 @@ class ServerLimits:
       opened; another ``hello`` beyond it is refused (``bad_request``).
     - ``pre_auth_frame_bytes``: the largest frame before ``hello`` succeeds.
     - ``turn_s``: one peer's share of the event loop per round
-      (``maru_core.index.turns``): how long its pipelined requests may hold
-      the loop before the other peers get a turn.
+      (``maru_core.index.turns``): how long its pipelined requests, or a
+      large request's slices, may hold the loop before the other peers get
+      a turn, while it is the only peer the index serves.
+    - ``shared_turn_s``: the same share while other peers are served too
+      (``turns.CONTENDED_WINDOW_S``): how long a request that arrives while
+      another peer keeps the index busy may wait for the loop.
     - ``peer_connection_rate``/``peer_connection_burst``: new connections one
       peer (an IP address, or a Unix socket's user id) may open per second,
       and at once (one that the peer closes before sending a byte is not
@@ -89,6 +93,7 @@ class ServerLimits:
     max_leases_per_connection: int = 4
     pre_auth_frame_bytes: int = PRE_AUTH_FRAME_BYTES
     turn_s: float = 0.001
+    shared_turn_s: float = 0.0002
     peer_connection_rate: float = PEER_CONNECTION_RATE
     peer_connection_burst: int = PEER_CONNECTION_BURST
     peer_auth_failure_rate: float = PEER_AUTH_FAILURE_RATE
@@ -101,7 +106,7 @@ class ServerLimits:
         for name in integers:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("hello_timeout_s", "frame_timeout_s", "idle_timeout_s", "turn_s"):
+        for name in ("hello_timeout_s", "frame_timeout_s", "idle_timeout_s", "turn_s", "shared_turn_s"):
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a positive, finite number of seconds, got {value}")

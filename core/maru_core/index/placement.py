@@ -80,7 +80,7 @@ class Placement:
         joined = joined_keys(keys)
         n = len(joined) // KEY_BYTES
         lengths = checked_lengths(lengths, n)
-        self._lease(lease_id)
+        self._refuse_at_quota(self._lease(lease_id), lengths)
         first = yield from first_occurrences_sliced(joined, 4 * slice_keys)
         candidates = np.empty(n, dtype=bool)
         for start in range(0, n, slice_keys):
@@ -170,6 +170,15 @@ class Placement:
                 "share of the pool)"
             )
         return cand_idx[placed], starts[placed], pages[placed]
+
+    def _refuse_at_quota(self, lease: Lease, lengths: np.ndarray) -> None:
+        """Refuse a large batch before its keys are looked up when the lease or its peer has no
+        page left under its quota (``QuotaExceeded``): a flood of reserves at the quota then
+        costs a step each, not a look-up of every key."""
+        for room, quota in self._reservation_rooms(lease):
+            if room <= 0:
+                asked = int((-(-lengths // self.geometry.page_size)).sum())
+                self._refuse(lease, self._reservation_refusal(lease, quota, asked))
 
     def _reservation_rooms(self, lease: Lease) -> list[tuple[int, str]]:
         """``(pages left, quota)`` of the lease's and its peer's quotas of pages held,

@@ -162,11 +162,15 @@ def first_occurrences_sliced(joined: bytes, keys_per_step: int) -> Generator[Non
     if not bits:
         return _first_among(words)
     mix = np.frombuffer(os.urandom(16), dtype="<u8") | np.uint64(1)
-    mixed = words[:, 0] * mix[0]
-    mixed += words[:, 1] * mix[1]
-    part = (mixed >> np.uint64(64 - bits)).astype(np.int32)
+    shift = np.uint64(64 - bits)
+    part = np.empty(n, dtype=np.int32)
+    for start in range(0, n, keys_per_step):  # hashing the whole batch at once took milliseconds too
+        chunk = words[start : start + keys_per_step]
+        mixed = chunk[:, 0] * mix[0]
+        mixed += chunk[:, 1] * mix[1]
+        part[start : start + keys_per_step] = mixed >> shift
+        yield
     first = np.ones(n, dtype=bool)
-    yield
     for p in range(1 << bits):
         members = np.flatnonzero(part == p)
         if len(members) > 1:

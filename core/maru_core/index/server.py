@@ -112,6 +112,10 @@ _ALWAYS_SLICED = frozenset({Op.UNPIN, Op.BYE, Op.MATCH_PREFIXES, Op.LIST_OBJECTS
 
 #: Keys per slice of a large ``commit`` or ``abort`` (a slice is about a millisecond of work).
 SLICE_KEYS = 2048
+#: While other peers are served too (``PeerTurns.contended``), a large request that starts then
+#: runs in slices this many times smaller (a slice about one share of 0.2 ms), at some cost in
+#: its own time: the others wait for a slice at most.
+CONTENDED_SLICE_DIVISOR = 4
 #: SO_LINGER on, zero seconds: close() resets the connection.
 _RESET_ON_CLOSE = struct.pack("ii", 1, 0)
 
@@ -153,9 +157,7 @@ class IndexServer:
         self._expiry_interval_s = expiry_interval_s
         self._metrics = metrics
         self._slice_keys = slice_keys
-        self._slice_bytes = slice_keys * KEY_BYTES
-        # a key's lookup costs about a quarter of its commit: slices 4x larger
-        self._lookup_slice_keys = 4 * slice_keys
+        self._slice_bytes = slice_keys * KEY_BYTES  # requests of more keys run as jobs
         # A commit checks the writer's pending header, then marks it committed
         # before the reply: a restart restores committed headers only.
         self._verify = SlotHeaderCheck(pool, state=SlotState.PENDING)
@@ -235,7 +237,7 @@ class IndexServer:
         listens on); anything else raises ``ListenError`` with a one-line message.
         """
         self._loop = asyncio.get_running_loop()
-        self._turns = PeerTurns(self._loop, self.limits.turn_s)
+        self._turns = PeerTurns(self._loop, self.limits.turn_s, self.limits.shared_turn_s)
         if isinstance(address, UnixAddress):
             self._unix_listener = UnixListenerPath(address.path)
             sockets = [self._unix_listener.bind()]
@@ -243,7 +245,7 @@ class IndexServer:
         else:
             sockets = bind_tcp(address.host, address.port)
             bound = TcpAddress(address.host, sockets[0].getsockname()[1])
-        self._acceptors = [Acceptor(self._loop, sock, self._accepted) for sock in sockets]
+        self._acceptors = [Acceptor(self._loop, sock, self._accepted, self._turns.accepting) for sock in sockets]
         for acceptor in self._acceptors:
             acceptor.start()
         self._tasks = [
@@ -596,9 +598,19 @@ class IndexServer:
     def _abort(self, conn: Connection, args: dict) -> dict:
         return {"aborted": self.registry.abort(self._renewed(conn), args["keys"])}
 
+    def _slice_keys_now(self) -> int:
+        """Keys per slice of a job that starts now: ``slice_keys``, or less while the loop is contended."""
+        if self.turns.contended:
+            return max(1, self._slice_keys // CONTENDED_SLICE_DIVISOR)
+        return self._slice_keys
+
+    def _lookup_slice_keys(self) -> int:
+        """Keys per slice of a lookup that starts now: a key's lookup costs about a quarter of its commit."""
+        return 4 * self._slice_keys_now()
+
     def _match_prefix_sliced(self, conn: Connection, args: dict) -> Generator[None, None, dict]:
         self._renewed(conn)
-        matched = yield from self.registry.match_prefix_sliced(args["keys"], self._lookup_slice_keys)
+        matched = yield from self.registry.match_prefix_sliced(args["keys"], self._lookup_slice_keys())
         return {"matched": matched}
 
     def _match_prefixes_sliced(self, conn: Connection, args: dict) -> Generator[None, None, dict]:
@@ -607,29 +619,31 @@ class IndexServer:
         with other connections let in between lists and large lists' slices."""
         self._renewed(conn)
         keys, matched, start = args["keys"], [], 0
+        slice_keys = self._lookup_slice_keys()
         for i, count in enumerate(args["counts"]):
             if i:
                 yield
             end = start + count * KEY_BYTES
-            matched.append((yield from self.registry.match_prefix_sliced(keys[start:end], self._lookup_slice_keys)))
+            matched.append((yield from self.registry.match_prefix_sliced(keys[start:end], slice_keys)))
             start = end
         return {"matched": matched}
 
     def _retrieve_sliced(self, conn: Connection, args: dict) -> Generator[None, None, dict]:
         lease_id = self._renewed(conn)
-        locations = yield from self.registry.retrieve_sliced(lease_id, args["keys"], self._lookup_slice_keys)
+        locations = yield from self.registry.retrieve_sliced(lease_id, args["keys"], self._lookup_slice_keys())
         return {"locations": pack_locations(locations)}
 
     def _retrieve_prefix_sliced(self, conn: Connection, args: dict) -> Generator[None, None, dict]:
         lease_id = self._renewed(conn)
         matched, locations = yield from self.registry.retrieve_prefix_sliced(
-            lease_id, args["keys"], args["group"], self._lookup_slice_keys
+            lease_id, args["keys"], args["group"], self._lookup_slice_keys()
         )
         return prefix_reply(matched, locations)
 
     def _slices(self, keys: bytes) -> Generator[bytes, None, None]:
-        for start in range(0, len(keys), self._slice_bytes):
-            yield keys[start : start + self._slice_bytes]
+        step = self._slice_keys_now() * KEY_BYTES
+        for start in range(0, len(keys), step):
+            yield keys[start : start + step]
 
     def _commit_sliced(self, conn: Connection, args: dict) -> Generator[None, None, dict]:
         committed: list[bool] = []
@@ -654,11 +668,12 @@ class IndexServer:
         yield  # receiving and decoding the request was this turn's work
         lease_id = self._renewed(conn)
         self.pool_watch.check()
-        slots = yield from self.registry.reserve_sliced(lease_id, args["keys"], args["lengths"], self._slice_keys)
+        slots = yield from self.registry.reserve_sliced(lease_id, args["keys"], args["lengths"],
+                                                        self._slice_keys_now())  # fmt: skip
         return {"slots": pack_slots(slots)}
 
     def _unpin_sliced(self, conn: Connection, args: dict) -> Generator[None, None, dict]:
-        unpinned = yield from self.registry.unpin_sliced(self._renewed(conn), args["keys"], self._lookup_slice_keys)
+        unpinned = yield from self.registry.unpin_sliced(self._renewed(conn), args["keys"], self._lookup_slice_keys())
         return {"unpinned": unpinned}
 
     def _stats(self, conn: Connection, args: dict) -> dict:

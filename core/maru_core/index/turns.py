@@ -20,6 +20,16 @@ of its connections waits; otherwise it waits for the peer's next turn. A
 round runs in the loop's next pass, after the I/O that became ready
 meanwhile, so a request that arrives while others hold turns is answered
 before any of them has a second turn.
+
+How long a share is depends on who else is served. While one peer has the
+index to itself, a share is ``turn_s`` (1 ms): a lone engine's large
+lookups and pipelines run with few passes of the loop, none of them spent
+waiting for nobody. Once another peer has run within the last
+``CONTENDED_WINDOW_S``, a share is ``shared_turn_s`` (0.2 ms): a request
+that arrives while a peer keeps the index busy (pipelined requests, a large
+request's slices, a burst of accepts) waits for at most about that, plus
+the request under way. A peer cannot keep its shares long by itself: the
+other peers' requests are what shortens them.
 """
 
 from __future__ import annotations
@@ -32,6 +42,11 @@ from typing import Callable, Hashable, Protocol
 
 log = logging.getLogger(__name__)
 
+#: A peer that ran within this long of another makes the loop contended (shares of ``shared_turn_s``).
+CONTENDED_WINDOW_S = 0.5
+#: The turn-taker the acceptor counts as (no peer key starts with a NUL).
+ACCEPTING = "\0accept"
+
 
 class TurnTaker(Hashable, Protocol):
     """What waits for a turn: a connection, with the peer whose share it uses."""
@@ -41,15 +56,41 @@ class TurnTaker(Hashable, Protocol):
 
 class PeerTurns:
     """The turns of one event loop (see the module docstring); ``turn_s`` is a peer's
-    share of a round (``ServerLimits.turn_s``)."""
+    share of a round while it is served alone, ``shared_turn_s`` while others are
+    too (``ServerLimits``; the smaller of the two then)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, turn_s: float) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, turn_s: float, shared_turn_s: float | None = None) -> None:
         self._loop = loop
-        self._turn_s = turn_s
+        self._alone_s = turn_s
+        self._shared_s = min(turn_s, shared_turn_s if shared_turn_s is not None else turn_s)
+        self._last_peer: str | None = None
+        self._contended_until = 0.0  # perf_counter time until which shares are ``shared_turn_s``
         # per peer, its connections waiting for a turn, oldest first; peers in the order they began to wait
         self._waiting: dict[str, collections.OrderedDict[TurnTaker, Callable[[], None]]] = {}
         self._used: dict[str, float] = {}  # loop time each peer used this round
         self._round: asyncio.TimerHandle | None = None
+
+    @property
+    def contended(self) -> bool:
+        """Whether two turn-takers ran within ``CONTENDED_WINDOW_S`` of each other lately."""
+        return time.perf_counter() < self._contended_until
+
+    @property
+    def share_s(self) -> float:
+        """A peer's share of a round now: ``shared_turn_s`` while the loop is contended, else ``turn_s``."""
+        return self._shared_s if self.contended else self._alone_s
+
+    def accepting(self) -> float:
+        """The acceptor is about to accept: it counts as a turn-taker of its own (a burst of
+        connections contends with the peers served); returns how long it may take."""
+        self._note(ACCEPTING, time.perf_counter())
+        return self.share_s
+
+    def _note(self, peer: str, now: float) -> None:
+        if peer != self._last_peer:
+            if self._last_peer is not None:
+                self._contended_until = now + CONTENDED_WINDOW_S
+            self._last_peer = peer
 
     def __len__(self) -> int:
         """Connections waiting for a turn."""
@@ -59,7 +100,7 @@ class PeerTurns:
         """``conn`` has fresh work: ``turn`` runs it now when its peer has share left this round and
         none of its connections waits; else ``wait`` (which stops the connection and calls ``wait_turn``)."""
         peer = conn.peer_key
-        if peer in self._waiting or self._used.get(peer, 0.0) >= self._turn_s:
+        if peer in self._waiting or self._used.get(peer, 0.0) >= self.share_s:
             wait()
             return
         self._run(peer, turn)
@@ -80,6 +121,7 @@ class PeerTurns:
 
     def _run(self, peer: str, turn: Callable[[], None]) -> None:
         started = time.perf_counter()
+        self._note(peer, started)
         try:
             turn()
         except Exception:  # one connection's bug must not take the others' turns
@@ -92,7 +134,7 @@ class PeerTurns:
             self._round = self._loop.call_later(0, self._next_round)
 
     def _next_round(self) -> None:
-        """Every waiting peer's turn: its waiting connections, in order, until it has used ``turn_s``
+        """Every waiting peer's turn: its waiting connections, in order, until it has used its share
         (one at least; each connection once at most). A peer whose fresh work ran in this pass may
         thus have had up to two shares in it; from the next pass on, one per round."""
         self._round = None
@@ -101,7 +143,7 @@ class PeerTurns:
             for peer in list(self._waiting):
                 queue = self._waiting.get(peer)
                 for _ in range(len(queue) if queue else 0):
-                    if not queue or self._used.get(peer, 0.0) >= self._turn_s:
+                    if not queue or self._used.get(peer, 0.0) >= self.share_s:
                         break
                     _, turn = queue.popitem(last=False)
                     if not queue:
