@@ -120,10 +120,11 @@ class Acceptor:
             self._watching = False
 
     def _accept_some(self) -> None:
-        taken = refused = 0
+        taken = refused = tried = 0
         turn_s = ACCEPT_TURN_S if self._turn is None else min(ACCEPT_TURN_S, self._turn())
         turn_ends = time.perf_counter() + turn_s
-        while taken < self._batch and time.perf_counter() < turn_ends:
+        while taken < self._batch and (not tried or time.perf_counter() < turn_ends):  # one try at least
+            tried += 1
             try:
                 conn, address = self.sock.accept()
             except (BlockingIOError, InterruptedError):
