@@ -1,0 +1,328 @@
+"""How long a turn of the index's loop is, and what it may do in it: a share
+of ``turn_s`` while one peer is served alone, ``shared_turn_s`` once another
+peer (or the acceptor) took a turn within ``CONTENDED_WINDOW_S``; a lone
+client's large request runs slices back to back for its whole share, and
+one that starts while the loop is contended runs in quarter slices; the
+acceptor takes one connection per callback at least, however short its
+turn; a lease at its page quota is refused a large reserve before any of its
+keys is looked up.
+
+``maru_core.index.turns`` names are read through the module inside each test
+(``turns.CONTENDED_WINDOW_S``): each test stands or falls on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
+
+import maru_core.index.turns as turns
+from maru_core.index.accept import ACCEPT_BATCH, Acceptor, bind_tcp
+from maru_core.index.connection import Connection
+from maru_core.index.launcher import ThreadedIndex
+from maru_core.index.records import KEY_BYTES
+from maru_core.index.registry import Registry
+from maru_core.index.registry_types import QuotaExceeded, run_to_end
+from maru_core.index.turns import PeerTurns
+from test_registry import PAGE, Clock, accounting_adds_up, geometry
+from test_registry import key as registry_key
+from test_server import TOKEN, Raw, key
+from test_server_limits import raw_from, server_of, wait_for
+
+TURN_S, SHARED_TURN_S = 0.001, 0.0002
+
+
+# -- PeerTurns ---------------------------------------------------------------------------------
+
+
+class FakeClock:
+    """``time.perf_counter`` as the turns module reads it, moved by hand."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass(eq=False)  # hashed by identity, as connections are
+class Taker:
+    peer_key: str
+
+
+@pytest.fixture
+def clock(monkeypatch) -> FakeClock:
+    clock = FakeClock()
+    monkeypatch.setattr(turns, "time", SimpleNamespace(perf_counter=clock))
+    return clock
+
+
+@pytest.fixture
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+def take_turn(peer_turns: PeerTurns, taker: Taker, clock: FakeClock, cost_s: float = 0.0) -> str:
+    """Offer ``taker`` fresh work costing ``cost_s`` of loop time: ``"ran"`` or ``"waited"``.
+    The loop never runs here, so a round's use adds up until the test says otherwise."""
+    outcome: list[str] = []
+
+    def turn() -> None:
+        clock.now += cost_s
+        outcome.append("ran")
+
+    peer_turns.run_or_wait(taker, turn, lambda: outcome.append("waited"))
+    return outcome[0]
+
+
+def test_a_peer_served_alone_gets_shares_of_turn_s(loop, clock) -> None:
+    peer_turns = PeerTurns(loop, TURN_S, SHARED_TURN_S)
+    first, second = Taker("10.0.0.1"), Taker("10.0.0.1")  # two connections of one peer
+    for taker in (first, second, first, second):
+        assert take_turn(peer_turns, taker, clock) == "ran"
+        clock.now += 0.01
+    assert not peer_turns.contended
+    assert peer_turns.share_s == TURN_S
+
+
+def test_another_peer_s_turn_shortens_the_shares_until_the_window_has_passed(loop, clock) -> None:
+    peer_turns = PeerTurns(loop, TURN_S, SHARED_TURN_S)
+    assert take_turn(peer_turns, Taker("10.0.0.1"), clock) == "ran"
+    other = Taker("10.0.0.2")
+    assert take_turn(peer_turns, other, clock) == "ran"
+    assert peer_turns.contended and peer_turns.share_s == SHARED_TURN_S
+    clock.now += turns.CONTENDED_WINDOW_S - 0.001
+    assert take_turn(peer_turns, other, clock) == "ran"  # the same peer again: no new contention
+    assert peer_turns.share_s == SHARED_TURN_S  # still within the window of the switch
+    clock.now += 0.002
+    assert not peer_turns.contended and peer_turns.share_s == TURN_S
+
+
+def test_a_peer_that_used_more_than_a_shared_share_waits_once_another_peer_ran(loop, clock) -> None:
+    peer_turns = PeerTurns(loop, TURN_S, SHARED_TURN_S)
+    busy = Taker("10.0.0.1")
+    assert take_turn(peer_turns, busy, clock, cost_s=0.0005) == "ran"
+    assert take_turn(peer_turns, busy, clock, cost_s=0.0001) == "ran"  # alone: 0.5 ms of its 1 ms used
+    assert take_turn(peer_turns, Taker("10.0.0.2"), clock) == "ran"
+    assert take_turn(peer_turns, busy, clock) == "waited"  # contended: 0.6 ms is past a 0.2 ms share
+
+
+def test_the_acceptor_contends_with_the_peers_served(loop, clock) -> None:
+    peer_turns = PeerTurns(loop, TURN_S, SHARED_TURN_S)
+    assert peer_turns.accepting() == TURN_S  # nobody served yet: the acceptor alone
+    assert peer_turns.accepting() == TURN_S and not peer_turns.contended
+    clock.now += 1.0
+    assert take_turn(peer_turns, Taker("10.0.0.1"), clock) == "ran"
+    assert peer_turns.contended  # a peer's turn right after the acceptor's
+    clock.now += 1.0
+    assert not peer_turns.contended
+    assert peer_turns.accepting() == SHARED_TURN_S  # accepting right after a peer's turn
+    assert peer_turns.contended and peer_turns.share_s == SHARED_TURN_S
+
+
+@pytest.mark.parametrize("shared_turn_s", [0.005, None])
+def test_a_shared_share_is_never_longer_than_turn_s(loop, clock, shared_turn_s) -> None:
+    peer_turns = PeerTurns(loop, TURN_S, shared_turn_s)
+    assert take_turn(peer_turns, Taker("10.0.0.1"), clock) == "ran"
+    assert take_turn(peer_turns, Taker("10.0.0.2"), clock) == "ran"
+    assert peer_turns.contended and peer_turns.share_s == TURN_S
+
+
+# -- sliced jobs on a real index ---------------------------------------------------------------
+
+
+@pytest.fixture
+def pool(make_pool):
+    return make_pool("test-turn-shares", 64 * 1024 * 1024, 4096)
+
+
+def set_slice_keys(index: ThreadedIndex, slice_keys: int) -> None:
+    """Make requests of more than ``slice_keys`` keys run as jobs of such slices (on the loop)."""
+    server = server_of(index)
+
+    def set_them() -> None:
+        server._slice_keys = slice_keys
+        server._slice_bytes = slice_keys * KEY_BYTES
+
+    index.on_loop(set_them)
+
+
+def record_commit_slices(index: ThreadedIndex) -> list[int]:
+    """The number of keys of each ``Registry.commit`` call the server makes from now on."""
+    registry = server_of(index).registry
+    commit = registry.commit
+    sizes: list[int] = []
+
+    def recording(lease_id, keys, **kwargs):
+        sizes.append(len(keys) // KEY_BYTES)
+        return commit(lease_id, keys, **kwargs)
+
+    registry.commit = recording
+    return sizes
+
+
+def contended(index: ThreadedIndex) -> bool:
+    return index.on_loop(lambda: server_of(index).turns.contended)
+
+
+def test_a_lone_client_s_large_commit_runs_many_slices_a_turn(pool, monkeypatch) -> None:
+    """One slice per turn made a lone engine's large request wait a loop pass per
+    slice for nobody: now a job runs slices until its share is used."""
+    monkeypatch.setattr(turns, "CONTENDED_WINDOW_S", 0.05, raising=False)  # the accept's contention passes soon
+    steps: list[int] = []
+    step_job = Connection._step_job
+
+    def counting(self) -> None:
+        steps.append(1)
+        step_job(self)
+
+    monkeypatch.setattr(Connection, "_step_job", counting)
+    with ThreadedIndex(pool, token=TOKEN) as index:
+        set_slice_keys(index, 4)
+        raw = Raw(index.url)
+        raw.hello()
+        assert wait_for(lambda: not contended(index))
+        assert index.on_loop(server_of(index)._slice_keys_now) == 4
+        sizes = record_commit_slices(index)
+        keys = b"".join(key(i) for i in range(2000))
+        reply = raw.call(op="commit", keys=keys)  # nothing reserved: every key answered False
+        assert reply["ok"] and reply["committed"] == [False] * 2000
+        assert sizes == [4] * 500  # full slices: nobody else was served
+        # one step per slice would be 499 steps after the first slice; about a millisecond of
+        # slices a step makes a few dozen at most, even on a loaded machine
+        assert len(steps) <= 500 // 4, len(steps)
+        raw.close()
+
+
+def test_a_large_request_that_starts_right_after_another_peer_s_runs_in_quarter_slices(pool, monkeypatch) -> None:
+    monkeypatch.setattr(turns, "CONTENDED_WINDOW_S", 0.05, raising=False)
+    with ThreadedIndex(pool, token=TOKEN) as index:
+        server = server_of(index)
+        set_slice_keys(index, 8)
+        mine, other = Raw(index.url), raw_from(index.url, "127.0.0.2")
+        mine.hello(), other.hello()
+        assert mine.call(op="heartbeat")["ok"]
+        assert wait_for(lambda: not contended(index))  # the switches of the hellos are past
+        sizes = record_commit_slices(index)
+        keys = b"".join(key(i) for i in range(64))
+        assert mine.call(op="commit", keys=keys)["ok"]
+        assert sizes == [8] * 8  # served alone: whole slices
+        monkeypatch.setattr(turns, "CONTENDED_WINDOW_S", 5.0)  # long enough for the checks below
+        assert other.call(op="heartbeat")["ok"]
+        sizes.clear()
+        assert mine.call(op="commit", keys=keys)["ok"]
+        assert sizes == [2] * 32  # started right after the other peer's request: quarter slices
+        assert contended(index)
+        assert index.on_loop(server._slice_keys_now) == 2
+        assert index.on_loop(server._lookup_slice_keys) == 8
+        mine.close(), other.close()
+
+
+# -- the early quota refusal -------------------------------------------------------------------
+
+
+def record_lookups(reg: Registry, monkeypatch) -> list[int]:
+    """The number of keys of each ``absent_keys`` call of ``reg`` from now on."""
+    absent_keys = reg.absent_keys
+    looked_up: list[int] = []
+
+    def recording(keys):
+        looked_up.append(len(keys) // KEY_BYTES)
+        return absent_keys(keys)
+
+    monkeypatch.setattr(reg, "absent_keys", recording)
+    return looked_up
+
+
+@pytest.mark.parametrize("quota", ["reservations", "peer_reservations"])
+def test_a_lease_at_its_page_quota_is_refused_before_its_keys_are_looked_up(monkeypatch, quota) -> None:
+    fraction = {"max_lease_pages_fraction" if quota == "reservations" else "max_peer_pages_fraction": 0.25}
+    reg = Registry(geometry(100), clock=Clock(), **fraction)
+    holder = reg.open_lease("holder", peer="10.0.0.1")
+    asker = holder if quota == "reservations" else reg.open_lease("asker", peer="10.0.0.1")
+    assert None not in reg.reserve(holder, [(registry_key(i), PAGE) for i in range(25)])  # the whole quota
+    looked_up = record_lookups(reg, monkeypatch)
+    keys = b"".join(registry_key(100 + i) for i in range(50))
+    steps = reg.reserve_sliced(asker, keys, [PAGE] * 50, slice_keys=8)
+    with pytest.raises(QuotaExceeded) as refused:
+        next(steps)  # the first step
+    assert refused.value.quota == quota
+    flag = "--max-lease-pool-fraction" if quota == "reservations" else "--max-peer-pool-fraction"
+    assert flag in str(refused.value) and "asks for 50 more" in str(refused.value)
+    assert looked_up == []
+    assert reg.stats().reserved_keys == 25
+    accounting_adds_up(reg)
+
+
+def test_a_lease_with_room_left_under_its_quota_is_not_refused_up_front(monkeypatch) -> None:
+    reg = Registry(geometry(100), clock=Clock(), max_lease_pages_fraction=0.25)
+    lease = reg.open_lease("a")
+    assert None not in reg.reserve(lease, [(registry_key(i), PAGE) for i in range(20)])
+    looked_up = record_lookups(reg, monkeypatch)
+    keys = b"".join(registry_key(100 + i) for i in range(5))  # exactly the room left
+    slots = run_to_end(reg.reserve_sliced(lease, keys, [PAGE] * 5, slice_keys=2))
+    assert None not in slots and len(slots) == 5
+    assert sum(looked_up) >= 5  # looked up as ever
+    assert reg.stats().reserved_keys == 25
+    accounting_adds_up(reg)
+
+
+# -- the acceptor's turn -----------------------------------------------------------------------
+
+
+def accept_all(count: int, **acceptor_kwargs) -> tuple[list[int], int]:
+    """Connect ``count`` clients to a fresh listener, then run an ``Acceptor`` until it took
+    them all (or 5 s passed): the connections each callback took, and how many were taken."""
+    loop = asyncio.new_event_loop()
+    listener = bind_tcp("127.0.0.1", 0)[0]
+    taken: list[socket.socket] = []
+
+    def take(sock: socket.socket, address: object) -> bool:
+        taken.append(sock)
+        return True
+
+    acceptor = Acceptor(loop, listener, take, **acceptor_kwargs)
+    per_callback: list[int] = []
+    accept_some = acceptor._accept_some
+
+    def counting() -> None:
+        before = len(taken)
+        accept_some()
+        per_callback.append(len(taken) - before)
+
+    acceptor._accept_some = counting
+    clients = [socket.create_connection(listener.getsockname(), timeout=5) for _ in range(count)]
+    try:
+        acceptor.start()  # every connection is in the backlog before the first callback
+        deadline = time.monotonic() + 5
+        while len(taken) < count and time.monotonic() < deadline:
+            loop.run_until_complete(asyncio.sleep(0.001))
+        return per_callback, len(taken)
+    finally:
+        acceptor.close()
+        for sock in [*clients, *taken]:
+            sock.close()
+        loop.close()
+
+
+def test_an_accept_callback_with_no_time_left_still_takes_one_connection() -> None:
+    """A turn of zero seconds (a contended loop's share all used) once made every
+    callback take nothing: the backlog stayed readable and the loop spun."""
+    turns_asked: list[int] = []
+    per_callback, taken = accept_all(6, turn=lambda: turns_asked.append(1) or 0.0)
+    assert taken == 6
+    assert max(per_callback) == 1 and per_callback.count(0) <= 1, per_callback  # one each, no spinning
+    assert len(turns_asked) == len(per_callback)  # asked once per callback
+
+
+def test_an_accept_callback_with_no_turn_given_takes_several_connections() -> None:
+    per_callback, taken = accept_all(6)
+    assert taken == 6
+    assert max(per_callback) > 1 and max(per_callback) <= ACCEPT_BATCH, per_callback
