@@ -1,6 +1,6 @@
 """How long a turn of the index's loop is, and what it may do in it: a share
 of ``turn_s`` while one peer is served alone, ``shared_turn_s`` once another
-peer (or the acceptor) took a turn within ``CONTENDED_WINDOW_S``; a lone
+peer took a turn within ``CONTENDED_WINDOW_S``; a lone
 client's large request runs slices back to back for its whole share, and
 one that starts while the loop is contended runs in quarter slices; the
 acceptor takes one connection per callback at least, however short its
@@ -114,17 +114,13 @@ def test_a_peer_that_used_more_than_a_shared_share_waits_once_another_peer_ran(l
     assert take_turn(peer_turns, busy, clock) == "waited"  # contended: 0.6 ms is past a 0.2 ms share
 
 
-def test_the_acceptor_contends_with_the_peers_served(loop, clock) -> None:
+def test_a_new_connection_alone_does_not_make_the_loop_contended(loop, clock) -> None:
+    """Accepting is no turn of a peer: a lone client that reconnects keeps its long shares."""
     peer_turns = PeerTurns(loop, TURN_S, SHARED_TURN_S)
-    assert peer_turns.accepting() == TURN_S  # nobody served yet: the acceptor alone
-    assert peer_turns.accepting() == TURN_S and not peer_turns.contended
-    clock.now += 1.0
     assert take_turn(peer_turns, Taker("10.0.0.1"), clock) == "ran"
-    assert peer_turns.contended  # a peer's turn right after the acceptor's
-    clock.now += 1.0
+    assert peer_turns.share_s == TURN_S and not peer_turns.contended
+    assert take_turn(peer_turns, Taker("10.0.0.1"), clock) == "ran"  # the same peer, a new connection
     assert not peer_turns.contended
-    assert peer_turns.accepting() == SHARED_TURN_S  # accepting right after a peer's turn
-    assert peer_turns.contended and peer_turns.share_s == SHARED_TURN_S
 
 
 @pytest.mark.parametrize("shared_turn_s", [0.005, None])
@@ -326,3 +322,34 @@ def test_an_accept_callback_with_no_turn_given_takes_several_connections() -> No
     per_callback, taken = accept_all(6)
     assert taken == 6
     assert max(per_callback) > 1 and max(per_callback) <= ACCEPT_BATCH, per_callback
+
+
+# -- large replies -----------------------------------------------------------------------------
+
+
+def test_a_large_reply_goes_out_a_piece_per_turn_while_contended_and_arrives_whole(pool, monkeypatch) -> None:
+    """Over loopback one ``send`` of a large reply held the loop for milliseconds: while
+    the loop is contended it is written a piece per turn, and reads the same."""
+    from maru_core.index import connection
+
+    pieces: list[int] = []
+    write_pieces = Connection._write_pieces
+
+    def counting(self, frame):
+        pieces.append(len(frame))
+        return (yield from write_pieces(self, frame))
+
+    monkeypatch.setattr(Connection, "_write_pieces", counting)
+    keys = b"".join(key(i) for i in range(8000))  # a retrieve's locations: 16 bytes a key
+    with ThreadedIndex(pool, token=TOKEN) as index:
+        raw = Raw(index.url)
+        raw.hello()
+        monkeypatch.setattr(PeerTurns, "contended", property(lambda self: False))
+        alone = raw.call(op="retrieve", keys=keys)
+        assert alone["ok"] and not pieces
+        monkeypatch.setattr(PeerTurns, "contended", property(lambda self: True))
+        shared = raw.call(op="retrieve", keys=keys)
+        assert shared == {**alone, "id": shared["id"]}
+        assert len(pieces) == 1 and pieces[0] > 2 * connection.WRITE_PIECE_BYTES
+        assert raw.call(op="heartbeat")["ok"]  # the connection reads again after the last piece
+        raw.close()

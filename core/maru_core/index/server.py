@@ -237,7 +237,7 @@ class IndexServer:
         listens on); anything else raises ``ListenError`` with a one-line message.
         """
         self._loop = asyncio.get_running_loop()
-        self._turns = PeerTurns(self._loop, self.limits.turn_s, self.limits.shared_turn_s)
+        self._turns = turns = PeerTurns(self._loop, self.limits.turn_s, self.limits.shared_turn_s)
         if isinstance(address, UnixAddress):
             self._unix_listener = UnixListenerPath(address.path)
             sockets = [self._unix_listener.bind()]
@@ -245,7 +245,7 @@ class IndexServer:
         else:
             sockets = bind_tcp(address.host, address.port)
             bound = TcpAddress(address.host, sockets[0].getsockname()[1])
-        self._acceptors = [Acceptor(self._loop, sock, self._accepted, self._turns.accepting) for sock in sockets]
+        self._acceptors = [Acceptor(self._loop, sock, self._accepted, lambda: turns.share_s) for sock in sockets]
         for acceptor in self._acceptors:
             acceptor.start()
         self._tasks = [

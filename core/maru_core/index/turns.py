@@ -27,8 +27,8 @@ lookups and pipelines run with few passes of the loop, none of them spent
 waiting for nobody. Once another peer has run within the last
 ``CONTENDED_WINDOW_S``, a share is ``shared_turn_s`` (0.2 ms): a request
 that arrives while a peer keeps the index busy (pipelined requests, a large
-request's slices, a burst of accepts) waits for at most about that, plus
-the request under way. A peer cannot keep its shares long by itself: the
+request's slices, a large reply's pieces; the acceptor's bursts take no
+longer either) waits for at most about that, plus the request under way. A peer cannot keep its shares long by itself: the
 other peers' requests are what shortens them.
 """
 
@@ -44,8 +44,6 @@ log = logging.getLogger(__name__)
 
 #: A peer that ran within this long of another makes the loop contended (shares of ``shared_turn_s``).
 CONTENDED_WINDOW_S = 0.5
-#: The turn-taker the acceptor counts as (no peer key starts with a NUL).
-ACCEPTING = "\0accept"
 
 
 class TurnTaker(Hashable, Protocol):
@@ -79,12 +77,6 @@ class PeerTurns:
     def share_s(self) -> float:
         """A peer's share of a round now: ``shared_turn_s`` while the loop is contended, else ``turn_s``."""
         return self._shared_s if self.contended else self._alone_s
-
-    def accepting(self) -> float:
-        """The acceptor is about to accept: it counts as a turn-taker of its own (a burst of
-        connections contends with the peers served); returns how long it may take."""
-        self._note(ACCEPTING, time.perf_counter())
-        return self.share_s
 
     def _note(self, peer: str, now: float) -> None:
         if peer != self._last_peer:
