@@ -26,6 +26,10 @@ once (``Registry.retrieve_sliced``), so it stays all or nothing; a large
 ``retrieve_prefix`` likewise, its lookups stopping at the first slice with
 a miss.
 
+A job that starts while other peers are served (``PeerTurns.contended``)
+takes slices ``CONTENDED_SLICE_DIVISOR`` times smaller, so that one slice
+fits the shorter share of a contended loop.
+
 ``list_objects`` and ``flush`` (``maru_core.index.object_ops``) walk the
 record table a range of rows per request, a slice of rows per step.
 ``put_aliases`` and ``match_alias`` (``maru_core.index.alias_ops``) run in
