@@ -115,6 +115,8 @@ def parse(argv=None):
     args.modes = args.modes or [m for m in MODES if not tiny or not m.endswith(("graphs", "0"))]
     args.concurrency = args.concurrency or ([1, 2] if tiny else [1, 2, 4, 8])
     args.partial = args.partial or ([256, 64] if tiny else [16384, 2048])
+    if args.partial[1] < 1:  # a recompute of no token crashed in flash attention ("invalid argument")
+        p.error(f"--partial {args.partial[0]} {args.partial[1]}: a partial hit needs one new token at least")
     args.concurrent_size = args.concurrent_size or (256 if tiny else 16384)
     args.store_size = args.store_size or (256 if tiny else 16384)
     if tiny:

@@ -49,7 +49,7 @@ fi
 if [ "$mode" = group-ab ]; then
     for group in 8 32; do
         run "issue_cost_group$group" 90 python3 bench/verify_issue_cost.py harness --formats chunkwise \
-            --repeats 5 --sizes 4096 --partial 4096 0 --modes sync_overlap_graphs --group-below-mib "$group"
+            --repeats 5 --sizes 4096 --partial 4096 512 --modes sync_overlap_graphs --group-below-mib "$group"
         grep 'issue cost' "$out/issue_cost_group$group.txt"
     done
     ab="sync_overlap_graphs sync_overlap_graphs_unverified"
