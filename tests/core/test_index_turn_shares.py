@@ -353,3 +353,38 @@ def test_a_large_reply_goes_out_a_piece_per_turn_while_contended_and_arrives_who
         assert len(pieces) == 1 and pieces[0] > 2 * connection.WRITE_PIECE_BYTES
         assert raw.call(op="heartbeat")["ok"]  # the connection reads again after the last piece
         raw.close()
+
+
+# -- the deadline sweep ------------------------------------------------------------------------
+
+
+class IdleConnection:
+    """A connection the sweep looks at and leaves open."""
+
+    authenticated = True
+    connected_at = last_active = 0.0
+
+    def stalled(self) -> bool:
+        return False
+
+    def release_idle_buffer(self, now: float) -> bool:
+        return False
+
+
+def test_the_deadline_sweep_yields_between_hundreds_of_connections_it_leaves_open(pool) -> None:
+    """Thousands of idle connections held the loop for milliseconds a sweep: it yielded
+    only every 64 closes, and closed none of them."""
+    with ThreadedIndex(pool, token=TOKEN) as index:
+        server = server_of(index)
+
+        def sweep_steps() -> int:
+            saved = dict(server._connections)
+            server._connections.clear()
+            server._connections.update({IdleConnection(): None for _ in range(1000)})
+            try:
+                return sum(1 for _ in server._sweep(1.0))
+            finally:
+                server._connections.clear()
+                server._connections.update(saved)
+
+        assert index.on_loop(sweep_steps) >= 3  # 1,000 connections looked at, none closed
