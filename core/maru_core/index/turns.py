@@ -28,8 +28,9 @@ waiting for nobody. Once another peer has run within the last
 ``CONTENDED_WINDOW_S``, a share is ``shared_turn_s`` (0.2 ms): a request
 that arrives while a peer keeps the index busy (pipelined requests, a large
 request's slices, a large reply's pieces; the acceptor's bursts take no
-longer either) waits for at most about that, plus the request under way. A peer cannot keep its shares long by itself: the
-other peers' requests are what shortens them.
+longer either) waits for at most about that, plus the request under way.
+A peer cannot keep its shares long by itself: the other peers' requests
+are what shortens them.
 """
 
 from __future__ import annotations
