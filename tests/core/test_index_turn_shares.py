@@ -25,6 +25,7 @@ import maru_core.index.turns as turns
 from maru_core.index.accept import ACCEPT_BATCH, Acceptor, bind_tcp
 from maru_core.index.connection import Connection
 from maru_core.index.launcher import ThreadedIndex
+from maru_core.index.limits import ServerLimits
 from maru_core.index.records import KEY_BYTES
 from maru_core.index.registry import Registry
 from maru_core.index.registry_types import QuotaExceeded, run_to_end
@@ -180,7 +181,8 @@ def test_a_lone_client_s_large_commit_runs_many_slices_a_turn(pool, monkeypatch)
         step_job(self)
 
     monkeypatch.setattr(Connection, "_step_job", counting)
-    with ThreadedIndex(pool, token=TOKEN) as index:
+    # a share of half a second alone: the whole job fits one share, however loaded the machine
+    with ThreadedIndex(pool, token=TOKEN, limits=ServerLimits(turn_s=0.5)) as index:
         set_slice_keys(index, 4)
         raw = Raw(index.url)
         raw.hello()
@@ -191,9 +193,8 @@ def test_a_lone_client_s_large_commit_runs_many_slices_a_turn(pool, monkeypatch)
         reply = raw.call(op="commit", keys=keys)  # nothing reserved: every key answered False
         assert reply["ok"] and reply["committed"] == [False] * 2000
         assert sizes == [4] * 500  # full slices: nobody else was served
-        # one step per slice would be 499 steps after the first slice; about a millisecond of
-        # slices a step makes a few dozen at most, even on a loaded machine
-        assert len(steps) <= 500 // 4, len(steps)
+        # one step per slice would be 499 steps after the first slice
+        assert len(steps) <= 5, len(steps)
         raw.close()
 
 
