@@ -81,6 +81,9 @@ def parse(argv=None):
     p.add_argument("--torch-compare", action="store_true",
                    help="A/B: a verified fill's comparison as torch operations after the sum "
                         "kernel (before), not in the same launch")
+    p.add_argument("--triton-launch", action="store_true",
+                   help="A/B: the checksum kernel launched through Triton's launcher (before), not "
+                        "through the CUDA driver directly")
     p.add_argument("--two-round-trip-pins", action="store_true",
                    help="early pins as an index without retrieve_prefix takes them: a "
                         "match_prefix, then a retrieve")
@@ -541,6 +544,9 @@ def main(argv=None):
     if args.torch_compare:
         from maru_connector.transfer import device_checksum
         device_checksum.FUSED_COMPARE = False
+    if args.triton_launch:
+        from maru_connector.transfer import device_checksum
+        device_checksum.DIRECT_LAUNCH = False
     device = "cpu" if args.cpu else "cuda"
     geo = TINY if args.cpu else LLAMA3_8B
     if args.layers:

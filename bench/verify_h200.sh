@@ -2,7 +2,7 @@
 # Verified loads on the GPU, in one go (run from the project root on a machine
 # with one NVIDIA GPU, torch with CUDA, Triton, no vLLM):
 #
-#   bash bench/verify_h200.sh OUT_DIR [fused-ab|group-ab]
+#   bash bench/verify_h200.sh OUT_DIR [fused-ab|group-ab|direct-ab]
 #
 # 1. the CUDA tests of verified loads, of the CUDA engine and of its memory
 #    (test_verified_transfer.py -m cuda, test_transfer_cuda.py,
@@ -27,13 +27,20 @@
 # alternating, default 1), after the issuing
 # functions' host time in the harness (bench/verify_issue_cost.py).
 #
+# With `direct-ab`, steps 2 and 3 make way for the A/B of the checksum
+# kernel launched through the CUDA driver directly (as shipped) against
+# Triton's launcher (before, --triton-launch): the launches' host time
+# (bench/verify_issue_cost.py launches), the issuing functions' host time in
+# the harness, then verified against unverified 4k (and, in round 1, 16k)
+# hits, both formats, 7 repeats, two rounds, the two launches alternating.
+#
 # The index (step 3) needs `sortedcontainers` (pure Python): where it is not
 # installed, put a copy of the package in bench/.site/ (git ignores it). The
 # connector needs no xxhash (only entries of older writers use it), the CUDA
 # tests no hypothesis. About 6 minutes in all; each step has its own time
 # limit, and a step that fails does not stop the others (the exit code says).
 set -u
-out=${1:?usage: verify_h200.sh OUT_DIR [fused-ab|group-ab]}
+out=${1:?usage: verify_h200.sh OUT_DIR [fused-ab|group-ab|direct-ab]}
 mode=${2:-all}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=connector:core:tools:tests/connector:bench/.site
@@ -59,6 +66,30 @@ if [ "$mode" = group-ab ]; then
                 name="ttft_${fmt}_group${group}_$round"
                 run "$name" 100 python3 bench/ttft_gpu.py --formats "$fmt" --repeats 7 --sizes 4096 \
                     --partial 4096 512 --modes $ab --group-below-mib "$group" --out "$out/$name"
+                grep '^|' "$out/$name.txt"
+            done
+        done
+    done
+    exit $failed
+fi
+if [ "$mode" = direct-ab ]; then
+    run launches 90 python3 bench/verify_issue_cost.py launches
+    grep 'host per call\|through the driver:' "$out/launches.txt"
+    for launch in direct triton; do
+        flag=$([ "$launch" = triton ] && echo --triton-launch)
+        run "issue_cost_$launch" 90 python3 bench/verify_issue_cost.py harness --formats chunkwise --repeats 5 \
+            --sizes 4096 --partial 4096 512 --modes sync_overlap_graphs $flag
+        grep 'issue cost' "$out/issue_cost_$launch.txt"
+    done
+    ab="sync_overlap_graphs sync_overlap_graphs_unverified"
+    for round in 1 2; do
+        sizes=$([ "$round" = 1 ] && echo "4096 16384" || echo 4096)
+        for fmt in chunkwise layerwise; do
+            for launch in direct triton; do
+                name="ttft_${fmt}_${launch}_$round"
+                flag=$([ "$launch" = triton ] && echo --triton-launch)
+                run "$name" 150 python3 bench/ttft_gpu.py --formats "$fmt" --repeats 7 --sizes $sizes \
+                    --partial 4096 512 --modes $ab $flag --out "$out/$name"
                 grep '^|' "$out/$name.txt"
             done
         done

@@ -2,7 +2,8 @@
 
     python3 bench/verify_issue_cost.py launches
         host time per call of the sum kernel's launch (with and without the
-        fused comparison), of torch's sums, and of a load's check state
+        fused comparison; through the driver directly, as shipped, and
+        through Triton's launcher), of torch's sums, and of a load's check state
     python3 bench/verify_issue_cost.py harness [bench/ttft_gpu.py ARGS...]
         runs the GPU harness with the CUDA engine's issuing functions timed:
         calls, total and mean host time of each, printed at exit
@@ -50,16 +51,25 @@ def launches() -> None:
     sums, expected, verify = state[:objects], state[objects:2 * objects], state[2 * objects:]
     flags = torch.zeros(32, dtype=torch.int32, pin_memory=True)
     counter = torch.zeros(1, dtype=torch.int32, device=device)
-    compare = dc.Compare(expected=expected, verify=verify, flag=flags[0:1], counter=counter,
+    compare = dc.Compare(expected=expected, verify=verify, flags=flags, flag_index=0, counter=counter,
                          rows=objects, stride=1, first=0, cols=1)
     fill = dict(first_chunk=0, n_chunks=16, first_layer=0, n_layers=4, chunk_major=True, layerwise=False,
                 total_layers=32)
-    for row in (32 << 10, 256 << 10):
-        host_time(f"sum, rows of {row >> 10} KiB", lambda: dc.add_row_sums(sums, staging, 0, row, **fill))
-        host_time(f"sum and compare, rows of {row >> 10} KiB",
-                  lambda: dc.add_row_sums(sums, staging, 0, row, compare=compare, **fill))
+    stream = torch.cuda.current_stream(device).cuda_stream  # as the engine passes its scatter stream
+    print(f"variants launched through the driver: {sorted(dc._DIRECT)}")
+    for row in (32 << 10, 256 << 10, 1 << 20):
+        for direct in (True, False):
+            dc.DIRECT_LAUNCH = direct
+            how = "through the driver" if direct else "through Triton"
+            host_time(f"sum, rows of {row >> 10} KiB, {how}",
+                      lambda: dc.add_row_sums(sums, staging, 0, row, stream=stream, **fill))
+            host_time(f"sum and compare, rows of {row >> 10} KiB, {how}",
+                      lambda: dc.add_row_sums(sums, staging, 0, row, compare=compare, stream=stream, **fill))
+        dc.DIRECT_LAUNCH = True
         host_time(f"torch's sum, rows of {row >> 10} KiB",
                   lambda: dc.add_row_sums(sums, staging, 0, row, backend="torch", **fill), repeats=50)
+    empty = torch.zeros(1, device=device)
+    host_time("an empty torch kernel (x.add_(1), for scale)", lambda: empty.add_(1))
 
     def check_state():  # as CudaTransferEngine._check_state makes it
         host = np.zeros(3 * objects, dtype=np.int64)

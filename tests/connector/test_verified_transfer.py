@@ -265,7 +265,7 @@ def _fills_engine(pool, fmt, rows_cap: int, copy_2d: bool):
     engine._rows_cap, engine._stacked = rows_cap, {}
     engine._memcpy, engine._memcpy2d = _HostCopies.memcpy, _HostCopies.memcpy2d if copy_2d else None
     engine._event = lambda: SimpleNamespace(record=lambda stream: None)
-    engine.load_stream = SimpleNamespace(cuda_stream=0)
+    engine.load_stream = engine.scatter_stream = SimpleNamespace(cuda_stream=0)
     return engine
 
 
@@ -348,7 +348,6 @@ def test_the_cuda_engine_compares_exactly_the_objects_due_at_each_fill(pool, lay
     layout = detect_kv_layout(make_kv_caches("flash_hnd", layers=4, blocks=24))
     fmt = ObjectFormat(layout, BPC * layout.block_size, layerwise)
     engine = _fills_engine(pool, fmt, 64, True)
-    engine.scatter_stream = SimpleNamespace(cuda_stream=0)
     engine._compare_counter = torch.zeros(1, dtype=torch.int32)
     chunks, nl = 3, fmt.num_layers
     objects = chunks * fmt.objects_per_chunk
@@ -404,8 +403,8 @@ def _check_compare(device: str, backend: str, flag_device: str) -> None:
                     if skip_wrong:
                         verify[wrong] = 0
                 flag = torch.full((1,), 7, dtype=torch.int32, pin_memory=pin)
-                compare = device_checksum.Compare(expected=expected, verify=verify, flag=flag, counter=counter,
-                                                  rows=chunks, stride=nl, first=first, cols=cols)
+                compare = device_checksum.Compare(expected=expected, verify=verify, flags=flag, flag_index=0,
+                                                  counter=counter, rows=chunks, stride=nl, first=first, cols=cols)
                 sums = torch.zeros_like(truth)
                 device_checksum.add_row_sums(sums, data, 0, row_bytes, compare=compare, backend=backend, **rows)
                 if device == "cuda":
@@ -427,4 +426,42 @@ def test_the_sum_and_compare_of_a_fill_flags_exactly_a_due_mismatch_on_the_gpu(b
     if backend == "triton" and not device_checksum.FUSED_COMPARE:
         pytest.fail("the fused comparison is off on this GPU: every verified fill takes torch's compare")
     _check_compare("cuda", backend, "pinned")
+
+
+@ON_GPU[0]
+@ON_GPU[1]
+def test_warmed_up_variants_launch_through_the_driver_and_sum_as_numpy(monkeypatch):
+    """After warm-up every variant of both formats is launched through the
+    CUDA driver directly, and those launches sum and compare bit for bit as
+    numpy; a pointer that is not 16-byte aligned (another variant of
+    Triton's) goes through Triton's launch, with the same sums."""
+    from maru_connector.transfer.direct_launch import DirectLaunch
+
+    if device_checksum.BACKEND != "triton" or not device_checksum.FUSED_COMPARE:
+        pytest.fail("no Triton or no fused comparison on this GPU: verified loads would take torch's slower path")
+    for layerwise in (False, True):
+        device_checksum.warm_up(torch.device("cuda", 0), layerwise)
+    assert sorted(device_checksum._DIRECT) == [(c, lw, cmp) for c in (False, True) for lw in (False, True)
+                                               for cmp in (False, True)]
+    launched = {True: 0, False: 0}
+    real = DirectLaunch.__call__
+
+    def counted(self, grid, stream, args):
+        done = real(self, grid, stream, args)
+        launched[done] += 1
+        return done
+
+    monkeypatch.setattr(DirectLaunch, "__call__", counted)
+    _check_row_sums("cuda", "triton")
+    _check_compare("cuda", "triton", "pinned")
+    assert launched[True] > 0 and launched[False] == 0, launched
+
+    host = np.random.default_rng(3).integers(0, 256, 4 + 2 * 3 * 4096, dtype=np.uint8)
+    unaligned = torch.from_numpy(host).cuda()[4:]
+    rows = dict(first_chunk=0, n_chunks=2, first_layer=0, n_layers=3, chunk_major=False, layerwise=True,
+                total_layers=3)
+    sums = {b: torch.zeros(6, dtype=torch.int64, device="cuda") for b in ("triton", "torch")}
+    for backend, total in sums.items():
+        device_checksum.add_row_sums(total, unaligned, 0, 4096, backend=backend, **rows)
+    assert launched[False] == 1 and torch.equal(sums["triton"], sums["torch"])
 

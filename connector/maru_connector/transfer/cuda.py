@@ -715,7 +715,7 @@ class CudaTransferEngine(TransferEngine):
             self._staging.freed(offset, freed)
         if completes:
             # the comparison ran before the scatter on this stream: ``freed`` covers it
-            check = (freed, due[0].flag, 0, due[1]) if due is not None else None
+            check = (freed, due[0].flags, due[0].flag_index, due[1]) if due is not None else None
             for layer in layers:
                 job.handle._mark_layer(layer, freed, check)
 
@@ -764,7 +764,7 @@ class CudaTransferEngine(TransferEngine):
         else:
             return None
         state[4] = index + 1
-        compare = device_checksum.Compare(expected=expected, verify=verify, flag=flags[index:index + 1],
+        compare = device_checksum.Compare(expected=expected, verify=verify, flags=flags, flag_index=index,
                                           counter=self._ticket_counter(), rows=rows, stride=stride,
                                           first=first, cols=cols)
         return compare, what
@@ -789,7 +789,8 @@ class CudaTransferEngine(TransferEngine):
         device_checksum.add_row_sums(
             sums, staging, offset, row, first_chunk=first_chunk, n_chunks=n_chunks, first_layer=layers[0],
             n_layers=len(layers), chunk_major=bool(interleaved), layerwise=self.fmt.layerwise,
-            total_layers=self.layout.num_layers, compare=due[0] if due is not None else None)
+            total_layers=self.layout.num_layers, compare=due[0] if due is not None else None,
+            stream=self.scatter_stream.cuda_stream)
 
     def _stacked_view(self, layer0: int, count: int) -> torch.Tensor:
         """Layers ``layer0 .. layer0 + count - 1`` as one view
@@ -832,7 +833,7 @@ class CudaTransferEngine(TransferEngine):
                     device_checksum.add_row_sums(
                         sums, staging, 0, row, first_chunk=first // bpc, n_chunks=blocks // bpc,
                         first_layer=layer, n_layers=1, chunk_major=False, layerwise=self.fmt.layerwise,
-                        total_layers=self.layout.num_layers)
+                        total_layers=self.layout.num_layers, stream=stream.cuda_stream)
                 pos = 0
                 for run in piece:
                     self._copy(run, staging.data_ptr() + pos, row, D2H, stream)
