@@ -81,6 +81,9 @@ def parse(argv=None):
     p.add_argument("--torch-compare", action="store_true",
                    help="A/B: a verified fill's comparison as torch operations after the sum "
                         "kernel (before), not in the same launch")
+    p.add_argument("--no-sum-batches", action="store_true",
+                   help="A/B: a verified load's fills summed one launch each (before), not in batches "
+                        "of layers side by side in staging")
     p.add_argument("--triton-launch", action="store_true",
                    help="A/B: the checksum kernel launched through Triton's launcher (before), not "
                         "through the CUDA driver directly")
@@ -544,6 +547,8 @@ def main(argv=None):
     if args.torch_compare:
         from maru_connector.transfer import device_checksum
         device_checksum.FUSED_COMPARE = False
+    if args.no_sum_batches:
+        cuda_engine.SUM_BATCHES = False
     if args.triton_launch:
         from maru_connector.transfer import device_checksum
         device_checksum.DIRECT_LAUNCH = False

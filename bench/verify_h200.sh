@@ -2,7 +2,7 @@
 # Verified loads on the GPU, in one go (run from the project root on a machine
 # with one NVIDIA GPU, torch with CUDA, Triton, no vLLM):
 #
-#   bash bench/verify_h200.sh OUT_DIR [fused-ab|group-ab|direct-ab]
+#   bash bench/verify_h200.sh OUT_DIR [fused-ab|group-ab|direct-ab|batch-ab]
 #
 # 1. the CUDA tests of verified loads, of the CUDA engine and of its memory
 #    (test_verified_transfer.py -m cuda, test_transfer_cuda.py,
@@ -34,13 +34,20 @@
 # the harness, then verified against unverified 4k (and, in round 1, 16k)
 # hits, both formats, 7 repeats, two rounds, the two launches alternating.
 #
+# With `batch-ab`, steps 2 and 3 make way for the A/B of a verified load's
+# fills of single layers summed in batches, one launch each (as shipped),
+# against one launch per fill (before, --no-sum-batches): verified against
+# unverified 4k and 4k + 512 hits, both formats, 7 repeats, two rounds
+# (16 MiB layers: 32 fills, in batches of 4; 16k hits' 64 MiB layers are
+# one batch each, so they do not change).
+#
 # The index (step 3) needs `sortedcontainers` (pure Python): where it is not
 # installed, put a copy of the package in bench/.site/ (git ignores it). The
 # connector needs no xxhash (only entries of older writers use it), the CUDA
 # tests no hypothesis. About 6 minutes in all; each step has its own time
 # limit, and a step that fails does not stop the others (the exit code says).
 set -u
-out=${1:?usage: verify_h200.sh OUT_DIR [fused-ab|group-ab|direct-ab]}
+out=${1:?usage: verify_h200.sh OUT_DIR [fused-ab|group-ab|direct-ab|batch-ab]}
 mode=${2:-all}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=connector:core:tools:tests/connector:bench/.site
@@ -67,6 +74,21 @@ if [ "$mode" = group-ab ]; then
                 run "$name" 100 python3 bench/ttft_gpu.py --formats "$fmt" --repeats 7 --sizes 4096 \
                     --partial 4096 512 --modes $ab --group-below-mib "$group" --out "$out/$name"
                 grep '^|' "$out/$name.txt"
+            done
+        done
+    done
+    exit $failed
+fi
+if [ "$mode" = batch-ab ]; then
+    ab="sync_overlap_graphs sync_overlap_graphs_unverified"
+    for round in 1 2; do
+        for fmt in chunkwise layerwise; do
+            for batches in on off; do
+                name="ttft_${fmt}_batches_${batches}_$round"
+                flag=$([ "$batches" = off ] && echo --no-sum-batches)
+                run "$name" 100 python3 bench/ttft_gpu.py --formats "$fmt" --repeats 7 --sizes 4096 \
+                    --partial 4096 512 --modes $ab $flag --out "$out/$name"
+                grep '^| 4096' "$out/$name.txt"
             done
         done
     done

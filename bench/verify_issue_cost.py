@@ -25,7 +25,7 @@ import torch
 from maru_connector.transfer import cuda as cuda_engine
 from maru_connector.transfer import device_checksum as dc
 
-ENGINE_FUNCTIONS = ("_issue_here", "_copy_unit", "_scatter_unit", "_sum_fill", "_due", "_check_state",
+ENGINE_FUNCTIONS = ("_issue_here", "_copy_unit", "_scatter_unit", "_sum_fills", "_due", "_check_state",
                     "_device_ids")
 
 

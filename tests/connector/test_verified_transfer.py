@@ -252,7 +252,7 @@ class _HostCopies:
 
 def _fills_engine(pool, fmt, rows_cap: int, copy_2d: bool):
     """A CUDA engine's planning and staging, on host memory: its fills (``_units``)
-    copied by ``_copy_unit`` as on the GPU, so ``_sum_fill``'s reading of a fill's
+    copied by ``_copy_unit`` as on the GPU, so ``_sum_fills``' reading of a fill's
     rows can be checked without one."""
     from types import SimpleNamespace
 
@@ -273,15 +273,22 @@ def _fills_engine(pool, fmt, rows_cap: int, copy_2d: bool):
 @pytest.mark.parametrize("adjacent", [True, False], ids=["adjacent", "scattered"])
 @pytest.mark.parametrize("rows_cap", [1, 3, 64])
 @pytest.mark.parametrize("copy_2d", [True, False], ids=["2d", "rows"])
-def test_the_cuda_engine_s_fills_sum_to_each_object_s_checksum(pool, layerwise, adjacent, rows_cap, copy_2d):
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "a-layer-a-fill"])
+def test_the_cuda_engine_s_fills_sum_to_each_object_s_checksum(pool, monkeypatch, layerwise, adjacent, rows_cap,
+                                                               copy_2d, grouped):
     """Every way the CUDA engine stages a load (one layer or a group of layers a
     fill, layer-major or as wide chunk-major rows, a layer over several fills)
-    read by ``_sum_fill`` as rows of (chunk, layer): the sums are each object's
-    checksum in the pool. Staged on the host, summed with torch."""
+    read by ``_sum_fills`` as rows of (chunk, layer), a fill at a time or in
+    the batches a verified load's issue forms (``_joins``): the sums are each
+    object's checksum in the pool. Staged on the host, summed with torch."""
+    from collections import deque
     from types import SimpleNamespace
 
+    from maru_connector.transfer import cuda as cuda_engine
     from maru_connector.transfer.plan import layer_pieces
 
+    if not grouped:  # every layer its own fill, as large layers are
+        monkeypatch.setattr(cuda_engine, "GROUP_BELOW_BYTES", 0)
     layout = detect_kv_layout(make_kv_caches("flash_hnd", layers=5, blocks=24))
     fmt = ObjectFormat(layout, BPC * layout.block_size, layerwise)
     chunks, per, size = 6, fmt.objects_per_chunk, fmt.object_bytes
@@ -292,15 +299,27 @@ def test_the_cuda_engine_s_fills_sum_to_each_object_s_checksum(pool, layerwise, 
         chunks * per * size if adjacent else pool.map.size())
     engine = _fills_engine(pool, fmt, rows_cap, copy_2d)
     staging = torch.empty(64 * fmt.layer_bytes * fmt.num_layers, dtype=torch.uint8)
-    sums = torch.zeros(chunks * per, dtype=torch.int64)
-    job = SimpleNamespace(check_state=[sums, None, None, None, 0])
-    kinds = set()
-    for unit in engine._units(layer_pieces(fmt, offsets, rows_cap)):
-        copied = engine._copy_unit(unit, 0, staging)
-        kinds.add(("wide" if copied[3] else "rows", len(unit[0])))
-        engine._sum_fill(job, unit, copied, None)
+    engine._staging = SimpleNamespace(buffer=staging)
     want = [position_sum(pool.buffer[o:o + size]) for chunk in offsets for o in chunk]
-    assert device_checksum.as_uint64(sums) == want, kinds
+    fills, at = [], 0
+    for unit in engine._units(layer_pieces(fmt, offsets, rows_cap)):
+        fills.append((unit, engine._copy_unit(unit, at, staging)))
+        at += fills[-1][1][1]
+    batches: list = []
+    pending: deque = deque()
+    for fill in fills:  # as _issue_fills forms them
+        pending.append(fill)
+        if len(pending) > 1 and not engine._joins(SimpleNamespace(check=True), pending):
+            batches.append([pending.popleft() for _ in range(len(pending) - 1)])
+    batches.append(list(pending))
+    for one_by_one in (True, False):
+        sums = torch.zeros(chunks * per, dtype=torch.int64)
+        job = SimpleNamespace(check_state=[sums, None, None, None, 0])
+        for batch in ([[fill] for fill in fills] if one_by_one else batches):
+            engine._sum_fills(job, batch, None)
+        assert device_checksum.as_uint64(sums) == want, (one_by_one, [len(b) for b in batches])
+    if not grouped and rows_cap == 64 and adjacent:  # whole layers with the same runs, side by side: one batch
+        assert [len(b) for b in batches] == [fmt.num_layers], [len(b) for b in batches]
 
 
 class _Event:

@@ -55,6 +55,11 @@ HIGH_PRIORITY = -1  # above the default 0 (lower numbers are served first)
 # the copy thread's calls per layer show (on an H200 a 4 MiB strided copy
 # ran at 0.94 of the pinned peak, a 64 MiB one at 1.0).
 GROUP_BELOW_BYTES = 8 << 20
+# A verified load sums fills of single layers side by side in staging in one
+# launch (``_joins``): each launch is host time on the thread that issues
+# the load, 32 of them for a 4k-token hit of 16 MiB layers (a benchmark
+# turns this off to measure a launch per fill).
+SUM_BATCHES = True
 # Loads up to this size are issued on the submitting thread when nothing is
 # queued before them. Issuing is host work only (the copies are queued, not
 # waited for): on the copy thread it shares the interpreter lock with the
@@ -517,40 +522,47 @@ class CudaTransferEngine(TransferEngine):
         if head_fills:
             self.heads_used += 1
 
-        def scatter_oldest():
+        def scatter(keep_newest: bool = False):
+            """Scatter the fills pending (all but the newest, if asked): one
+            fill, or a verified load's batch summed in one launch."""
             nonlocal ids
             if ids is None:  # needed from the first scatter on, not before
+                assert job.ready is not None, "set at submit (_prepare)"
                 ids = self._device_ids(job, self.scatter_stream)
                 self.scatter_stream.wait_event(job.ready)
-            self._scatter_unit(job, ids, *pending.popleft())
+            batch = [pending.popleft() for _ in range(len(pending) - keep_newest)]
+            self._scatter_fills(job, ids, batch)
+
+        def copied(fill):
+            """A fill's copies are queued: scatter those before it, unless a
+            verified load's sum batch takes it in (``_joins``)."""
+            pending.append(fill)
+            if len(pending) > 1 and not self._joins(job, pending):
+                scatter(keep_newest=True)
 
         self._staging.restart()
         try:
             for unit in self._units(layer_pieces(self.fmt, job.offsets, self._rows_cap)):
                 if head_fills:
-                    head_unit, copied = head_fills.popleft()
+                    head_unit, head_copied = head_fills.popleft()
                     if head_unit != unit:  # same sources, same units: a bug if not
                         raise AssertionError("a head start's fills differ from its load's")
-                    pending.append((unit, copied))
-                    if len(pending) > 1:
-                        scatter_oldest()
+                    copied((unit, head_copied))
                     continue
                 nbytes = self._unit_bytes(unit)
                 offset = self._staging.take(nbytes, self.load_stream)
                 while offset is None:  # the ring is full of fills not yet scattered
-                    scatter_oldest()
+                    scatter()
                     offset = self._staging.take(nbytes, self.load_stream)
-                pending.append((unit, self._copy_unit(unit, offset)))
-                if len(pending) > 1:
-                    scatter_oldest()
+                copied((unit, self._copy_unit(unit, offset)))
                 busy += time.perf_counter() - resumed
                 yield
                 resumed = time.perf_counter()
-            while pending:
-                scatter_oldest()
+            if pending:
+                scatter()
         except TransferError:  # a bad extent: the layers before it still land
-            while pending:
-                scatter_oldest()
+            if pending:
+                scatter()
             raise
         finally:
             if head is not None:  # its scatters are queued (or never will be)
@@ -666,18 +678,45 @@ class CudaTransferEngine(TransferEngine):
                 return None
         return first
 
-    def _scatter_unit(self, job: LoadJob, ids: torch.Tensor, unit, copied) -> None:
+    def _joins(self, job: LoadJob, pending: deque) -> bool:
+        """Whether the newest pending fill joins the verified load's sum batch
+        of those before it: one launch sums them all, as one fill of their
+        layers (see ``_sum_fills``). Only whole single layers, staged layer-major
+        side by side in one buffer with the same chunks, up to half the ring
+        (the copies after them go on into the other half)."""
+        if job.check is None or not SUM_BATCHES:
+            return False
+        (before, (offset, used, _, interleaved, staging)), (unit, copied) = pending[-2], pending[-1]
+        total = sum(fill[1][1] for fill in pending)
+        return (len(unit[0]) == len(before[0]) == 1 and len(unit[1]) == len(before[1]) == 1
+                and unit[2] and before[2] and not interleaved
+                and not copied[3] and copied[4] is staging and copied[0] == offset + used
+                and unit[0][0] == before[0][0] + 1 and len(unit[1][0]) == len(before[1][0])
+                and all(a.first_block == b.first_block and a.rows == b.rows
+                        for a, b in zip(unit[1][0], before[1][0]))
+                and total <= self._staging.buffer.numel() // 2)
+
+    def _scatter_fills(self, job: LoadJob, ids: torch.Tensor, batch: list) -> None:
+        """Scatter fills in order; a verified load's are summed first (one
+        launch for the batch), comparing the objects the batch completes."""
+        due = None
+        if job.check is not None:  # the bytes as they landed, before anything reads them
+            self.scatter_stream.wait_event(batch[-1][1][2])  # copies land in order: the last covers all
+            last_unit = batch[-1][0]
+            layers = [layer for unit, _ in batch for layer in unit[0]]
+            due = self._due(job, layers) if last_unit[2] else None
+            self._sum_fills(job, batch, due)
+        for unit, copied in batch:
+            self._scatter_unit(job, ids, unit, copied, due)
+
+    def _scatter_unit(self, job: LoadJob, ids: torch.Tensor, unit, copied, due=None) -> None:
         """Scatter one fill into the blocks of its layers (one index copy
         through the layers' common stride for a group), then free the
-        staging buffer; the fill's last event lands its layers. A verified
-        load's fill is summed (and the objects it completes compared) first."""
+        staging buffer; the fill's last event lands its layers, with the
+        comparison ``due`` (if any) for them to read."""
         layers, pieces, completes = unit
         offset, used, filled, interleaved, staging = copied
         self.scatter_stream.wait_event(filled)
-        due = None
-        if job.check is not None:  # the bytes as they landed, before anything reads them
-            due = self._due(job, layers) if completes else None
-            self._sum_fill(job, unit, copied, due)
         count = len(layers)
         blocks = used // count // self.layout.block_bytes_per_layer
         first = pieces[0][0].first_block  # the same for every layer of a group
@@ -769,11 +808,15 @@ class CudaTransferEngine(TransferEngine):
                                           first=first, cols=cols)
         return compare, what
 
-    def _sum_fill(self, job: LoadJob, unit, copied, due) -> None:
-        """Add one fill's rows to its objects' sums, then compare the objects
-        ``due`` (if any), on the scatter stream (one launch with Triton)."""
-        layers, pieces, _ = unit
-        offset, used, _, interleaved, staging = copied
+    def _sum_fills(self, job: LoadJob, batch: list, due) -> None:
+        """Add the rows of a batch of fills (one fill, or single layers
+        side by side: ``_joins``) to their objects' sums, then compare the
+        objects ``due`` (if any), on the scatter stream (one launch with Triton)."""
+        (layers, pieces, _), (offset, _, _, interleaved, staging) = batch[0]
+        if len(batch) > 1:  # as one layer-major fill of all their layers
+            layers = [layer for unit, _ in batch for layer in unit[0]]
+            pieces = [piece for unit, _ in batch for piece in unit[1]]
+        used = sum(copied[1] for _, copied in batch)
         bpc, row = self.fmt.blocks_per_chunk, self.fmt.layer_bytes
         first_chunk = pieces[0][0].first_block // bpc
         n_chunks = interleaved or sum(run.rows for run in pieces[0])
@@ -785,6 +828,8 @@ class CudaTransferEngine(TransferEngine):
                 expect += run.rows * bpc
         if used != n_chunks * len(layers) * row:
             raise AssertionError("a fill's bytes are not its rows")
+        if len(layers) > 1 and layers != list(range(layers[0], layers[0] + len(layers))):
+            raise AssertionError("a fill's layers are not consecutive")
         sums = self._check_state(job)[0]  # one per object of the load
         device_checksum.add_row_sums(
             sums, staging, offset, row, first_chunk=first_chunk, n_chunks=n_chunks, first_layer=layers[0],

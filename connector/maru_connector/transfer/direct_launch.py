@@ -36,7 +36,10 @@ def _libcuda():
     """The CUDA driver's two entry points used here, or None where the
     library or ``cuFuncGetParamInfo`` (driver 12.4 and later) is missing."""
     try:
-        lib = ctypes.CDLL("libcuda.so.1")
+        # PyDLL: the call keeps the interpreter lock. A launch takes a few
+        # microseconds; giving the lock up for it could cost the issuing
+        # thread a switch interval behind another thread.
+        lib = ctypes.PyDLL("libcuda.so.1")
         launch, param_info = lib.cuLaunchKernel, lib.cuFuncGetParamInfo
     except (OSError, AttributeError):
         return None
