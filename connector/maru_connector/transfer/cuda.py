@@ -552,6 +552,8 @@ class CudaTransferEngine(TransferEngine):
                 nbytes = self._unit_bytes(unit)
                 offset = self._staging.take(nbytes, self.load_stream)
                 while offset is None:  # the ring is full of fills not yet scattered
+                    if not pending:
+                        raise AssertionError("the staging ring is full with no fill to scatter")
                     scatter()
                     offset = self._staging.take(nbytes, self.load_stream)
                 copied((unit, self._copy_unit(unit, offset)))
