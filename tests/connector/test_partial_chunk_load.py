@@ -194,6 +194,63 @@ def test_the_cuda_engine_s_scatters_leave_the_skipped_blocks_out_in_every_stagin
     _assert_only_written(fmt, kind, dst, src, before, dict(zip(dst_ids[skip:end], src_ids[skip:end])), shapes)
 
 
+@pytest.mark.parametrize("layerwise", [False, True], ids=["chunkwise", "layerwise"])
+@pytest.mark.parametrize("whole", [False, True], ids=["batches-shrink-at-the-end", "one-batch"])
+def test_a_verified_load_s_sum_batches_check_the_layers_they_complete(engines, pool, monkeypatch, layerwise, whole):
+    """A verified load's fills of single layers, summed a batch at a time
+    (``_joins``) and scattered on the host: every block lands; layerwise, a
+    batch's comparison is the check of each layer in it, chunkwise only of
+    the last layer; an object whose recorded checksum differs raises the
+    flag of the check that covers it, and no other."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    from maru_connector.transfer import LoadHandle
+    from maru_connector.transfer import cuda as cuda_engine
+    from maru_connector.transfer.plan import layer_pieces
+
+    monkeypatch.setattr(cuda_engine, "GROUP_BELOW_BYTES", 0)  # a layer a fill, as large layers are
+    fmt, offsets, src, src_ids, checksums = _stored(engines, pool, "cpu", "flash_hnd", layerwise, True)
+    dst = make_kv_caches("flash_hnd", layers=LAYERS, blocks=BLOCKS, seed=2)
+    before = {name: dst[name].clone() for name in fmt.layout.layer_names}
+    engine = _host_cuda_engine(pool, dst, fmt, 64, True)
+    staging = torch.empty(64 * fmt.layer_bytes * LAYERS, dtype=torch.uint8)
+    engine._staging = SimpleNamespace(buffer=staging, freed=lambda offset, event: None)
+    engine._compare_counter = torch.zeros(1, dtype=torch.int32)
+    dst_ids = random.Random(7).sample(range(BLOCKS), CHUNKS * BPC)
+    n = len(checksums)
+    expected = torch.tensor([c - (1 << 64) if c >= 1 << 63 else c for c in checksums], dtype=torch.int64)
+    expected[n - 1] += 1  # the last object: the last chunk (chunkwise), its last layer (layerwise)
+    flags = torch.full((LAYERS,), 7, dtype=torch.int32)
+    job = SimpleNamespace(check=True, block_ids=dst_ids, handle=LoadHandle(LAYERS, 0),
+                          check_state=[torch.zeros(n, dtype=torch.int64), expected, torch.ones(n, dtype=torch.int64),
+                                       flags, 0])
+    fills, at = [], 0
+    for unit in engine._units(layer_pieces(fmt, [tuple(o) for o in offsets], 64)):
+        fills.append((unit, engine._copy_unit(unit, at, staging)))
+        at += fills[-1][1][1]
+    pending: deque = deque()
+    sizes, left = [], at
+    for fill in fills:  # as _issue_fills does
+        pending.append(fill)
+        left -= fill[1][1]
+        if len(pending) > 1 and not engine._joins(job, pending, 1 << 62 if whole else left):
+            sizes.append(len(pending) - 1)
+            engine._scatter_fills(job, torch.tensor(dst_ids), [pending.popleft() for _ in range(len(pending) - 1)])
+    sizes.append(len(pending))
+    engine._scatter_fills(job, torch.tensor(dst_ids), list(pending))
+    assert sizes == ([LAYERS] if whole else [1] * LAYERS)
+    _assert_only_written(fmt, "flash_hnd", dst, src, before, dict(zip(dst_ids, src_ids)), sizes)
+    checks = job.handle._checks
+    checked = [c is not None for c in checks]
+    assert checked == ([True] * LAYERS if layerwise else [False] * (LAYERS - 1) + [True])
+    raised = [int(c[1][c[2]]) for c in checks if c is not None]
+    if layerwise and whole:  # one comparison for all layers: every layer's check says mismatch
+        assert raised == [1] * LAYERS
+    else:  # the last layer's check covers the wrong object; the others none
+        assert raised[-1] == 1 and set(raised[:-1]) <= {0}, raised
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_skipped_blocks_only_lead_a_load_s_first_chunk(engines, pool, device):
     fmt, offsets, _, _, _ = _stored(engines, pool, device, "cpu", False, adjacent=False)

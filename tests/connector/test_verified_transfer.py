@@ -307,9 +307,11 @@ def test_the_cuda_engine_s_fills_sum_to_each_object_s_checksum(pool, monkeypatch
         at += fills[-1][1][1]
     batches: list = []
     pending: deque = deque()
+    left = sum(copied[1] for _, copied in fills)
     for fill in fills:  # as _issue_fills forms them
         pending.append(fill)
-        if len(pending) > 1 and not engine._joins(SimpleNamespace(check=True), pending):
+        left -= fill[1][1]
+        if len(pending) > 1 and not engine._joins(SimpleNamespace(check=True), pending, left):
             batches.append([pending.popleft() for _ in range(len(pending) - 1)])
     batches.append(list(pending))
     for one_by_one in (True, False):
@@ -318,8 +320,9 @@ def test_the_cuda_engine_s_fills_sum_to_each_object_s_checksum(pool, monkeypatch
         for batch in ([[fill] for fill in fills] if one_by_one else batches):
             engine._sum_fills(job, batch, None)
         assert device_checksum.as_uint64(sums) == want, (one_by_one, [len(b) for b in batches])
-    if not grouped and rows_cap == 64 and adjacent:  # whole layers with the same runs, side by side: one batch
-        assert [len(b) for b in batches] == [fmt.num_layers], [len(b) for b in batches]
+    if not grouped and rows_cap == 64 and adjacent:  # whole layers with the same runs, side by side
+        # batches no larger than what is left to copy after them: 5 layers go as 2 + 1 + 1 + 1
+        assert [len(b) for b in batches] == [2, 1, 1, 1], [len(b) for b in batches]
 
 
 class _Event:

@@ -533,11 +533,15 @@ class CudaTransferEngine(TransferEngine):
             batch = [pending.popleft() for _ in range(len(pending) - keep_newest)]
             self._scatter_fills(job, ids, batch)
 
+        issued = 0
+
         def copied(fill):
             """A fill's copies are queued: scatter those before it, unless a
             verified load's sum batch takes it in (``_joins``)."""
+            nonlocal issued
             pending.append(fill)
-            if len(pending) > 1 and not self._joins(job, pending):
+            issued += fill[1][1]
+            if len(pending) > 1 and not self._joins(job, pending, job.handle.nbytes - issued):
                 scatter(keep_newest=True)
 
         self._staging.restart()
@@ -680,12 +684,15 @@ class CudaTransferEngine(TransferEngine):
                 return None
         return first
 
-    def _joins(self, job: LoadJob, pending: deque) -> bool:
+    def _joins(self, job: LoadJob, pending: deque, left: int) -> bool:
         """Whether the newest pending fill joins the verified load's sum batch
         of those before it: one launch sums them all, as one fill of their
         layers (see ``_sum_fills``). Only whole single layers, staged layer-major
         side by side in one buffer with the same chunks, up to half the ring
-        (the copies after them go on into the other half)."""
+        (the copies after them go on into the other half) and up to the
+        ``left`` bytes still to copy after them: a batch's layers wait for its
+        last copy, so batches shrink towards a load's end, where the forward
+        may already be waiting."""
         if job.check is None or not SUM_BATCHES:
             return False
         (before, (offset, used, _, interleaved, staging)), (unit, copied) = pending[-2], pending[-1]
@@ -696,7 +703,7 @@ class CudaTransferEngine(TransferEngine):
                 and unit[0][0] == before[0][0] + 1 and len(unit[1][0]) == len(before[1][0])
                 and all(a.first_block == b.first_block and a.rows == b.rows
                         for a, b in zip(unit[1][0], before[1][0]))
-                and total <= self._staging.buffer.numel() // 2)
+                and total <= min(self._staging.buffer.numel() // 2, left))
 
     def _scatter_fills(self, job: LoadJob, ids: torch.Tensor, batch: list) -> None:
         """Scatter fills in order; a verified load's are summed first (one
@@ -708,8 +715,11 @@ class CudaTransferEngine(TransferEngine):
             layers = [layer for unit, _ in batch for layer in unit[0]]
             due = self._due(job, layers) if last_unit[2] else None
             self._sum_fills(job, batch, due)
-        for unit, copied in batch:
-            self._scatter_unit(job, ids, unit, copied, due)
+        for i, (unit, copied) in enumerate(batch):
+            # layerwise, the batch's comparison checks every layer in it;
+            # chunkwise, it checks whole objects, due at the last layer only
+            last = i == len(batch) - 1
+            self._scatter_unit(job, ids, unit, copied, due if self.fmt.layerwise or last else None)
 
     def _scatter_unit(self, job: LoadJob, ids: torch.Tensor, unit, copied, due=None) -> None:
         """Scatter one fill into the blocks of its layers (one index copy
