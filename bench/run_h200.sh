@@ -8,11 +8,15 @@
 # into OUT_DIR and prints its summary; a stage that fails does not stop the
 # others (the script exits non-zero at the end).
 #
-# Last run on an H100 (bench/RESULTS.md: "CUDA tests", "Verified loads"
-# round 6, "Index under attack", 16 cores):
+# Last run on an H100 (bench/RESULTS.md: "Verified loads" round 7, "Index
+# under attack", 16 cores):
+#   bash bench/verify_h200.sh OUT direct-ab
+#   (CUDA tests of verify_h200.sh, then) SKIP_CUDA_TESTS=1 bash bench/verify_h200.sh OUT batch-ab
+#   bash bench/attacks_16core.sh OUT
+# Next lease: the sum batches that shrink towards a load's end and the
+# chunkwise check of the last layer only (round 7, not measured yet):
 #   bash bench/run_h200.sh OUT cuda-tests
-#   SKIP_CUDA_TESTS=1 bash bench/verify_h200.sh OUT group-ab
-#   bash bench/attacks_16core.sh OUT [--pods]
+#   SKIP_CUDA_TESTS=1 bash bench/verify_h200.sh OUT batch-ab
 set -u
 out=${1:?usage: run_h200.sh OUT_DIR [STAGE ...]}
 shift
