@@ -19,11 +19,11 @@ one event): for a small hit (a few MiB per layer) the copy thread, not PCIe,
 would otherwise set the pace.
 
 A verified load (``check``) sums each fill in staging on the scatter stream,
-right before its scatter, and, in the same kernel launch, compares the
+right before its scatter (fills of single layers side by side in batches,
+one launch each: ``_joins``), and, in the same kernel launch, compares the
 objects due once the fill completes its layers into a pinned host flag
 (``device_checksum.py``); the layers carry that check, which every wait
-reads first. A
-store sums its staging the same way before copying it out."""
+reads first. A store sums its staging the same way before copying it out."""
 
 from __future__ import annotations
 
