@@ -28,7 +28,7 @@ from maru_core.index.launcher import ThreadedIndex
 from maru_core.index.limits import ServerLimits
 from maru_core.index.records import KEY_BYTES
 from maru_core.index.registry import Registry
-from maru_core.index.registry_types import QuotaExceeded, run_to_end
+from maru_core.index.registry_types import NoSpace, QuotaExceeded, run_to_end
 from maru_core.index.turns import PeerTurns
 from test_registry import PAGE, Clock, accounting_adds_up, geometry
 from test_registry import key as registry_key
@@ -268,6 +268,36 @@ def test_a_lease_with_room_left_under_its_quota_is_not_refused_up_front(monkeypa
     assert None not in slots and len(slots) == 5
     assert sum(looked_up) >= 5  # looked up as ever
     assert reg.stats().reserved_keys == 25
+    accounting_adds_up(reg)
+
+
+def test_a_large_batch_into_a_full_pool_with_nothing_to_evict_is_refused_before_its_keys_are_looked_up(
+        monkeypatch) -> None:
+    reg = Registry(geometry(100), clock=Clock())
+    holder, asker = reg.open_lease("holder", peer="10.0.0.1"), reg.open_lease("asker", peer="10.0.0.2")
+    assert None not in reg.reserve(holder, [(registry_key(i), PAGE) for i in range(100)])  # every page, reserved
+    looked_up = record_lookups(reg, monkeypatch)
+    keys = b"".join(registry_key(100 + i) for i in range(50))
+    with pytest.raises(NoSpace) as refused:
+        next(reg.reserve_sliced(asker, keys, [PAGE] * 50, slice_keys=8))  # the first step
+    assert "no room for any of 50 objects" in str(refused.value) and "nothing committed is free to evict" in str(
+        refused.value)
+    assert looked_up == []
+    assert reg.stats().reserved_keys == 100
+    accounting_adds_up(reg)
+
+
+def test_a_full_pool_with_something_to_evict_looks_the_batch_up_as_ever(monkeypatch) -> None:
+    reg = Registry(geometry(100), clock=Clock())
+    holder, asker = reg.open_lease("holder", peer="10.0.0.1"), reg.open_lease("asker", peer="10.0.0.2")
+    stored = [registry_key(i) for i in range(100)]
+    assert None not in reg.reserve(holder, [(k, PAGE) for k in stored])
+    reg.commit(holder, stored[:10])  # ten pages evictable
+    looked_up = record_lookups(reg, monkeypatch)
+    keys = b"".join(registry_key(100 + i) for i in range(5))
+    slots = run_to_end(reg.reserve_sliced(asker, keys, [PAGE] * 5, slice_keys=2))
+    assert None not in slots and len(slots) == 5  # placed by evicting
+    assert sum(looked_up) >= 5
     accounting_adds_up(reg)
 
 

@@ -695,14 +695,16 @@ class CudaTransferEngine(TransferEngine):
         may already be waiting."""
         if job.check is None or not SUM_BATCHES:
             return False
-        (before, (offset, used, _, interleaved, staging)), (unit, copied) = pending[-2], pending[-1]
-        total = sum(fill[1][1] for fill in pending)
-        return (len(unit[0]) == len(before[0]) == 1 and len(unit[1]) == len(before[1]) == 1
-                and unit[2] and before[2] and not interleaved
-                and not copied[3] and copied[4] is staging and copied[0] == offset + used
-                and unit[0][0] == before[0][0] + 1 and len(unit[1][0]) == len(before[1][0])
-                and all(a.first_block == b.first_block and a.rows == b.rows
-                        for a, b in zip(unit[1][0], before[1][0]))
+        ((layers0, pieces0, whole0), copied0), ((layers1, pieces1, whole1), copied1) = pending[-2], pending[-1]
+        offset0, used0, _, interleaved0, staging0 = copied0
+        offset1, _, _, interleaved1, staging1 = copied1
+        single_whole_layers = len(layers0) == len(layers1) == len(pieces0) == len(pieces1) == 1 and whole0 and whole1
+        side_by_side = (not interleaved0 and not interleaved1 and staging1 is staging0
+                        and offset1 == offset0 + used0 and layers1[0] == layers0[0] + 1)
+        same_chunks = single_whole_layers and [(r.first_block, r.rows) for r in pieces1[0]] == [
+            (r.first_block, r.rows) for r in pieces0[0]]
+        total = sum(copied[1] for _, copied in pending)
+        return (single_whole_layers and side_by_side and same_chunks
                 and total <= min(self._staging.buffer.numel() // 2, left))
 
     def _scatter_fills(self, job: LoadJob, ids: torch.Tensor, batch: list) -> None:
