@@ -280,10 +280,29 @@ def test_a_large_batch_into_a_full_pool_with_nothing_to_evict_is_refused_before_
     keys = b"".join(registry_key(100 + i) for i in range(50))
     with pytest.raises(NoSpace) as refused:
         next(reg.reserve_sliced(asker, keys, [PAGE] * 50, slice_keys=8))  # the first step
-    assert "no room for any of 50 objects" in str(refused.value) and "nothing committed is free to evict" in str(
-        refused.value)
+    assert "no room for any of 50 objects" in str(refused.value)
     assert looked_up == []
     assert reg.stats().reserved_keys == 100
+    accounting_adds_up(reg)
+
+
+def test_a_large_batch_into_a_full_pool_whose_objects_are_kept_for_another_peer_is_refused_up_front(
+        monkeypatch) -> None:
+    """The other peer's committed objects lie within its fair share: nothing may be evicted for
+    the asker, which holds the rest of the pool reserved."""
+    reg = Registry(geometry(100), clock=Clock())
+    other, asker = reg.open_lease("other", peer="10.0.0.1"), reg.open_lease("asker", peer="10.0.0.2")
+    kept = [registry_key(i) for i in range(40)]
+    assert None not in reg.reserve(other, [(k, PAGE) for k in kept])
+    reg.commit(other, kept)
+    assert None not in reg.reserve(asker, [(registry_key(100 + i), PAGE) for i in range(60)])
+    looked_up = record_lookups(reg, monkeypatch)
+    keys = b"".join(registry_key(200 + i) for i in range(50))
+    with pytest.raises(NoSpace) as refused:
+        next(reg.reserve_sliced(asker, keys, [PAGE] * 50, slice_keys=8))
+    assert "kept for other peers" in str(refused.value)
+    assert looked_up == []
+    assert all(reg.describe(k) is not None for k in kept)  # nothing of the other peer's was evicted
     accounting_adds_up(reg)
 
 

@@ -81,7 +81,7 @@ class Placement:
         n = len(joined) // KEY_BYTES
         lengths = checked_lengths(lengths, n)
         self._refuse_at_quota(self._lease(lease_id), lengths)
-        self._refuse_when_full(n)
+        self._refuse_when_full(self._lease(lease_id), n)
         first = yield from first_occurrences_sliced(joined, 4 * slice_keys)
         candidates = np.empty(n, dtype=bool)
         for start in range(0, n, slice_keys):
@@ -181,17 +181,22 @@ class Placement:
                 asked = int((-(-lengths // self.geometry.page_size)).sum())
                 self._refuse(lease, self._reservation_refusal(lease, quota, asked))
 
-    def _refuse_when_full(self, n: int) -> None:
+    def _refuse_when_full(self, lease: Lease, n: int) -> None:
         """Refuse a large batch before its keys are looked up when the pool has no free page
-        and nothing to evict (``NoSpace``): no key of it could be given a slot, and a flood of
-        such reserves would cost a hash and a look-up of every key each (13 ms of the index
-        for 131,072 keys on the 2-core VM, bench/RESULTS.md). A batch of keys all stored
-        already gets this answer too, not "all present": either way its writer stores nothing."""
-        if self._alloc.free_pages or self._clock() < self._quarantine_until or self._evictable():
+        and nothing ``lease`` may evict (``NoSpace``): none of its keys could be given a slot,
+        and a flood of such reserves would cost a hash and a look-up of every key each (13 ms
+        of the index for 131,072 keys on the 2-core VM, bench/RESULTS.md). What it may evict is
+        what one page of its own would evict (its windows' budget, fair shares): a larger batch
+        may evict no more. A batch of keys all stored already gets this answer too, not "all
+        present": either way its writer stores nothing."""
+        if self._alloc.free_pages or self._clock() < self._quarantine_until:
+            return
+        if self._evict_budget(lease)[0] >= 1 and len(self._victims(1, lease, 1)):
             return
         raise NoSpace(
             f"no room for any of {n} objects: every page of the pool's {self.geometry.num_pages} is "
-            "reserved, pinned or fenced, and nothing committed is free to evict"
+            "reserved, pinned or fenced, and what is committed is kept for other peers (their fair "
+            "share of the pool) or past this lease's eviction window"
         )
 
     def _reservation_rooms(self, lease: Lease) -> list[tuple[int, str]]:
@@ -224,10 +229,7 @@ class Placement:
         window that bound) when nothing of it fit while there were objects to
         evict."""
         now, window_s, account = self._clock(), self.evict_window_s, lease.account
-        bounds = [(lease.evicted, self.max_lease_evict_pages), (account.evicted, self.max_peer_evict_pages)]
-        windows = [(evicted, limit) for evicted, limit in bounds if limit is not None]
-        lefts = [max(0, limit - evicted.pages(now, window_s)) for evicted, limit in windows]
-        budget = min([self._max_evict_pages, *lefts])
+        budget, windows, lefts = self._evict_budget(lease)
         before = self._evicted_pages
         starts = self._place(pages, budget, lease)
         for evicted, _ in windows:
@@ -252,6 +254,15 @@ class Placement:
         self._cut_short(lease, error)
         return starts
 
+    def _evict_budget(self, lease: Lease) -> tuple[int, list, list[int]]:
+        """The pages ``lease``'s reserve may evict now (one reserve's bound, and what its
+        lease's and its peer's windows have left), with those windows and what each has left."""
+        now, window_s, account = self._clock(), self.evict_window_s, lease.account
+        bounds = [(lease.evicted, self.max_lease_evict_pages), (account.evicted, self.max_peer_evict_pages)]
+        windows = [(evicted, limit) for evicted, limit in bounds if limit is not None]
+        lefts = [max(0, limit - evicted.pages(now, window_s)) for evicted, limit in windows]
+        return min([self._max_evict_pages, *lefts]), windows, lefts
+
     def _evictable(self) -> bool:
         """Whether any object could be evicted (committed, unpinned)."""
         rec, hw = self._records, self._records.high_water
@@ -264,20 +275,26 @@ class Placement:
         there may be; return the pages freed. For a reserve of ``claimant``'s placing
         ``incoming`` pages: by fair share (``maru_core.index.ownership``); else (``None``)
         least recently used first."""
-        rec, hw = self._records, self._records.high_water
-        victims = np.flatnonzero((rec.state[:hw] == State.COMMITTED) & (rec.pins[:hw] == 0))
-        if not len(victims) or min_pages <= 0:
+        rec = self._records
+        chosen = self._victims(min_pages, claimant, incoming)
+        if not len(chosen):
             return 0
-        if claimant is None:
-            chosen = ownership.oldest(rec, victims, min_pages)
-        else:
-            shares = self._owners.shares(self._holdings, claimant.account.peer, incoming, self._low_pages)
-            chosen = ownership.fair_victims(rec, victims, min_pages, shares)
         freed = int(rec.pages[chosen].sum())
         self._release(chosen, State.COMMITTED)
         self._evictions += len(chosen)
         self._evicted_pages += freed
         return freed
+
+    def _victims(self, min_pages: int, claimant: Lease | None = None, incoming: int = 0) -> np.ndarray:
+        """The rows ``_evict`` would evict (nothing evicted here)."""
+        rec, hw = self._records, self._records.high_water
+        victims = np.flatnonzero((rec.state[:hw] == State.COMMITTED) & (rec.pins[:hw] == 0))
+        if not len(victims) or min_pages <= 0:
+            return victims[:0]
+        if claimant is None:
+            return ownership.oldest(rec, victims, min_pages)
+        shares = self._owners.shares(self._holdings, claimant.account.peer, incoming, self._low_pages)
+        return ownership.fair_victims(rec, victims, min_pages, shares)
 
     def _holdings(self, peer: str) -> int | None:
         """The pages ``peer``'s leases hold reserved or fenced; ``None`` when it has no
