@@ -463,7 +463,7 @@ def test_warmed_up_variants_launch_through_the_driver_and_sum_as_numpy(monkeypat
         pytest.fail("no Triton or no fused comparison on this GPU: verified loads would take torch's slower path")
     for layerwise in (False, True):
         device_checksum.warm_up(torch.device("cuda", 0), layerwise)
-    assert sorted(device_checksum._DIRECT) == [(c, lw, cmp) for c in (False, True) for lw in (False, True)
+    assert sorted(device_checksum._DIRECT) == [(0, c, lw, cmp) for c in (False, True) for lw in (False, True)
                                                for cmp in (False, True)]
     launched = {True: 0, False: 0}
     real = DirectLaunch.__call__

@@ -87,8 +87,9 @@ FUSED_COMPARE = True
 DIRECT_LAUNCH = True
 # The kernel's parameters in order, constants left out (``direct_launch``).
 _KERNEL_PARAMS = (POINTER, POINTER) + (INT32,) * 8 + (POINTER,) * 4 + (INT32,) * 5
-# The direct launch of each variant warm_up checked: (chunk_major, layerwise, compare).
-_DIRECT: dict[tuple[bool, bool, bool], DirectLaunch] = {}
+# The direct launch of each variant warm_up checked, by (device index, chunk_major, layerwise,
+# compare): a compiled kernel belongs to its device's context.
+_DIRECT: dict[tuple[int | None, bool, bool, bool], DirectLaunch] = {}
 
 if triton is not None:
 
@@ -184,7 +185,7 @@ def add_row_sums(sums: torch.Tensor, buffer: torch.Tensor, byte_offset: int, row
         grid = (n_rows, max(1, min(_MAX_PARTS, -(-row_words // (4 * _BLOCK)))))
         rows = (start_word, row_words, n_chunks, n_layers, first_chunk, first_layer, total_layers, layer_words)
         cmp = (0, 0, 0, 0, 1) if c is None else (c.flag_index, c.rows, c.stride, c.first, c.cols)
-        direct = _DIRECT.get((chunk_major, layerwise, c is not None)) if DIRECT_LAUNCH else None
+        direct = _DIRECT.get((buffer.device.index, chunk_major, layerwise, c is not None)) if DIRECT_LAUNCH else None
         if direct is None or not direct(
                 grid, torch.cuda.current_stream(buffer.device).cuda_stream if stream is None else stream,
                 (buffer.data_ptr(), sums.data_ptr(), *rows,
@@ -295,7 +296,7 @@ def _check_sums(device: torch.device, data: torch.Tensor, layerwise: bool) -> to
 def _enable_direct_launch(device: torch.device, data: torch.Tensor, want: torch.Tensor, layerwise: bool) -> None:
     """Launch this format's variants through the driver from now on, once
     each can be (``direct_launch``) and the launches agree with torch."""
-    made = {}
+    made: dict[tuple[int | None, bool, bool, bool], DirectLaunch] = {}
     compares = (False, True) if FUSED_COMPARE else (False,)
     for chunk_major in (False, True):
         for compare in compares:
@@ -308,7 +309,7 @@ def _enable_direct_launch(device: torch.device, data: torch.Tensor, want: torch.
             if launch is None:
                 logger.info("the checksum kernel is launched through Triton: %s", why)
                 return
-            made[(chunk_major, layerwise, compare)] = launch
+            made[(data.device.index, chunk_major, layerwise, compare)] = launch
     _DIRECT.update(made)
     try:
         _check_sums(device, data, layerwise)
