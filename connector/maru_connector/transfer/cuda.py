@@ -710,9 +710,9 @@ class CudaTransferEngine(TransferEngine):
     def _scatter_fills(self, job: LoadJob, ids: torch.Tensor, batch: list) -> None:
         """Scatter fills in order; a verified load's are summed first (one
         launch for the batch), comparing the objects the batch completes."""
+        self.scatter_stream.wait_event(batch[-1][1][2])  # copies land in order: the last covers all
         due = None
         if job.check is not None:  # the bytes as they landed, before anything reads them
-            self.scatter_stream.wait_event(batch[-1][1][2])  # copies land in order: the last covers all
             last_unit = batch[-1][0]
             layers = [layer for unit, _ in batch for layer in unit[0]]
             due = self._due(job, layers) if last_unit[2] else None
@@ -727,10 +727,10 @@ class CudaTransferEngine(TransferEngine):
         """Scatter one fill into the blocks of its layers (one index copy
         through the layers' common stride for a group), then free the
         staging buffer; the fill's last event lands its layers, with the
-        comparison ``due`` (if any) for them to read."""
+        comparison ``due`` (if any) for them to read. The scatter stream waits
+        for the fill's copies first (``_scatter_fills``)."""
         layers, pieces, completes = unit
-        offset, used, filled, interleaved, staging = copied
-        self.scatter_stream.wait_event(filled)
+        offset, used, _, interleaved, staging = copied
         count = len(layers)
         blocks = used // count // self.layout.block_bytes_per_layer
         first = pieces[0][0].first_block  # the same for every layer of a group

@@ -20,6 +20,7 @@ that does not fit returns False and the caller launches through Triton.
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 from collections.abc import Sequence
 
@@ -52,15 +53,7 @@ def _libcuda():
     return launch, param_info
 
 
-_DRIVER = None
-_DRIVER_LOADED = False
-
-
-def _driver():
-    global _DRIVER, _DRIVER_LOADED
-    if not _DRIVER_LOADED:
-        _DRIVER, _DRIVER_LOADED = _libcuda(), True
-    return _DRIVER
+_driver = functools.cache(_libcuda)  # loaded at the first use, once
 
 
 def param_sizes(function: int) -> list[int] | None:
