@@ -132,8 +132,10 @@ def test_the_waiting_replica_serves_the_webhook_like_the_leader(kube: Kube, opti
         wait_for(lambda: (kube.cache("shared").get("status") or {}).get("allocations"), what="allocation")
         waiting = next(identity for identity, op in zip(ports, replicas) if not leading(op))
         url = f"http://127.0.0.1:{ports[waiting]}/inject"
-        injected = wait_for(lambda: (p := review(url, pod("shared"))[1]) and len(p["spec"]["containers"]) == 2 and p,
-                            what="the waiting replica injects")
+        # its webhook server may not listen yet: connections refused until it does
+        wait_for(lambda: injects(url), what="the waiting replica injects")
+        injected = review(url, pod("shared"))[1]
+        assert len(injected["spec"]["containers"]) == 2
         assert injected["metadata"]["annotations"]["maru.io/injected"] == "shared"
         follower = replicas[list(ports).index(waiting)]
         assert not leading(follower)
