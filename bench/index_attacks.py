@@ -54,6 +54,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import shlex
 import socket
 import statistics
 import struct
@@ -61,6 +62,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -554,13 +556,14 @@ def _kept_left(url: str, keys: list[bytes], token: str) -> int:
 
 
 def scenario(name: str, seconds: float, token_file: str, source: str, honest_clients: int = 0,
-             cores: dict[str, int] | None = None, pods: bool = False, heartbeat_s: float = 0.01) -> dict:  # fmt: skip
-    """A fresh index, the normal keys stored and held pinned, the attack (if any) running, the figures
+             cores: dict[str, int] | None = None, pods: bool = False, heartbeat_s: float = 0.01,
+             index_args: Sequence[str] = ()) -> dict:  # fmt: skip
+    """A fresh index (its defaults, but for ``index_args``), the normal keys stored and held pinned, the attack (if any) running, the figures
     (with ``honest_clients``, also those of a fleet of clients behind the normal client's address;
     with ``pods``, each client presents its own pod's credential: see ``credential``)."""
     pool_path = unique_shm_path("bench-attacks")
     index = IndexProcess(pool_path, pool_size="256Mi", token_file=token_file,
-                         extra_args=["--page-size", "4Ki", "--log-level", "ERROR"]).start()  # fmt: skip
+                         extra_args=["--page-size", "4Ki", "--log-level", "ERROR", *index_args]).start()  # fmt: skip
     _pin(index.proc.pid, "index", cores)
     ctx = multiprocessing.get_context("spawn")
     stop, attacker = ctx.Event(), None
@@ -711,6 +714,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--heartbeat-ms", type=float, default=10.0,
                         help="the normal client's pause between heartbeats (default 10 ms: about 350 in 4 s; "
                              "1 ms gives the p99 ten times the samples)")
+    parser.add_argument("--index-args", default="", metavar="ARGS",
+                        help="more flags of every 'marucache index' started (one string, e.g. "
+                             "\"--peer-receive-rate-mib 64\"), to compare a limit's settings")
     parser.add_argument("--time-budget", type=float, default=None, metavar="S",
                         help="start no attack (with its baseline) that would likely end past S seconds from the start")
     return parser
@@ -785,7 +791,8 @@ def _run_all(args: argparse.Namespace, token_file: str, cores: dict[str, int] | 
             continue
         for run in group:
             results[run] = f = scenario(run.split("#")[0], args.seconds, token_file, args.attacker_address,
-                                        args.honest_clients, cores, args.pods, args.heartbeat_ms / 1000)  # fmt: skip
+                                        args.honest_clients, cores, args.pods, args.heartbeat_ms / 1000,
+                                        shlex.split(args.index_args))  # fmt: skip
             print(_line(run, f, args.honest_clients) + f" {time.monotonic() - started:>5.0f}", flush=True)
             _write(args.out, {**header, "load_average_after": os.getloadavg(), "results": results, "skipped": skipped})
         longest = max(longest, time.monotonic() - started - elapsed)

@@ -24,6 +24,10 @@ from test_server import TOKEN, Raw, key
 from test_server_limits import _while_the_loop_is_blocked, raw_from, server_of, wait_for
 
 
+#: A received-bytes budget no test of the other two budgets meets.
+ANY_BYTES = Budget(1e12, 2**40)
+
+
 class Clock:
     def __init__(self) -> None:
         self.now = 100.0
@@ -52,7 +56,7 @@ def refused_at_accept(url: str) -> bool:
 
 def test_a_peer_gets_its_burst_then_its_rate_and_others_are_not_affected() -> None:
     clock = Clock()
-    peers = PeerLimiter(Budget(2.0, 5), Budget(1.0, 3), clock=clock)
+    peers = PeerLimiter(Budget(2.0, 5), Budget(1.0, 3), ANY_BYTES, clock=clock)
     assert [peers.admit("10.0.0.1") for _ in range(7)] == [None] * 5 + ["connections"] * 2
     assert peers.admit("10.0.0.2") is None  # another address: its own budget
     clock.now += 1.0  # two connections' worth
@@ -63,7 +67,7 @@ def test_auth_failures_never_refuse_a_peer_they_hold_back_its_failing_answers() 
     """Within its budget a failure is answered at once; beyond, the failing connection
     waits the time the bucket needs to hold a token again. No connection is refused."""
     clock = Clock()
-    peers = PeerLimiter(Budget(100.0, 100), Budget(0.5, 2), clock=clock)
+    peers = PeerLimiter(Budget(100.0, 100), Budget(0.5, 2), ANY_BYTES, clock=clock)
     holds = []
     for _ in range(4):
         assert peers.admit("p") is None
@@ -74,13 +78,13 @@ def test_auth_failures_never_refuse_a_peer_they_hold_back_its_failing_answers() 
 
 
 def test_the_back_off_of_failures_is_bounded() -> None:
-    peers = PeerLimiter(Budget(100.0, 100), Budget(1.0, 3), clock=Clock())
+    peers = PeerLimiter(Budget(100.0, 100), Budget(1.0, 3), ANY_BYTES, clock=Clock())
     holds = [peers.auth_failed("p") for _ in range(100)]
     assert max(holds) == 3.0  # as deep as the burst, no deeper
 
 
 def test_a_connection_closed_before_sending_a_byte_gets_its_token_back() -> None:
-    peers = PeerLimiter(Budget(0.001, 2), Budget(1.0, 3), clock=Clock())
+    peers = PeerLimiter(Budget(0.001, 2), Budget(1.0, 3), ANY_BYTES, clock=Clock())
     for _ in range(10):  # a connect/close flood
         assert peers.admit("p") is None
         peers.refund("p")
@@ -101,7 +105,7 @@ def test_no_peer_ever_gets_more_than_its_burst_plus_its_rate(events, rate, burst
     """Over any span, a peer is admitted at most ``burst + rate * span`` times
     (while it stays in the table), and the table never outgrows ``max_peers``."""
     clock = Clock()
-    peers = PeerLimiter(Budget(rate, burst), Budget(1.0, 4), max_peers=max_peers, clock=clock)
+    peers = PeerLimiter(Budget(rate, burst), Budget(1.0, 4), ANY_BYTES, max_peers=max_peers, clock=clock)
     admitted: dict[int, list[float]] = {}
     start = clock.now
     for peer, wait, fail in events:
@@ -116,8 +120,39 @@ def test_no_peer_ever_gets_more_than_its_burst_plus_its_rate(events, rate, burst
             assert len(times) <= burst + rate * (clock.now - start) + 1e-9
 
 
+def test_a_peer_s_bytes_beyond_its_burst_hold_its_reading_for_what_they_cost() -> None:
+    clock = Clock()
+    peers = PeerLimiter(ANY_BYTES, ANY_BYTES, Budget(1000.0, 4000), clock=clock)
+    assert [peers.received("p", 1000) for _ in range(4)] == [0.0] * 4  # its burst
+    assert peers.received("p", 500) == 0.5  # 500 bytes beyond: half a second at 1,000 a second
+    assert peers.received("q", 4000) == 0.0  # another peer: its own budget
+    clock.now += 0.5
+    assert peers.received("p", 1000) == 1.0
+    clock.now += 10.0  # refilled, to its burst only
+    assert peers.received("p", 4000) == 0.0 and peers.received("p", 1) == 0.001
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    reads=st.lists(st.tuples(st.integers(1, 5000), st.floats(0, 0.5)), max_size=200),
+    rate=st.floats(100, 10_000),
+    burst=st.integers(1, 20_000),
+)
+def test_a_peer_read_only_when_not_held_gets_at_most_its_burst_plus_its_rate(reads, rate, burst) -> None:
+    """A connection honouring every hold has read at most ``burst + rate * span`` bytes
+    by the end of its last hold."""
+    clock = Clock()
+    peers = PeerLimiter(ANY_BYTES, ANY_BYTES, Budget(rate, burst), clock=clock)
+    start, total = clock.now, 0
+    for nbytes, pause in reads:
+        clock.now += pause
+        total += nbytes
+        clock.now += peers.received("p", nbytes)  # read again only after the hold
+        assert total <= (burst + rate * (clock.now - start)) * (1 + 1e-9)
+
+
 def test_the_table_forgets_the_least_recently_seen_peer() -> None:
-    peers = PeerLimiter(Budget(1.0, 1), Budget(1.0, 1), max_peers=2, clock=Clock())
+    peers = PeerLimiter(Budget(1.0, 1), Budget(1.0, 1), ANY_BYTES, max_peers=2, clock=Clock())
     assert peers.admit("a") is None and peers.admit("b") is None
     assert peers.admit("a") == "connections"  # a is now the most recent
     assert peers.admit("c") is None  # b goes
@@ -125,7 +160,8 @@ def test_the_table_forgets_the_least_recently_seen_peer() -> None:
 
 
 @pytest.mark.parametrize("field, value", [("peer_connection_rate", 0.0), ("peer_auth_failure_rate", float("inf")),
-                                          ("peer_connection_burst", 0), ("max_peers", 0)])  # fmt: skip
+                                          ("peer_connection_burst", 0), ("max_peers", 0),
+                                          ("peer_receive_rate", -1.0), ("peer_receive_burst", 0)])  # fmt: skip
 def test_bad_peer_limits_are_refused(field, value) -> None:
     with pytest.raises(ValueError, match=field):
         ServerLimits(**{field: value})

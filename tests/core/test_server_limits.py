@@ -479,3 +479,54 @@ def test_the_large_receive_buffers_of_all_connections_together_are_capped(pool):
             assert client.heartbeat() > 0 and client.match_prefix([key(1)]) == 0
         for raw in raws:
             raw.close()
+
+
+# -- fast senders of large frames ---------------------------------------------------------------
+
+MIB = 1024 * 1024
+
+
+def _padded_heartbeat(rid: int, nbytes: int) -> bytes:
+    """A frame of about ``nbytes``: what costs the index is receiving and decoding it, whatever it asks."""
+    return encode_frame({"id": rid, "op": "heartbeat", "pad": b"x" * nbytes})
+
+
+def test_a_peer_sending_large_frames_back_to_back_is_read_at_its_budget_and_others_are_not(pool):
+    """Before, a client holding the token could make the index receive and decode frames as fast as
+    it sent them: 6 MiB came in at once. Now its connection is read at its peer's rate (after the
+    burst), and a client of another peer is answered meanwhile as quickly as when it is alone."""
+    with serve(pool, peer_receive_rate=4 * MIB, peer_receive_burst=1 * MIB) as index:
+        flooder = RawFrom(index.url, "127.0.0.2")
+        flooder.hello()
+        started = time.monotonic()
+        flooder.sock.settimeout(10)
+        flooder.sock.sendall(b"".join(_padded_heartbeat(rid, MIB) for rid in range(10, 16)))
+        with IndexClient(index.url, token=TOKEN, timeout_s=5) as client:  # from 127.0.0.1
+            slowest = 0.0
+            while not server_of(index).rate_limited["received_bytes"] or time.monotonic() - started < 0.5:
+                sent = time.monotonic()
+                assert client.heartbeat() > 0
+                slowest = max(slowest, time.monotonic() - sent)
+        replies = [flooder.recv() for _ in range(6)]
+        elapsed = time.monotonic() - started
+        assert [reply["id"] for reply in replies] == list(range(10, 16))
+        assert elapsed >= 0.9, elapsed  # 5 MiB beyond the burst at 4 MiB a second: about 1.25 s
+        assert slowest < 0.25, slowest
+        assert server_of(index).rate_limited["received_bytes"] >= 1
+        assert not server_of(index).closed_connections["stalled"]
+        flooder.close()
+
+
+def test_a_frame_held_back_by_its_peer_s_budget_is_not_closed_at_its_deadline(pool):
+    """The frame deadline measures the peer's slowness, not the index's: a 3 MiB frame read
+    at 1 MiB a second after a 1 MiB burst takes about 2 s, four times its deadline."""
+    with serve(pool, frame_timeout_s=0.5, peer_receive_rate=1 * MIB, peer_receive_burst=1 * MIB) as index:
+        raw = Raw(index.url)
+        raw.hello()
+        raw.sock.settimeout(10)
+        started = time.monotonic()
+        raw.sock.sendall(_padded_heartbeat(7, 3 * MIB))
+        assert raw.recv()["id"] == 7
+        assert time.monotonic() - started >= 1.5
+        assert server_of(index).closed_connections["stalled"] == 0
+        raw.close()

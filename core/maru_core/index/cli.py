@@ -200,6 +200,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                           f"connections refused) (default {limits.peer_auth_failure_rate:g})")
     parser.add_argument("--peer-auth-failure-burst", type=_count_arg, default=limits.peer_auth_failure_burst,
                         metavar="N", help=f"wrong-token hellos one peer may send at once (default {limits.peer_auth_failure_burst})")
+    parser.add_argument("--peer-receive-rate-mib", type=_rate_arg, default=limits.peer_receive_rate / 2**20,
+                        metavar="R", help="MiB per second one peer's connections together may send; beyond, "
+                                          "the connection that read them is not read again until the budget "
+                                          f"has refilled (default {limits.peer_receive_rate / 2**20:g})")
+    parser.add_argument("--peer-receive-burst-mib", type=_count_arg, default=limits.peer_receive_burst >> 20,
+                        metavar="MIB", help=f"MiB one peer may send at once (default {limits.peer_receive_burst >> 20})")
     parser.add_argument("--max-evict-fraction", type=_fraction_arg, default=MAX_EVICT_FRACTION, metavar="F",
                         help=f"largest share of the pool one reserve may evict (default {MAX_EVICT_FRACTION:g})")
     parser.add_argument("--max-lease-pool-fraction", type=_fraction_arg, default=MAX_LEASE_POOL_FRACTION,
@@ -352,6 +358,7 @@ def run(args: argparse.Namespace) -> int:
             max_leases_per_connection=args.max_leases_per_connection,
             peer_connection_rate=args.peer_connection_rate, peer_connection_burst=args.peer_connection_burst,
             peer_auth_failure_rate=args.peer_auth_failure_rate, peer_auth_failure_burst=args.peer_auth_failure_burst,
+            peer_receive_rate=args.peer_receive_rate_mib * 2**20, peer_receive_burst=args.peer_receive_burst_mib << 20,
         )  # fmt: skip
         pool, fresh = open_pool(args.pool, args.pool_size, args.page_size, args.pool_offset)
     except (ValueError, PoolError) as exc:

@@ -80,6 +80,8 @@ class ConnectionHost(Protocol):
 
     def check_receive_growth(self, current: int, wanted: int) -> None: ...
 
+    def received(self, conn: "Connection", nbytes: int) -> float: ...
+
 
 class Connection(asyncio.BufferedProtocol):
     """One client connection (see the module docstring)."""
@@ -96,6 +98,7 @@ class Connection(asyncio.BufferedProtocol):
         self._transport: asyncio.Transport | None = None
         self._job: Job | None = None  # a sliced request under way: read nothing more meanwhile
         self._yielded = False  # its turn is over: read nothing more until the loop comes back
+        self._held = False  # over its peer's received-bytes budget: read nothing until it refills
         self._write_paused = False
         self.peer = "unix"
         self.lease_id: str | None = None
@@ -141,6 +144,9 @@ class Connection(asyncio.BufferedProtocol):
         self.received_bytes += nbytes
         self._server.heap.note(nbytes)
         self.last_active = now
+        hold_s = self._server.received(self, nbytes)
+        if hold_s > 0:
+            self._hold_reading(hold_s)
         if nbytes >= _DECODE_LATER_BYTES:
             self._yield_turn()  # this callback copied a lot already: decode in the next pass
         elif self._job is not None or self._yielded:
@@ -148,6 +154,18 @@ class Connection(asyncio.BufferedProtocol):
         elif self._has_complete_frame():
             # now, or at its peer's next turn when the peer used its share of this round
             self._server.turns.run_or_wait(self, self._answer_buffered, self._yield_turn)
+
+    def _hold_reading(self, seconds: float) -> None:
+        """Read nothing for ``seconds`` (the frames already received are answered as usual)."""
+        self._held = True
+        self._update_reading()
+        self._server.loop.call_later(seconds, self._release_reading, seconds)
+
+    def _release_reading(self, held_s: float) -> None:
+        self._held = False
+        if self._frames.pending_bytes:
+            self.frame_started_at += held_s  # the frame's deadline does not count our wait
+        self._update_reading()
 
     def _has_complete_frame(self) -> bool:
         try:
@@ -177,7 +195,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def stalled(self) -> bool:
         """Whether the peer owes us something: the rest of a frame, or reading its replies."""
-        if self._job is not None or self._yielded:
+        if self._job is not None or self._yielded or self._held:
             return False  # the wait is ours, not the peer's
         return self._write_paused or self._frames.pending_bytes > 0
 
@@ -298,7 +316,7 @@ class Connection(asyncio.BufferedProtocol):
         transport = self._transport
         if transport is None or transport.is_closing():
             return
-        if self._write_paused or self._job is not None or self._yielded:
+        if self._write_paused or self._job is not None or self._yielded or self._held:
             if transport.is_reading():
                 transport.pause_reading()
         elif not transport.is_reading():

@@ -23,6 +23,11 @@ PEER_CONNECTION_RATE = 64.0
 PEER_CONNECTION_BURST = 256
 PEER_AUTH_FAILURE_RATE = 1.0
 PEER_AUTH_FAILURE_BURST = 16
+#: Bytes one peer may send a second, and at once: an engine's requests take a few MB a
+#: second at most (``docs/security.md``, The budgets), a client sending large frames back
+#: to back hundreds of MB.
+PEER_RECEIVE_RATE = 64 * 1024 * 1024
+PEER_RECEIVE_BURST = 64 * 1024 * 1024
 #: All connections' receive buffers together, beyond the small ones every
 #: connection may hold (``SMALL_RECEIVE_BYTES``): what slow senders of large
 #: frames can make the index hold at once.
@@ -81,6 +86,10 @@ class ServerLimits:
       ``hello``s one peer may send per second, and at once; beyond, each
       failing connection's answer is held back (the time the budget needs
       to refill, up to ``hello_timeout_s``); no connection is refused for it.
+    - ``peer_receive_rate``/``peer_receive_burst``: bytes one peer's
+      connections together may send per second, and at once; beyond, the
+      connection that read them is not read again until the budget has
+      refilled (its frame's deadline waits as long); nothing is refused for it.
     - ``max_peers``: peers whose budgets are remembered (least recently seen
       forgotten first).
     """
@@ -98,11 +107,13 @@ class ServerLimits:
     peer_connection_burst: int = PEER_CONNECTION_BURST
     peer_auth_failure_rate: float = PEER_AUTH_FAILURE_RATE
     peer_auth_failure_burst: int = PEER_AUTH_FAILURE_BURST
+    peer_receive_rate: float = PEER_RECEIVE_RATE
+    peer_receive_burst: int = PEER_RECEIVE_BURST
     max_peers: int = DEFAULT_MAX_PEERS
 
     def __post_init__(self) -> None:
         integers = ("max_connections", "max_leases_per_connection", "pre_auth_frame_bytes", "max_receive_bytes",
-                    "peer_connection_burst", "peer_auth_failure_burst", "max_peers")  # fmt: skip
+                    "peer_connection_burst", "peer_auth_failure_burst", "peer_receive_burst", "max_peers")  # fmt: skip
         for name in integers:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -110,7 +121,7 @@ class ServerLimits:
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a positive, finite number of seconds, got {value}")
-        for name in ("peer_connection_rate", "peer_auth_failure_rate"):
+        for name in ("peer_connection_rate", "peer_auth_failure_rate", "peer_receive_rate"):
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a positive, finite number per second, got {value}")
@@ -119,6 +130,7 @@ class ServerLimits:
         """The per-peer budgets these limits describe."""
         return PeerLimiter(Budget(self.peer_connection_rate, self.peer_connection_burst),
                            Budget(self.peer_auth_failure_rate, self.peer_auth_failure_burst),
+                           Budget(self.peer_receive_rate, self.peer_receive_burst),
                            self.max_peers)  # fmt: skip
 
     @property

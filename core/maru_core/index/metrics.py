@@ -139,7 +139,7 @@ class IndexMetrics:
         self._rate_limited = Counter(
             "maru_index_rate_limited",
             "Peers held to their budgets, by reason: connections (a new connection closed at accept), "
-            "auth_failures (a wrong-token answer held back).",
+            "auth_failures (a wrong-token answer held back), received_bytes (a connection's reading paused).",
             ["reason"],
             registry=self.registry,
         )

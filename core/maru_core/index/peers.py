@@ -1,11 +1,12 @@
-"""Per-peer budgets of the index: how many new connections, and how many
-failed ``hello``s, one peer may cost.
+"""Per-peer budgets of the index: how many new connections, how many failed
+``hello``s and how many bytes a second one peer may cost.
 
 A peer is one client address: the IP address of a TCP connection, the user
 id (``SO_PEERCRED``) of a Unix socket connection. Clients behind one address
 (a NAT, hostNetwork pods, one node's pods on a Unix socket) are one peer, so
 a budget must ration what a *misbehaving* client costs without shutting out
-its honest neighbours. Each peer has two token buckets:
+its honest neighbours. (A ``hello`` with a pod credential makes its pod the
+peer of that connection from then on.) Each peer has three token buckets:
 
 - new connections: a connection is accepted while its peer holds a token
   (it spends one), and reset at accept, before a byte of it is read,
@@ -21,6 +22,14 @@ its honest neighbours. Each peer has two token buckets:
   the bucket needs to hold a token again, which grows with the failures
   beyond the budget (up to the hello deadline). A client with the right
   token is answered at once whatever its neighbours fail.
+- received bytes: every byte read from a peer's connections spends one.
+  Nothing is refused for it either: once the bucket is empty, the
+  connection that read last stops being read until the bucket has refilled
+  (the peer's sends block, TCP's own back-pressure). Receiving and decoding
+  a frame cost the index about a millisecond per 3 MiB whatever the frame
+  asks, so a client that sends large frames back to back (a reserve flood,
+  frames of nils) would otherwise hold the index as long as it likes; an
+  engine sends a few MB a second at most.
 
 The table holds at most ``max_peers`` peers (least recently seen dropped
 first): its memory is bounded whatever the number of addresses. A peer
@@ -39,8 +48,8 @@ from typing import Callable
 
 #: What a peer was held to (the ``reason`` label of ``maru_index_rate_limited_total``): a connection
 #: refused at accept, over its peer's connection budget; a wrong-token answer held back, over its
-#: peer's auth-failure budget.
-RATE_LIMIT_REASONS = ("connections", "auth_failures")
+#: peer's auth-failure budget; a connection's reading paused, over its peer's received-bytes budget.
+RATE_LIMIT_REASONS = ("connections", "auth_failures", "received_bytes")
 #: Peers remembered at once (about 100 bytes each).
 DEFAULT_MAX_PEERS = 4096
 
@@ -60,13 +69,14 @@ class Budget:
 
 
 class _Buckets:
-    """One peer's two buckets, refilled lazily when the peer is seen."""
+    """One peer's buckets, refilled lazily when the peer is seen."""
 
-    __slots__ = ("connections", "auth_failures", "updated")
+    __slots__ = ("connections", "auth_failures", "received_bytes", "updated")
 
-    def __init__(self, connections: float, auth_failures: float, now: float) -> None:
+    def __init__(self, connections: float, auth_failures: float, received_bytes: float, now: float) -> None:
         self.connections = connections
         self.auth_failures = auth_failures
+        self.received_bytes = received_bytes
         self.updated = now
 
 
@@ -77,6 +87,7 @@ class PeerLimiter:
         self,
         connections: Budget,
         auth_failures: Budget,
+        received_bytes: Budget,
         max_peers: int = DEFAULT_MAX_PEERS,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -84,6 +95,7 @@ class PeerLimiter:
             raise ValueError(f"max_peers must be at least 1, got {max_peers}")
         self.connections = connections
         self.auth_failures = auth_failures
+        self.received_bytes = received_bytes
         self.max_peers = max_peers
         self._clock = clock
         self._peers: collections.OrderedDict[str, _Buckets] = collections.OrderedDict()
@@ -96,7 +108,7 @@ class PeerLimiter:
         now = self._clock()
         buckets = self._peers.get(peer)
         if buckets is None:
-            buckets = _Buckets(self.connections.burst, self.auth_failures.burst, now)
+            buckets = _Buckets(self.connections.burst, self.auth_failures.burst, self.received_bytes.burst, now)
             self._peers[peer] = buckets
             if len(self._peers) > self.max_peers:
                 self._peers.popitem(last=False)
@@ -107,6 +119,9 @@ class PeerLimiter:
         buckets.connections = min(self.connections.burst, buckets.connections + elapsed * self.connections.rate_per_s)
         buckets.auth_failures = min(
             self.auth_failures.burst, buckets.auth_failures + elapsed * self.auth_failures.rate_per_s
+        )
+        buckets.received_bytes = min(
+            self.received_bytes.burst, buckets.received_bytes + elapsed * self.received_bytes.rate_per_s
         )
         return buckets
 
@@ -132,6 +147,16 @@ class PeerLimiter:
         if buckets.auth_failures >= 0:
             return 0.0
         return -buckets.auth_failures / self.auth_failures.rate_per_s
+
+
+    def received(self, peer: str, nbytes: int) -> float:
+        """``peer``'s connection read ``nbytes``: how long it must not be read again (0 while the
+        peer's bytes are within budget; else until its bucket holds a byte again)."""
+        buckets = self._buckets(peer)
+        buckets.received_bytes -= nbytes
+        if buckets.received_bytes >= 0:
+            return 0.0
+        return -buckets.received_bytes / self.received_bytes.rate_per_s
 
 
 def peer_of(sock: socket.socket, address: object) -> str:

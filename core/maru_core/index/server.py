@@ -126,6 +126,15 @@ _RESET_ON_CLOSE = struct.pack("ii", 1, 0)
 
 #: How a pod that presented its credential is named as a peer (addresses and ``uid N`` never start so).
 _POD_PEER = "pod:"
+#: The line logged (at most one per 10 s) when a peer is held to a budget, by reason.
+_RATE_LIMITED_LOGS = {
+    "connections": "closing new connections from %s: over its budget of connections "
+                   "(--peer-connection-rate/--peer-connection-burst)",
+    "auth_failures": "holding back the answers to wrong tokens from %s: over its budget of auth failures "
+                     "(--peer-auth-failure-rate/--peer-auth-failure-burst)",
+    "received_bytes": "reading %s's connections more slowly: over its budget of received bytes "
+                      "(--peer-receive-rate-mib/--peer-receive-burst-mib)",
+}
 
 
 class IndexServer:
@@ -305,16 +314,18 @@ class IndexServer:
         if not task.cancelled() and task.exception() is not None:
             log.debug("a connection failed before it started: %s", task.exception())
 
+    def received(self, conn: Connection, nbytes: int) -> float:
+        """``conn`` read ``nbytes``: how long it must not be read again, over its peer's budget."""
+        hold_s = self._peers.received(conn.peer_key, nbytes)
+        if hold_s > 0:
+            self._count_rate_limited("received_bytes", conn.peer_key)
+        return hold_s
+
     def _count_rate_limited(self, reason: str, peer: str) -> None:
         self.rate_limited[reason] += 1
         if self._metrics is not None:
             self._metrics.count_rate_limited(reason)
-        if reason == "connections":
-            self._rate_limit_log.warning("closing new connections from %s: over its budget of connections "
-                                         "(--peer-connection-rate/--peer-connection-burst)", peer)
-        else:
-            self._rate_limit_log.warning("holding back the answers to wrong tokens from %s: over its budget of auth "
-                                         "failures (--peer-auth-failure-rate/--peer-auth-failure-burst)", peer)
+        self._rate_limit_log.warning(_RATE_LIMITED_LOGS[reason], peer)
 
     def _count_flushed(self, objects: int) -> None:
         if self._metrics is not None and objects:
