@@ -193,6 +193,12 @@ def index() -> dashboard.Dashboard:
                             "evictions per window; peer_*: all leases of one address together). An honest engine "
                             "never meets them: a steady rate names a client to look at (docs/security.md).",
                             stack=True))
+    d = d.with_panel(series("Peers held to their budgets", [Query(rate("maru_index_rate_limited_total", "reason"),
+                                                                  "{{reason}}")],
+                            "ops", "Per-peer budgets at work: connections reset at accept (a peer connecting too "
+                            "fast), wrong-token answers held back (guessing), reads paused (received_bytes: a peer "
+                            "sending more than --peer-receive-rate-mib). Honest engines never meet them "
+                            "(docs/security.md, The budgets).", stack=True))
     d = d.with_panel(series("Objects flushed per second", [Query(rate("maru_index_flushed_objects_total", "cache"),
                                                                  "{{cache}}")],
                             "short", "Objects removed by `marucache flush` (not the evictions that make room)."))
