@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+import tracemalloc
 
 import pytest
 
@@ -80,6 +81,28 @@ def test_memory_follows_the_bytes_sent_not_the_length_announced(pool):
         assert max(buffer_sizes(index)) <= 64 * 1024, buffer_sizes(index)
         for raw in raws:
             raw.close()
+
+
+def test_an_open_connection_costs_the_index_a_few_kib(pool):
+    """Each connection's reply packer used to allocate msgpack's default 256 KiB buffer: a
+    token holder holding every connection, or wrong-token connections held back, added
+    70-80 MB to the index's RSS once its heap had been used (bench/RESULTS.md)."""
+    index_side = [tracemalloc.Filter(True, "*/maru_core/index/*", all_frames=True)]  # not the test's clients
+    with serve(pool, peer_connection_burst=1000) as index:
+        tracemalloc.start(16)
+        try:
+            before = tracemalloc.take_snapshot().filter_traces(index_side)
+            raws = [Raw(index.url) for _ in range(100)]
+            for raw in raws:
+                raw.hello()
+            assert wait_for(lambda: server_of(index).connection_count == 100)
+            grown = sum(s.size_diff for s in tracemalloc.take_snapshot().filter_traces(index_side)
+                        .compare_to(before, "filename"))
+        finally:
+            tracemalloc.stop()
+        for raw in raws:
+            raw.close()
+    assert grown / 100 < 32 * 1024, f"{grown / 100 / 1024:.0f} KiB a connection"
 
 
 def test_a_grown_buffer_is_kept_while_large_frames_come_and_given_back_when_they_stop(pool):
