@@ -37,12 +37,14 @@ steps too, over the index's table of block aliases.
 
 Connections are accepted a few per event-loop callback
 (``maru_core.index.accept``); one whose peer already closed it is dropped
-there, costing nothing more. A peer (an IP address, or a Unix socket's
-user) over its budget of new connections (``maru_core.index.peers``) has
-its new connections closed at accept, unread, counted and logged a line
-per ten seconds; a peer over its budget of auth failures has its failing
-connections' answers held back, never its other connections refused.
-Turns on the event loop are shared out per peer (``maru_core.index.turns``).
+there, costing nothing more. The per-peer budgets and ``hello``'s
+authentication are ``maru_core.index.admission``'s: a peer (an IP address,
+a Unix socket's user, or a pod by its credential) over its budget of new
+connections has them closed at accept, unread; one over its budget of auth
+failures has its failing connections' answers held back, never its other
+connections refused; one over its budget of bytes received has its
+connection read no more until the budget refills. Turns on the event loop
+are shared out per peer (``maru_core.index.turns``).
 
 Limits (``maru_core.index.limits``): a connection cap, a small frame limit
 until ``hello`` succeeds, deadlines for ``hello``, for a frame under way and
@@ -64,7 +66,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import hmac
 import logging
 import socket
 import struct
@@ -72,8 +73,8 @@ import time
 from collections.abc import Generator
 from typing import Any, Callable, cast
 
-from maru_core import pod_credentials
 from maru_core.index.accept import Acceptor, bind_tcp
+from maru_core.index.admission import Admission
 from maru_core.index.alias_ops import AliasOps, MatchAliasArgs, PutAliasesArgs
 from maru_core.index.aliases import AliasTable
 from maru_core.index.connection import Connection, Job, Reply
@@ -124,17 +125,6 @@ CONTENDED_SLICE_DIVISOR = 4
 _RESET_ON_CLOSE = struct.pack("ii", 1, 0)
 
 
-#: How a pod that presented its credential is named as a peer (addresses and ``uid N`` never start so).
-_POD_PEER = "pod:"
-#: The line logged (at most one per 10 s) when a peer is held to a budget, by reason.
-_RATE_LIMITED_LOGS = {
-    "connections": "closing new connections from %s: over its budget of connections "
-                   "(--peer-connection-rate/--peer-connection-burst)",
-    "auth_failures": "holding back the answers to wrong tokens from %s: over its budget of auth failures "
-                     "(--peer-auth-failure-rate/--peer-auth-failure-burst)",
-    "received_bytes": "reading %s's connections more slowly: over its budget of received bytes "
-                      "(--peer-receive-rate-mib/--peer-receive-burst-mib)",
-}
 
 
 class IndexServer:
@@ -166,7 +156,6 @@ class IndexServer:
         self.registry = registry
         self.pool = pool
         self.limits = limits or ServerLimits()
-        self._token = token or None  # also the key pod credentials are minted with
         self._expiry_interval_s = expiry_interval_s
         self._metrics = metrics
         self._slice_keys = slice_keys
@@ -180,7 +169,6 @@ class IndexServer:
         self._served_pool = PoolIdentity.of_pool(pool)
         self._acceptors: list[Acceptor] = []
         self._handshakes: dict[asyncio.Task, socket.socket] = {}  # accepted sockets becoming connections
-        self._peers = self.limits.peer_limiter()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._turns: PeerTurns | None = None
         self._tasks: list[asyncio.Task] = []
@@ -189,8 +177,7 @@ class IndexServer:
         self.closed_connections: collections.Counter[str] = collections.Counter()
         self.refusals = RateLimitedLog(log)  # at most a line a second about bad peers
         self.heap = HeapTrimmer()  # gives back the heap that large frames freed (from the sweep)
-        self.rate_limited: collections.Counter[str] = collections.Counter()
-        self._rate_limit_log = RateLimitedLog(log, interval_s=10.0)  # a flood of refusals: a line per 10 s
+        self.admission = Admission(self.limits, token, metrics, self.refusals)  # per-peer budgets, hello's auth
         self.quota_refusals: collections.Counter[str] = collections.Counter()
         self._quota_logs: dict[str, RateLimitedLog] = {}  # a line per 10 s and quota
         registry.quota_listener = self._quota_refused
@@ -296,9 +283,7 @@ class IndexServer:
             sock.close()
             return None
         peer = peer_of(sock, address)
-        refused = self._peers.admit(peer)
-        if refused is not None:
-            self._count_rate_limited(refused, peer)
+        if not self.admission.admit(peer):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_ON_CLOSE)
             sock.close()
             return False
@@ -316,16 +301,12 @@ class IndexServer:
 
     def received(self, conn: Connection, nbytes: int) -> float:
         """``conn`` read ``nbytes``: how long it must not be read again, over its peer's budget."""
-        hold_s = self._peers.received(conn.peer_key, nbytes)
-        if hold_s > 0:
-            self._count_rate_limited("received_bytes", conn.peer_key)
-        return hold_s
+        return self.admission.received(conn, nbytes)
 
-    def _count_rate_limited(self, reason: str, peer: str) -> None:
-        self.rate_limited[reason] += 1
-        if self._metrics is not None:
-            self._metrics.count_rate_limited(reason)
-        self._rate_limit_log.warning(_RATE_LIMITED_LOGS[reason], peer)
+    @property
+    def rate_limited(self) -> collections.Counter[str]:
+        """Times a peer was held to a budget, by reason (``peers.RATE_LIMIT_REASONS``)."""
+        return self.admission.rate_limited
 
     def _count_flushed(self, objects: int) -> None:
         if self._metrics is not None and objects:
@@ -409,7 +390,7 @@ class IndexServer:
         """``conn`` closed. If its peer closed it before sending a byte, its connection token comes back."""
         self._connections.pop(conn, None)
         if not conn.received_bytes and not conn.closed_by_server:
-            self._peers.refund(conn.peer_key)
+            self.admission.refund(conn.peer_key)
 
     def closing(self, conn: Connection, reason: str) -> None:
         """Count a connection the server closes, by reason."""
@@ -513,10 +494,9 @@ class IndexServer:
 
     def _hello(self, conn: Connection, args: dict) -> dict:
         protocol = negotiate(args["protocol"])
-        peer = self._authenticate(conn, args)
+        peer = self.admission.authenticate(conn, args)
         self._check_lease_cap(conn, args["lease_id"])
-        if peer != conn.peer_key and not conn.peer_key.startswith(_POD_PEER):
-            self._charge_pod(conn, peer)
+        self.admission.charge_pod(conn, peer)
         conn.peer_key = peer
         conn.opened(self.registry.open_lease(args["client"], args["lease_id"], peer=peer))
         conn.client = args["client"]
@@ -527,47 +507,6 @@ class IndexServer:
             "pool": self._served_pool.to_wire(),
             "protocol": protocol,
         }
-
-    def _authenticate(self, conn: Connection, args: dict) -> str:
-        """The peer a ``hello`` opens its lease for: the pod its credential names (whatever the
-        address it comes from), else its connection's peer when it presents the token (or none is
-        required); else ``auth``, and the connection is closed after the answer."""
-        if self._token is None:
-            return conn.peer_key
-        offered = args["token"] or ""
-        pod = pod_credentials.pod_of(self._token, offered) if offered else None
-        if pod is not None:
-            return f"{_POD_PEER}{pod}"
-        if hmac.compare_digest(offered.encode(), self._token.encode()):
-            return conn.peer_key
-        conn.close_after_reply = "auth"
-        self.refusals.warning("wrong or missing token from %s (client %r): closing the connection",
-                               conn.peer, str(args["client"])[:64])  # fmt: skip
-        backoff = min(self._peers.auth_failed(conn.peer_key), self.limits.hello_timeout_s)
-        if backoff > 0:  # the failing connection pays, not its neighbours
-            conn.hold_last_reply_s = backoff
-            self._count_rate_limited("auth_failures", conn.peer_key)
-        if self._metrics is not None:
-            self._metrics.count_auth_failure()
-        if pod_credentials.is_credential(offered):
-            raise ProtocolError(ErrorType.AUTH, "a pod credential not minted with this cache's token (another "
-                                "cache's, or forged); the pod's sidecar writes the right one")
-        raise ProtocolError(
-            ErrorType.AUTH,
-            "wrong or missing token; use the token of this cache's index (its token file or Secret)",
-        )
-
-    def _charge_pod(self, conn: Connection, pod_peer: str) -> None:
-        """A connection's first credential ``hello``: the connection token its address spent at
-        accept comes back, and its pod spends one of its own instead, or the connection is closed
-        (``quota``). So a pod that opens connections without end empties its own budget, never the
-        budget of the pods behind its address (a NAT, a node's hostNetwork pods)."""
-        self._peers.refund(conn.peer_key)
-        if self._peers.admit(pod_peer) is not None:
-            conn.close_after_reply = "connection_limit"
-            self._count_rate_limited("connections", pod_peer)
-            raise ProtocolError(ErrorType.QUOTA, f"{pod_peer} opens connections faster than its budget "
-                                "(--peer-connection-rate, --peer-connection-burst): keep connections open and reuse them")
 
     def _check_lease_cap(self, conn: Connection, resume: str | None) -> None:
         """Refuse a ``hello`` that would give ``conn`` more live leases than the cap."""
