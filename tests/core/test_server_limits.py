@@ -540,6 +540,29 @@ def test_a_peer_sending_large_frames_back_to_back_is_read_at_its_budget_and_othe
         flooder.close()
 
 
+def test_a_neighbour_s_large_frames_never_hold_back_the_small_requests_of_its_address(pool):
+    """Token holders behind one address share one budget of bytes received. Its debt holds
+    back the connections that send large frames, never one whose requests are small: its
+    heartbeats went on while a neighbour's 6 MiB waited for the budget (held back with it,
+    each would have waited a quarter of a second)."""
+    with serve(pool, peer_receive_rate=4 * MIB, peer_receive_burst=1 * MIB) as index:
+        flooder, neighbour = Raw(index.url), Raw(index.url)  # both from 127.0.0.1: one peer
+        flooder.hello(), neighbour.hello()
+        flooder.sock.settimeout(10)
+        started = time.monotonic()
+        flooder.sock.sendall(b"".join(_padded_heartbeat(rid, MIB) for rid in range(10, 16)))
+        slowest = 0.0
+        while time.monotonic() - started < 1.0:
+            sent = time.monotonic()
+            assert neighbour.call(op="heartbeat")["ok"]
+            slowest = max(slowest, time.monotonic() - sent)
+        assert [flooder.recv()["id"] for _ in range(6)] == list(range(10, 16))
+        assert time.monotonic() - started >= 0.9  # the flood itself was held to the budget
+        assert server_of(index).rate_limited["received_bytes"] >= 1
+        assert slowest < 0.1, slowest
+        flooder.close(), neighbour.close()
+
+
 def test_a_frame_held_back_by_its_peer_s_budget_is_not_closed_at_its_deadline(pool):
     """The frame deadline measures the peer's slowness, not the index's: a 3 MiB frame read
     at 1 MiB a second after a 1 MiB burst takes about 2 s, four times its deadline."""

@@ -50,6 +50,10 @@ _DECODE_LATER_BYTES = 256 * 1024
 #: written a piece per turn: over loopback the kernel delivers what one ``send`` sends within
 #: that call, on the event loop's time (a 320 KiB reply took 2 ms of it in one call).
 WRITE_PIECE_BYTES = 64 * 1024
+#: A connection holding fewer bytes than this (a read included) is never held back by its peer's
+#: budget of bytes received, only charged: heartbeats and an engine's usual requests go on
+#: whatever a neighbour behind the same address sends; large frames wait for the budget.
+NEVER_HELD_BYTES = 64 * 1024
 
 Reply = dict[str, Any]
 #: A sliced request: yields between slices, returns its reply (``None``: a reply written
@@ -145,7 +149,7 @@ class Connection(asyncio.BufferedProtocol):
         self._server.heap.note(nbytes)
         self.last_active = now
         hold_s = self._server.received(self, nbytes)
-        if hold_s > 0:
+        if hold_s > 0 and self._frames.pending_bytes >= NEVER_HELD_BYTES:
             self._hold_reading(hold_s)
         if nbytes >= _DECODE_LATER_BYTES:
             self._yield_turn()  # this callback copied a lot already: decode in the next pass

@@ -87,9 +87,10 @@ class ServerLimits:
       failing connection's answer is held back (the time the budget needs
       to refill, up to ``hello_timeout_s``); no connection is refused for it.
     - ``peer_receive_rate``/``peer_receive_burst``: bytes one peer's
-      connections together may send per second, and at once; beyond, the
-      connection that read them is not read again until the budget has
-      refilled (its frame's deadline waits as long); nothing is refused for it.
+      connections together may send per second, and at once; beyond, a
+      connection holding a large frame is not read again until the budget
+      has refilled (its frame's deadline waits as long; one of small frames
+      is never held: ``connection.NEVER_HELD_BYTES``); nothing is refused.
     - ``max_peers``: peers whose budgets are remembered (least recently seen
       forgotten first).
     """

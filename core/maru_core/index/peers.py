@@ -23,13 +23,14 @@ peer of that connection from then on.) Each peer has three token buckets:
   beyond the budget (up to the hello deadline). A client with the right
   token is answered at once whatever its neighbours fail.
 - received bytes: every byte read from a peer's connections spends one.
-  Nothing is refused for it either: once the bucket is empty, the
-  connection that read last stops being read until the bucket has refilled
-  (the peer's sends block, TCP's own back-pressure). Receiving and decoding
-  a frame cost the index about a millisecond per 3 MiB whatever the frame
-  asks, so a client that sends large frames back to back (a reserve flood,
-  frames of nils) would otherwise hold the index as long as it likes; an
-  engine sends a few MB a second at most.
+  Nothing is refused for it either: once the bucket is empty, a connection
+  that read into a large frame (``connection.NEVER_HELD_BYTES``) stops
+  being read until the bucket has refilled (the peer's sends block, TCP's
+  own back-pressure); one with only small frames is never held. Receiving
+  and decoding a frame cost the index about a millisecond per 3 MiB
+  whatever the frame asks, so a client that sends large frames back to
+  back (a reserve flood, frames of nils) would otherwise hold the index as
+  long as it likes; an engine sends about a MB a second at most.
 
 The table holds at most ``max_peers`` peers (least recently seen dropped
 first): its memory is bounded whatever the number of addresses. A peer
@@ -147,7 +148,6 @@ class PeerLimiter:
         if buckets.auth_failures >= 0:
             return 0.0
         return -buckets.auth_failures / self.auth_failures.rate_per_s
-
 
     def received(self, peer: str, nbytes: int) -> float:
         """``peer``'s connection read ``nbytes``: how long it must not be read again (0 while the
