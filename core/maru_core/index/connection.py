@@ -41,10 +41,12 @@ WRITE_HIGH_WATER = 4 * 1024 * 1024
 _INITIAL_BYTES = 4096
 _KEEP_BYTES = 1024 * 1024
 _BUFFER_IDLE_S = 1.0
-#: Bytes received per read callback at most (about a millisecond of copying), and
-#: received bytes in one callback above which the frames they complete are decoded
-#: in the loop's next pass, not in the same callback.
-_READ_BYTES = 1024 * 1024
+#: Bytes received per read callback at most (a tenth of a millisecond of copying; a peer
+#: over its budget of bytes received then owes at most about that much per connection,
+#: which is what its neighbours' large frames may wait for: 4 ms at 64 MiB/s, 16 ms with
+#: reads of 1 MiB), and received bytes in one callback above which the frames they
+#: complete are decoded in the loop's next pass, not in the same callback.
+_READ_BYTES = 256 * 1024
 _DECODE_LATER_BYTES = 256 * 1024
 #: While other peers are served too (``PeerTurns.contended``), a reply larger than this is
 #: written a piece per turn: over loopback the kernel delivers what one ``send`` sends within
