@@ -125,8 +125,6 @@ CONTENDED_SLICE_DIVISOR = 4
 _RESET_ON_CLOSE = struct.pack("ii", 1, 0)
 
 
-
-
 class IndexServer:
     """Serves one ``Registry`` over TCP or a Unix socket.
 
