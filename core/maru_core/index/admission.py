@@ -16,7 +16,7 @@ from __future__ import annotations
 import collections
 import hmac
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from maru_core import pod_credentials
 from maru_core.index.listen import RateLimitedLog
@@ -25,6 +25,7 @@ from maru_core.protocol import ErrorType, ProtocolError
 if TYPE_CHECKING:
     from maru_core.index.connection import Connection
     from maru_core.index.limits import ServerLimits
+    from maru_core.index.metrics import IndexMetrics
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,8 @@ class Admission:
     (see the module docstring). ``token``: the cache token (``None``: none is needed);
     ``metrics``: an optional ``IndexMetrics``; ``refusals``: the server's log of bad peers."""
 
-    def __init__(self, limits: "ServerLimits", token: str | None, metrics: Any, refusals: RateLimitedLog) -> None:
+    def __init__(self, limits: "ServerLimits", token: str | None, metrics: "IndexMetrics | None",
+                 refusals: RateLimitedLog) -> None:
         self._limits = limits
         self._token = token or None  # also the key pod credentials are minted with
         self._metrics = metrics

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from maru_core.index.allocator import ExtentAllocator
     from maru_core.index.leases import Lease
     from maru_core.index.peer_accounts import PeerAccounts
+    from maru_core.index.quotas import EvictionWindow
     from maru_core.pool.geometry import PoolGeometry
 
 
@@ -254,7 +255,7 @@ class Placement:
         self._cut_short(lease, error)
         return starts
 
-    def _evict_budget(self, lease: Lease) -> tuple[int, list, list[int]]:
+    def _evict_budget(self, lease: Lease) -> tuple[int, list[tuple[EvictionWindow, int]], list[int]]:
         """The pages ``lease``'s reserve may evict now (one reserve's bound, and what its
         lease's and its peer's windows have left), with those windows and what each has left."""
         now, window_s, account = self._clock(), self.evict_window_s, lease.account
