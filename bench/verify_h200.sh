@@ -46,7 +46,7 @@
 # only, the verdict read in the step's report (as shipped), against waiting
 # for each check on the host too (before, --host-waits-for-checks):
 # verified against unverified 4k and 4k + 512 hits, both formats, 21 repeats,
-# two rounds, the two modes' order swapped every round (a mode's runs come
+# two rounds ($DEFER_AB_ROUNDS), the two modes' order swapped every round (a mode's runs come
 # one after the other in a round, so a drift of the machine would otherwise
 # always favour the same one).
 #
@@ -89,7 +89,7 @@ if [ "$mode" = group-ab ]; then
     exit $failed
 fi
 if [ "$mode" = defer-ab ]; then
-    for round in 1 2; do
+    for round in $(seq "${DEFER_AB_ROUNDS:-2}"); do
         ab="sync_overlap_graphs sync_overlap_graphs_unverified"
         [ "$round" = 2 ] && ab="sync_overlap_graphs_unverified sync_overlap_graphs"
         for fmt in chunkwise layerwise; do
