@@ -84,9 +84,6 @@ def parse(argv=None):
     p.add_argument("--no-sum-batches", action="store_true",
                    help="A/B: a verified load's fills summed one launch each (before), not in batches "
                         "of layers side by side in staging")
-    p.add_argument("--host-waits-for-checks", action="store_true",
-                   help="A/B: the forward's layer wait also waits on the host for the layer's payload "
-                        "check (before), not only on the device with the verdict read in the step's report")
     p.add_argument("--triton-launch", action="store_true",
                    help="A/B: the checksum kernel launched through Triton's launcher (before), not "
                         "through the CUDA driver directly")
@@ -552,9 +549,6 @@ def main(argv=None):
         device_checksum.FUSED_COMPARE = False
     if args.no_sum_batches:
         cuda_engine.SUM_BATCHES = False
-    if args.host_waits_for_checks:
-        from maru_connector.transfer import handles
-        handles.HOST_WAITS_FOR_CHECKS = True
     if args.triton_launch:
         from maru_connector.transfer import device_checksum
         device_checksum.DIRECT_LAUNCH = False

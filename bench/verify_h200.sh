@@ -2,7 +2,7 @@
 # Verified loads on the GPU, in one go (run from the project root on a machine
 # with one NVIDIA GPU, torch with CUDA, Triton, no vLLM):
 #
-#   bash bench/verify_h200.sh OUT_DIR [fused-ab|group-ab|direct-ab|batch-ab|defer-ab]
+#   bash bench/verify_h200.sh OUT_DIR [fused-ab|group-ab|direct-ab|batch-ab]
 #
 # 1. the CUDA tests of verified loads, of the CUDA engine and of its memory
 #    (test_verified_transfer.py -m cuda, test_transfer_cuda.py,
@@ -41,22 +41,13 @@
 # (16 MiB layers: 32 fills, in batches of 4; 16k hits' 64 MiB layers are
 # one batch each, so they do not change).
 #
-# With `defer-ab`, steps 2 and 3 make way for the A/B of the forward's layer
-# waits ordering the forward after each layer's payload check on the device
-# only, the verdict read in the step's report (as shipped), against waiting
-# for each check on the host too (before, --host-waits-for-checks):
-# verified against unverified 4k and 4k + 512 hits, both formats, 21 repeats,
-# two rounds ($DEFER_AB_ROUNDS), the two modes' order swapped every round (a mode's runs come
-# one after the other in a round, so a drift of the machine would otherwise
-# always favour the same one).
-#
 # The index (step 3) needs `sortedcontainers` (pure Python): where it is not
 # installed, put a copy of the package in bench/.site/ (git ignores it). The
 # connector needs no xxhash (only entries of older writers use it), the CUDA
 # tests no hypothesis. About 6 minutes in all; each step has its own time
 # limit, and a step that fails does not stop the others (the exit code says).
 set -u
-out=${1:?usage: verify_h200.sh OUT_DIR [fused-ab|group-ab|direct-ab|batch-ab|defer-ab]}
+out=${1:?usage: verify_h200.sh OUT_DIR [fused-ab|group-ab|direct-ab|batch-ab]}
 mode=${2:-all}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=connector:core:tools:tests/connector:bench/.site
@@ -83,22 +74,6 @@ if [ "$mode" = group-ab ]; then
                 run "$name" 100 python3 bench/ttft_gpu.py --formats "$fmt" --repeats 7 --sizes 4096 \
                     --partial 4096 512 --modes $ab --group-below-mib "$group" --out "$out/$name"
                 grep '^|' "$out/$name.txt"
-            done
-        done
-    done
-    exit $failed
-fi
-if [ "$mode" = defer-ab ]; then
-    for round in $(seq "${DEFER_AB_ROUNDS:-2}"); do
-        ab="sync_overlap_graphs sync_overlap_graphs_unverified"
-        [ "$round" = 2 ] && ab="sync_overlap_graphs_unverified sync_overlap_graphs"
-        for fmt in chunkwise layerwise; do
-            for checks in device host; do
-                name="ttft_${fmt}_${checks}_$round"
-                flag=$([ "$checks" = host ] && echo --host-waits-for-checks)
-                run "$name" 100 python3 bench/ttft_gpu.py --formats "$fmt" --repeats 21 --sizes 4096 \
-                    --partial 4096 512 --modes $ab $flag --out "$out/$name"
-                grep '^| 4096' "$out/$name.txt"
             done
         done
     done

@@ -16,8 +16,7 @@ release only copies from pinned slots remain; pins are released once every
 copy has completed. A copy that still fails after release is reported in the
 step whose forward computes the request (the forward's layer wait sees it
 first, or :meth:`AsyncLoader.take_results` hands it over when that request is
-scheduled, after waiting for the payload checks the forward's waits left
-running on the device). No exception ends the loader thread: it fails the load it came
+scheduled). No exception ends the loader thread: it fails the load it came
 from and serves the others. The loader keeps state only for loads in flight
 and failures not yet reported.
 
@@ -201,30 +200,13 @@ class AsyncLoader:
                 be released, so the engine must stop rather than hang.
         """
         self._check_alive()
-        scheduled = set(scheduled_req_ids)
-        self._read_verdicts(scheduled)
         with self._lock:
             results, self._results = self._results, LoadResults()
             self._results_ready.clear()
-            reportable = scheduled | results.released
+            reportable = set(scheduled_req_ids) | results.released
             for req_id in reportable & self._late_failures.keys():
                 results.failed_after_release[req_id] = self._late_failures.pop(req_id)
         return results
-
-    def _read_verdicts(self, req_ids: set[str]) -> None:
-        """Wait for the payload checks of the released, verified loads of
-        ``req_ids`` (the requests this step's forward read): the forward's
-        layer waits leave a device check still running to the load's
-        verdict, and a mismatch must reach vLLM in this step's report, not
-        whenever the loader thread next looks (CUDA; on the CPU each layer
-        was checked before it was handed over, so this returns at once)."""
-        with self._lock:
-            loads = [ld for ld in self._loads.values()
-                     if ld.released and ld.spec.req_id in req_ids and ld.pinned is not None
-                     and ld.pinned.check is not None]
-        for load in loads:
-            if not load.copies.wait_all() and load.copies.error is not None:
-                self._late_failure(load, copy_failure_reason(load.copies.error))
 
     def wait_layer(self, position: int, req_ids: Collection[str] | None = None) -> float:
         """Block until layer ``position`` of the released loads of ``req_ids``

@@ -116,9 +116,7 @@ def test_a_corrupted_byte_in_the_skipped_head_fails_the_verified_load(
                                 check=PayloadCheck.of(checksums))
     due = layer if layerwise else LAYERS - 1  # a chunkwise object is checked whole, by the last layer
     handed = [handle.wait_layer_on_device(i, timeout=30) for i in range(LAYERS)]
-    # the CPU engine never hands the corrupted object's layer over; on CUDA
-    # the forward is ordered after its check, whose verdict wait_all reads
-    assert device != "cpu" or not handed[due]
+    assert not handed[due]  # the forward never gets the layer of the corrupted object
     assert handle.wait_all(30) is False and isinstance(handle.error, ChecksumMismatch)
 
 
@@ -311,7 +309,7 @@ def test_a_corrupted_byte_in_the_skipped_tail_fails_the_verified_load(engines, p
                                 check=PayloadCheck.of(checksums))
     due = layer if layerwise else LAYERS - 1
     handed = [handle.wait_layer_on_device(i, timeout=30) for i in range(LAYERS)]
-    assert device != "cpu" or not handed[due]  # on CUDA: the verdict below
+    assert not handed[due]
     assert handle.wait_all(30) is False and isinstance(handle.error, ChecksumMismatch)
 
 

@@ -13,16 +13,10 @@ A verified load (``submit_load(..., check=...)``) fails with
 ``ChecksumMismatch`` when the bytes it received do not sum to the checksum
 their writer recorded. The CPU engine checks before it marks a layer; on
 CUDA a layer may carry a *check*: an event recorded after the comparison on
-the device, and a pinned host flag it wrote. ``wait_layer``, ``layer_ready``
-and ``wait_all`` wait for that event on the host and read the flag before
-they answer, so none of them returns a layer whose check is not known to
-have passed. ``wait_layer_on_device`` (the forward's wait) orders the
-forward after the check on the device and reads the flag only if the check
-is already done: the verdict of a check still running is read by the load's
-``wait_all``, which the connector calls in the step's report. A mismatch
-then fails the load in the step whose forward read the bytes, so vLLM
-discards that step's tokens and stores, and the forward's kernels are
-queued without waiting on the host for each layer's copy.
+the device, and a pinned host flag it wrote. Every wait for such a layer
+(``wait_layer``, ``wait_layer_on_device``, ``layer_ready``, ``wait_all``)
+waits for that event on the host and reads the flag before it answers, so
+no wait returns a layer whose check is not known to have passed.
 
 A listener (``LoadHandle.set_listener``) is called on the copy thread each
 time a layer completes or the load fails, so a thread that serves several
@@ -39,13 +33,6 @@ from typing import Any
 __all__ = ["ChecksumMismatch", "LoadHandle", "StoreHandle", "TransferError"]
 
 _POLL_S = 0.0002
-
-# Whether ``wait_layer_on_device`` also waits on the host for a layer's
-# device check (the behaviour before the verdict moved to the step's
-# report; ``bench/ttft_gpu.py --host-waits-for-checks`` measures it): the
-# forward's next kernels are then queued only once the layer's copy and
-# check are done, so the end of the forward is queued after the last copy.
-HOST_WAITS_FOR_CHECKS = False
 
 
 class TransferError(RuntimeError):
@@ -185,21 +172,15 @@ class LoadHandle:
     def wait_layer_on_device(self, layer: int, timeout: float | None = None) -> bool:
         """Order the caller's current device stream after layer ``layer``'s
         copy, without waiting for it on the host (CUDA); same as
-        ``wait_layer`` on the CPU. False on timeout or failure, or when the
-        layer's check is known to have failed. A check still running is not
-        waited for here (unless ``HOST_WAITS_FOR_CHECKS``): its event comes
-        after the comparison, so the stream waits for it on the device, and
-        the caller must read the load's verdict (``wait_all``) before the
-        step that ran on the layer reports."""
+        ``wait_layer`` on the CPU. False on timeout or failure. A layer
+        with a check (a verified load) is waited for on the host until its
+        check is done: the forward never gets a layer whose check may fail."""
         deadline = None if timeout is None else time.monotonic() + timeout
         if not self._marked[layer].wait(timeout) or not self._ok[layer]:
             return False
+        if not self._check_passed(layer, deadline):
+            return False
         event = self._device_event(layer)
-        if event is None or HOST_WAITS_FOR_CHECKS:
-            if not self._check_passed(layer, deadline):
-                return False
-        elif not self._check_passed(layer, None, block=False) and self.error is not None:
-            return False  # the check is done and failed
         if event is None:
             return True
         import torch
