@@ -271,6 +271,8 @@ def marucache(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
         (["--listen", "tcp://127.0.0.1:0", "--pool-size", "64Mi", "--peer-auth-failure-burst", "x"], "at least 1"),
         (["--listen", "tcp://127.0.0.1:0", "--pool-size", "64Mi", "--peer-receive-rate-mib", "-5"], "per second"),
         (["--listen", "tcp://127.0.0.1:0", "--pool-size", "64Mi", "--peer-receive-burst-mib", "0"], "at least 1"),
+        (["--listen", "tcp://127.0.0.1:0", "--pool-size", "64Mi", "--shared-turn-ms", "0"], "milliseconds"),
+        (["--listen", "tcp://127.0.0.1:0", "--pool-size", "64Mi", "--turn-ms", "nan"], "milliseconds"),
     ],
 )
 def test_bad_flags_say_what_to_change(pool_path, args, words):

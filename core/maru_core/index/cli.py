@@ -105,6 +105,8 @@ _MAX_RATE = 1e6
 
 _positive_seconds = _number_arg(float, lambda v: 0 < v <= _MAX_SECONDS,
                                 f"a positive number of seconds (at most {_MAX_SECONDS:g})")
+_positive_ms = _number_arg(float, lambda v: 0 < v <= _MAX_SECONDS * 1e3,
+                           f"a positive number of milliseconds (at most {_MAX_SECONDS * 1e3:g})")
 _count_arg = _number_arg(int, lambda v: v >= 1, "a whole number of at least 1")
 _rate_arg = _number_arg(float, lambda v: 0 < v <= _MAX_RATE, f"a positive number per second (at most {_MAX_RATE:g})")
 _fraction_arg = _number_arg(float, lambda v: 0 < v <= 1, "a fraction of the pool above 0 and at most 1 (e.g. 0.25)")
@@ -187,6 +189,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"may hold together (default {limits.max_receive_bytes >> 20})")
     parser.add_argument("--idle-timeout", type=_positive_seconds, default=limits.idle_timeout_s, metavar="S",
                         help=f"seconds a connection may send nothing (default {limits.idle_timeout_s:g})")
+    parser.add_argument("--turn-ms", type=_positive_ms, default=limits.turn_s * 1e3, metavar="MS",
+                        help="milliseconds of the event loop one peer's requests may hold per round while it is "
+                             f"the only peer served (default {limits.turn_s * 1e3:g})")
+    parser.add_argument("--shared-turn-ms", type=_positive_ms, default=limits.shared_turn_s * 1e3,
+                        metavar="MS", help="the same while other peers are served too: about how long a request "
+                                           "waits for a peer that keeps the index busy "
+                                           f"(default {limits.shared_turn_s * 1e3:g})")
     parser.add_argument("--peer-connection-rate", type=_rate_arg, default=limits.peer_connection_rate, metavar="R",
                         help="new connections per second one peer (an IP address, or a Unix socket's user) may "
                              "open (one its peer closes before sending a byte is not counted); beyond, they are "
@@ -356,6 +365,7 @@ def run(args: argparse.Namespace) -> int:
             frame_timeout_s=args.frame_timeout, idle_timeout_s=args.idle_timeout,
             max_receive_bytes=args.max_receive_mib << 20,
             max_leases_per_connection=args.max_leases_per_connection,
+            turn_s=args.turn_ms / 1e3, shared_turn_s=args.shared_turn_ms / 1e3,
             peer_connection_rate=args.peer_connection_rate, peer_connection_burst=args.peer_connection_burst,
             peer_auth_failure_rate=args.peer_auth_failure_rate, peer_auth_failure_burst=args.peer_auth_failure_burst,
             peer_receive_rate=args.peer_receive_rate_mib * 2**20, peer_receive_burst=args.peer_receive_burst_mib << 20,
