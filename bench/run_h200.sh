@@ -8,15 +8,19 @@
 # into OUT_DIR and prints its summary; a stage that fails does not stop the
 # others (the script exits non-zero at the end).
 #
-# Last run on an H100 (bench/RESULTS.md: "Verified loads" round 7, "Index
-# under attack", 16 cores):
-#   bash bench/verify_h200.sh OUT direct-ab
-#   (CUDA tests of verify_h200.sh, then) SKIP_CUDA_TESTS=1 bash bench/verify_h200.sh OUT batch-ab
-#   bash bench/attacks_16core.sh OUT
-# Next lease: the sum batches that shrink towards a load's end and the
-# chunkwise check of the last layer only (round 7, not measured yet):
+# Last run on an H100 (bench/RESULTS.md: "Verified loads" round 8, "The
+# 16-core verdict with the byte budget"):
 #   bash bench/run_h200.sh OUT cuda-tests
-#   SKIP_CUDA_TESTS=1 bash bench/verify_h200.sh OUT batch-ab
+#   (at 5cc5481) SKIP_CUDA_TESTS=1 bash bench/verify_h200.sh OUT defer-ab
+#   bash bench/attacks_16core.sh OUT
+# Next lease: the whole CUDA suite of the shipped tree (`cuda-tests`); where
+# a verified 4k hit's 0.6-0.9 ms goes on the GPU (a profile of the scatter
+# stream against the copy stream: `bench/ttft_gpu.py --formats chunkwise
+# --sizes 4096 --modes sync_overlap_graphs --profile 4096/sync_overlap_graphs`);
+# and a contended share of 0.05 ms against 0.2 for the attacks that saturate
+# the index, in turn:
+#   bash bench/attacks_16core.sh OUT --seconds 3 --only stats_pipeline hello_flood \
+#       many_connections_pipelining --index-args "--shared-turn-ms 0.05"   (and 0.2)
 set -u
 out=${1:?usage: run_h200.sh OUT_DIR [STAGE ...]}
 shift
