@@ -250,6 +250,24 @@ def marucache(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
+def test_the_fairness_and_budget_flags_set_the_server_s_limits():
+    """What ``marucache index`` is told reaches ``ServerLimits`` in the unit it means."""
+    import argparse
+
+    from maru_core.index.cli import add_arguments, server_limits
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    required = ["--pool", "/dev/shm/unused", "--listen", "tcp://127.0.0.1:0"]
+    args = parser.parse_args([*required, "--turn-ms", "2", "--shared-turn-ms", "0.05",
+                              "--peer-receive-rate-mib", "16", "--peer-receive-burst-mib", "8"])
+    limits = server_limits(args)
+    assert (limits.turn_s, limits.shared_turn_s) == (0.002, 0.00005)
+    assert (limits.peer_receive_rate, limits.peer_receive_burst) == (16 << 20, 8 << 20)
+    defaults = server_limits(parser.parse_args(required))
+    assert (defaults.turn_s, defaults.shared_turn_s) == (0.001, 0.0002)
+
+
 @pytest.mark.parametrize(
     "args, words",
     [

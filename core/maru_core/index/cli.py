@@ -24,7 +24,10 @@ import re
 import signal
 import stat
 import sys
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from maru_core.index.limits import ServerLimits
 
 log = logging.getLogger("maru_core.index")
 
@@ -348,9 +351,24 @@ def _peer_quotas(args: argparse.Namespace) -> dict[str, Any]:
     return {flag: getattr(args, flag) for flag in flags if getattr(args, flag) is not None}
 
 
+def server_limits(args: argparse.Namespace) -> ServerLimits:
+    """The server's limits as the flags set them (``ValueError`` for an impossible one)."""
+    from maru_core.index.limits import ServerLimits
+
+    return ServerLimits(
+        max_connections=args.max_connections, hello_timeout_s=args.hello_timeout,
+        frame_timeout_s=args.frame_timeout, idle_timeout_s=args.idle_timeout,
+        max_receive_bytes=args.max_receive_mib << 20,
+        max_leases_per_connection=args.max_leases_per_connection,
+        turn_s=args.turn_ms / 1e3, shared_turn_s=args.shared_turn_ms / 1e3,
+        peer_connection_rate=args.peer_connection_rate, peer_connection_burst=args.peer_connection_burst,
+        peer_auth_failure_rate=args.peer_auth_failure_rate, peer_auth_failure_burst=args.peer_auth_failure_burst,
+        peer_receive_rate=args.peer_receive_rate_mib * 2**20, peer_receive_burst=args.peer_receive_burst_mib << 20,
+    )  # fmt: skip
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from maru_core.index.limits import ServerLimits
     from maru_core.pool import PoolError
     from maru_core.protocol import TcpAddress
 
@@ -360,16 +378,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         token = read_token(args.token_file) if args.token_file else None
-        limits = ServerLimits(
-            max_connections=args.max_connections, hello_timeout_s=args.hello_timeout,
-            frame_timeout_s=args.frame_timeout, idle_timeout_s=args.idle_timeout,
-            max_receive_bytes=args.max_receive_mib << 20,
-            max_leases_per_connection=args.max_leases_per_connection,
-            turn_s=args.turn_ms / 1e3, shared_turn_s=args.shared_turn_ms / 1e3,
-            peer_connection_rate=args.peer_connection_rate, peer_connection_burst=args.peer_connection_burst,
-            peer_auth_failure_rate=args.peer_auth_failure_rate, peer_auth_failure_burst=args.peer_auth_failure_burst,
-            peer_receive_rate=args.peer_receive_rate_mib * 2**20, peer_receive_burst=args.peer_receive_burst_mib << 20,
-        )  # fmt: skip
+        limits = server_limits(args)
         pool, fresh = open_pool(args.pool, args.pool_size, args.page_size, args.pool_offset)
     except (ValueError, PoolError) as exc:
         print(f"marucache index: error: {exc}", file=sys.stderr)
