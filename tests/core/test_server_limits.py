@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import socket
+import statistics
 import time
 import tracemalloc
 
@@ -514,6 +515,15 @@ def _padded_heartbeat(rid: int, nbytes: int) -> bytes:
     return encode_frame({"id": rid, "op": "heartbeat", "pad": b"x" * nbytes})
 
 
+def assert_not_held(latencies: list[float], held_s: float) -> None:
+    """Requests held back with a flood each wait about ``held_s`` for the budget's refill, and
+    they went on all through it; a single stall of a busy machine (0.8 s once, in a full
+    suite) is not that."""
+    slow = [t for t in latencies if t >= held_s]
+    typical = statistics.median(latencies)
+    assert len(slow) <= 1 and typical < held_s / 5, (len(latencies), slow, typical)
+
+
 def test_a_peer_sending_large_frames_back_to_back_is_read_at_its_budget_and_others_are_not(pool):
     """Before, a client holding the token could make the index receive and decode frames as fast as
     it sent them: 6 MiB came in at once. Now its connection is read at its peer's rate (after the
@@ -525,16 +535,16 @@ def test_a_peer_sending_large_frames_back_to_back_is_read_at_its_budget_and_othe
         flooder.sock.settimeout(10)
         flooder.sock.sendall(b"".join(_padded_heartbeat(rid, MIB) for rid in range(10, 16)))
         with IndexClient(index.url, token=TOKEN, timeout_s=5) as client:  # from 127.0.0.1
-            slowest = 0.0
+            took = []
             while not server_of(index).rate_limited["received_bytes"] or time.monotonic() - started < 0.5:
                 sent = time.monotonic()
                 assert client.heartbeat() > 0
-                slowest = max(slowest, time.monotonic() - sent)
+                took.append(time.monotonic() - sent)
         replies = [flooder.recv() for _ in range(6)]
         elapsed = time.monotonic() - started
         assert [reply["id"] for reply in replies] == list(range(10, 16))
         assert elapsed >= 0.9, elapsed  # 5 MiB beyond the burst at 4 MiB a second: about 1.25 s
-        assert slowest < 0.25, slowest
+        assert_not_held(took, 0.25)
         assert server_of(index).rate_limited["received_bytes"] >= 1
         assert not server_of(index).closed_connections["stalled"]
         flooder.close()
@@ -551,15 +561,15 @@ def test_a_neighbour_s_large_frames_never_hold_back_the_small_requests_of_its_ad
         flooder.sock.settimeout(10)
         started = time.monotonic()
         flooder.sock.sendall(b"".join(_padded_heartbeat(rid, MIB) for rid in range(10, 16)))
-        slowest = 0.0
+        took = []
         while time.monotonic() - started < 1.0:
             sent = time.monotonic()
             assert neighbour.call(op="heartbeat")["ok"]
-            slowest = max(slowest, time.monotonic() - sent)
+            took.append(time.monotonic() - sent)
         assert [flooder.recv()["id"] for _ in range(6)] == list(range(10, 16))
         assert time.monotonic() - started >= 0.9  # the flood itself was held to the budget
         assert server_of(index).rate_limited["received_bytes"] >= 1
-        assert slowest < 0.1, slowest
+        assert_not_held(took, 0.1)
         flooder.close(), neighbour.close()
 
 
