@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from maru_core.index.cli import add_arguments, server_limits
 from maru_core.index.client import IndexClient, IndexRejected
 from maru_core.index.launcher import IndexProcess, unique_shm_path
 from maru_core.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION, FrameDecoder, encode_frame, parse_url
@@ -252,10 +254,6 @@ def marucache(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
 
 def test_the_fairness_and_budget_flags_set_the_server_s_limits():
     """What ``marucache index`` is told reaches ``ServerLimits`` in the unit it means."""
-    import argparse
-
-    from maru_core.index.cli import add_arguments, server_limits
-
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     required = ["--pool", "/dev/shm/unused", "--listen", "tcp://127.0.0.1:0"]
