@@ -85,9 +85,15 @@ def mapped_by(pods: Iterable[PodView], seen: Callable[[str], bool] | None = None
     return lambda drain: (seen is not None and not seen(drain.owner.namespace)) or bool(pods_mapping(pods, drain))
 
 
-def draining_note(drains: Iterable[tuple[Drain, int]]) -> str:
+def pod_names(pods: list[PodView], shown: int = 5) -> str:
+    """`namespace/name` of the first `shown` pods, for a message an operator reads."""
+    return ", ".join(f"{p.namespace}/{p.name}" for p in pods[:shown]) + (", ..." if len(pods) > shown else "")
+
+
+def draining_note(drains: Iterable[tuple[Drain, list[PodView]]]) -> str:
     """What the PodsCurrent condition adds while regions a cache left still drain: (drain, pods mapping it)."""
-    parts = [f"{n} pod(s) still map its old region {d.region.text}" for d, n in drains if n]
+    parts = [f"{len(pods)} pod(s) still map its old region {d.region.text} ({pod_names(pods)})"
+             for d, pods in drains if pods]
     return ("; " + "; ".join(parts) + " (draining: no cache gets it until they are gone)") if parts else ""
 
 

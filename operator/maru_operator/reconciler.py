@@ -21,7 +21,7 @@ from .k8s import KubeApi, LedgerStore, object_path
 from .injection import placement_from_status
 from .ledger import AllocationError, Claim, Drain, Impossible, Ledger, Region
 from .models import DEFAULT_IMAGE, CacheRef, CacheSpec, SpecError, parse_cache
-from .pods import PodView, mapped_by, pods_mapping
+from .pods import PodView, mapped_by, pod_names, pods_mapping
 from .results import EnsureAction, EventType, ReconcileResult
 
 Event = tuple[EventType, str, str]  # (type, reason, message)
@@ -210,10 +210,9 @@ def nodes_moved(body: Mapping[str, Any], nodes: Iterable[NodeInfo]) -> bool:
 
 
 def draining_message(drain: Drain, pods: list[PodView]) -> str:
-    names = ", ".join(f"{p.namespace}/{p.name}" for p in pods[:5]) + (", ..." if len(pods) > 5 else "")
     return (f"old region {drain.region.text} ({human_bytes(drain.region.size)} at offset {drain.region.offset} of "
             f"{drain.device_class} device {drain.region.device_uuid}) draining: {len(pods)} pod(s) still map it "
-            f"({names}); no cache gets it until they are re-created")
+            f"({pod_names(pods)}); no cache gets it until they are re-created")
 
 
 async def _index_nodes(api: KubeApi, ref: CacheRef, placement: desired.Placement,

@@ -77,7 +77,7 @@ async def settle_drains(ctx: OperatorContext, body: Mapping[str, Any], pods: lis
         except ApiError as exc:
             log.warning("cannot post the Event of a released region: %s", exc)
     uid = _ref(body).uid
-    return draining_note((d, len(pods_mapping(pods, d))) for d in draining if d.owner.uid == uid)
+    return draining_note((d, pods_mapping(pods, d)) for d in draining if d.owner.uid == uid)
 
 
 async def check_pods(ctx: OperatorContext, body: Mapping[str, Any], pods: list[PodView], write: WriteStatus,

@@ -9,7 +9,7 @@ from kube_helpers import Kube, condition, wait_for
 from maru_operator.injection import cache_info, decide
 from maru_operator.ledger import Drain, Region
 from maru_operator.models import CacheRef
-from maru_operator.pods import PodView, pods_mapping
+from maru_operator.pods import PodView, draining_note, pods_mapping
 from maru_tools.kube_emulator import OperatorThread
 
 GiB = 1 << 30
@@ -113,3 +113,8 @@ def test_which_pods_map_a_draining_region():
         pod("not-injected", injected=False, cache=""),
     ]
     assert [p.name for p in pods_mapping(pods, drain)] == ["by-region", "older-webhook", "terminating"]
+    # The condition names them, as the RegionDraining Event does, whichever pass wrote it.
+    note = draining_note([(drain, pods_mapping(pods, drain)), (drain, [])])
+    assert note == (f"; 3 pod(s) still map its old region cxl-a/0/{2 * GiB} (default/by-region, "
+                    "default/older-webhook, default/terminating) (draining: no cache gets it until they are gone)")
+    assert draining_note([(drain, [])]) == ""
