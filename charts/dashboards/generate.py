@@ -209,6 +209,11 @@ def index() -> dashboard.Dashboard:
                             "the first blocks of a stored chunk) and how fast its table's bound pushes the "
                             "oldest out. A steady eviction rate means `--max-aliases` is smaller than the "
                             "pool's chunks need: hits fall back to whole chunks."))
+    d = d.with_panel(series("Garbage collection pauses", [
+        Query(rate("maru_index_gc_pause_seconds_sum", "generation"), "generation {{generation}}")],
+                            "s", "Seconds per second the index spent collecting garbage, by generation (2: a full "
+                            "collection). Its event loop answers nobody meanwhile; start-up objects are frozen, "
+                            "so a full collection walks only what serving created.", stack=True))
     d = d.with_row(dashboard.Row("Operator"))
     d = d.with_panel(single("Caches not Ready", f"sum (1 - maru_cache_ready{{{SEL}}})", "short",
                             "MaruCaches whose status is not Ready (kubectl describe mcache says why)."))

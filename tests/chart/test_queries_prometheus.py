@@ -143,7 +143,7 @@ def test_the_dashboards_have_the_promised_panels():
             "Pool bytes by state", "Keys and evictions", "Leases", "RPC latency p99 by op",
             "RPC errors by op and type", "Reconciles by result", "Quota refusals by quota", "Caches by phase",
             "Caches not Ready", "Objects flushed per second", "Stats regions dropped unattested",
-            "Peers held to their budgets"} <= titles
+            "Peers held to their budgets", "Garbage collection pauses"} <= titles
     assert len(PANEL_QUERIES) >= 25
 
 

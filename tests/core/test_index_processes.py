@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import signal
@@ -159,6 +160,7 @@ def test_metrics_serve_the_documented_names(index):
         'maru_index_rpc_duration_seconds_count{op="hello"} ',
         'maru_index_rpc_errors_total{op="hello",type="auth"} 1.0',
         "process_resident_memory_bytes ",
+        'maru_index_gc_pause_seconds_count{generation="2"} ',
     ]:
         assert line in body, line
 
@@ -327,6 +329,40 @@ def test_metrics_follow_the_listen_host_and_an_open_index_without_token_is_warne
         proc.terminate()
         _, err = proc.communicate(timeout=10)
     assert "no --token-file: anyone who can reach tcp://0.0.0.0" in err
+
+
+def test_the_index_freezes_its_start_up_objects_before_it_serves(pool_path):
+    """A full collection walks every tracked object in the event loop's thread: the index
+    freezes what start-up built, so it walks only what serving creates."""
+    proc = subprocess.Popen([sys.executable, "-m", "maru_core.cli", "index", "--pool", pool_path, "--pool-size",
+                             "16Mi", "--listen", "tcp://127.0.0.1:0", "--log-level", "DEBUG"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert "listening on" in proc.stdout.readline()
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=10)
+    frozen = [line for line in err.splitlines() if "start-up objects frozen" in line]
+    assert len(frozen) == 1, err
+    assert int(frozen[0].split(": ", 1)[1].split()[0]) > 10_000  # modules, classes, functions
+
+
+def test_gc_pauses_are_timed_by_generation_until_closed():
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from maru_core.index.metrics import GcPauses
+
+    registry = CollectorRegistry()
+    pauses = GcPauses(Histogram("pauses", "", ["generation"], registry=registry))
+    try:
+        gc.collect(1)
+        gc.collect()
+    finally:
+        pauses.close()
+    assert registry.get_sample_value("pauses_count", {"generation": "1"}) == 1
+    assert registry.get_sample_value("pauses_count", {"generation": "2"}) == 1
+    gc.collect()
+    assert registry.get_sample_value("pauses_count", {"generation": "2"}) == 1  # closed: not timed
 
 
 def test_a_taken_metrics_port_is_named_as_the_metrics_port(pool_path):

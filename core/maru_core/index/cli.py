@@ -420,7 +420,7 @@ class _MetricsError(Exception):
 
 
 async def _serve(args: argparse.Namespace, pool: Any, token: str | None, fresh: bool, limits: Any) -> int:
-    from maru_core.index.service import build_service
+    from maru_core.index.service import build_service, freeze_startup_objects
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -444,6 +444,8 @@ async def _serve(args: argparse.Namespace, pool: Any, token: str | None, fresh: 
         max_aliases=args.max_aliases,
         **_peer_quotas(args),
     )
+    log.debug("%d start-up objects frozen: full garbage collections walk only what serving creates",
+             freeze_startup_objects())
     try:
         if args.metrics_port is not None:  # before listening: a taken port is reported before any client arrives
             assert service.metrics is not None  # built with_metrics

@@ -14,8 +14,10 @@ miss that first error.
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
+import time
 from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, start_http_server
@@ -95,6 +97,30 @@ class AliasCollector:
                                   value=self._table.evicted)  # fmt: skip
 
 
+class GcPauses:
+    """Times every garbage collection of the process into ``histogram`` by generation: a
+    collection runs in whichever thread allocated last, the event loop's mostly, and holds
+    every client meanwhile (``gc.callbacks``; ``close`` stops timing)."""
+
+    def __init__(self, histogram: Histogram) -> None:
+        self._histogram = histogram
+        self._started: dict[int, float] = {}  # per thread: a collection runs in one thread at a time
+        for generation in range(3):  # every series from start-up (see the module docstring)
+            histogram.labels(str(generation))
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        thread = threading.get_ident()
+        if phase == "start":
+            self._started[thread] = time.perf_counter()
+        elif (started := self._started.pop(thread, None)) is not None:
+            self._histogram.labels(str(info["generation"])).observe(time.perf_counter() - started)
+
+    def close(self) -> None:
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)
+
+
 class IndexMetrics:
     """The index's metrics. ``observe_rpc`` is thread-safe and cheap (a few µs)."""
 
@@ -169,8 +195,17 @@ class IndexMetrics:
         self.registry.register(PoolCollector(read_stats, capacity_bytes))
         if aliases is not None:
             self.registry.register(AliasCollector(aliases))
+        self._gc_pauses: GcPauses | None = None
         if process_metrics:
             ProcessCollector(registry=self.registry)
+            self._gc_pauses = GcPauses(Histogram(
+                "maru_index_gc_pause_seconds",
+                "Time the index's garbage collections took, by generation (0, 1, 2: full); the event loop "
+                "answers nobody meanwhile.",
+                ["generation"],
+                buckets=RPC_BUCKETS,
+                registry=self.registry,
+            ))
         self._http: Any = None
         self._thread: threading.Thread | None = None
 
@@ -203,6 +238,8 @@ class IndexMetrics:
         return self._http.server_port
 
     def close(self) -> None:
+        if self._gc_pauses is not None:
+            self._gc_pauses.close()
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()

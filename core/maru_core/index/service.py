@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
+import gc
 import logging
 from typing import Any
 
@@ -29,6 +30,18 @@ class _Default(enum.Enum):
 
 #: A per-peer quota that follows its lease's (``build_service``).
 AS_LEASE = _Default.AS_LEASE
+
+
+def freeze_startup_objects() -> int:
+    """Move every object alive now (modules, classes, functions, the restored state) out of the
+    garbage collector's reach; return how many. A full collection walks every tracked object,
+    and runs in the event loop's thread: with the start-up heap in it, one took 10-20 ms on a
+    small VM, a stall for every client. Frozen objects are still freed by reference counting;
+    only a reference cycle among them would never be collected, and start-up builds none that
+    dies. Called once the index is built, before it serves."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 @dataclasses.dataclass
