@@ -574,15 +574,31 @@ def test_a_neighbour_s_large_frames_never_hold_back_the_small_requests_of_its_ad
 
 
 def test_a_frame_held_back_by_its_peer_s_budget_is_not_closed_at_its_deadline(pool):
-    """The frame deadline measures the peer's slowness, not the index's: a 3 MiB frame read
-    at 1 MiB a second after a 1 MiB burst takes about 2 s, four times its deadline."""
+    """The frame deadline measures the peer's slowness, not the index's. A 3 MiB frame: its
+    first 2 MiB at once, read 1 MiB in the burst and the rest after the index held the
+    connection about a second for its peer's budget; the last MiB 0.3 s after the index has
+    read them all. The peer was slow 0.3 s of its 0.5 s deadline, though more than a second
+    has passed since the frame's first byte: counted from there, a sweep (every 0.125 s)
+    would close it during those 0.3 s."""
     with serve(pool, frame_timeout_s=0.5, peer_receive_rate=1 * MIB, peer_receive_burst=1 * MIB) as index:
         raw = Raw(index.url)
         raw.hello()
         raw.sock.settimeout(10)
+        frame = _padded_heartbeat(7, 3 * MIB)
         started = time.monotonic()
-        raw.sock.sendall(_padded_heartbeat(7, 3 * MIB))
+        raw.sock.sendall(frame[: 2 * MIB])
+
+        def waiting_on_the_peer() -> bool:  # every byte sent read, and the rest of the frame owed
+            (conn,) = server_of(index)._connections
+            return conn.received_bytes >= 2 * MIB and conn.stalled()
+
+        while not index.on_loop(waiting_on_the_peer):
+            assert time.monotonic() - started < 10
+            time.sleep(0.01)
+        assert time.monotonic() - started >= 0.8  # it was held: the deadline would have passed
+        time.sleep(0.3)
+        raw.sock.sendall(frame[2 * MIB :])
         assert raw.recv()["id"] == 7
-        assert time.monotonic() - started >= 1.5
+        assert server_of(index).rate_limited["received_bytes"] >= 1
         assert server_of(index).closed_connections["stalled"] == 0
         raw.close()
