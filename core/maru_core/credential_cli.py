@@ -20,18 +20,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from maru_core.index.cli import read_token  # the index's own checks: a file it would refuse is refused here
+
     try:
         check_pod(args.pod)
-        with open(args.token_file, encoding="utf-8") as fh:
-            token = fh.read().strip()
     except ValueError as exc:
         print(f"marucache credential: --pod: {exc}", file=sys.stderr)
         return 2
-    except OSError as exc:
-        print(f"marucache credential: --token-file {args.token_file}: cannot read it ({exc.strerror})", file=sys.stderr)
-        return 2
-    if not token:
-        print(f"marucache credential: --token-file {args.token_file} is empty", file=sys.stderr)
+    try:
+        token = read_token(args.token_file)
+    except ValueError as exc:
+        print(f"marucache credential: {exc}", file=sys.stderr)
         return 2
     print(mint(token, args.pod))
     return 0

@@ -43,6 +43,7 @@ def test_pods_that_are_not_namespace_slash_name_are_refused(pod):
 def test_the_credential_command_prints_what_the_index_accepts(tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text("t" * 32 + "\n")
+    token_file.chmod(0o600)
     command = [sys.executable, "-m", "maru_core.cli", "credential", "--token-file", str(token_file)]
     done = subprocess.run([*command, "--pod", "local/engine-a"], capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
@@ -51,4 +52,19 @@ def test_the_credential_command_prints_what_the_index_accepts(tmp_path):
     assert bad.returncode == 2 and "--pod" in bad.stderr and "NAMESPACE/NAME" in bad.stderr
     missing = subprocess.run([sys.executable, "-m", "maru_core.cli", "credential", "--token-file",
                               str(tmp_path / "none"), "--pod", "local/a"], capture_output=True, text=True, timeout=30)
-    assert missing.returncode == 2 and "cannot read it" in missing.stderr
+    assert missing.returncode == 2 and "cannot read --token-file" in missing.stderr
+
+
+@pytest.mark.parametrize("content, mode, words", [
+    ("t" * 32, 0o644, "chmod 600"),  # the index refuses it too: the same checks
+    ("short", 0o600, "use at least"),
+    ("", 0o600, "is empty"),
+    (b"\xff\xfe" * 20, 0o600, "cannot read --token-file"),
+])
+def test_the_credential_command_refuses_a_token_file_the_index_would(tmp_path, content, mode, words):
+    token_file = tmp_path / "token"
+    token_file.write_bytes(content if isinstance(content, bytes) else content.encode())
+    token_file.chmod(mode)
+    done = subprocess.run([sys.executable, "-m", "maru_core.cli", "credential", "--token-file", str(token_file),
+                           "--pod", "local/a"], capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert done.returncode == 2 and words in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
