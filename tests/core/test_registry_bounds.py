@@ -168,9 +168,9 @@ TestRegistryOps.settings = settings(max_examples=60, stateful_step_count=25, dea
 
 
 def test_the_reservations_of_an_ended_lease_are_released_a_chunk_per_step(monkeypatch, clock: Clock = Clock()) -> None:
-    import maru_core.index.registry as registry
+    import maru_core.index.lease_book as lease_book
 
-    monkeypatch.setattr(registry, "RESERVATION_CHUNK_ROWS", 100)
+    monkeypatch.setattr(lease_book, "RESERVATION_CHUNK_ROWS", 100)
     reg = Registry(geometry(1000), clock=clock)
     lease = reg.open_lease("a")
     assert None not in reg.reserve(lease, [(key(i), PAGE) for i in range(350)])

@@ -2,10 +2,11 @@
 
 No I/O and no asyncio: the server wraps a ``Registry`` and calls it from one
 thread. Every time comes from the injected ``clock``, so tests drive leases,
-reservation timeouts and quarantine by hand. This module holds the leases and
-the writers; the readers and pins are in ``maru_core.index.reads``, placement
-and eviction in ``maru_core.index.placement``, listing and flushing by row
-range in ``maru_core.index.maintenance`` (its base classes).
+reservation timeouts and quarantine by hand. This module holds the writers and
+the quotas; the leases are in ``maru_core.index.lease_book``, the readers and
+pins in ``maru_core.index.reads``, placement and eviction in
+``maru_core.index.placement``, listing and flushing by row range in
+``maru_core.index.maintenance`` (its base classes).
 
 Rules it keeps:
 
@@ -56,7 +57,8 @@ import numpy as np
 
 from maru_core.index.allocator import ExtentAllocator
 from maru_core.index.fencing import LapsedFence
-from maru_core.index.leases import Lease, new_lease_id
+from maru_core.index.lease_book import LeaseBook
+from maru_core.index.leases import Lease
 from maru_core.index.maintenance import Maintenance
 from maru_core.index.ownership import RESTORED, Owners
 from maru_core.index.peer_accounts import DEFAULT_MAX_IDLE_ACCOUNTS, PeerAccounts
@@ -72,7 +74,6 @@ from maru_core.index.registry_types import (
     Keys,
     checked_lengths,
     first_occurrences,
-    run_to_end,
     joined_keys,
     select_keys,
     split_items,
@@ -86,9 +87,6 @@ from maru_core.index.registry_types import (
 )
 from maru_core.pool.geometry import PoolGeometry
 from maru_core.protocol.locations import Location, SlotList
-
-#: Reservations of an ended lease released per step.
-RESERVATION_CHUNK_ROWS = 8192
 
 #: The largest share of the pool's pages one ``reserve`` may evict.
 MAX_EVICT_FRACTION = 0.25
@@ -123,7 +121,7 @@ __all__ = [
 ]
 
 
-class Registry(Reads, Placement, Maintenance):
+class Registry(LeaseBook, Reads, Placement, Maintenance):
     """Keys -> slots of one pool (see the module docstring for the rules).
 
     ``geometry`` is the pool's; ``lease_ttl_s`` how long a lease lives
@@ -232,121 +230,6 @@ class Registry(Reads, Placement, Maintenance):
 
     def _pages_of(self, fraction: float | None) -> int | None:
         return None if fraction is None else max(1, math.floor(fraction * self.geometry.num_pages))
-
-    # -- leases ---------------------------------------------------------------------------------
-
-    def open_lease(self, client: str, lease_id: str | None = None, peer: str = "local") -> str:
-        """Resume ``lease_id`` if it is live (renewing it), else open a new lease of
-        ``peer`` (whose account its holdings are charged to); return its id.
-
-        A resumed lease keeps the peer that opened it, whoever resumes it: what
-        it holds stays charged where it was taken, a client that reconnects
-        from another address (a new pod IP, a Unix socket then TCP) keeps its
-        lease, and a peer cannot shed its charges by handing a lease over. The
-        lease id is a secret of its holder: resuming it needs it and the token."""
-        now = self._clock()
-        lease = self._leases.get(lease_id) if lease_id else None
-        if lease is not None and lease.expires_at > now:
-            lease.expires_at = now + self.lease_ttl_s
-            return lease.lease_id
-        if lease is not None:
-            self._drop_lease(lease)
-        self._peers.prune(now, self.evict_window_s)
-        lease = Lease(new_lease_id(), client, self._next_lease_number, now + self.lease_ttl_s,
-                      self._peers.join(peer))  # fmt: skip
-        self._next_lease_number += 1
-        self._leases[lease.lease_id] = lease
-        self._lease_by_number[lease.number] = lease
-        return lease.lease_id
-
-    def renew(self, lease_id: str) -> None:
-        """Extend the lease by ``lease_ttl_s``; ``NoLease`` if it is unknown or lapsed."""
-        self._lease(lease_id)
-
-    def close_lease(self, lease_id: str) -> bool:
-        """Release the lease's pins and reservations now; ``False`` if it was not live."""
-        return run_to_end(self.close_lease_sliced(lease_id))
-
-    def lease_is_live(self, lease_id: str) -> bool:
-        """Whether ``lease_id`` is a lease that has not lapsed (nothing is renewed)."""
-        lease = self._leases.get(lease_id)
-        return lease is not None and lease.expires_at > self._clock()
-
-    def _lease(self, lease_id: str) -> Lease:
-        """The live lease, renewed: every call made under a lease counts as a heartbeat."""
-        lease = self._leases.get(lease_id)
-        now = self._clock()
-        if lease is not None and lease.expires_at <= now:
-            self._drop_lease(lease)
-            lease = None
-        if lease is None:
-            raise NoLease(f"lease {lease_id!r} is unknown or has lapsed: open a new one (hello)")
-        lease.expires_at = now + self.lease_ttl_s
-        return lease
-
-    def _drop_lease(self, lease: Lease) -> tuple[int, int]:
-        return run_to_end(self._drop_leases_sliced([lease]))
-
-    def close_lease_sliced(self, lease_id: str) -> Generator[None, None, bool]:
-        """``close_lease`` in slices (see ``_drop_leases_sliced``); returns whether the lease was live."""
-        lease = self._leases.get(lease_id)
-        if lease is None:
-            return False
-        yield from self._drop_leases_sliced([lease])
-        return True
-
-    def _drop_leases_sliced(self, leases: list[Lease]) -> Generator[None, None, tuple[int, int]]:
-        """End ``leases`` at once (no call can use them any more), then release
-        their pins a chunk per step, then their reservations a chunk per step.
-        Returns (pins released, reservations released)."""
-        ended = self._clock()
-        for lease in leases:
-            del self._leases[lease.lease_id]
-            del self._lease_by_number[lease.number]
-            # Off its peer's account now, even should the steps below be abandoned: an
-            # ended lease's pages are charged to no one (its reservations go to the fence).
-            lease.held_pages = 0
-            self._peers.leave(lease.account, ended)
-        pins = yield from self._release_pins(leases)
-        rec = self._records
-        numbers = np.fromiter((lease.number for lease in leases), dtype=rec.owner.dtype, count=len(leases))
-        reservations = 0
-        while True:  # a chunk per step; looked for again each time (expiry may have taken some meanwhile)
-            hw = rec.high_water
-            owners = rec.owner[:hw]
-            mine = owners == numbers[0] if len(numbers) == 1 else np.isin(owners, numbers)
-            owned = np.flatnonzero(mine & (rec.state[:hw] == State.RESERVED))[:RESERVATION_CHUNK_ROWS]
-            # Their writers may still be copying: the pages wait in the fence.
-            self._fence_lapsed(owned)
-            reservations += len(owned)
-            if len(owned) < RESERVATION_CHUNK_ROWS:
-                break
-            yield
-        now = self._clock()
-        for lease in leases:
-            self._fence.lease_ended(lease.number, now)
-        return pins, reservations
-
-    def expire(self) -> ExpiryReport:
-        """Release lapsed leases (their pins and reservations) and reservations past their deadline."""
-        return run_to_end(self.expire_sliced())
-
-    def expire_sliced(self) -> Generator[None, None, ExpiryReport]:
-        """``expire`` in slices: lapsed leases end at once, their pins are released
-        a chunk per step (see ``_drop_leases_sliced``)."""
-        now = self._clock()
-        lapsed = [lease for lease in self._leases.values() if lease.expires_at <= now]
-        pins = reservations = 0
-        if lapsed:
-            pins, reservations = yield from self._drop_leases_sliced(lapsed)
-        if self._reserved_keys:
-            rec, hw = self._records, self._records.high_water
-            stale = np.flatnonzero((rec.state[:hw] == State.RESERVED) & (rec.deadline[:hw] <= now))
-            self._fence_lapsed(stale)
-            reservations += len(stale)
-        self._free_fenced(self._fence.due(now))
-        self._peers.prune(now, self.evict_window_s)
-        return ExpiryReport(tuple(lease.lease_id for lease in lapsed), pins, reservations)
 
     # -- quotas ---------------------------------------------------------------------------------
 
