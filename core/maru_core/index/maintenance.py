@@ -80,9 +80,9 @@ class Maintenance:
         return CommittedRows(
             rows=rows,
             keys=rec.keys.take(rows, axis=0).tobytes(),
-            offsets=rec.offset.take(rows),
-            generations=rec.generation.take(rows),
-            lengths=rec.length.take(rows),
+            offsets=rec.offset[rows],
+            generations=rec.generation[rows],
+            lengths=rec.length[rows],
             pages=rec.pages.take(rows),
             pinned=rec.pins.take(rows) > 0,
             next_cursor=cursor + count if cursor + count < rec.high_water else None,

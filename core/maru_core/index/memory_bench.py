@@ -17,11 +17,14 @@ import platform
 import time
 import tracemalloc
 
+import numpy as np
+
 from maru_core.index.registry import Registry
 from maru_core.pool.geometry import PoolGeometry
 
 _BATCH = 8192
 _OBJECT_BYTES = 64 * 1024
+_SMALL_BATCH = 64  # keys of a small store: a step's few chunks
 
 
 def _keys(start: int, count: int) -> list[bytes]:
@@ -68,7 +71,8 @@ def bytes_per_key(n_keys: int) -> float:
 
 def retrieve_seconds(n_keys: int, batch: int = 8000, repeats: int = 50) -> dict[str, float]:
     """Registry time of ``retrieve`` (keys as a list, and packed) and ``unpin`` of ``batch`` keys out
-    of ``n_keys``, and of ``reserve`` + ``commit`` of ``batch`` new keys: medians (and the best retrieve)."""
+    of ``n_keys``, and of ``reserve`` + ``commit`` of ``batch`` new keys and of 64 (with the checks
+    the server passes): medians (and the best retrieve)."""
     registry, lease = filled_registry(n_keys)
     keys = _keys(n_keys // 2, batch)
     packed = b"".join(keys)
@@ -94,9 +98,17 @@ def retrieve_seconds(n_keys: int, batch: int = 8000, repeats: int = 50) -> dict[
         registry.reserve(lease, [(k, _OBJECT_BYTES) for k in fresh])
         registry.commit(lease, fresh)
         store.append(time.perf_counter() - t0)
+    small = []  # a step's few stores, checked and recorded as the server commits them
+    for r in range(repeats):
+        fresh = _keys(2 * 10**9 + r * _SMALL_BATCH, _SMALL_BATCH)
+        t0 = time.perf_counter()
+        registry.reserve(lease, [(k, _OBJECT_BYTES) for k in fresh])
+        registry.commit(lease, fresh, verify=_all_good, record=lambda offsets: None)
+        small.append(time.perf_counter() - t0)
     retrieve.sort()
     unpin.sort()
     store.sort()
+    small.sort()
     retrieve_packed.sort()
     return {
         "retrieve_packed_median_s": retrieve_packed[len(retrieve_packed) // 2],
@@ -104,7 +116,12 @@ def retrieve_seconds(n_keys: int, batch: int = 8000, repeats: int = 50) -> dict[
         "retrieve_best_s": retrieve[0],
         "unpin_median_s": unpin[len(unpin) // 2],
         "reserve_commit_median_s": store[len(store) // 2],
+        f"reserve_commit_{_SMALL_BATCH}_median_s": small[len(small) // 2],
     }
+
+
+def _all_good(joined: bytes, offsets: np.ndarray, generations: np.ndarray) -> np.ndarray:
+    return np.ones(len(offsets), dtype=bool)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -131,7 +131,7 @@ class Placement:
     def _fill_slots(self, words: np.ndarray, idx: np.ndarray, starts: np.ndarray, rows: np.ndarray) -> None:
         g = self.geometry
         words[idx, 0] = starts * g.page_size + g.data_offset
-        words[idx, 1] = self._records.generation.take(rows)
+        words[idx, 1] = self._records.generation[rows]
 
     def _place_candidates(self, lease: Lease, candidates: np.ndarray,
                           lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip

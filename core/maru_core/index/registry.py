@@ -342,7 +342,7 @@ class Registry(LeaseBook, Reads, Placement, Maintenance):
         if verify is not None and ok.any():
             idx = np.flatnonzero(ok)
             mine = rows.take(idx)
-            offsets, generations = rec.offset.take(mine), rec.generation.take(mine)
+            offsets, generations = rec.offset[mine], rec.generation[mine]
             good = np.asarray(verify(select_keys(joined, idx), offsets, generations), dtype=bool)
             if good.shape != idx.shape:
                 raise RegistryError(f"verify answered {good.shape} for {len(idx)} keys")
@@ -351,7 +351,7 @@ class Registry(LeaseBook, Reads, Placement, Maintenance):
             self._release(mine[~good], State.RESERVED)
         done = rows[ok]
         if record is not None and len(done):
-            record(rec.offset.take(done))
+            record(rec.offset[done])
         pages = int(rec.pages.take(done).sum())
         rec.state[done] = State.COMMITTED
         rec.owner[done] = -1
