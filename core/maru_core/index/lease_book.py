@@ -12,6 +12,7 @@ All of it runs on the registry's one thread.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING
 
@@ -42,6 +43,7 @@ class LeaseBook:
     _peers: "PeerAccounts"
     _fence: "LapsedFence"
     _reserved_keys: int
+    _stale_from: float
     _release_pins: Callable[[list[Lease]], Generator[None, None, int]]
     _fence_lapsed: Callable[[np.ndarray], None]
     _free_fenced: Callable[[tuple[np.ndarray, np.ndarray, np.ndarray]], None]
@@ -111,6 +113,9 @@ class LeaseBook:
         their pins a chunk per step, then their reservations a chunk per step.
         Returns (pins released, reservations released)."""
         ended = self._clock()
+        # A lease holding no page reserved or fenced has no reservation: no need to look for them
+        # (a look over every record: 1.6 ms of a lease's end at a million keys).
+        reserving = [lease for lease in leases if lease.held_pages]
         for lease in leases:
             del self._leases[lease.lease_id]
             del self._lease_by_number[lease.number]
@@ -120,9 +125,9 @@ class LeaseBook:
             self._peers.leave(lease.account, ended)
         pins = yield from self._release_pins(leases)
         rec = self._records
-        numbers = np.fromiter((lease.number for lease in leases), dtype=rec.owner.dtype, count=len(leases))
+        numbers = np.fromiter((lease.number for lease in reserving), dtype=rec.owner.dtype, count=len(reserving))
         reservations = 0
-        while True:  # a chunk per step; looked for again each time (expiry may have taken some meanwhile)
+        while len(numbers):  # a chunk per step; looked for again each time (expiry may have taken some meanwhile)
             hw = rec.high_water
             owners = rec.owner[:hw]
             mine = owners == numbers[0] if len(numbers) == 1 else np.isin(owners, numbers)
@@ -150,11 +155,14 @@ class LeaseBook:
         pins = reservations = 0
         if lapsed:
             pins, reservations = yield from self._drop_leases_sliced(lapsed)
-        if self._reserved_keys:
+        if self._reserved_keys and now >= self._stale_from:  # else none can have lapsed: no look over every record
             rec, hw = self._records, self._records.high_water
-            stale = np.flatnonzero((rec.state[:hw] == State.RESERVED) & (rec.deadline[:hw] <= now))
+            reserved = rec.state[:hw] == State.RESERVED
+            stale = np.flatnonzero(reserved & (rec.deadline[:hw] <= now))
             self._fence_lapsed(stale)
             reservations += len(stale)
+            left = rec.deadline[:hw][reserved & (rec.deadline[:hw] > now)]
+            self._stale_from = float(left.min()) if len(left) else math.inf
         self._free_fenced(self._fence.due(now))
         self._peers.prune(now, self.evict_window_s)
         return ExpiryReport(tuple(lease.lease_id for lease in lapsed), pins, reservations)

@@ -224,6 +224,7 @@ class Registry(LeaseBook, Reads, Placement, Maintenance):
         self._evictions = 0
         self._evicted_pages = 0
         self._quarantine_until = -math.inf
+        self._stale_from = math.inf  # no reservation lapses before this (a lower bound: expiry looks no sooner)
         grace = self.reservation_ttl_s if fence_grace_s is None else fence_grace_s
         self._fence = LapsedFence(grace, max(grace, max_fence_s))
         self._additions = 0
@@ -311,7 +312,9 @@ class Registry(LeaseBook, Reads, Placement, Maintenance):
         self._next_generation += n
         rec.state[rows] = State.RESERVED
         rec.owner[rows] = lease.number
-        rec.deadline[rows] = self._clock() + self.reservation_ttl_s
+        deadline = self._clock() + self.reservation_ttl_s
+        rec.deadline[rows] = deadline
+        self._stale_from = min(self._stale_from, deadline)
         self._reserved_pages += int(pages.sum())
         self._reserved_keys += n
         lease.held_pages += int(pages.sum())
