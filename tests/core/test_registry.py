@@ -724,6 +724,9 @@ class RegistryMachine(RuleBasedStateMachine):
         assert self.reg.fenced_pages == fenced
         assert s.committed_bytes == sum(-(-loc.length // ps) for loc in self.committed.values()) * ps
         assert (s.keys, s.reserved_keys, s.leases) == (len(self.committed), len(self.reserved), len(self.leases))
+        rec = self.reg._records  # pinned objects are counted as pins come and go: a recount agrees
+        pinned = rec.pins[: rec.high_water] > 0
+        assert (s.pinned_keys, s.pinned_bytes) == (int(pinned.sum()), int(rec.pages[: rec.high_water][pinned].sum()) * ps)
 
     @invariant()
     def each_lease_holds_the_pages_of_its_reservations_and_fenced_runs(self) -> None:

@@ -34,6 +34,8 @@ class Reads:
     max_peer_pin_pages: int
     _records: RecordTable
     _tick: int
+    _pinned_keys: int  # objects some lease pins (all committed: a pinned object is never removed)
+    _pinned_pages: int
     _lease: Callable[[str], "Lease"]
     _refuse: Callable[["Lease", QuotaExceeded], NoReturn]
 
@@ -185,13 +187,30 @@ class Reads:
                 "(--max-peer-pin-fraction): unpin what they have read", quota="peer_pins"))  # fmt: skip
         self._touch(rows)
         lease.pins.add(merge, joined)
-        rec.pins[new] += 1  # the leases pinning each object: one more for the new ones
+        self._add_pins(new)  # the leases pinning each object: one more for the new ones
         lease.pins.pages += new_pages
+
+    def _add_pins(self, rows: np.ndarray) -> None:
+        """One more lease pins each object at ``rows`` (distinct); those no lease pinned
+        before are counted as pinned (``stats`` reads the counts: no look over every record)."""
+        pins = self._records.pins
+        first = rows[pins[rows] == 0]
+        pins[rows] += 1
+        self._pinned_keys += len(first)
+        self._pinned_pages += int(self._records.pages[first].sum())
+
+    def _drop_pins(self, rows: np.ndarray) -> None:
+        """One lease fewer pins each object at ``rows`` (distinct); uncount those left unpinned."""
+        pins = self._records.pins
+        pins[rows] -= 1
+        last = rows[pins[rows] == 0]
+        self._pinned_keys -= len(last)
+        self._pinned_pages -= int(self._records.pages[last].sum())
 
     def _unpinned(self, lease: "Lease", rows: np.ndarray) -> None:
         """``lease`` no longer pins the objects at ``rows`` (distinct)."""
         if len(rows):
-            self._records.pins[rows] -= 1
+            self._drop_pins(rows)
             lease.pins.pages -= int(self._records.pages.take(rows).sum())
 
     def _release_pins(self, leases: list["Lease"]) -> Generator[None, None, int]:
@@ -204,12 +223,12 @@ class Reads:
         try:
             while chunks:
                 chunk = chunks.pop(0)
-                self._records.pins[chunk] -= 1  # distinct rows: this lease's one count each
+                self._drop_pins(chunk)  # distinct rows: this lease's one count each
                 released += len(chunk)
                 yield
         finally:
             for chunk in chunks:
-                self._records.pins[chunk] -= 1
+                self._drop_pins(chunk)
         return released
 
     def retrieve(self, lease_id: str, keys: Keys) -> LocationList:

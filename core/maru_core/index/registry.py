@@ -221,6 +221,8 @@ class Registry(LeaseBook, Reads, Placement, Maintenance):
         self._reserved_keys = 0
         self._committed_pages = 0
         self._committed_keys = 0
+        self._pinned_keys = 0
+        self._pinned_pages = 0
         self._evictions = 0
         self._evicted_pages = 0
         self._quarantine_until = -math.inf
@@ -508,18 +510,17 @@ class Registry(LeaseBook, Reads, Placement, Maintenance):
         )
 
     def stats(self) -> RegistryStats:
-        rec, hw, page = self._records, self._records.high_water, self.geometry.page_size
-        pinned = (rec.pins[:hw] > 0) & (rec.state[:hw] == State.COMMITTED)
+        page = self.geometry.page_size
         return RegistryStats(
             capacity_bytes=self.geometry.num_pages * page,
             free_bytes=self._alloc.free_pages * page,
             reserved_bytes=self._reserved_pages * page,
             committed_bytes=self._committed_pages * page,
-            pinned_bytes=int(rec.pages[:hw][pinned].sum()) * page,
+            pinned_bytes=self._pinned_pages * page,
             largest_free_bytes=self._alloc.largest_free * page,
             keys=self._committed_keys,
             reserved_keys=self._reserved_keys,
-            pinned_keys=int(pinned.sum()),
+            pinned_keys=self._pinned_keys,
             evictions=self._evictions,
             leases=len(self._leases),
             quarantined=self._clock() < self._quarantine_until,
