@@ -103,10 +103,10 @@ class GcPauses:
     every client meanwhile (``gc.callbacks``; ``close`` stops timing)."""
 
     def __init__(self, histogram: Histogram) -> None:
-        self._histogram = histogram
+        # Every series from start-up (see the module docstring), resolved now: the callback then
+        # takes no lock of the histogram's own (a collection may start while another thread holds it).
+        self._by_generation = [histogram.labels(str(generation)) for generation in range(3)]
         self._started: dict[int, float] = {}  # per thread: a collection runs in one thread at a time
-        for generation in range(3):  # every series from start-up (see the module docstring)
-            histogram.labels(str(generation))
         gc.callbacks.append(self._callback)
 
     def _callback(self, phase: str, info: dict[str, int]) -> None:
@@ -114,7 +114,7 @@ class GcPauses:
         if phase == "start":
             self._started[thread] = time.perf_counter()
         elif (started := self._started.pop(thread, None)) is not None:
-            self._histogram.labels(str(info["generation"])).observe(time.perf_counter() - started)
+            self._by_generation[info["generation"]].observe(time.perf_counter() - started)
 
     def close(self) -> None:
         if self._callback in gc.callbacks:
