@@ -21,6 +21,9 @@
 # the index, in turn:
 #   bash bench/attacks_16core.sh OUT --seconds 3 --only stats_pipeline hello_flood \
 #       many_connections_pipelining --index-args "--shared-turn-ms 0.05"   (and 0.2)
+# then every attack again on the tree whose calls no longer copy whole columns
+# or look over every record (bench/RESULTS.md, "Small calls on a large
+# table"): `bash bench/attacks_16core.sh OUT`.
 set -u
 out=${1:?usage: run_h200.sh OUT_DIR [STAGE ...]}
 shift
