@@ -9,10 +9,12 @@ nothing but its socket until its whole request has arrived, and is then
 answered at once (a request and its reply are a few hundred bytes). A
 connection whose request is not whole within `CONNECTION_TIMEOUT_S` is closed,
 and at `MAX_PENDING_HANDOFFS` waiting connections a new one displaces the
-oldest: a connector sends its request as soon as it connects, so the oldest
-waiting connection is a slow or idle peer's, and a local flood of idle
-connections cannot keep connectors from their pool (with 16 threads of 2 s
-each, it could).
+oldest, answered first if its whole request is in: a connector sends its
+request as soon as it connects, so the oldest waiting connection is a slow
+or idle peer's, and a local flood of idle connections cannot keep connectors
+from their pool (with 16 threads of 2 s each, it could). A connector's
+connection is thus answered even when a flood of newer ones reaches it
+before the loop has read it.
 """
 
 from __future__ import annotations
@@ -163,10 +165,18 @@ class HandoffServer:
                     log.error("hand-off socket failed: %s", exc)
                 return
             if len(waiting) >= MAX_PENDING_HANDOFFS:
-                self._drop(next(iter(waiting)), selector, waiting, "displaced by a newer connection")
+                self._make_room(selector, waiting)
             conn.setblocking(False)
             waiting[conn] = time.monotonic()
             selector.register(conn, selectors.EVENT_READ)
+
+    def _make_room(self, selector: selectors.BaseSelector, waiting: dict[socket.socket, float]) -> None:
+        """At the cap, the oldest waiting connection goes: answered, when its whole request is in
+        (a connector sends it as soon as it connects), else closed as a slow or idle peer's."""
+        oldest = next(iter(waiting))
+        self._on_readable(oldest, selector, waiting)
+        if oldest in waiting:
+            self._drop(oldest, selector, waiting, "displaced by a newer connection")
 
     def _on_readable(self, conn: socket.socket, selector: selectors.BaseSelector,
                      waiting: dict[socket.socket, float]) -> None:  # fmt: skip
