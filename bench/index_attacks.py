@@ -70,6 +70,7 @@ import numpy as np
 from maru_core import pod_credentials
 from maru_core.index.client import IndexClient
 from maru_core.index.launcher import IndexProcess, unique_shm_path
+from maru_core.index.service import freeze_startup_objects
 from maru_core.pool import Pool, SlotHeader
 from maru_core.protocol import MAX_BATCH_KEYS, PROTOCOL_VERSION, FrameDecoder, encode_frame, pack_lengths, parse_url
 from maru_core.protocol.framing import HEADER
@@ -662,10 +663,9 @@ def longest_callbacks(name: str, seconds: float, source: str, pods: bool = False
     try:
         with ThreadedIndex(pool, token=TOKEN) as index:
             keys = _store(index.url, pool_path, NORMAL_KEYS, credential("client", pods))
-            # As a served index does (``freeze_startup_objects``): else a full collection walks this
-            # process's whole heap (numpy, the keys) in the index's thread, and shows as a long callback.
-            gc.collect()
-            gc.freeze()
+            # As a served index does: else a full collection walks this process's whole heap
+            # (numpy, the keys) in the index's thread, and shows as a long callback.
+            freeze_startup_objects()
             events.Handle._run = timed
             who = attacker_of(name, source, pods)
             attacker = ctx.Process(target=_run_attack, args=(name, index.url, stop, pool_path, who), daemon=True)

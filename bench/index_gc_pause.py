@@ -49,8 +49,8 @@ def full(n=21):
     return {"median_ms": 1e3 * statistics.median(times), "max_ms": 1e3 * max(times), "tracked": len(gc.get_objects())}
 
 before = full()
-gc.freeze()
-print(json.dumps({"unfrozen": before, "frozen": full(), "frozen_objects": gc.get_freeze_count()}))
+frozen_objects = maru_core.index.service.freeze_startup_objects()
+print(json.dumps({"unfrozen": before, "frozen": full(), "frozen_objects": frozen_objects}))
 """
 
 

@@ -157,11 +157,13 @@ class LeaseBook:
             pins, reservations = yield from self._drop_leases_sliced(lapsed)
         if self._reserved_keys and now >= self._stale_from:  # else none can have lapsed: no look over every record
             rec, hw = self._records, self._records.high_water
+            deadlines = rec.deadline[:hw]
             reserved = rec.state[:hw] == State.RESERVED
-            stale = np.flatnonzero(reserved & (rec.deadline[:hw] <= now))
+            overdue = reserved & (deadlines <= now)
+            stale = np.flatnonzero(overdue)
+            left = deadlines[reserved & ~overdue]  # before the overdue ones' rows are freed
             self._fence_lapsed(stale)
             reservations += len(stale)
-            left = rec.deadline[:hw][reserved & (rec.deadline[:hw] > now)]
             self._stale_from = float(left.min()) if len(left) else math.inf
         self._free_fenced(self._fence.due(now))
         self._peers.prune(now, self.evict_window_s)
