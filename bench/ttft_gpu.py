@@ -84,6 +84,9 @@ def parse(argv=None):
     p.add_argument("--no-sum-batches", action="store_true",
                    help="A/B: a verified load's fills summed one launch each (before), not in batches "
                         "of layers side by side in staging")
+    p.add_argument("--copies-ahead", type=int, default=None,
+                   help="A/B: fills whose copies are queued past a fill before it joins those "
+                        "waiting for their scatter (the engine's COPIES_AHEAD, 2; 0: before)")
     p.add_argument("--triton-launch", action="store_true",
                    help="A/B: the checksum kernel launched through Triton's launcher (before), not "
                         "through the CUDA driver directly")
@@ -549,6 +552,8 @@ def main(argv=None):
         device_checksum.FUSED_COMPARE = False
     if args.no_sum_batches:
         cuda_engine.SUM_BATCHES = False
+    if args.copies_ahead is not None:
+        cuda_engine.COPIES_AHEAD = args.copies_ahead
     if args.triton_launch:
         from maru_connector.transfer import device_checksum
         device_checksum.DIRECT_LAUNCH = False

@@ -2,7 +2,7 @@
 # Verified loads on the GPU, in one go (run from the project root on a machine
 # with one NVIDIA GPU, torch with CUDA, Triton, no vLLM):
 #
-#   bash bench/verify_h200.sh OUT_DIR [fused-ab|group-ab|direct-ab|batch-ab]
+#   bash bench/verify_h200.sh OUT_DIR [fused-ab|group-ab|direct-ab|batch-ab|ahead-ab]
 #
 # 1. the CUDA tests of verified loads, of the CUDA engine and of its memory
 #    (test_verified_transfer.py -m cuda, test_transfer_cuda.py,
@@ -41,13 +41,20 @@
 # (16 MiB layers: 32 fills, in batches of 4; 16k hits' 64 MiB layers are
 # one batch each, so they do not change).
 #
+# With `ahead-ab`, steps 2 and 3 make way for the A/B of the engine's
+# COPIES_AHEAD at $AHEAD_AB_ARM (default 2, as shipped: a fill's scatter is
+# queued once the copies of three later fills are) against 0 (before: once
+# one is): verified against unverified 4k and 4k + 512 hits, both formats
+# ($AHEAD_AB_FORMATS), 15 repeats, the arms' order swapped in the second
+# round ($AHEAD_AB_ROUNDS: which rounds).
+#
 # The index (step 3) needs `sortedcontainers` (pure Python): where it is not
 # installed, put a copy of the package in bench/.site/ (git ignores it). The
 # connector needs no xxhash (only entries of older writers use it), the CUDA
 # tests no hypothesis. About 6 minutes in all; each step has its own time
 # limit, and a step that fails does not stop the others (the exit code says).
 set -u
-out=${1:?usage: verify_h200.sh OUT_DIR [fused-ab|group-ab|direct-ab|batch-ab]}
+out=${1:?usage: verify_h200.sh OUT_DIR [fused-ab|group-ab|direct-ab|batch-ab|ahead-ab]}
 mode=${2:-all}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=connector:core:tools:tests/connector:bench/.site
@@ -74,6 +81,22 @@ if [ "$mode" = group-ab ]; then
                 run "$name" 100 python3 bench/ttft_gpu.py --formats "$fmt" --repeats 7 --sizes 4096 \
                     --partial 4096 512 --modes $ab --group-below-mib "$group" --out "$out/$name"
                 grep '^|' "$out/$name.txt"
+            done
+        done
+    done
+    exit $failed
+fi
+if [ "$mode" = ahead-ab ]; then
+    ab="sync_overlap_graphs sync_overlap_graphs_unverified"
+    for round in ${AHEAD_AB_ROUNDS:-1 2}; do
+        for fmt in ${AHEAD_AB_FORMATS:-chunkwise layerwise}; do
+            new=${AHEAD_AB_ARM:-2}
+            arms=$([ $((round % 2)) = 1 ] && echo "$new 0" || echo "0 $new")
+            for ahead in $arms; do
+                name="ttft_${fmt}_ahead${ahead}_$round"
+                run "$name" 120 python3 bench/ttft_gpu.py --formats "$fmt" --repeats 15 --sizes 4096 \
+                    --partial 4096 512 --modes $ab --copies-ahead "$ahead" --out "$out/$name"
+                grep '^| 4096' "$out/$name.txt"
             done
         done
     done

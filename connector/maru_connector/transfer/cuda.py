@@ -60,6 +60,18 @@ GROUP_BELOW_BYTES = 8 << 20
 # the load, 32 of them for a 4k-token hit of 16 MiB layers (a benchmark
 # turns this off to measure a launch per fill).
 SUM_BATCHES = True
+# A fill joins the fills waiting for their scatter once the copies of this
+# many later fills are queued (head-start fills count as queued before all);
+# a batch is scattered when the fill after it joins, so the host's calls for
+# it (one scatter per fill; for a verified load's batch, its sum too) run
+# while the copy engine has the copies of 1 + COPIES_AHEAD fills to do. With
+# none ahead, a verified 4k-token hit's copy engine sat idle 0.9 ms after its
+# first fill while the host set up its checks, summed and scattered the four
+# head-start fills (bench/RESULTS.md, round 9): about 1 ms of host time under
+# the profiler, the copies of three 16 MiB fills. The staging ring (two
+# 64 MiB fills) bounds it: a fill that needs a span still waiting for its
+# scatter has every fill before it scattered first.
+COPIES_AHEAD = 2
 # Loads up to this size are issued on the submitting thread when nothing is
 # queued before them. Issuing is host work only (the copies are queued, not
 # waited for): on the copy thread it shares the interpreter lock with the
@@ -507,12 +519,15 @@ class CudaTransferEngine(TransferEngine):
         copies, so that issuing can stop after any fill and go on later on
         another thread (under the issue lock, nothing else issued between).
 
-        Each fill's copies are queued before the scatter of the fill
-        before it, so the copy engine never waits for the copy thread's
-        scatter call, and a layer is marked (the forward may queue its
-        attention) one fill after its copies. The staging ring has room for
-        the fills a small load starts with, so their copies never wait for a
-        scatter. The block ids go up just before the first scatter."""
+        A fill's scatter is queued once the copies of ``1 + COPIES_AHEAD``
+        later fills are (or the ring needs its span), so the copy engine
+        never waits for the host's scatter calls: a verified load's batch of
+        four fills, summed and scattered, with the first batch's set-up, took
+        the host longer than one fill's copy (bench/RESULTS.md). A layer
+        is marked (the forward may queue its attention) once its scatter is
+        queued. The staging ring has room for the fills a small load starts
+        with, so their copies never wait for a scatter. The block ids go up
+        just before the first scatter."""
         job.handle.issue_started_at = time.monotonic()
         busy, resumed = 0.0, time.perf_counter()
         ids = None
@@ -533,16 +548,33 @@ class CudaTransferEngine(TransferEngine):
             batch = [pending.popleft() for _ in range(len(pending) - keep_newest)]
             self._scatter_fills(job, ids, batch)
 
-        issued = 0
+        ahead: deque = deque()  # (fill, copies queued by this issue once it was) not yet admitted
+        queued = admitted = 0  # copies this issue queued; bytes of the fills admitted
 
-        def copied(fill):
-            """A fill's copies are queued: scatter those before it, unless a
-            verified load's sum batch takes it in (``_joins``)."""
-            nonlocal issued
+        def admit():
+            """The oldest fill ahead joins the pending fills: scatter those
+            before it, unless a verified load's sum batch takes it in (``_joins``)."""
+            nonlocal admitted
+            fill, _ = ahead.popleft()
             pending.append(fill)
-            issued += fill[1][1]
-            if len(pending) > 1 and not self._joins(job, pending, job.handle.nbytes - issued):
+            admitted += fill[1][1]
+            if len(pending) > 1 and not self._joins(job, pending, job.handle.nbytes - admitted):
                 scatter(keep_newest=True)
+
+        def copied(fill, by_this_issue: bool = True):
+            """A fill's copies are queued (or were, by a head start): admit
+            the fills with ``COPIES_AHEAD`` copies queued after them."""
+            nonlocal queued
+            queued += by_this_issue
+            ahead.append((fill, queued))
+            while ahead and queued - ahead[0][1] >= COPIES_AHEAD:
+                admit()
+
+        def scatter_all():
+            while ahead:
+                admit()
+            if pending:
+                scatter()
 
         self._staging.restart()
         try:
@@ -551,24 +583,22 @@ class CudaTransferEngine(TransferEngine):
                     head_unit, head_copied = head_fills.popleft()
                     if head_unit != unit:  # same sources, same units: a bug if not
                         raise AssertionError("a head start's fills differ from its load's")
-                    copied((unit, head_copied))
+                    copied((unit, head_copied), by_this_issue=False)
                     continue
                 nbytes = self._unit_bytes(unit)
                 offset = self._staging.take(nbytes, self.load_stream)
                 while offset is None:  # the ring is full of fills not yet scattered
-                    if not pending:
+                    if not pending and not ahead:
                         raise AssertionError("the staging ring is full with no fill to scatter")
-                    scatter()
+                    scatter_all()
                     offset = self._staging.take(nbytes, self.load_stream)
                 copied((unit, self._copy_unit(unit, offset)))
                 busy += time.perf_counter() - resumed
                 yield
                 resumed = time.perf_counter()
-            if pending:
-                scatter()
+            scatter_all()
         except TransferError:  # a bad extent: the layers before it still land
-            if pending:
-                scatter()
+            scatter_all()
             raise
         finally:
             if head is not None:  # its scatters are queued (or never will be)
