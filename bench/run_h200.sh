@@ -8,22 +8,21 @@
 # into OUT_DIR and prints its summary; a stage that fails does not stop the
 # others (the script exits non-zero at the end).
 #
-# Last run on an H100 (bench/RESULTS.md: "Verified loads" round 8, "The
-# 16-core verdict with the byte budget"):
+# Last run (bench/RESULTS.md: "Verified loads" round 9, "A 16-core run on a
+# noisier host"): on an H200 and two H100s,
 #   bash bench/run_h200.sh OUT cuda-tests
-#   (at 5cc5481) SKIP_CUDA_TESTS=1 bash bench/verify_h200.sh OUT defer-ab
-#   bash bench/attacks_16core.sh OUT
-# Next lease: the whole CUDA suite of the shipped tree (`cuda-tests`); where
-# a verified 4k hit's 0.6-0.9 ms goes on the GPU (a profile of the scatter
-# stream against the copy stream: `bench/ttft_gpu.py --formats chunkwise
-# --sizes 4096 --modes sync_overlap_graphs --profile 4096/sync_overlap_graphs`);
-# and a contended share of 0.05 ms against 0.2 for the attacks that saturate
-# the index, in turn:
+#   python3 bench/ttft_gpu.py --formats chunkwise layerwise --sizes 4096 \
+#       --modes sync_overlap_graphs sync_overlap_graphs_unverified \
+#       --profile 4096/sync_overlap_graphs 4096/sync_overlap_graphs_unverified
+#   bash bench/verify_h200.sh OUT ahead-ab; bash bench/attacks_16core.sh OUT
+# Next lease, on a quiet host (the unverified 4k hit's median steady within
+# 0.1 ms from run to run, as round 8's was): `cuda-tests`, then the 4k A/B
+# in both formats and both rounds, `AHEAD_AB_ROUNDS="1 2" bash
+# bench/verify_h200.sh OUT ahead-ab`, which settles the 2 % target for 4k
+# hits; then a contended share of 0.05 ms against 0.2 for the attacks that
+# saturate the index:
 #   bash bench/attacks_16core.sh OUT --seconds 3 --only stats_pipeline hello_flood \
 #       many_connections_pipelining --index-args "--shared-turn-ms 0.05"   (and 0.2)
-# then every attack again on the tree whose calls no longer copy whole columns
-# or look over every record (bench/RESULTS.md, "Small calls on a large
-# table"): `bash bench/attacks_16core.sh OUT`.
 set -u
 out=${1:?usage: run_h200.sh OUT_DIR [STAGE ...]}
 shift

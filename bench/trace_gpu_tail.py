@@ -64,7 +64,10 @@ def analyse(path: str) -> dict:
     streams: dict = defaultdict(list)
     for e in gpu:
         streams[e.get("tid")].append((e["ts"], e["ts"] + e.get("dur", 0), classify(e), e.get("name", "")))
-    copies = sorted((s, e) for evs in streams.values() for s, e, kind, _ in evs if kind == "copy")
+    # the load's copies: the stream that copied the most from pinned memory
+    # (the scatter stream's few small uploads, block ids and checks, are not them)
+    copy_tid = max(streams, key=lambda t: sum(e - s for s, e, kind, _ in streams[t] if kind == "copy"))
+    copies = sorted((s, e) for s, e, kind, _ in streams[copy_tid] if kind == "copy")
     t0 = copies[0][0] if copies else min(s for evs in streams.values() for s, _, _, _ in evs)
     # the forward's stream: the one with the most plain kernels and no copies or sums
     loaders = {t for t, evs in streams.items() if any(k in ("copy", "sum") for *_, k, _ in evs)}
