@@ -9,7 +9,9 @@ import asyncio
 import logging
 import os
 import socket
+import threading
 import time
+from collections import deque
 
 import pytest
 from hypothesis import given, settings
@@ -231,6 +233,67 @@ def test_a_callback_that_refuses_everything_pauses_accepting() -> None:
     finally:
         acceptor.close()
         for sock in clients:
+            sock.close()
+        loop.close()
+
+
+def test_a_refused_flood_that_fills_the_accept_queue_is_drained_and_a_neighbour_gets_in_at_once() -> None:
+    """A flood of refused connects fast enough to fill the kernel's accept queue
+    during the pause is drained without it: a full queue drops every new SYN, a
+    neighbour's too, whose connect would then wait a second for the retransmit."""
+    loop = asyncio.new_event_loop()
+    listener = bind_tcp("127.0.0.1", 0, backlog=16)[0]
+    refused, taken = [0], []
+
+    def on_accepted(sock, address) -> bool:
+        if address[0] == "127.0.0.2":
+            sock.close()
+            refused[0] += 1
+            return False
+        taken.append(sock)
+        return True
+
+    acceptor = Acceptor(loop, listener, on_accepted)
+    acceptor.start()
+    stop = threading.Event()
+
+    def flood() -> None:  # about 5,000 connects a second from another address
+        held: deque = deque()
+        while not stop.is_set():
+            for _ in range(25):
+                sock = socket.socket()
+                sock.setblocking(False)
+                sock.bind(("127.0.0.2", 0))
+                sock.connect_ex(listener.getsockname())
+                held.append(sock)
+                if len(held) > 256:
+                    held.popleft().close()
+            time.sleep(0.005)
+        for sock in held:
+            sock.close()
+
+    threads = [threading.Thread(target=loop.run_forever, daemon=True), threading.Thread(target=flood, daemon=True)]
+    for thread in threads:
+        thread.start()
+    try:
+        time.sleep(0.3)  # the flood under way
+        connects = []
+        for _ in range(5):
+            started = time.monotonic()
+            neighbour = socket.create_connection(listener.getsockname(), timeout=5)
+            connects.append(time.monotonic() - started)
+            assert wait_for(lambda: neighbour.getsockname() in [s.getpeername() for s in list(taken)], 1)
+            neighbour.close()
+            time.sleep(0.05)
+        assert refused[0] > 200, refused  # the flood was refused at accept all along
+        assert max(connects) < 0.5, connects  # no neighbour's SYN was dropped and retransmitted
+    finally:
+        stop.set()
+        threads[1].join(5)
+        loop.call_soon_threadsafe(loop.stop)
+        threads[0].join(5)
+        acceptor.close()
+        for sock in taken:
             sock.close()
         loop.close()
 

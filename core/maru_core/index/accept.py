@@ -17,11 +17,17 @@ A callback also stops after ``ACCEPT_TURN_S`` of work, refusals included
 accepting and resetting a loopback connection costs about 100 µs of kernel
 time on a small VM. When a callback refused every socket it accepted (a
 flood from peers over their budgets), accepting pauses for
-``REFUSED_PAUSE_S``: such a flood costs the index at most about a tenth of a
-core, and once the kernel's backlog is full the flooding peer's connects
-wait for SYN retransmits. New connections from other peers wait meanwhile
-(in the backlog, or for their own SYN retransmit); those already served do
-not.
+``REFUSED_PAUSE_S``, so a slow flood costs the index little, unless the
+flood filled the kernel's accept queue half or more during a pause
+(``queue_fill``, Linux TCP). That queue is one line for every peer: once it
+is full the kernel drops every new SYN, an honest peer's too, and that
+peer's connect waits a second for its SYN's retransmit, then two, then
+four. A 16-core run of wrong-token hellos from one address likely cost 200
+honest clients behind another about a second each that way
+(``bench/RESULTS.md``). So a callback that finds the queue half full starts
+``DRAIN_HOLD_S`` without pauses: the flood is drained as fast as it comes,
+a turn at a time between the turns of those already served, at the cost of
+the index's spare CPU, and a neighbour's connect is taken within a few turns.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import asyncio
 import errno
 import logging
 import socket
+import struct
 import time
 from typing import Callable
 
@@ -46,6 +53,10 @@ REFUSED_PAUSE_S = 0.01
 #: Connections the kernel may queue for us (capped by net.core.somaxconn): a fleet
 #: reconnecting at once waits there instead of having its SYNs dropped.
 LISTEN_BACKLOG = 1024
+#: The accept queue's fill (of its length) at a callback's start from which refused floods
+#: are drained without pauses, for ``DRAIN_HOLD_S`` after the last callback that found it so.
+DRAIN_FROM_FILL = 0.5
+DRAIN_HOLD_S = 1.0
 #: Pause after accept() ran out of descriptors or memory, as asyncio does.
 ACCEPT_RETRY_S = 1.0
 _OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
@@ -92,6 +103,24 @@ def bind_tcp(host: str, port: int, backlog: int = LISTEN_BACKLOG) -> list[socket
     return sockets
 
 
+def queue_fill(sock: socket.socket) -> float:
+    """How full a listening TCP socket's accept queue is (0 to 1): connections the
+    kernel completed and holds for ``accept`` over the queue's length, as Linux
+    reports them for a listening socket (``tcpi_unacked`` and ``tcpi_sacked`` of
+    ``TCP_INFO``). 0 where that cannot be read (a Unix socket, where a connect
+    waits for room instead of losing its SYN)."""
+    if sock.family not in (socket.AF_INET, socket.AF_INET6) or not hasattr(socket, "TCP_INFO"):
+        return 0.0
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 32)
+    except OSError:
+        return 0.0
+    if len(info) < 32:
+        return 0.0
+    queued, length = struct.unpack_from("=II", info, 24)
+    return queued / length if length else 0.0
+
+
 class Acceptor:
     """Accepts on one listening socket, ``batch`` connections per callback at most,
     for ``ACCEPT_TURN_S`` or what ``turn`` allows, whichever is less."""
@@ -107,6 +136,7 @@ class Acceptor:
         self._turn = turn
         self._watching = False
         self._retry: asyncio.TimerHandle | None = None
+        self._drain_until = 0.0  # refused floods are drained without pauses until then
         self._errors = RateLimitedLog(log, interval_s=10.0)
 
     def start(self) -> None:
@@ -120,6 +150,8 @@ class Acceptor:
             self._watching = False
 
     def _accept_some(self) -> None:
+        if queue_fill(self.sock) >= DRAIN_FROM_FILL:
+            self._drain_until = time.monotonic() + DRAIN_HOLD_S
         taken = refused = tried = 0
         turn_s = ACCEPT_TURN_S if self._turn is None else min(ACCEPT_TURN_S, self._turn())
         turn_ends = time.perf_counter() + turn_s
@@ -142,7 +174,7 @@ class Acceptor:
                 taken += 1
             elif outcome is not None:
                 refused += 1
-        if refused and not taken:
+        if refused and not taken and time.monotonic() >= self._drain_until:
             self._pause(REFUSED_PAUSE_S)
 
     def _pause(self, seconds: float) -> None:
