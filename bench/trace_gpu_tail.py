@@ -5,7 +5,9 @@
 For each trace (one profiled hit): per GPU stream, what it ran (copies,
 checksum sums, scatters, the forward's kernels) and for how long; the end of
 the last host-to-device copy, of the last sum, of the last scatter and of
-the forward's last kernel, from the first copy's start; how long sums ran
+the forward's last kernel, from the first copy's start; the copy engine's
+idle spells, each with whether the host asked for the next copy late or the
+copy waited on the GPU; how long sums ran
 while the forward had a kernel running (time they shared the GPU); and the
 forward stream's idle time inside the hit (waits for layers). Two traces of
 the same hit, verified and not, side by side show what verification adds
@@ -68,6 +70,11 @@ def analyse(path: str) -> dict:
     # (the scatter stream's few small uploads, block ids and checks, are not them)
     copy_tid = max(streams, key=lambda t: sum(e - s for s, e, kind, _ in streams[t] if kind == "copy"))
     copies = sorted((s, e) for s, e, kind, _ in streams[copy_tid] if kind == "copy")
+    # when the host asked for each of those copies (its runtime call, matched by correlation id)
+    asked = {e["args"]["correlation"]: e["ts"] for e in events
+             if e.get("ph") == "X" and e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    copy_asked = sorted((e["ts"], asked.get(e.get("args", {}).get("correlation"))) for e in gpu
+                        if e.get("tid") == copy_tid and classify(e) == "copy")
     t0 = copies[0][0] if copies else min(s for evs in streams.values() for s, _, _, _ in evs)
     # the forward's stream: the one with the most plain kernels and no copies or sums
     loaders = {t for t, evs in streams.items() if any(k in ("copy", "sum") for *_, k, _ in evs)}
@@ -97,8 +104,12 @@ def analyse(path: str) -> dict:
         "scatter_beside_forward_ms": round(overlap(scatters, fwd) / 1e3, 3),
         # the copy engine's idle spells between a load's copies (the first is
         # the wait from a head start's copies to the load's own)
-        "copy_gaps_ms": [[i + 1, round((b[0] - a[1]) / 1e3, 3)] for i, (a, b) in enumerate(zip(copies, copies[1:]))
-                         if b[0] - a[1] > 50],
+        # and for each, whether the host asked for the next copy only after the
+        # copy engine ran dry ("host": the host's issue was late) or before ("device":
+        # the copy waited on the GPU, e.g. for a staging span's scatter)
+        "copy_gaps_ms": [[i + 1, round((b[0] - a[1]) / 1e3, 3),
+                          "host" if copy_asked[i + 1][1] is not None and copy_asked[i + 1][1] > a[1] else "device"]
+                         for i, (a, b) in enumerate(zip(copies, copies[1:])) if b[0] - a[1] > 50],
         "forward_after_last_copy_ms": (round((fwd[-1][1] - copies[-1][1]) / 1e3, 3) if fwd and copies else None),
     }
     # the forward's kernels that ran after the last copy: the tail a hit pays past its bytes
