@@ -25,9 +25,10 @@ peer's connect waits a second for its SYN's retransmit, then two, then
 four. A 16-core run of wrong-token hellos from one address likely cost 200
 honest clients behind another about a second each that way
 (``bench/RESULTS.md``). So a callback that finds the queue half full starts
-``DRAIN_HOLD_S`` without pauses: the flood is drained as fast as it comes,
-a turn at a time between the turns of those already served, at the cost of
-the index's spare CPU, and a neighbour's connect is taken within a few turns.
+``DRAIN_HOLD_S`` of pauses ten times shorter (``DRAIN_PAUSE_S``): the flood
+is drained a turn at a time between the turns of those already served, ten
+times faster, at a bounded cost of the index's spare CPU (a turn per
+millisecond at most), and a neighbour's connect is taken within a few turns.
 """
 
 from __future__ import annotations
@@ -54,9 +55,11 @@ REFUSED_PAUSE_S = 0.01
 #: reconnecting at once waits there instead of having its SYNs dropped.
 LISTEN_BACKLOG = 1024
 #: The accept queue's fill (of its length) at a callback's start from which refused floods
-#: are drained without pauses, for ``DRAIN_HOLD_S`` after the last callback that found it so.
+#: are drained with pauses of ``DRAIN_PAUSE_S`` only, for ``DRAIN_HOLD_S`` after the last
+#: callback that found it so.
 DRAIN_FROM_FILL = 0.5
 DRAIN_HOLD_S = 1.0
+DRAIN_PAUSE_S = 0.001
 #: Pause after accept() ran out of descriptors or memory, as asyncio does.
 ACCEPT_RETRY_S = 1.0
 _OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
@@ -136,7 +139,7 @@ class Acceptor:
         self._turn = turn
         self._watching = False
         self._retry: asyncio.TimerHandle | None = None
-        self._drain_until = 0.0  # refused floods are drained without pauses until then
+        self._drain_until = 0.0  # refused floods are drained with short pauses until then
         self._errors = RateLimitedLog(log, interval_s=10.0)
 
     def start(self) -> None:
@@ -174,8 +177,8 @@ class Acceptor:
                 taken += 1
             elif outcome is not None:
                 refused += 1
-        if refused and not taken and time.monotonic() >= self._drain_until:
-            self._pause(REFUSED_PAUSE_S)
+        if refused and not taken:
+            self._pause(DRAIN_PAUSE_S if time.monotonic() < self._drain_until else REFUSED_PAUSE_S)
 
     def _pause(self, seconds: float) -> None:
         self._stop_watching()
