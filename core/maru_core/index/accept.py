@@ -63,6 +63,11 @@ DRAIN_PAUSE_S = 0.001
 #: Pause after accept() ran out of descriptors or memory, as asyncio does.
 ACCEPT_RETRY_S = 1.0
 _OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+#: Where Linux's ``struct tcp_info`` holds ``tcpi_unacked`` and ``tcpi_sacked`` (two u32s after
+#: 8 bytes of u8 fields and four u32s), which a listening socket fills with its accept queue's
+#: length and capacity.
+_TCP_INFO_QUEUE = struct.Struct("=II")
+_TCP_INFO_QUEUE_OFFSET = 24
 
 #: ``on_accepted(sock, address) -> taken``: a new connected socket (blocking mode
 #: unset: the caller makes a socket it takes non-blocking); false if it refused it,
@@ -114,13 +119,14 @@ def queue_fill(sock: socket.socket) -> float:
     waits for room instead of losing its SYN)."""
     if sock.family not in (socket.AF_INET, socket.AF_INET6) or not hasattr(socket, "TCP_INFO"):
         return 0.0
+    end = _TCP_INFO_QUEUE_OFFSET + _TCP_INFO_QUEUE.size
     try:
-        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 32)
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, end)
     except OSError:
         return 0.0
-    if len(info) < 32:
+    if len(info) < end:
         return 0.0
-    queued, length = struct.unpack_from("=II", info, 24)
+    queued, length = _TCP_INFO_QUEUE.unpack_from(info, _TCP_INFO_QUEUE_OFFSET)
     return queued / length if length else 0.0
 
 
