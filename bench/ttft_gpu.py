@@ -84,9 +84,15 @@ def parse(argv=None):
     p.add_argument("--no-sum-batches", action="store_true",
                    help="A/B: a verified load's fills summed one launch each (before), not in batches "
                         "of layers side by side in staging")
-    p.add_argument("--copies-ahead", type=int, default=None,
+    p.add_argument("--copies-ahead", type=int, nargs="+", default=None,
                    help="A/B: fills whose copies are queued past a fill before it joins those "
-                        "waiting for their scatter (the engine's COPIES_AHEAD, 2; 0: before)")
+                        "waiting for their scatter (the engine's COPIES_AHEAD, 2; 0: before); "
+                        "several values with --paired: each mode at each value, in turn")
+    p.add_argument("--paired", action="store_true",
+                   help="the modes (and --copies-ahead values) of a case served in turn, one hit "
+                        "each per round, the order rotated each round: each verified mode's TTFT "
+                        "over its _unverified mode's in the same round, so a host's drift between "
+                        "runs cancels (medians and quartiles of the per-round ratios)")
     p.add_argument("--triton-launch", action="store_true",
                    help="A/B: the checksum kernel launched through Triton's launcher (before), not "
                         "through the CUDA driver directly")
@@ -124,6 +130,10 @@ def parse(argv=None):
     args.modes = args.modes or [m for m in MODES if not tiny or not m.endswith(("graphs", "0"))]
     args.concurrency = args.concurrency or ([1, 2] if tiny else [1, 2, 4, 8])
     args.partial = args.partial or ([256, 64] if tiny else [16384, 2048])
+    if args.copies_ahead and len(args.copies_ahead) > 1 and not args.paired:
+        p.error("several --copies-ahead values are compared with --paired only")
+    if args.paired and (args.profile or args.timeline):
+        p.error("--paired runs have no profile or timeline: the runs of one case are interleaved")
     if args.partial[1] < 1:  # a recompute of no token crashed in flash attention ("invalid argument")
         p.error(f"--partial {args.partial[0]} {args.partial[1]}: a partial hit needs one new token at least")
     args.concurrent_size = args.concurrent_size or (256 if tiny else 16384)
@@ -264,23 +274,12 @@ class Bench:
         repeated prompt would hit them the next time."""
         ttfts, verified, n_runs = [], True, self.args.repeats
         timeline = []
-        new = len(toks) - cached
         for i in range(n_runs + 1):
-            fill_random(self.reader_flat)  # poison: a block not loaded cannot pass
-            self.sync()
-            stamp = time.monotonic_ns()
-            reqs = [Request(f"r{i}-{j}-{stamp}",
-                            toks[:cached] + prompt(new, stamp + j, self.geo.vocab))
-                    for j in range(count)]
-            eng.load_errors.clear()
             if phases:
                 phases.reset()
-            if profile and i == n_runs:
-                with profiled(os.path.join(self.args.out, profile)):
-                    eng.serve(reqs, compute=compute)
-            else:
-                eng.serve(reqs, compute=compute)
-            verified &= self.verify(eng, reqs, cached)
+            trace = os.path.join(self.args.out, profile) if profile and i == n_runs else None
+            reqs, ok = self.one_hit(eng, toks, cached, f"r{i}", count, compute, trace)
+            verified &= ok
             if i:
                 ttfts.extend(r.first_token_at - r.arrival for r in reqs)
                 if phases:
@@ -289,6 +288,45 @@ class Bench:
                "verified": verified}
         if timeline:
             out["phases_ms"] = median_phases(timeline)
+        return out
+
+    def one_hit(self, eng: Engine, toks: list[int], cached: int, tag: str, count: int = 1,
+                compute: bool = True, trace: str | None = None) -> tuple[list[Request], bool]:
+        """``count`` requests of ``toks`` served at once (uncached tokens
+        fresh), on a KV cache poisoned before: the requests, and whether
+        every block they loaded equals the reference bit for bit."""
+        fill_random(self.reader_flat)  # poison: a block not loaded cannot pass
+        self.sync()
+        stamp = time.monotonic_ns()
+        new = len(toks) - cached
+        reqs = [Request(f"{tag}-{j}-{stamp}", toks[:cached] + prompt(new, stamp + j, self.geo.vocab))
+                for j in range(count)]
+        eng.load_errors.clear()
+        if trace:
+            with profiled(trace):
+                eng.serve(reqs, compute=compute)
+        else:
+            eng.serve(reqs, compute=compute)
+        return reqs, self.verify(eng, reqs, cached)
+
+    def paired_runs(self, engines: dict, toks: list[int], cached: int) -> dict:
+        """``--paired``: one hit per variant (a mode at a COPIES_AHEAD) per
+        round, the variants' order rotated each round, after a round of
+        warm-ups: {variant: hit_runs' figures}."""
+        import maru_connector.transfer.cuda as cuda_engine
+        variants = list(engines)
+        out = {v: {"ttft_s": [], "verified": True} for v in variants}
+        for i in range(self.args.repeats + 1):
+            for v in variants[i % len(variants):] + variants[:i % len(variants)]:
+                eng, ahead = engines[v]
+                if ahead is not None:
+                    cuda_engine.COPIES_AHEAD = ahead
+                reqs, ok = self.one_hit(eng, toks, cached, f"p{i}")
+                out[v]["verified"] &= ok
+                if i:
+                    out[v]["ttft_s"].append(reqs[0].first_token_at - reqs[0].arrival)
+        for row in out.values():
+            row.update(median_s=median(row["ttft_s"]), p99_s=percentile(row["ttft_s"], 0.99))
         return out
 
     def plain_runs(self, toks: list[int], cached: int) -> dict:
@@ -348,7 +386,7 @@ class Bench:
         # the reader stores after partial hits (fresh suffixes each run)
         runs = args.repeats + 1
         need = (sum(self.prompts) + args.store_size * (runs + 1)
-                + args.partial[1] * runs * (len(args.modes) + 1)) * kv_bytes
+                + args.partial[1] * runs * (len(variants(args)) + 1)) * kv_bytes
         res: dict = {"format": fmt}
         with Cluster(self.model, args, fmt, pool_bytes=pool_size(need)) as cl:
             res["stored"] = self.store_prompts(cl, fmt)
@@ -367,6 +405,14 @@ class Bench:
                     row["load_alone"] = self.hit_runs(eng, toks, cached, compute=False)
                 finally:
                     cl.close_engine(eng)
+                if args.paired:
+                    row.update(self.paired_case(cl, fmt, toks, cached))
+                    progress(f"{fmt} {case}: " + ", ".join(
+                        f"{v} {ms(row[v]['median_s'])}" for v in variants(args)))
+                    for line in paired_ratios(row, args):
+                        progress(f"  {line}")
+                    rows[case] = row
+                    continue
                 for mode in args.modes:
                     timed = f"{case}/{mode}" in args.timeline
                     eng = cl.engine(self.reader_kv, fmt, mode, timing=timed)
@@ -389,6 +435,18 @@ class Bench:
             res["hits"] = rows
             res["concurrency"] = self.concurrency(cl, fmt)
         return res
+
+    def paired_case(self, cl: Cluster, fmt: str, toks: list[int], cached: int) -> dict:
+        """Every mode's engine at once, its hits served in turn with the others'."""
+        engines = {}
+        try:
+            for mode in self.args.modes:
+                engines[mode] = cl.engine(self.reader_kv, fmt, mode)
+            return self.paired_runs({v: (engines[mode], ahead) for v, (mode, ahead)
+                                     in variants(self.args).items()}, toks, cached)
+        finally:
+            for eng in engines.values():
+                cl.close_engine(eng)
 
     def concurrency(self, cl: Cluster, fmt: str) -> dict:
         n = self.args.concurrent_size
@@ -453,6 +511,30 @@ class profiled:
         return False
 
 
+def variants(args) -> dict:
+    """What a case is served in: each mode, or with several --copies-ahead
+    values each mode at each ("MODE@ahead N"): {name: (mode, COPIES_AHEAD or None)}."""
+    aheads = args.copies_ahead if args.paired and args.copies_ahead and len(args.copies_ahead) > 1 else [None]
+    return {(mode if ahead is None else f"{mode}@ahead{ahead}"): (mode, ahead)
+            for ahead in aheads for mode in args.modes}
+
+
+def paired_ratios(row: dict, args) -> list[str]:
+    """Each verified variant's TTFT over its unverified twin's, round by
+    round: the median and quartiles of those ratios, as a cost."""
+    lines = []
+    for name, (mode, ahead) in variants(args).items():
+        twin = name.replace(mode, f"{mode}_unverified", 1)
+        if twin == name or twin not in row:
+            continue
+        ratios = sorted(a / b for a, b in zip(row[name]["ttft_s"], row[twin]["ttft_s"]))
+        q1, q2, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+        row.setdefault("paired", {})[name] = {"ratios": ratios, "median": q2, "q1": q1, "q3": q3}
+        lines.append(f"{name} / its unverified twin, {len(ratios)} rounds: median {q2 - 1:+.1%} "
+                     f"(quartiles {q1 - 1:+.1%} .. {q3 - 1:+.1%})")
+    return lines
+
+
 def table(result) -> str:
     lines = []
     peak = result.get("pinned_peak_gbps")
@@ -460,16 +542,16 @@ def table(result) -> str:
         lines.append(f"\n### {fmt['format']}\n")
         head = ["hit", "floor", "copy alone", "retrieve", "load alone", "compute alone",
                 "compute alone (graphs)", "recompute"] + [
-            m for m in result["args"]["modes"]] + ["best / floor", "overlap / max(load, compute)",
+            m for m in result["args"]["columns"]] + ["best / floor", "overlap / max(load, compute)",
                                                    "recompute / best", "bits equal"]
         lines.append("| " + " | ".join(head) + " |")
         lines.append("|" + "---|" * len(head))
         for case, row in fmt["hits"].items():
             floor = row["bytes"] / (peak * GB) if peak else None
-            modes = [row[m]["median_s"] for m in result["args"]["modes"]]
+            modes = [row[m]["median_s"] for m in result["args"]["columns"]]
             best = min(modes)
             load = row["load_alone"]["median_s"]
-            over = [row[m]["median_s"] for m in result["args"]["modes"] if "overlap" in m]
+            over = [row[m]["median_s"] for m in result["args"]["columns"] if "overlap" in m]
             graphs = row.get("compute_alone_graphs_s")
             # the overlap's bound: the load and the compute of the same run mode
             bound = max(load, min(row["compute_alone_s"], graphs or float("inf")))
@@ -479,9 +561,14 @@ def table(result) -> str:
                 f"{best / floor:.2f}" if floor else "-",
                 f"{min(over) / bound:.2f}" if over else "-",
                 f"{row['recompute_s'] / best:.1f}",
-                str(all(row[m]["verified"] for m in result["args"]["modes"])
+                str(all(row[m]["verified"] for m in result["args"]["columns"])
                     and row["load_alone"]["verified"])]
             lines.append("| " + " | ".join(cells) + " |")
+        for case, row in fmt["hits"].items():
+            for name, r in row.get("paired", {}).items():
+                lines.append(f"- {case} {name} / its unverified twin, paired over {len(r['ratios'])} "
+                             f"rounds: median {r['median'] - 1:+.1%} (quartiles {r['q1'] - 1:+.1%} "
+                             f".. {r['q3'] - 1:+.1%})")
         sc = fmt["store_cost"]
         lines.append(f"\nstore: prefill {ms(sc['plain_s'])} without connector, "
                      f"{ms(sc['store_s'])} with async store (cost {sc['cost_ratio']:+.1%}); "
@@ -513,7 +600,7 @@ def plot(result, path):
     peak = result.get("pinned_peak_gbps")
     for ax, fmt in zip(axes[0], fmts):
         cases = list(fmt["hits"])
-        series = ["load_alone", "compute_alone_s", "recompute_s"] + result["args"]["modes"]
+        series = ["load_alone", "compute_alone_s", "recompute_s"] + result["args"]["columns"]
         width = 0.8 / len(series)
         for k, name in enumerate(series):
             vals = []
@@ -553,10 +640,11 @@ def main(argv=None):
     if args.no_sum_batches:
         cuda_engine.SUM_BATCHES = False
     if args.copies_ahead is not None:
-        cuda_engine.COPIES_AHEAD = args.copies_ahead
+        cuda_engine.COPIES_AHEAD = args.copies_ahead[0]
     if args.triton_launch:
         from maru_connector.transfer import device_checksum
         device_checksum.DIRECT_LAUNCH = False
+    args.columns = list(variants(args))  # the table's and the plot's
     device = "cpu" if args.cpu else "cuda"
     geo = TINY if args.cpu else LLAMA3_8B
     if args.layers:

@@ -2,7 +2,7 @@
 # Verified loads on the GPU, in one go (run from the project root on a machine
 # with one NVIDIA GPU, torch with CUDA, Triton, no vLLM):
 #
-#   bash bench/verify_h200.sh OUT_DIR [fused-ab|group-ab|direct-ab|batch-ab|ahead-ab]
+#   bash bench/verify_h200.sh OUT_DIR [fused-ab|group-ab|direct-ab|batch-ab|ahead-ab|paired-ab]
 #
 # 1. the CUDA tests of verified loads, of the CUDA engine and of its memory
 #    (test_verified_transfer.py -m cuda, test_transfer_cuda.py,
@@ -48,13 +48,22 @@
 # ($AHEAD_AB_FORMATS), 15 repeats, the arms' order swapped in the second
 # round ($AHEAD_AB_ROUNDS: which rounds).
 #
+# With `paired-ab`, steps 2 and 3 make way for verified against unverified
+# hits served in turn (bench/ttft_gpu.py --paired): 4k and 4k + 512 hits,
+# both formats ($PAIRED_FORMATS), each mode at each COPIES_AHEAD of
+# $PAIRED_AHEAD (default "2 4"), one hit of each per round for
+# $PAIRED_ROUNDS rounds (default 41), the order rotated every round; the
+# cost is the median of the per-round ratios, so a host's drift between
+# runs (round 9's hosts moved 2 ms between runs of the same code) cancels.
+# First the check state's host staging, the two ways (bench/check_state_alloc.py).
+#
 # The index (step 3) needs `sortedcontainers` (pure Python): where it is not
 # installed, put a copy of the package in bench/.site/ (git ignores it). The
 # connector needs no xxhash (only entries of older writers use it), the CUDA
 # tests no hypothesis. About 6 minutes in all; each step has its own time
 # limit, and a step that fails does not stop the others (the exit code says).
 set -u
-out=${1:?usage: verify_h200.sh OUT_DIR [fused-ab|group-ab|direct-ab|batch-ab|ahead-ab]}
+out=${1:?usage: verify_h200.sh OUT_DIR [fused-ab|group-ab|direct-ab|batch-ab|ahead-ab|paired-ab]}
 mode=${2:-all}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=connector:core:tools:tests/connector:bench/.site
@@ -83,6 +92,19 @@ if [ "$mode" = group-ab ]; then
                 grep '^|' "$out/$name.txt"
             done
         done
+    done
+    exit $failed
+fi
+if [ "$mode" = paired-ab ]; then
+    run check_state_alloc 60 python3 bench/check_state_alloc.py
+    cat "$out/check_state_alloc.txt"
+    for fmt in ${PAIRED_FORMATS:-chunkwise layerwise}; do
+        name="ttft_${fmt}_paired"
+        run "$name" 300 python3 bench/ttft_gpu.py --paired --formats "$fmt" --repeats "${PAIRED_ROUNDS:-41}" \
+            --sizes 4096 --partial 4096 512 --modes sync_overlap_graphs sync_overlap_graphs_unverified \
+            --copies-ahead ${PAIRED_AHEAD:-2 4} --store-size 4096 --concurrent-size 4096 --concurrency 1 \
+            --out "$out/$name"
+        grep 'twin\|^| 4096' "$out/$name.txt"
     done
     exit $failed
 fi

@@ -47,3 +47,29 @@ def test_cpu_mode_serves_bit_exact_hits_in_every_mode(tmp_path):
         # as in vLLM, the token reaches the host only after wait_for_save
         assert phases["first_token"] >= phases["forward_queued"] + phases["wait_for_save_ms"]
         assert "phases_ms" not in fmt["hits"]["256"]["sync"]
+
+
+def test_paired_mode_serves_the_variants_in_turn_and_reports_per_round_ratios(tmp_path):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [os.path.join(ROOT, p) for p in ("core", "connector", "tests/connector")]
+        + [env.get("PYTHONPATH", "")])
+    modes = ["sync_overlap", "sync_overlap_unverified"]
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "ttft_gpu.py"), "--cpu", "--paired",
+           "--out", str(tmp_path), "--repeats", "3", "--formats", "chunkwise", "--sizes", "256",
+           "--modes", *modes, "--copies-ahead", "0", "2", "--concurrency", "1"]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads((tmp_path / "ttft.json").read_text())
+    variants = [f"{m}@ahead{n}" for n in (0, 2) for m in modes]
+    assert result["args"]["columns"] == variants
+    for row in result["formats"][0]["hits"].values():
+        for v in variants:
+            assert row[v]["verified"] and len(row[v]["ttft_s"]) == 3, v
+        for n in (0, 2):
+            paired = row["paired"][f"sync_overlap@ahead{n}"]
+            ratios = sorted(a / b for a, b in zip(row[f"sync_overlap@ahead{n}"]["ttft_s"],
+                                                  row[f"sync_overlap_unverified@ahead{n}"]["ttft_s"]))
+            assert paired["ratios"] == ratios and paired["q1"] <= paired["median"] <= paired["q3"]
+        assert set(row["paired"]) == {"sync_overlap@ahead0", "sync_overlap@ahead2"}
+    assert "sync_overlap@ahead2 / its unverified twin, paired over 3 rounds" in run.stdout
