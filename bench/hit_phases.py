@@ -86,6 +86,8 @@ class PhaseRecorder:
                     out["copies_" + name[:-3]] = ms(submitted + at - handle.submitted_at)
             if times:
                 out["first_layer_landed"] = ms(submitted + times[0])
+                for k in (len(times) // 4, len(times) // 2, 3 * len(times) // 4):
+                    out[f"layer_{k}_landed"] = ms(submitted + times[k])  # where a load falls behind
                 out["last_layer_landed"] = ms(submitted + times[-1])
         loads = [s for s in by.get("start_load_kv", []) if s[1] - s[0] > 0]
         if loads:

@@ -84,15 +84,18 @@ def parse(argv=None):
     p.add_argument("--no-sum-batches", action="store_true",
                    help="A/B: a verified load's fills summed one launch each (before), not in batches "
                         "of layers side by side in staging")
-    p.add_argument("--copies-ahead", type=int, nargs="+", default=None,
+    p.add_argument("--copies-ahead", type=int, default=None,
                    help="A/B: fills whose copies are queued past a fill before it joins those "
-                        "waiting for their scatter (the engine's COPIES_AHEAD, 2; 0: before); "
-                        "several values with --paired: each mode at each value, in turn")
+                        "waiting for their scatter (the engine's COPIES_AHEAD, 2; 0: before)")
     p.add_argument("--paired", action="store_true",
-                   help="the modes (and --copies-ahead values) of a case served in turn, one hit "
-                        "each per round, the order rotated each round: each verified mode's TTFT "
-                        "over its _unverified mode's in the same round, so a host's drift between "
-                        "runs cancels (medians and quartiles of the per-round ratios)")
+                   help="the modes (and --arms) of a case served in turn, one hit each per round, "
+                        "the order rotated each round: each verified mode's TTFT over its "
+                        "_unverified mode's in the same round, so a host's drift between runs "
+                        "cancels (medians and quartiles of the per-round ratios)")
+    p.add_argument("--arms", nargs="+", default=None, metavar="KNOB=N[,KNOB=N]",
+                   help="with --paired: each mode in each arm, an arm being settings of the CUDA "
+                        "engine's module knobs made before each of its hits (e.g. COPIES_AHEAD=4 "
+                        "HEAD_ONLY_ALWAYS=1; a knob an arm does not set keeps its default)")
     p.add_argument("--triton-launch", action="store_true",
                    help="A/B: the checksum kernel launched through Triton's launcher (before), not "
                         "through the CUDA driver directly")
@@ -130,8 +133,13 @@ def parse(argv=None):
     args.modes = args.modes or [m for m in MODES if not tiny or not m.endswith(("graphs", "0"))]
     args.concurrency = args.concurrency or ([1, 2] if tiny else [1, 2, 4, 8])
     args.partial = args.partial or ([256, 64] if tiny else [16384, 2048])
-    if args.copies_ahead and len(args.copies_ahead) > 1 and not args.paired:
-        p.error("several --copies-ahead values are compared with --paired only")
+    if args.arms and not args.paired:
+        p.error("--arms are compared with --paired only")
+    try:
+        args.arm_settings = {arm: dict((k, int(v)) for k, v in (kv.split("=") for kv in arm.split(",")))
+                             for arm in args.arms or []}
+    except ValueError:
+        p.error(f"--arms {' '.join(args.arms)}: each arm is KNOB=N[,KNOB=N], e.g. COPIES_AHEAD=4")
     if args.paired and (args.profile or args.timeline):
         p.error("--paired runs have no profile or timeline: the runs of one case are interleaved")
     if args.partial[1] < 1:  # a recompute of no token crashed in flash attention ("invalid argument")
@@ -310,17 +318,19 @@ class Bench:
         return reqs, self.verify(eng, reqs, cached)
 
     def paired_runs(self, engines: dict, toks: list[int], cached: int) -> dict:
-        """``--paired``: one hit per variant (a mode at a COPIES_AHEAD) per
-        round, the variants' order rotated each round, after a round of
-        warm-ups: {variant: hit_runs' figures}."""
+        """``--paired``: one hit per variant (a mode in an arm) per round,
+        the variants' order rotated each round, after a round of warm-ups:
+        {variant: hit_runs' figures}."""
         import maru_connector.transfer.cuda as cuda_engine
         variants = list(engines)
+        knobs = {k for settings in self.args.arm_settings.values() for k in settings}
+        defaults = {k: getattr(cuda_engine, k) for k in knobs}  # AttributeError: no such knob
         out = {v: {"ttft_s": [], "verified": True} for v in variants}
         for i in range(self.args.repeats + 1):
             for v in variants[i % len(variants):] + variants[:i % len(variants)]:
-                eng, ahead = engines[v]
-                if ahead is not None:
-                    cuda_engine.COPIES_AHEAD = ahead
+                eng, arm = engines[v]
+                for k, default in defaults.items():
+                    setattr(cuda_engine, k, self.args.arm_settings[arm].get(k, default) if arm else default)
                 reqs, ok = self.one_hit(eng, toks, cached, f"p{i}")
                 out[v]["verified"] &= ok
                 if i:
@@ -442,7 +452,7 @@ class Bench:
         try:
             for mode in self.args.modes:
                 engines[mode] = cl.engine(self.reader_kv, fmt, mode)
-            return self.paired_runs({v: (engines[mode], ahead) for v, (mode, ahead)
+            return self.paired_runs({v: (engines[mode], arm) for v, (mode, arm)
                                      in variants(self.args).items()}, toks, cached)
         finally:
             for eng in engines.values():
@@ -512,18 +522,17 @@ class profiled:
 
 
 def variants(args) -> dict:
-    """What a case is served in: each mode, or with several --copies-ahead
-    values each mode at each ("MODE@ahead N"): {name: (mode, COPIES_AHEAD or None)}."""
-    aheads = args.copies_ahead if args.paired and args.copies_ahead and len(args.copies_ahead) > 1 else [None]
-    return {(mode if ahead is None else f"{mode}@ahead{ahead}"): (mode, ahead)
-            for ahead in aheads for mode in args.modes}
+    """What a case is served in: each mode, or with --arms each mode in
+    each arm ("MODE@ARM"): {name: (mode, arm or None)}."""
+    return {(mode if arm is None else f"{mode}@{arm}"): (mode, arm)
+            for arm in (args.arms or [None]) for mode in args.modes}
 
 
 def paired_ratios(row: dict, args) -> list[str]:
     """Each verified variant's TTFT over its unverified twin's, round by
     round: the median and quartiles of those ratios, as a cost."""
     lines = []
-    for name, (mode, ahead) in variants(args).items():
+    for name, (mode, _) in variants(args).items():
         twin = name.replace(mode, f"{mode}_unverified", 1)
         if twin == name or twin not in row:
             continue
@@ -640,7 +649,7 @@ def main(argv=None):
     if args.no_sum_batches:
         cuda_engine.SUM_BATCHES = False
     if args.copies_ahead is not None:
-        cuda_engine.COPIES_AHEAD = args.copies_ahead[0]
+        cuda_engine.COPIES_AHEAD = args.copies_ahead
     if args.triton_launch:
         from maru_connector.transfer import device_checksum
         device_checksum.DIRECT_LAUNCH = False

@@ -50,8 +50,9 @@
 #
 # With `paired-ab`, steps 2 and 3 make way for verified against unverified
 # hits served in turn (bench/ttft_gpu.py --paired): 4k and 4k + 512 hits,
-# both formats ($PAIRED_FORMATS), each mode at each COPIES_AHEAD of
-# $PAIRED_AHEAD (default "2 4"), one hit of each per round for
+# both formats ($PAIRED_FORMATS), each mode in each arm of $PAIRED_ARMS
+# (settings of the engine's knobs, default "COPIES_AHEAD=2 COPIES_AHEAD=4"),
+# one hit of each per round for
 # $PAIRED_ROUNDS rounds (default 41), the order rotated every round; the
 # cost is the median of the per-round ratios, so a host's drift between
 # runs (round 9's hosts moved 2 ms between runs of the same code) cancels.
@@ -102,7 +103,7 @@ if [ "$mode" = paired-ab ]; then
         name="ttft_${fmt}_paired"
         run "$name" 300 python3 bench/ttft_gpu.py --paired --formats "$fmt" --repeats "${PAIRED_ROUNDS:-41}" \
             --sizes 4096 --partial 4096 512 --modes sync_overlap_graphs sync_overlap_graphs_unverified \
-            --copies-ahead ${PAIRED_AHEAD:-2 4} --store-size 4096 --concurrent-size 4096 --concurrency 1 \
+            --arms ${PAIRED_ARMS:-COPIES_AHEAD=2 COPIES_AHEAD=4} --store-size 4096 --concurrent-size 4096 --concurrency 1 \
             --out "$out/$name"
         grep 'twin\|^| 4096' "$out/$name.txt"
     done

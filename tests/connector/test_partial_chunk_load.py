@@ -196,12 +196,18 @@ def test_the_cuda_engine_s_scatters_leave_the_skipped_blocks_out_in_every_stagin
 
 @pytest.mark.parametrize("layerwise", [False, True], ids=["chunkwise", "layerwise"])
 @pytest.mark.parametrize("whole", [False, True], ids=["batches-shrink-at-the-end", "one-batch"])
-def test_a_verified_load_s_sum_batches_check_the_layers_they_complete(engines, pool, monkeypatch, layerwise, whole):
+@pytest.mark.parametrize("scatter_batches, beside_long_forward", [(True, False), (False, False), (True, True)],
+                         ids=["a-scatter-a-batch", "a-scatter-a-fill", "beside-a-long-forward"])
+def test_a_verified_load_s_sum_batches_check_the_layers_they_complete(engines, pool, monkeypatch, layerwise, whole,
+                                                                      scatter_batches, beside_long_forward):
     """A verified load's fills of single layers, summed a batch at a time
-    (``_joins``) and scattered on the host: every block lands; layerwise, a
-    batch's comparison is the check of each layer in it, chunkwise only of
-    the last layer; an object whose recorded checksum differs raises the
-    flag of the check that covers it, and no other."""
+    (``_joins``) and scattered on the host, a batch in one scatter of its
+    layers (``SCATTER_BATCHES``, unless the load is beside a long forward)
+    or a scatter per fill: every block lands;
+    layerwise, a batch's comparison is the check of each layer in it;
+    chunkwise, of the last layer, and of every layer scattered with it; an
+    object whose recorded checksum differs raises the flag of the check that
+    covers it, and no other."""
     from collections import deque
     from types import SimpleNamespace
 
@@ -210,10 +216,16 @@ def test_a_verified_load_s_sum_batches_check_the_layers_they_complete(engines, p
     from maru_connector.transfer.plan import layer_pieces
 
     monkeypatch.setattr(cuda_engine, "GROUP_BELOW_BYTES", 0)  # a layer a fill, as large layers are
+    monkeypatch.setattr(cuda_engine, "SCATTER_BATCHES", scatter_batches)
     fmt, offsets, src, src_ids, checksums = _stored(engines, pool, "cpu", "flash_hnd", layerwise, True)
     dst = make_kv_caches("flash_hnd", layers=LAYERS, blocks=BLOCKS, seed=2)
     before = {name: dst[name].clone() for name in fmt.layout.layer_names}
     engine = _host_cuda_engine(pool, dst, fmt, 64, True)
+    assert engine._stacked is not None  # evenly spaced layers: a batch can be one scatter
+    scatters = []
+    scatter_unit = engine._scatter_unit
+    engine._scatter_unit = lambda job, ids, unit, *rest, **kw: (scatters.append(unit[0]),
+                                                                 scatter_unit(job, ids, unit, *rest, **kw))
     staging = torch.empty(64 * fmt.layer_bytes * LAYERS, dtype=torch.uint8)
     engine._staging = SimpleNamespace(buffer=staging, freed=lambda offset, event: None)
     engine._compare_counter = torch.zeros(1, dtype=torch.int32)
@@ -223,6 +235,7 @@ def test_a_verified_load_s_sum_batches_check_the_layers_they_complete(engines, p
     expected[n - 1] += 1  # the last object: the last chunk (chunkwise), its last layer (layerwise)
     flags = torch.full((LAYERS,), 7, dtype=torch.int32)
     job = SimpleNamespace(check=True, block_ids=dst_ids, handle=LoadHandle(LAYERS, 0),
+                          beside_long_forward=beside_long_forward,
                           check_state=[torch.zeros(n, dtype=torch.int64), expected, torch.ones(n, dtype=torch.int64),
                                        flags, 0])
     fills, at = [], 0
@@ -240,12 +253,14 @@ def test_a_verified_load_s_sum_batches_check_the_layers_they_complete(engines, p
     sizes.append(len(pending))
     engine._scatter_fills(job, torch.tensor(dst_ids), list(pending))
     assert sizes == ([LAYERS] if whole else [1] * LAYERS)
+    one_scatter = whole and scatter_batches and not beside_long_forward
+    assert scatters == ([list(range(LAYERS))] if one_scatter else [[i] for i in range(LAYERS)])
     _assert_only_written(fmt, "flash_hnd", dst, src, before, dict(zip(dst_ids, src_ids)), sizes)
     checks = job.handle._checks
     checked = [c is not None for c in checks]
-    assert checked == ([True] * LAYERS if layerwise else [False] * (LAYERS - 1) + [True])
+    assert checked == ([True] * LAYERS if layerwise or one_scatter else [False] * (LAYERS - 1) + [True])
     raised = [int(c[1][c[2]]) for c in checks if c is not None]
-    if layerwise and whole:  # one comparison for all layers: every layer's check says mismatch
+    if (layerwise or one_scatter) and whole:  # one comparison for all layers: every layer's check says mismatch
         assert raised == [1] * LAYERS
     else:  # the last layer's check covers the wrong object; the others none
         assert raised[-1] == 1 and set(raised[:-1]) <= {0}, raised

@@ -57,19 +57,21 @@ def test_paired_mode_serves_the_variants_in_turn_and_reports_per_round_ratios(tm
     modes = ["sync_overlap", "sync_overlap_unverified"]
     cmd = [sys.executable, os.path.join(ROOT, "bench", "ttft_gpu.py"), "--cpu", "--paired",
            "--out", str(tmp_path), "--repeats", "3", "--formats", "chunkwise", "--sizes", "256",
-           "--modes", *modes, "--copies-ahead", "0", "2", "--concurrency", "1"]
+           "--modes", *modes, "--arms", "COPIES_AHEAD=0", "COPIES_AHEAD=2,HEAD_ONLY_ALWAYS=1",
+           "--concurrency", "1"]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads((tmp_path / "ttft.json").read_text())
-    variants = [f"{m}@ahead{n}" for n in (0, 2) for m in modes]
+    arms = ["COPIES_AHEAD=0", "COPIES_AHEAD=2,HEAD_ONLY_ALWAYS=1"]
+    variants = [f"{m}@{arm}" for arm in arms for m in modes]
     assert result["args"]["columns"] == variants
     for row in result["formats"][0]["hits"].values():
         for v in variants:
             assert row[v]["verified"] and len(row[v]["ttft_s"]) == 3, v
-        for n in (0, 2):
-            paired = row["paired"][f"sync_overlap@ahead{n}"]
-            ratios = sorted(a / b for a, b in zip(row[f"sync_overlap@ahead{n}"]["ttft_s"],
-                                                  row[f"sync_overlap_unverified@ahead{n}"]["ttft_s"]))
+        for arm in arms:
+            paired = row["paired"][f"sync_overlap@{arm}"]
+            ratios = sorted(a / b for a, b in zip(row[f"sync_overlap@{arm}"]["ttft_s"],
+                                                  row[f"sync_overlap_unverified@{arm}"]["ttft_s"]))
             assert paired["ratios"] == ratios and paired["q1"] <= paired["median"] <= paired["q3"]
-        assert set(row["paired"]) == {"sync_overlap@ahead0", "sync_overlap@ahead2"}
-    assert "sync_overlap@ahead2 / its unverified twin, paired over 3 rounds" in run.stdout
+        assert set(row["paired"]) == {f"sync_overlap@{arm}" for arm in arms}
+    assert f"sync_overlap@{arms[1]} / its unverified twin, paired over 3 rounds" in run.stdout

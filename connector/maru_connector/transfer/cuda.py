@@ -60,6 +60,15 @@ GROUP_BELOW_BYTES = 8 << 20
 # the load, 32 of them for a 4k-token hit of 16 MiB layers (a benchmark
 # turns this off to measure a launch per fill).
 SUM_BATCHES = True
+# Such a batch is scattered as one group of its layers (one index copy through
+# their common stride, where the layers are evenly spaced), not a copy per
+# fill: each scatter is 50-65 us of host time, and a full hit's issue on the
+# engine thread comes before its forward starts: a verified 4k-token hit's
+# cost fell from +4.8-6.2 % to +1.6-1.8 % (bench/RESULTS.md, round 10). Not
+# for a load beside a long forward (a partial hit), which the forward
+# overtakes only at its first layers: there it cost 1.6-1.7 % more. (False:
+# a scatter per fill always, as before, for the A/B.)
+SCATTER_BATCHES = True
 # A fill joins the fills waiting for their scatter once the copies of this
 # many later fills are queued (head-start fills count as queued before all);
 # a batch is scattered when the fill after it joins, so the host's calls for
@@ -747,16 +756,27 @@ class CudaTransferEngine(TransferEngine):
             layers = [layer for unit, _ in batch for layer in unit[0]]
             due = self._due(job, layers) if last_unit[2] else None
             self._sum_fills(job, batch, due)
+        if len(batch) > 1 and SCATTER_BATCHES and self._stacked is not None and not job.beside_long_forward:
+            # side by side in staging, the same chunks (``_joins``): a group
+            # fill of their layers; its comparison lands all of them
+            (_, pieces, _), (offset, _, _, _, staging) = batch[0]
+            layers = [unit[0][0] for unit, _ in batch]
+            used = sum(copied[1] for _, copied in batch)
+            self._scatter_unit(job, ids, (layers, pieces, True), (offset, used, None, 0, staging), due,
+                               spans=[copied[0] for _, copied in batch])
+            return
         for i, (unit, copied) in enumerate(batch):
             # layerwise, the batch's comparison checks every layer in it;
             # chunkwise, it checks whole objects, due at the last layer only
             last = i == len(batch) - 1
             self._scatter_unit(job, ids, unit, copied, due if self.fmt.layerwise or last else None)
 
-    def _scatter_unit(self, job: LoadJob, ids: torch.Tensor, unit, copied, due=None) -> None:
+    def _scatter_unit(self, job: LoadJob, ids: torch.Tensor, unit, copied, due=None,
+                      spans: list[int] | None = None) -> None:
         """Scatter one fill into the blocks of its layers (one index copy
         through the layers' common stride for a group), then free the
-        staging buffer; the fill's last event lands its layers, with the
+        staging buffer (its ``spans`` of the ring: the fill's own by
+        default); the fill's last event lands its layers, with the
         comparison ``due`` (if any) for them to read. The scatter stream waits
         for the fill's copies first (``_scatter_fills``)."""
         layers, pieces, completes = unit
@@ -795,7 +815,8 @@ class CudaTransferEngine(TransferEngine):
         if staging is self._head_buffer:
             self._head_freed = freed
         else:
-            self._staging.freed(offset, freed)
+            for start in spans or [offset]:
+                self._staging.freed(start, freed)
         if completes:
             # the comparison ran before the scatter on this stream: ``freed`` covers it
             check = (freed, due[0].flags, due[0].flag_index, due[1]) if due is not None else None
@@ -816,8 +837,9 @@ class CudaTransferEngine(TransferEngine):
             n = len(check)
             # Pinned: a pageable copy would hold the issuing thread until the
             # scatter stream reached it, behind the load's first fill. Taken
-            # from torch's caching host allocator and filled in place: pinning
-            # a pageable array first cost a verified load 57-101 us per load.
+            # from torch's caching host allocator and filled in place (13 us
+            # on an H100 host; a numpy array pinned with ``pin_memory()``, 14 us:
+            # bench/check_state_alloc.py).
             staged = torch.empty(3 * n, dtype=torch.int64, pin_memory=True)
             host = staged.numpy()
             host[:n] = 0  # sums start at 0
