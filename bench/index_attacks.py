@@ -10,7 +10,8 @@ used while measured (CPU), and whether it lived. Usage (repository root)::
 
     python bench/index_attacks.py [--seconds 5] [--only NAME ...] [--honest-clients 200] [--out ...]
         [--alternate] [--pin-cores] [--attacker-address 127.0.0.2] [--pods] [--time-budget S]
-    python bench/index_attacks.py --loop [--seconds 5] [--out ...]   # longest event-loop callbacks instead
+    python bench/index_attacks.py --loop [--seconds 5] [--only alone NAME ...] [--out ...]
+        # instead: the longest event-loop callbacks, and how often callbacks run long, per kind
 
 Each attack is what an unauthenticated peer, a broken client or a client
 holding the token could do (see ``ATTACKS``); the index's limits are its
@@ -51,8 +52,10 @@ by peer address midway (``peers_connected``, from ``/proc/net/tcp``).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import json
+import logging
 import multiprocessing
 import os
 import shlex
@@ -634,48 +637,94 @@ def scenario(name: str, seconds: float, token_file: str, source: str, honest_cli
     return figures
 
 
-def longest_callbacks(name: str, seconds: float, source: str, pods: bool = False) -> list[list]:
+#: Wall-time thresholds of the long callbacks ``--loop`` counts: a heartbeat that arrives while one
+#: runs waits for the rest of it, so how often they come, not the longest, sets a p99 of 0.15 ms.
+LONG_CALLBACK_MS = (0.1, 0.2, 0.5)
+#: Seconds an attack runs before the normal client starts (and ``--loop`` starts counting), as in ``scenario``.
+BUILD_UP_S = 1.0
+
+
+def _callback_kind(callback) -> str:
+    """What an event-loop callback runs, in short: its qualified name (a task's: its coroutine's;
+    a transport's: with its connection's peer, as the normal client's own requests delay none
+    of its heartbeats)."""
+    owner = getattr(callback, "__self__", None)
+    if isinstance(owner, asyncio.Task):
+        return f"task {getattr(owner.get_coro(), '__qualname__', '?')}"
+    what = getattr(callback, "__qualname__", type(callback).__name__)
+    protocol = getattr(owner, "_protocol", None)  # a transport's
+    return f"{what} of {getattr(protocol, 'peer_key', '?')}" if protocol else what
+
+
+def longest_callbacks(name: str, seconds: float, source: str, pods: bool = False) -> dict:
     """The five longest event-loop callbacks of an index (in this process) while the attack runs
     (in another) and the normal client (in a third) keeps the index contended, as honest clients
     do: each in CPU milliseconds of the loop's thread, with what ran (what one request or turn
-    costs the others, whatever else the machine is running)."""
+    costs the others, whatever else the machine is running). And, per kind of callback
+    (``_callback_kind``), how many a second took longer than each of ``LONG_CALLBACK_MS`` in wall
+    time, and their share of the wall time, and of it on the CPU (the rest: the loop's thread
+    preempted), counted while the normal client runs: wall time is what a heartbeat waits for."""
     from asyncio import events
 
     from maru_core.index.launcher import ThreadedIndex
+    from maru_core.index.quotas import MAX_LEASE_EVICT_FRACTION, MAX_LEASE_PIN_FRACTION
+    from maru_core.index.registry import MAX_LEASE_POOL_FRACTION
 
     durations: list[tuple[float, str]] = []
+    long: dict[str, list[float]] = {}  # kind: [count over each threshold..., wall s, CPU s] of those over the first
+    counting_from = float("inf")
     run = events.Handle._run
 
     def timed(handle) -> None:
-        started = time.thread_time()
+        callback = handle._callback  # before it runs: a handle that cancels itself forgets it
+        started, wall_started = time.thread_time(), time.perf_counter()
         run(handle)
-        took = time.thread_time() - started
+        wall, took = time.perf_counter() - wall_started, time.thread_time() - started
         if took > 2e-4:
-            callback = handle._callback
             what = getattr(callback, "__qualname__", type(callback).__name__)
             protocol = getattr(getattr(callback, "__self__", None), "_protocol", None)  # a transport's
             durations.append((took, f"{what} of {getattr(protocol, 'peer_key', '?')}" if protocol else what))
+        if wall > LONG_CALLBACK_MS[0] / 1000 and wall_started >= counting_from:
+            counts = long.setdefault(_callback_kind(callback), [0.0] * (len(LONG_CALLBACK_MS) + 2))
+            for i, ms in enumerate(LONG_CALLBACK_MS):
+                counts[i] += wall > ms / 1000
+            counts[-2] += wall
+            counts[-1] += took
 
     pool_path = unique_shm_path("bench-attacks-loop")
     pool = Pool.create(pool_path, 256 * 1024 * 1024, page_size=4096)
     ctx = multiprocessing.get_context("spawn")
     stop = ctx.Event()
+    logging.getLogger("maru_core").setLevel(logging.ERROR)  # as the served index's --log-level ERROR
     try:
-        with ThreadedIndex(pool, token=TOKEN) as index:
+        # the served index's quotas, not ThreadedIndex's (none)
+        with ThreadedIndex(pool, token=TOKEN, max_lease_pool_fraction=MAX_LEASE_POOL_FRACTION,
+                           max_lease_pin_fraction=MAX_LEASE_PIN_FRACTION,
+                           max_lease_evict_fraction=MAX_LEASE_EVICT_FRACTION,
+                           max_peer_pool_fraction=MAX_LEASE_POOL_FRACTION, max_peer_pin_fraction=MAX_LEASE_PIN_FRACTION,
+                           max_peer_evict_fraction=MAX_LEASE_EVICT_FRACTION) as index:  # fmt: skip
             keys = _store(index.url, pool_path, NORMAL_KEYS, credential("client", pods))
             # As a served index does: else a full collection walks this process's whole heap
             # (numpy, the keys) in the index's thread, and shows as a long callback.
             freeze_startup_objects()
             events.Handle._run = timed
-            who = attacker_of(name, source, pods)
-            attacker = ctx.Process(target=_run_attack, args=(name, index.url, stop, pool_path, who), daemon=True)
+            attacker = None
+            if name != "alone":
+                who = attacker_of(name, source, pods)
+                attacker = ctx.Process(target=_run_attack, args=(name, index.url, stop, pool_path, who), daemon=True)
+                attacker.start()
+                time.sleep(BUILD_UP_S)
             normal = ctx.Process(target=measure, args=(index.url, keys, seconds, credential("client", pods)),
                                  daemon=True)  # fmt: skip
-            attacker.start()
+            counting_from = time.perf_counter()
             normal.start()
             time.sleep(seconds)
+            counted_s = time.perf_counter() - counting_from
+            counting_from = float("inf")
             stop.set()
             for process in (attacker, normal):
+                if process is None:
+                    continue
                 process.join(10)
                 if process.is_alive():
                     process.kill()
@@ -685,16 +734,34 @@ def longest_callbacks(name: str, seconds: float, source: str, pods: bool = False
         gc.unfreeze()
         pool.close()
         os.unlink(pool_path)
-    return [[round(1000 * d, 2), what] for d, what in sorted(durations, reverse=True)[:5]]
+    per_kind = {kind: {**{f"per_s_over_{ms}ms": round(c[i] / counted_s, 1) for i, ms in enumerate(LONG_CALLBACK_MS)},
+                       "wall_share": round(c[-2] / counted_s, 4), "cpu_share": round(c[-1] / counted_s, 4)}
+                for kind, c in sorted(long.items(), key=lambda item: -item[1][-2])}  # fmt: skip
+    return {"longest_ms": [[round(1000 * d, 2), what] for d, what in sorted(durations, reverse=True)[:5]],
+            "long_callbacks": per_kind}
+
+
+def _long_lines(per_kind: dict) -> str:
+    """``longest_callbacks``'s counts per kind, a line each, with their sum."""
+    total = {key: round(sum(k[key] for k in per_kind.values()), 4) for key in next(iter(per_kind.values()), {})}
+    heading = " ".join(f"{f'>{ms}ms/s':>9}" for ms in LONG_CALLBACK_MS)
+    lines = [f"    {'callback (wall time)':58} {heading} {'wall%':>6} {'CPU%':>6}"]
+    for kind, k in [*per_kind.items(), *([("all", total)] if total else [])]:
+        counts = " ".join(f"{k[f'per_s_over_{ms}ms']:>9g}" for ms in LONG_CALLBACK_MS)
+        lines.append(f"    {kind[:58]:58} {counts} {100 * k['wall_share']:>6.2f} {100 * k['cpu_share']:>6.2f}")
+    return "\n".join(lines)
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=5.0, help="seconds measured per scenario (default 5)")
-    parser.add_argument("--only", nargs="*", choices=sorted(ATTACKS), help="run only these attacks")
+    parser.add_argument("--only", nargs="*", choices=sorted([*ATTACKS, "alone"]),
+                        help="run only these attacks (with --loop, 'alone' is a run without one)")
     parser.add_argument("--out", help="write the figures as JSON here (after every scenario)")
     parser.add_argument("--loop", action="store_true",
-                        help="measure instead the longest event-loop callbacks (CPU ms) of an index in this process")
+                        help="measure instead the longest event-loop callbacks (CPU ms) of an index in this process, "
+                             "and per kind of callback how many a second run longer than 0.1, 0.2 and 0.5 ms "
+                             "(wall time) and their share of the time")
     parser.add_argument("--honest-clients", type=int, default=0,
                         help="also run this many clients behind the normal client's address, a heartbeat every "
                              "0.5 s each, and report how many got in and their answers per second")
@@ -749,6 +816,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     _check_address(parser, args.attacker_address, args.pods)
+    if "alone" in (args.only or []) and not args.loop:
+        parser.error("--only alone is a run without an attack for --loop; every other run has its baseline")
     cores = None
     if args.pin_cores:
         try:
@@ -765,8 +834,10 @@ def main(argv: list[str] | None = None) -> int:
         loop_results = {}
         for name in args.only or ATTACKS:
             loop_results[name] = longest_callbacks(name, args.seconds, args.attacker_address, args.pods)
-            print(f"{name:16} longest callbacks, CPU ms: {loop_results[name]}", flush=True)
-        _write(args.out, {**header, "longest_callbacks_ms": loop_results})
+            print(f"{name:16} longest callbacks, CPU ms: {loop_results[name]['longest_ms']}", flush=True)
+            print(_long_lines(loop_results[name]["long_callbacks"]), flush=True)
+            _write(args.out, {**header, "longest_callbacks_ms": {n: r["longest_ms"] for n, r in loop_results.items()},
+                              "long_callbacks": {n: r["long_callbacks"] for n, r in loop_results.items()}})
         return 0
     workdir = tempfile.mkdtemp(prefix="bench-attacks-")
     token_file = os.path.join(workdir, "token")

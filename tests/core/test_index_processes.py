@@ -259,13 +259,13 @@ def test_the_fairness_and_budget_flags_set_the_server_s_limits():
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     required = ["--pool", "/dev/shm/unused", "--listen", "tcp://127.0.0.1:0"]
-    args = parser.parse_args([*required, "--turn-ms", "2", "--shared-turn-ms", "0.05",
+    args = parser.parse_args([*required, "--turn-ms", "2", "--shared-turn-ms", "0.1",
                               "--peer-receive-rate-mib", "16", "--peer-receive-burst-mib", "8"])
     limits = server_limits(args)
-    assert (limits.turn_s, limits.shared_turn_s) == (0.002, 0.00005)
+    assert (limits.turn_s, limits.shared_turn_s) == (0.002, 0.0001)
     assert (limits.peer_receive_rate, limits.peer_receive_burst) == (16 << 20, 8 << 20)
     defaults = server_limits(parser.parse_args(required))
-    assert (defaults.turn_s, defaults.shared_turn_s) == (0.001, 0.0002)
+    assert (defaults.turn_s, defaults.shared_turn_s) == (0.001, 0.00005)
 
 
 @pytest.mark.parametrize(

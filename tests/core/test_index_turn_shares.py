@@ -2,10 +2,12 @@
 of ``turn_s`` while one peer is served alone, ``shared_turn_s`` once another
 peer took a turn within ``CONTENDED_WINDOW_S``; a lone
 client's large request runs slices back to back for its whole share, and
-one that starts while the loop is contended runs in quarter slices; the
+one that starts while the loop is contended runs in quarter slices; no
+job's slice and no accept begins that would likely end past its turn; the
 acceptor takes one connection per callback at least, however short its
-turn; a lease at its page quota is refused a large reserve before any of its
-keys is looked up.
+turn, and turns of a shared share while any peer is served; a lease at
+its page quota is refused a large reserve before any of its keys is looked
+up.
 
 ``maru_core.index.turns`` names are read through the module inside each test
 (``turns.CONTENDED_WINDOW_S``): each test stands or falls on its own.
@@ -14,6 +16,7 @@ keys is looked up.
 from __future__ import annotations
 
 import asyncio
+import select
 import socket
 import time
 from dataclasses import dataclass
@@ -21,6 +24,8 @@ from types import SimpleNamespace
 
 import pytest
 
+import maru_core.index.accept as accept
+import maru_core.index.connection as connection
 import maru_core.index.turns as turns
 from maru_core.index.accept import ACCEPT_BATCH, Acceptor, bind_tcp
 from maru_core.index.connection import Connection
@@ -132,6 +137,18 @@ def test_a_shared_share_is_never_longer_than_turn_s(loop, clock, shared_turn_s) 
     assert peer_turns.contended and peer_turns.share_s == TURN_S
 
 
+def test_the_acceptor_s_turn_is_a_shared_share_while_any_peer_is_served(loop, clock) -> None:
+    """An idle flood runs no peer's turn, so a lone client's loop was never contended and each
+    accept callback took 1 ms: a fifth of that client's requests waited for one."""
+    peer_turns = PeerTurns(loop, TURN_S, SHARED_TURN_S)
+    assert peer_turns.accept_share_s == TURN_S  # nobody served: accept in whole turns
+    assert take_turn(peer_turns, Taker("10.0.0.1"), clock) == "ran"
+    assert not peer_turns.contended and peer_turns.share_s == TURN_S  # the peer's own shares stay long
+    assert peer_turns.accept_share_s == SHARED_TURN_S
+    clock.now += turns.CONTENDED_WINDOW_S + 0.001
+    assert peer_turns.accept_share_s == TURN_S
+
+
 # -- sliced jobs on a real index ---------------------------------------------------------------
 
 
@@ -220,6 +237,34 @@ def test_a_large_request_that_starts_right_after_another_peer_s_runs_in_quarter_
         assert index.on_loop(server._slice_keys_now) == 2
         assert index.on_loop(server._lookup_slice_keys) == 8
         mine.close(), other.close()
+
+
+def test_a_job_begins_no_slice_that_would_end_past_its_share(monkeypatch) -> None:
+    """A slice begun with any time left ran up to a whole slice past the share (a 0.15 ms slice
+    in a 0.2 ms share: 0.3 ms), and another peer's request that arrived meanwhile waited for it."""
+    clock = SimpleNamespace(now=100.0)
+    monkeypatch.setattr(connection, "time", SimpleNamespace(perf_counter=lambda: clock.now, monotonic=time.monotonic))
+    waits: list = []
+    host = SimpleNamespace(limits=ServerLimits(), check_receive_growth=lambda current, wanted: None,
+                           turns=SimpleNamespace(share_s=0.0004, wait_turn=lambda conn, turn: waits.append(turn)))
+    conn = Connection(host, "10.0.0.1")
+    steps: list[float] = []
+
+    def job():
+        for _ in range(10):
+            clock.now += 0.00015  # a slice of 0.15 ms
+            steps.append(clock.now)
+            yield
+        return None
+
+    conn._job = job()
+    next(conn._job)  # the first slice, as ``handle`` runs it
+    started = clock.now
+    conn._step_job()
+    assert len(steps) == 3 and clock.now - started <= 0.0004, [round(t - started, 6) for t in steps]
+    assert waits == [conn._step_job]  # the rest at its next turn
+    conn._step_job()
+    assert len(steps) == 5
 
 
 # -- the early quota refusal -------------------------------------------------------------------
@@ -372,6 +417,68 @@ def test_an_accept_callback_with_no_turn_given_takes_several_connections() -> No
     per_callback, taken = accept_all(6)
     assert taken == 6
     assert max(per_callback) > 1 and max(per_callback) <= ACCEPT_BATCH, per_callback
+
+
+def refusing_acceptor_run(monkeypatch, turn_s: float, cost_s: float, queue_fill: float = 0.0):
+    """One accept callback over a backlog of 10 connections, each refused at ``cost_s`` of a
+    fake clock, with a turn of ``turn_s``: (refused, seconds the callback took, its pauses)."""
+    clock = SimpleNamespace(now=100.0)
+    monkeypatch.setattr(accept, "time", SimpleNamespace(perf_counter=lambda: clock.now, monotonic=time.monotonic))
+    monkeypatch.setattr(accept, "queue_fill", lambda sock: queue_fill)
+    loop = asyncio.new_event_loop()
+    listener = bind_tcp("127.0.0.1", 0)[0]
+    refused: list[socket.socket] = []
+
+    def refuse(sock: socket.socket, address: object) -> bool:
+        clock.now += cost_s
+        sock.close()
+        refused.append(sock)
+        return False
+
+    acceptor = Acceptor(loop, listener, refuse, turn=lambda: turn_s)
+    pauses: list[float] = []
+    acceptor._pause = pauses.append
+    clients = [socket.create_connection(listener.getsockname(), timeout=5) for _ in range(10)]
+    try:
+        assert wait_for(lambda: select.select([listener], [], [], 0)[0], 5)
+        time.sleep(0.05)  # the whole backlog queued
+        acceptor._accept_some()
+        return len(refused), clock.now - 100.0, pauses
+    finally:
+        acceptor.close()
+        for sock in clients:
+            sock.close()
+        loop.close()
+
+
+def test_an_accept_callback_begins_no_accept_that_would_end_past_its_turn(monkeypatch) -> None:
+    """Accepting and resetting a connection costs about 0.1 ms: a callback that began one
+    with any time left ran up to that much past its turn, and a served client's request waited."""
+    refused, took_s, pauses = refusing_acceptor_run(monkeypatch, turn_s=0.0004, cost_s=0.00015)
+    assert refused == 2 and took_s <= 0.0004, (refused, took_s)  # a third would have ended at 0.45 ms
+    assert pauses == [accept.REFUSED_PAUSE_S]
+    refused, took_s, _ = refusing_acceptor_run(monkeypatch, turn_s=0.0, cost_s=0.00015)
+    assert refused == 1  # one at least, however short the turn
+
+
+def test_a_drained_flood_pauses_as_long_again_as_a_short_turn(monkeypatch) -> None:
+    """Shorter accept turns while peers are served must not drain a flood that fills the accept
+    queue any slower: the pause after one is as much shorter (the same share of the loop)."""
+    _, took_s, pauses = refusing_acceptor_run(monkeypatch, turn_s=0.0004, cost_s=0.00015, queue_fill=0.9)
+    assert len(pauses) == 1 and pauses[0] == pytest.approx(accept.DRAIN_PAUSE_S * took_s / accept.ACCEPT_TURN_S)
+    _, took_s, pauses = refusing_acceptor_run(monkeypatch, turn_s=0.01, cost_s=0.002, queue_fill=0.9)
+    assert took_s > accept.ACCEPT_TURN_S and pauses == [accept.DRAIN_PAUSE_S]  # a whole turn: the whole pause
+
+
+def test_an_index_s_accept_turns_are_shared_while_a_client_is_served(pool) -> None:
+    with ThreadedIndex(pool, token=TOKEN) as index:
+        server = server_of(index)
+        raw = Raw(index.url)
+        raw.hello()
+        assert raw.call(op="heartbeat")["ok"]
+        assert not contended(index)  # one peer: its own shares stay whole
+        assert index.on_loop(lambda: server._acceptors[0]._turn()) == server.limits.shared_turn_s
+        raw.close()
 
 
 # -- large replies -----------------------------------------------------------------------------

@@ -12,10 +12,12 @@ the peer's budget and either makes it a connection (it is taken) or closes
 it at once (refused).
 
 A callback also stops after ``ACCEPT_TURN_S`` of work, refusals included
-(or less: the server's turns shorten it while peers are served,
-``maru_core.index.turns``):
-accepting and resetting a loopback connection costs about 100 µs of kernel
-time on a small VM. When a callback refused every socket it accepted (a
+(or less: the server's turns shorten it to their shared share while any peer is served,
+``maru_core.index.turns``), and begins no accept that would likely end past
+that (one as long as the longest of the callback so far): accepting and
+resetting a loopback connection costs about 100 µs of kernel time on a
+small VM, and a served client's request that arrives meanwhile waits for
+the rest of the callback. When a callback refused every socket it accepted (a
 flood from peers over their budgets), accepting pauses for
 ``REFUSED_PAUSE_S``, so a slow flood costs the index little, unless the
 flood filled the kernel's accept queue half or more during a pause
@@ -25,10 +27,11 @@ peer's connect waits a second for its SYN's retransmit, then two, then
 four. A 16-core run of wrong-token hellos from one address likely cost 200
 honest clients behind another about a second each that way
 (``bench/RESULTS.md``). So a callback that finds the queue half full starts
-``DRAIN_HOLD_S`` of pauses ten times shorter (``DRAIN_PAUSE_S``): the flood
-is drained a turn at a time between the turns of those already served, ten
-times faster, at a bounded cost of the index's spare CPU (a turn per
-millisecond at most), and a neighbour's connect is taken within a few turns.
+``DRAIN_HOLD_S`` of pauses ten times shorter (``DRAIN_PAUSE_S`` after a whole
+``ACCEPT_TURN_S``; after a shorter turn, as much shorter): the flood is
+drained a turn at a time between the turns of those already served, ten
+times faster, at a bounded cost of the index's spare CPU (half of it at
+most), and a neighbour's connect is taken within a few turns.
 """
 
 from __future__ import annotations
@@ -163,8 +166,14 @@ class Acceptor:
             self._drain_until = time.monotonic() + DRAIN_HOLD_S
         taken = refused = tried = 0
         turn_s = ACCEPT_TURN_S if self._turn is None else min(ACCEPT_TURN_S, self._turn())
-        turn_ends = time.perf_counter() + turn_s
-        while taken < self._batch and (not tried or time.perf_counter() < turn_ends):  # one try at least
+        started = before = time.perf_counter()
+        turn_ends, longest = started + turn_s, 0.0
+        while taken < self._batch:
+            now = time.perf_counter()
+            longest = max(longest, now - before)  # the longest accept yet (taken or refused: ~0.1 ms)
+            if tried and now + longest > turn_ends:
+                break  # one try at least; none that would likely end past the turn
+            before = now
             tried += 1
             try:
                 conn, address = self.sock.accept()
@@ -184,7 +193,10 @@ class Acceptor:
             elif outcome is not None:
                 refused += 1
         if refused and not taken:
-            self._pause(DRAIN_PAUSE_S if time.monotonic() < self._drain_until else REFUSED_PAUSE_S)
+            if time.monotonic() < self._drain_until:  # as long again as this turn took: the same share
+                self._pause(DRAIN_PAUSE_S * min(1.0, (time.perf_counter() - started) / ACCEPT_TURN_S))
+            else:
+                self._pause(REFUSED_PAUSE_S)
 
     def _pause(self, seconds: float) -> None:
         self._stop_watching()

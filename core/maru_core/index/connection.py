@@ -10,9 +10,9 @@ order, so a pipelined client gets its replies in the order it sent them.
 Fairness: a connection answers buffered frames for at most its peer's
 share of event-loop time (``maru_core.index.turns``: every waiting peer
 gets one share per round, however many connections it has; 1 ms while it
-is served alone, 0.2 ms while others are too), then stops reading and
+is served alone, 0.05 ms while others are too), then stops reading and
 waits for its peer's next turn; a sliced request (see ``IndexServer``)
-likewise runs slices until its turn is used (one at least). So a peer that
+likewise runs slices while one more would fit its turn (one at least). So a peer that
 pipelines thousands of requests, on one connection or on twenty, delays
 the others by one turn, not by its whole backlog.
 """
@@ -299,14 +299,23 @@ class Connection(asyncio.BufferedProtocol):
 
     def _step_job(self) -> None:
         """Run the job's next slices until this turn is used (one at least: the first
-        ran in ``handle``); when it is done, send its reply and go on reading."""
+        ran in ``handle``), beginning none that would likely end past it (one as long
+        as the longest of this turn so far: a slice that began with a little time left
+        ran a whole slice past the share, and another peer's request waited for it);
+        when it is done, send its reply and go on reading."""
         job = self._job
         if job is None:
             return  # the connection closed meanwhile
-        turn_ends = time.perf_counter() + self._server.turns.share_s
+        before = time.perf_counter()
+        turn_ends, longest = before + self._server.turns.share_s, 0.0
         try:
             next(job)
-            while time.perf_counter() < turn_ends:
+            while True:
+                now = time.perf_counter()
+                longest = max(longest, now - before)
+                if now + longest > turn_ends:
+                    break
+                before = now
                 next(job)
         except StopIteration as done:
             self._job = None

@@ -103,7 +103,7 @@ class ServerLimits:
     max_leases_per_connection: int = 4
     pre_auth_frame_bytes: int = PRE_AUTH_FRAME_BYTES
     turn_s: float = 0.001
-    shared_turn_s: float = 0.0002
+    shared_turn_s: float = 0.00005
     peer_connection_rate: float = PEER_CONNECTION_RATE
     peer_connection_burst: int = PEER_CONNECTION_BURST
     peer_auth_failure_rate: float = PEER_AUTH_FAILURE_RATE

@@ -118,7 +118,7 @@ _ALWAYS_SLICED = frozenset({Op.UNPIN, Op.BYE, Op.MATCH_PREFIXES, Op.LIST_OBJECTS
 #: Keys per slice of a large ``commit`` or ``abort`` (a slice is about a millisecond of work).
 SLICE_KEYS = 2048
 #: While other peers are served too (``PeerTurns.contended``), a large request that starts then
-#: runs in slices this many times smaller (a slice about one share of 0.2 ms), at some cost in
+#: runs in slices this many times smaller (a slice about 0.2 ms, a few shares), at some cost in
 #: its own time: the others wait for a slice at most.
 CONTENDED_SLICE_DIVISOR = 4
 #: SO_LINGER on, zero seconds: close() resets the connection.
@@ -243,7 +243,8 @@ class IndexServer:
         else:
             sockets = bind_tcp(address.host, address.port)
             bound = TcpAddress(address.host, sockets[0].getsockname()[1])
-        self._acceptors = [Acceptor(self._loop, sock, self._accepted, lambda: turns.share_s) for sock in sockets]
+        self._acceptors = [Acceptor(self._loop, sock, self._accepted, lambda: turns.accept_share_s)
+                           for sock in sockets]
         for acceptor in self._acceptors:
             acceptor.start()
         self._tasks = [

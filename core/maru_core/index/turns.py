@@ -25,12 +25,24 @@ How long a share is depends on who else is served. While one peer has the
 index to itself, a share is ``turn_s`` (1 ms): a lone engine's large
 lookups and pipelines run with few passes of the loop, none of them spent
 waiting for nobody. Once another peer has run within the last
-``CONTENDED_WINDOW_S``, a share is ``shared_turn_s`` (0.2 ms): a request
+``CONTENDED_WINDOW_S``, a share is ``shared_turn_s`` (0.05 ms): a request
 that arrives while a peer keeps the index busy (pipelined requests, a large
 request's slices, a large reply's pieces; the acceptor's bursts take no
-longer either) waits for at most about that, plus the request under way.
+longer either) waits for at most about that, plus the request or slice
+under way. At 0.2 ms a token holder pipelining cheap requests took an
+honest heartbeat's p99 on 16 cores to 2.8-3.2 times its baseline; at 0.05
+ms, 1.2-1.6 times (``bench/RESULTS.md``).
 A peer cannot keep its shares long by itself: the other peers' requests
 are what shortens them.
+
+Work done for no peer, the acceptor's (``maru_core.index.accept``), takes
+turns of ``accept_share_s``: ``shared_turn_s`` as soon as any peer has run
+within ``CONTENDED_WINDOW_S``, not only once two have. A flood of
+connections that never send (refused at accept, or idle) runs no turn of a
+peer, yet a served client's request that arrives during an accept turn
+waits for the rest of it: with turns of 1 ms, an idle flood's accepts ran
+in callbacks of 1 ms for a fifth of the loop's time (on 2 cores), and a
+lone client's heartbeats waited for them.
 """
 
 from __future__ import annotations
@@ -64,6 +76,7 @@ class PeerTurns:
         self._shared_s = min(turn_s, shared_turn_s if shared_turn_s is not None else turn_s)
         self._last_peer: str | None = None
         self._contended_until = 0.0  # perf_counter time until which shares are ``shared_turn_s``
+        self._served_until = 0.0  # perf_counter time until which accept turns are ``shared_turn_s``
         # per peer, its connections waiting for a turn, oldest first; peers in the order they began to wait
         self._waiting: dict[str, collections.OrderedDict[TurnTaker, Callable[[], None]]] = {}
         self._used: dict[str, float] = {}  # loop time each peer used this round
@@ -79,7 +92,14 @@ class PeerTurns:
         """A peer's share of a round now: ``shared_turn_s`` while the loop is contended, else ``turn_s``."""
         return self._shared_s if self.contended else self._alone_s
 
+    @property
+    def accept_share_s(self) -> float:
+        """How long the acceptor may take a callback now: ``shared_turn_s`` while any peer was
+        served within ``CONTENDED_WINDOW_S`` (its requests would wait for the acceptor), else ``turn_s``."""
+        return self._shared_s if time.perf_counter() < self._served_until else self._alone_s
+
     def _note(self, peer: str, now: float) -> None:
+        self._served_until = now + CONTENDED_WINDOW_S
         if peer != self._last_peer:
             if self._last_peer is not None:
                 self._contended_until = now + CONTENDED_WINDOW_S
