@@ -8,21 +8,17 @@
 # into OUT_DIR and prints its summary; a stage that fails does not stop the
 # others (the script exits non-zero at the end).
 #
-# Last run (bench/RESULTS.md: "Verified loads" round 9, "A 16-core run on a
-# noisier host"): on an H200 and two H100s,
+# Last run (bench/RESULTS.md: "Verified loads" round 10, "Accept and slice
+# turns that end on time"): one H100 lease,
 #   bash bench/run_h200.sh OUT cuda-tests
-#   python3 bench/ttft_gpu.py --formats chunkwise layerwise --sizes 4096 \
-#       --modes sync_overlap_graphs sync_overlap_graphs_unverified \
-#       --profile 4096/sync_overlap_graphs 4096/sync_overlap_graphs_unverified
-#   bash bench/verify_h200.sh OUT ahead-ab; bash bench/attacks_16core.sh OUT
-# Next lease, on a quiet host (the unverified 4k hit's median steady within
-# 0.1 ms from run to run, as round 8's was): `cuda-tests`, then the 4k A/B
-# in both formats and both rounds, `AHEAD_AB_ROUNDS="1 2" bash
-# bench/verify_h200.sh OUT ahead-ab`, which settles the 2 % target for 4k
-# hits; then a contended share of 0.05 ms against 0.2 for the attacks that
-# saturate the index:
-#   bash bench/attacks_16core.sh OUT --seconds 3 --only stats_pipeline hello_flood \
-#       many_connections_pipelining --index-args "--shared-turn-ms 0.05"   (and 0.2)
+#   SKIP_CUDA_TESTS=1 PAIRED_ARMS="SCATTER_BATCHES=0 SCATTER_BATCHES=1" \
+#       bash bench/verify_h200.sh OUT paired-ab
+#   bash bench/attacks_16core.sh OUT
+# Next lease: the paired A/B for 16k and 32k hits and 4k + 512 on an H200
+# (`python3 bench/ttft_gpu.py --paired --sizes 16384 32768 --partial 4096 512
+# --modes sync_overlap_graphs sync_overlap_graphs_unverified --repeats 21`),
+# and `bash bench/attacks_16core.sh OUT` once pin_flood's and reserve_flood's
+# single long callbacks are split.
 set -u
 out=${1:?usage: run_h200.sh OUT_DIR [STAGE ...]}
 shift
