@@ -681,9 +681,7 @@ def longest_callbacks(name: str, seconds: float, source: str, pods: bool = False
         run(handle)
         wall, took = time.perf_counter() - wall_started, time.thread_time() - started
         if took > 2e-4:
-            what = getattr(callback, "__qualname__", type(callback).__name__)
-            protocol = getattr(getattr(callback, "__self__", None), "_protocol", None)  # a transport's
-            durations.append((took, f"{what} of {getattr(protocol, 'peer_key', '?')}" if protocol else what))
+            durations.append((took, _callback_kind(callback)))
         if wall > LONG_CALLBACK_MS[0] / 1000 and wall_started >= counting_from:
             counts = long.setdefault(_callback_kind(callback), [0.0] * (len(LONG_CALLBACK_MS) + 2))
             for i, ms in enumerate(LONG_CALLBACK_MS):

@@ -419,8 +419,8 @@ class Bench:
                     row.update(self.paired_case(cl, fmt, toks, cached))
                     progress(f"{fmt} {case}: " + ", ".join(
                         f"{v} {ms(row[v]['median_s'])}" for v in variants(args)))
-                    for line in paired_ratios(row, args):
-                        progress(f"  {line}")
+                    for name, r in paired_ratios(row, args).items():
+                        progress(f"  {ratio_line(name, r)}")
                     rows[case] = row
                     continue
                 for mode in args.modes:
@@ -528,20 +528,23 @@ def variants(args) -> dict:
             for arm in (args.arms or [None]) for mode in args.modes}
 
 
-def paired_ratios(row: dict, args) -> list[str]:
+def paired_ratios(row: dict, args) -> dict:
     """Each verified variant's TTFT over its unverified twin's, round by
-    round: the median and quartiles of those ratios, as a cost."""
-    lines = []
+    round: the ratios, their median and quartiles (kept in ``row["paired"]``)."""
+    paired = row.setdefault("paired", {})
     for name, (mode, _) in variants(args).items():
         twin = name.replace(mode, f"{mode}_unverified", 1)
         if twin == name or twin not in row:
             continue
         ratios = sorted(a / b for a, b in zip(row[name]["ttft_s"], row[twin]["ttft_s"]))
         q1, q2, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
-        row.setdefault("paired", {})[name] = {"ratios": ratios, "median": q2, "q1": q1, "q3": q3}
-        lines.append(f"{name} / its unverified twin, {len(ratios)} rounds: median {q2 - 1:+.1%} "
-                     f"(quartiles {q1 - 1:+.1%} .. {q3 - 1:+.1%})")
-    return lines
+        paired[name] = {"ratios": ratios, "median": q2, "q1": q1, "q3": q3}
+    return paired
+
+
+def ratio_line(name: str, r: dict) -> str:
+    return (f"{name} / its unverified twin, paired over {len(r['ratios'])} rounds: median "
+            f"{r['median'] - 1:+.1%} (quartiles {r['q1'] - 1:+.1%} .. {r['q3'] - 1:+.1%})")
 
 
 def table(result) -> str:
@@ -575,9 +578,7 @@ def table(result) -> str:
             lines.append("| " + " | ".join(cells) + " |")
         for case, row in fmt["hits"].items():
             for name, r in row.get("paired", {}).items():
-                lines.append(f"- {case} {name} / its unverified twin, paired over {len(r['ratios'])} "
-                             f"rounds: median {r['median'] - 1:+.1%} (quartiles {r['q1'] - 1:+.1%} "
-                             f".. {r['q3'] - 1:+.1%})")
+                lines.append(f"- {case} {ratio_line(name, r)}")
         sc = fmt["store_cost"]
         lines.append(f"\nstore: prefill {ms(sc['plain_s'])} without connector, "
                      f"{ms(sc['store_s'])} with async store (cost {sc['cost_ratio']:+.1%}); "

@@ -64,7 +64,7 @@ SUM_BATCHES = True
 # their common stride, where the layers are evenly spaced), not a copy per
 # fill: each scatter is 50-65 us of host time, and a full hit's issue on the
 # engine thread comes before its forward starts: a verified 4k-token hit's
-# cost fell from +4.8-6.2 % to +1.6-1.8 % (bench/RESULTS.md, round 10). Not
+# cost fell from +4.4-6.2 % to +1.6-2.6 % (bench/RESULTS.md, round 10). Not
 # for a load beside a long forward (a partial hit), which the forward
 # overtakes only at its first layers: there it cost 1.6-1.7 % more. (False:
 # a scatter per fill always, as before, for the A/B.)

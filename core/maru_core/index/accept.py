@@ -45,6 +45,7 @@ import time
 from typing import Callable
 
 from maru_core.index.listen import ListenError, RateLimitedLog
+from maru_core.index.turns import TurnEnd
 
 log = logging.getLogger(__name__)
 
@@ -165,15 +166,10 @@ class Acceptor:
         if queue_fill(self.sock) >= DRAIN_FROM_FILL:
             self._drain_until = time.monotonic() + DRAIN_HOLD_S
         taken = refused = tried = 0
-        turn_s = ACCEPT_TURN_S if self._turn is None else min(ACCEPT_TURN_S, self._turn())
-        started = before = time.perf_counter()
-        turn_ends, longest = started + turn_s, 0.0
+        turn = TurnEnd(ACCEPT_TURN_S if self._turn is None else min(ACCEPT_TURN_S, self._turn()), time.perf_counter)
         while taken < self._batch:
-            now = time.perf_counter()
-            longest = max(longest, now - before)  # the longest accept yet (taken or refused: ~0.1 ms)
-            if tried and now + longest > turn_ends:
-                break  # one try at least; none that would likely end past the turn
-            before = now
+            if tried and not turn.another_fits():  # an accept, taken or refused: ~0.1 ms
+                break  # one try at least
             tried += 1
             try:
                 conn, address = self.sock.accept()
@@ -194,7 +190,7 @@ class Acceptor:
                 refused += 1
         if refused and not taken:
             if time.monotonic() < self._drain_until:  # as long again as this turn took: the same share
-                self._pause(DRAIN_PAUSE_S * min(1.0, (time.perf_counter() - started) / ACCEPT_TURN_S))
+                self._pause(DRAIN_PAUSE_S * min(1.0, (time.perf_counter() - turn.started) / ACCEPT_TURN_S))
             else:
                 self._pause(REFUSED_PAUSE_S)
 

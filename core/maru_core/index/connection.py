@@ -23,6 +23,7 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Any, Generator, Protocol
 
+from maru_core.index.turns import TurnEnd
 from maru_core.protocol import ErrorType, FrameError, FrameTooLarge, ProtocolError, error_reply
 from maru_core.protocol.framing import MAX_FRAME_BYTES, FrameBuffer, FrameWriter
 
@@ -299,23 +300,15 @@ class Connection(asyncio.BufferedProtocol):
 
     def _step_job(self) -> None:
         """Run the job's next slices until this turn is used (one at least: the first
-        ran in ``handle``), beginning none that would likely end past it (one as long
-        as the longest of this turn so far: a slice that began with a little time left
-        ran a whole slice past the share, and another peer's request waited for it);
+        ran in ``handle``), beginning none that would likely end past it (``TurnEnd``);
         when it is done, send its reply and go on reading."""
         job = self._job
         if job is None:
             return  # the connection closed meanwhile
-        before = time.perf_counter()
-        turn_ends, longest = before + self._server.turns.share_s, 0.0
+        turn = TurnEnd(self._server.turns.share_s, time.perf_counter)
         try:
             next(job)
-            while True:
-                now = time.perf_counter()
-                longest = max(longest, now - before)
-                if now + longest > turn_ends:
-                    break
-                before = now
+            while turn.another_fits():
                 next(job)
         except StopIteration as done:
             self._job = None

@@ -59,6 +59,27 @@ log = logging.getLogger(__name__)
 CONTENDED_WINDOW_S = 0.5
 
 
+class TurnEnd:
+    """When one turn's steps (accepts, a job's slices) stop: no step begins that would
+    likely end past ``seconds`` from now, judged by the longest step of the turn so far
+    (a step begun with a little time left ran a whole step past the turn, and another
+    peer's request waited for it). ``clock`` is the caller's ``time.perf_counter``."""
+
+    def __init__(self, seconds: float, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self.started = self._before = clock()
+        self._ends = self.started + seconds
+        self._longest = 0.0
+
+    def another_fits(self) -> bool:
+        """Whether one more step, as long as the longest so far, ends within the turn (call it
+        after each step)."""
+        now = self._clock()
+        self._longest = max(self._longest, now - self._before)
+        self._before = now
+        return now + self._longest <= self._ends
+
+
 class TurnTaker(Hashable, Protocol):
     """What waits for a turn: a connection, with the peer whose share it uses."""
 
