@@ -359,14 +359,21 @@ class Connection(asyncio.BufferedProtocol):
         return None
 
     def close(self) -> None:
-        self._job = None
-        self.closed_by_server = True
+        self._closing()
         if self._transport is not None:
             self._transport.close()
 
     def abort(self) -> None:
         """Close now, dropping unsent replies (a peer that does not read them)."""
-        self._job = None
-        self.closed_by_server = True
+        self._closing()
         if self._transport is not None:
             self._transport.abort()
+
+    def _closing(self) -> None:
+        """Stop all work at once. The receive buffer goes now, not at ``connection_lost``:
+        asyncio calls that in a later pass of the loop, and until then a refused
+        frame's buffer counted against the cap on all of them, so the connections
+        read in the same pass were refused too (sometimes every one)."""
+        self._job = None
+        self.closed_by_server = True
+        self._frames.discard()

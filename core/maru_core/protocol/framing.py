@@ -263,6 +263,12 @@ class FrameBuffer:
             self.shrink(self._keep)
         return message
 
+    def discard(self) -> None:
+        """Drop what is buffered and give a grown buffer back at once (its connection is closing)."""
+        self._start = self._end = 0
+        if len(self._buf) > self._initial:
+            self._buf = bytearray(self._initial)  # a new one: a caller may still hold a view of the old
+
     def shrink(self, keep_bytes: int) -> bool:
         """Give back a buffer larger than ``keep_bytes`` while it holds nothing; whether it did."""
         if self._start != self._end or len(self._buf) <= keep_bytes:
