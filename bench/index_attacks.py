@@ -53,11 +53,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import gc
 import json
 import logging
 import multiprocessing
 import os
+import pstats
 import shlex
 import socket
 import statistics
@@ -656,14 +658,16 @@ def _callback_kind(callback) -> str:
     return f"{what} of {getattr(protocol, 'peer_key', '?')}" if protocol else what
 
 
-def longest_callbacks(name: str, seconds: float, source: str, pods: bool = False) -> dict:
+def longest_callbacks(name: str, seconds: float, source: str, pods: bool = False, profile_top: int = 0) -> dict:
     """The five longest event-loop callbacks of an index (in this process) while the attack runs
     (in another) and the normal client (in a third) keeps the index contended, as honest clients
     do: each in CPU milliseconds of the loop's thread, with what ran (what one request or turn
     costs the others, whatever else the machine is running). And, per kind of callback
     (``_callback_kind``), how many a second took longer than each of ``LONG_CALLBACK_MS`` in wall
     time, and their share of the wall time, and of it on the CPU (the rest: the loop's thread
-    preempted), counted while the normal client runs: wall time is what a heartbeat waits for."""
+    preempted), counted while the normal client runs: wall time is what a heartbeat waits for.
+    ``profile_top``: also the loop thread's ``profile_top`` functions of most own time meanwhile
+    (cProfile: what inside those callbacks costs; its overhead inflates every figure above)."""
     from asyncio import events
 
     from maru_core.index.launcher import ThreadedIndex
@@ -714,11 +718,16 @@ def longest_callbacks(name: str, seconds: float, source: str, pods: bool = False
                 time.sleep(BUILD_UP_S)
             normal = ctx.Process(target=measure, args=(index.url, keys, seconds, credential("client", pods)),
                                  daemon=True)  # fmt: skip
+            profiler = cProfile.Profile() if profile_top else None
+            if profiler is not None:
+                index.on_loop(profiler.enable)  # cProfile follows the thread that enables it
             counting_from = time.perf_counter()
             normal.start()
             time.sleep(seconds)
             counted_s = time.perf_counter() - counting_from
             counting_from = float("inf")
+            if profiler is not None:
+                index.on_loop(profiler.disable)
             stop.set()
             for process in (attacker, normal):
                 if process is None:
@@ -736,7 +745,15 @@ def longest_callbacks(name: str, seconds: float, source: str, pods: bool = False
                        "wall_share": round(c[-2] / counted_s, 4), "cpu_share": round(c[-1] / counted_s, 4)}
                 for kind, c in sorted(long.items(), key=lambda item: -item[1][-2])}  # fmt: skip
     return {"longest_ms": [[round(1000 * d, 2), what] for d, what in sorted(durations, reverse=True)[:5]],
-            "long_callbacks": per_kind}
+            "long_callbacks": per_kind, "profile": _top_functions(profiler, profile_top) if profiler else []}
+
+
+def _top_functions(profiler: cProfile.Profile, top: int) -> list[str]:
+    """The ``top`` functions of most own time, a line each: own and cumulative ms, calls, where."""
+    stats = pstats.Stats(profiler).stats  # (file, line, name): (calls, primitive, own s, cumulative s, callers)
+    ranked = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
+    return [f"{1000 * own:9.1f} {1000 * cumulative:9.1f} {calls:>8}  {os.path.basename(file)}:{line} {function}"
+            for (file, line, function), (_, calls, own, cumulative, _) in ranked]  # fmt: skip
 
 
 def _long_lines(per_kind: dict) -> str:
@@ -760,6 +777,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="measure instead the longest event-loop callbacks (CPU ms) of an index in this process, "
                              "and per kind of callback how many a second run longer than 0.1, 0.2 and 0.5 ms "
                              "(wall time) and their share of the time")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="with --loop: also list the N functions of the index's loop thread with the most "
+                             "own time while counting (cProfile, which slows every call it sees)")
     parser.add_argument("--honest-clients", type=int, default=0,
                         help="also run this many clients behind the normal client's address, a heartbeat every "
                              "0.5 s each, and report how many got in and their answers per second")
@@ -831,9 +851,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.loop:
         loop_results = {}
         for name in args.only or ATTACKS:
-            loop_results[name] = longest_callbacks(name, args.seconds, args.attacker_address, args.pods)
+            loop_results[name] = longest_callbacks(name, args.seconds, args.attacker_address, args.pods,
+                                                   args.profile)  # fmt: skip
             print(f"{name:16} longest callbacks, CPU ms: {loop_results[name]['longest_ms']}", flush=True)
             print(_long_lines(loop_results[name]["long_callbacks"]), flush=True)
+            if args.profile:
+                print(f"    {'own ms':>9} {'cum ms':>9} {'calls':>8}  the loop thread's functions of most own time",
+                      *loop_results[name]["profile"], sep="\n    ", flush=True)  # fmt: skip
             _write(args.out, {**header, "longest_callbacks_ms": {n: r["longest_ms"] for n, r in loop_results.items()},
                               "long_callbacks": {n: r["long_callbacks"] for n, r in loop_results.items()}})
         return 0

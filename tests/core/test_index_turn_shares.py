@@ -297,7 +297,7 @@ def test_a_lease_at_its_page_quota_is_refused_before_its_keys_are_looked_up(monk
         next(steps)  # the first step
     assert refused.value.quota == quota
     flag = "--max-lease-pool-fraction" if quota == "reservations" else "--max-peer-pool-fraction"
-    assert flag in str(refused.value) and "asks for 50 more" in str(refused.value)
+    assert flag in str(refused.value) and "asks for at least 50 more" in str(refused.value)
     assert looked_up == []
     assert reg.stats().reserved_keys == 25
     accounting_adds_up(reg)

@@ -78,6 +78,48 @@ def test_a_key_stored_again_between_steps_at_another_place_is_not_pinned_at_its_
     assert reg._records.pins.sum() == len(keys)
 
 
+def _interleaved(*operations):
+    """Run sliced operations a step each in turn until all are done; their results in order."""
+    results: list = [None] * len(operations)
+    running = dict(enumerate(operations))
+    while running:
+        for i, steps in list(running.items()):
+            try:
+                next(steps)
+            except StopIteration as done:
+                results[i] = done.value
+                del running[i]
+    return results
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(first=st.lists(st.integers(0, 39), min_size=1, max_size=30),
+       second=st.lists(st.integers(0, 39), min_size=1, max_size=30),
+       slice_keys=st.integers(1, 4), unpin_first=st.booleans())
+def test_one_lease_s_retrieves_interleaved_step_by_step_pin_as_the_two_in_turn(
+        first, second, slice_keys, unpin_first) -> None:
+    """A large retrieve plans its pin among the lease's pins a slice per step; the
+    lease's other calls may change those pins between the slices (a plan then gone
+    stale is made again in the step that pins), and the pins end as if the two
+    retrieves had run one after the other."""
+    (whole, w_lease), (sliced, s_lease) = _twin_registries(list(range(40)))
+    keys_1, keys_2 = (b"".join(key(i) for i in asked) for asked in (first, second))
+    for reg, lease in ((whole, w_lease), (sliced, s_lease)):
+        reg.retrieve(lease, keys_2)  # pins of the lease's own for the plans to be made among
+    if unpin_first:
+        whole.unpin(w_lease, keys_2)
+    want = [whole.retrieve(w_lease, keys_1), whole.retrieve(w_lease, keys_2)]
+    operations = [sliced.retrieve_sliced(s_lease, keys_1, slice_keys)]
+    if unpin_first:
+        operations.insert(0, sliced.unpin_sliced(s_lease, keys_2, slice_keys))
+    got = _interleaved(*operations, sliced.retrieve_sliced(s_lease, keys_2, slice_keys))[-2:]
+    assert [bytes(g.to_wire()) for g in got] == [bytes(w.to_wire()) for w in want]
+    assert np.array_equal(sliced._records.pins, whole._records.pins)
+    w_pins, s_pins = whole._lease(w_lease).pins, sliced._lease(s_lease).pins
+    assert np.array_equal(s_pins.rows, w_pins.rows) and s_pins.total == w_pins.total
+    accounting_adds_up(sliced)
+
+
 # -- retrieve_prefix: the match and the pin of its whole groups in one call ------
 
 

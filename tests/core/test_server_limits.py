@@ -230,17 +230,27 @@ def test_a_client_whose_idle_connection_was_closed_reconnects_on_its_next_call(p
         client.close()
 
 
-def test_a_connection_opens_a_bounded_number_of_leases(pool):
+def test_a_connection_opens_a_bounded_number_of_leases_and_is_closed_past_them(pool):
+    """A hello past the cap is refused and its connection closed, so hellos pipelined
+    past it cost a new connection every few (rationed per peer), not a refusal each."""
     with serve(pool, max_leases_per_connection=2) as index:
         raw = Raw(index.url)
         first = raw.hello()["lease_id"]
-        assert raw.hello()["ok"]
-        refused = raw.hello()
-        assert refused["error"]["type"] == "bad_request" and "--max-leases-per-connection" in refused["error"]["message"]
         resumed = raw.call(op="hello", protocol=PROTOCOL_VERSION, client="raw", token=TOKEN, lease_id=first)
+        assert resumed["lease_id"] == first  # resuming one of its own leases is no new one
+        assert raw.hello()["ok"]
+        raw.sock.sendall(b"".join(encode_frame({"id": 100 + i, "op": "hello", "protocol": PROTOCOL_VERSION,
+                                                "client": "raw", "token": TOKEN}) for i in range(50)))
+        refused = raw.recv()
+        assert refused["error"]["type"] == "bad_request"
+        assert "--max-leases-per-connection" in refused["error"]["message"] and "closed" in refused["error"]["message"]
+        assert raw.closed_by_peer()  # the other 49 hellos are not answered
+        assert server_of(index).closed_connections["lease_cap"] == 1
+        again = Raw(index.url)
+        resumed = again.call(op="hello", protocol=PROTOCOL_VERSION, client="raw", token=TOKEN, lease_id=first)
         assert resumed["lease_id"] == first
         assert index.on_loop(lambda: server_of(index).registry.stats().leases) == 2
-        raw.close()
+        raw.close(), again.close()
 
 
 def test_auth_failures_are_counted_in_the_metrics(pool):

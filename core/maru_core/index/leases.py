@@ -25,10 +25,13 @@ the lease until its count is zero.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Generator
+
 import numpy as np
 
 from maru_core.index.peer_accounts import PeerAccount
 from maru_core.index.quotas import EvictionWindow
+from maru_core.index.registry_types import run_to_end
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -69,11 +72,12 @@ class PinMerge:
 
     __slots__ = ("batch", "positions", "held", "pins", "version")
 
-    def __init__(self, batch: SortedBatch, positions: np.ndarray, held: np.ndarray, pins: LeasePins) -> None:
+    def __init__(self, batch: SortedBatch, positions: np.ndarray, held: np.ndarray, pins: LeasePins,
+                 version: int) -> None:  # fmt: skip
         self.batch = batch
         self.positions = positions  # where each row is, or would go, in the lease's sorted rows
         self.held = held  # whether the lease pins it already
-        self.pins, self.version = pins, pins.version  # planned against these pins as they were then
+        self.pins, self.version = pins, version  # planned against these pins as they were at this version
 
     @property
     def new_rows(self) -> np.ndarray:
@@ -148,10 +152,25 @@ class LeasePins:
 
     def plan(self, batch: SortedBatch) -> PinMerge:
         """Where ``batch`` goes (nothing changes until ``add``)."""
-        positions = np.searchsorted(self._rows, batch.rows)
-        held = positions < len(self._rows)
-        held[held] = self._rows[positions[held]] == batch.rows[held]
-        return PinMerge(batch, positions, held, self)
+        return run_to_end(self.plan_sliced(batch, max(1, len(batch.rows))))
+
+    def plan_sliced(self, batch: SortedBatch, slice_rows: int) -> Generator[None, None, PinMerge]:
+        """``plan``, searching a slice of ``slice_rows`` of the batch's rows among the pins per
+        step: a binary search per row, 0.47 ms for 20,000 rows among 20,000 pins on the 2-core
+        VM in one step. The pins' rows are replaced, never changed in place, so every slice
+        searches the same array; if the pins change meanwhile, the plan is stale (``still_fits``)."""
+        version, pinned, wanted = self.version, self._rows, batch.rows
+        positions = np.empty(len(wanted), dtype=np.int64)
+        held = np.empty(len(wanted), dtype=bool)
+        for start in range(0, len(wanted), slice_rows):
+            if start:
+                yield
+            part = wanted[start : start + slice_rows]
+            found = np.searchsorted(pinned, part)
+            inside = found < len(pinned)
+            inside[inside] = pinned[found[inside]] == part[inside]
+            positions[start : start + slice_rows], held[start : start + slice_rows] = found, inside
+        return PinMerge(batch, positions, held, self, version)
 
     def still_fits(self, merge: PinMerge) -> bool:
         """Whether ``merge`` was planned against these pins as they still are."""

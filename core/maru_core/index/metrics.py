@@ -40,7 +40,7 @@ POOL_STATES = ("free", "reserved", "committed", "pinned")
 #: that names none the server can parse (the server's label for it).
 RPC_OPS = (*OPS, "invalid")
 #: The ``reason`` label of closed connections (``maru_core.index.server.CLOSE_REASONS``).
-CLOSE_REASONS = ("auth", "bad_frame", "connection_limit", "hello_timeout", "stalled", "idle")
+CLOSE_REASONS = ("auth", "bad_frame", "connection_limit", "lease_cap", "hello_timeout", "stalled", "idle")
 #: The ``type`` label of errors: every error type an index replies with.
 RPC_ERROR_TYPES = tuple(error_type.value for error_type in REPLY_ERROR_TYPES)
 
@@ -152,7 +152,7 @@ class IndexMetrics:
                 self._errors.labels(op, error_type)
         self._closed = Counter(
             "maru_index_connections_closed",
-            "Connections the index closed, by reason (auth, bad_frame, connection_limit, hello_timeout, "
+            "Connections the index closed, by reason (auth, bad_frame, connection_limit, lease_cap, hello_timeout, "
             "stalled, idle).",
             ["reason"],
             registry=self.registry,

@@ -158,7 +158,7 @@ class Placement:
             within = cumulative <= room
             if within.all():
                 continue
-            error = self._reservation_refusal(lease, quota, int(pages.sum()))
+            error = self._reservation_refusal(lease, quota, str(int(pages.sum())))
             if not within.any():
                 self._refuse(lease, error)
             self._cut_short(lease, error)
@@ -176,11 +176,11 @@ class Placement:
     def _refuse_at_quota(self, lease: Lease, lengths: np.ndarray) -> None:
         """Refuse a large batch before its keys are looked up when the lease or its peer has no
         page left under its quota (``QuotaExceeded``): a flood of reserves at the quota then
-        costs a step each, not a look-up of every key."""
+        costs a step each, not a look-up of every key. It is told what the batch asks for at
+        least, a page per object: its exact pages took the index 0.4 ms for 131,072 objects."""
         for room, quota in self._reservation_rooms(lease):
             if room <= 0:
-                asked = int((-(-lengths // self.geometry.page_size)).sum())
-                self._refuse(lease, self._reservation_refusal(lease, quota, asked))
+                self._refuse(lease, self._reservation_refusal(lease, quota, f"at least {len(lengths)}"))
 
     def _refuse_when_full(self, lease: Lease, n: int) -> None:
         """Refuse a large batch before its keys are looked up when the pool has no free page
@@ -210,7 +210,8 @@ class Placement:
             rooms.append((self.max_peer_pages - lease.account.held_pages, "peer_reservations"))
         return rooms
 
-    def _reservation_refusal(self, lease: Lease, quota: str, asked: int) -> QuotaExceeded:
+    def _reservation_refusal(self, lease: Lease, quota: str, asked: str) -> QuotaExceeded:
+        """The refusal of a batch over the lease's or its peer's quota; ``asked``: the pages it asks for."""
         total, account = self.geometry.num_pages, lease.account
         if quota == "reservations":
             return QuotaExceeded(

@@ -148,14 +148,14 @@ class Reads:
         ``joined``'s keys, all committed), in steps of their own: the sort of its
         rows (none when the lease pinned exactly these keys before and still
         does: ``LeasePins.remembered``), then their search among the lease's
-        pins. ``None`` for a smaller one: planned when pinned."""
+        pins, ``slice_keys`` rows a step. ``None`` for a smaller one: planned when pinned."""
         if len(rows) <= slice_keys:
             return None
         yield
         pins = self._lease(lease_id).pins
         batch = pins.remembered(joined) or SortedBatch(rows)
         yield
-        merge = pins.plan(batch)
+        merge = yield from pins.plan_sliced(batch, slice_keys)
         yield
         return merge
 
