@@ -199,15 +199,17 @@ def stats_pipeline(url: str, stop, attacker: Attacker) -> None:
 
 
 def hello_flood(url: str, stop, attacker: Attacker) -> None:
-    """One connection pipelines hello after hello (each would open a lease)."""
-    sock = _connect(url, attacker)
+    """One connection pipelines hello after hello (each would open a lease); when the index
+    closes it (past --max-leases-per-connection), another at once, as often as it is let in."""
     batch = b"".join(_hello(attacker.token, rid=i) for i in range(500))
     while not stop.is_set():
         try:
-            sock.sendall(batch)
-            _drain(sock)
+            with _connect(url, attacker) as sock:
+                while not stop.is_set():
+                    sock.sendall(batch)
+                    _drain(sock)
         except OSError:
-            sock = _connect(url, attacker)
+            pass  # closed, or a connection refused by the peer's budget: connect again
 
 
 def reserve_flood(url: str, stop, attacker: Attacker) -> None:

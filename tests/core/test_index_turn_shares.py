@@ -267,6 +267,36 @@ def test_a_job_begins_no_slice_that_would_end_past_its_share(monkeypatch) -> Non
     assert len(steps) == 5
 
 
+@pytest.mark.parametrize("payload_bytes, deferred", [(1024, False), (connection.WRITE_PIECE_BYTES + 1, True)])
+def test_a_job_that_ends_past_its_share_sends_a_large_reply_at_its_next_turn(
+        monkeypatch, payload_bytes, deferred) -> None:
+    """Encoding a large reply and writing its first piece came on top of the job's last step,
+    which often used the share already (a 20,000-key retrieve's pin, then 320 KiB of locations)."""
+    clock = SimpleNamespace(now=100.0)
+    monkeypatch.setattr(connection, "time", SimpleNamespace(perf_counter=lambda: clock.now, monotonic=time.monotonic))
+    waits: list = []
+    host = SimpleNamespace(limits=ServerLimits(), check_receive_growth=lambda current, wanted: None,
+                           turns=SimpleNamespace(share_s=0.0004, wait_turn=lambda conn, turn: waits.append(turn)))
+    conn = Connection(host, "10.0.0.1")
+    sent: list = []
+    monkeypatch.setattr(conn, "_send", lambda reply, whole=False: sent.append(reply))
+    monkeypatch.setattr(conn, "_answer_buffered", lambda: None)
+    reply = {"id": 7, "ok": True, "locations": bytes(payload_bytes)}
+
+    def job():
+        yield
+        clock.now += 0.0005  # the last step: past the share
+        return reply
+
+    conn._job = job()
+    next(conn._job)  # the first slice, as ``handle`` runs it
+    conn._step_job()
+    if deferred:
+        assert sent == [] and waits == [conn._step_job] and conn._job is not None
+        conn._step_job()  # its next turn
+    assert sent == [reply] and conn._job is None
+
+
 # -- the early quota refusal -------------------------------------------------------------------
 
 

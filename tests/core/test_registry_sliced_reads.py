@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from maru_core.index.records import State
 from maru_core.index.registry import NoLease, Registry
 from maru_core.index.registry_types import run_to_end
 from test_registry import Clock, accounting_adds_up, geometry, key, store
@@ -38,6 +39,7 @@ def test_a_sliced_read_answers_and_pins_as_the_whole_one(stored, asked, slice_ke
     got = run_to_end(sliced.retrieve_sliced(s_lease, keys, slice_keys))
     assert bytes(got.to_wire()) == bytes(want.to_wire())
     assert np.array_equal(sliced._records.pins, whole._records.pins)
+    assert np.array_equal(sliced._records.last_used, whole._records.last_used)  # made as recent, ahead or not
     # the pins are held the same way: the same unpin releases them all
     assert whole.unpin(w_lease, keys) == sliced.unpin(s_lease, keys)
     assert not sliced._records.pins.any()
@@ -76,6 +78,36 @@ def test_a_key_stored_again_between_steps_at_another_place_is_not_pinned_at_its_
     assert not reg._records.pins.any()
     assert reg.retrieve(reader, b"".join(keys)).misses() == 0  # asked again, a hit
     assert reg._records.pins.sum() == len(keys)
+
+
+def test_objects_stored_again_in_their_rows_after_the_locations_were_read_ahead_are_answered_where_they_are_now(
+        ) -> None:
+    """A large retrieve reads its locations a step before it pins. Objects evicted and
+    stored again meanwhile, under the same keys in the same rows, are still a hit; the
+    answer must be their new places and generations, not those read ahead."""
+    keys = [key(i) for i in range(30)]
+    joined = b"".join(keys)
+
+    def fresh() -> tuple[Registry, str, str]:
+        reg = Registry(geometry(400), clock=Clock())
+        writer, reader = reg.open_lease("w"), reg.open_lease("r")
+        store(reg, writer, keys)
+        return reg, writer, reader
+
+    reg, _, reader = fresh()
+    before_the_pin = sum(1 for _ in reg.retrieve_sliced(reader, joined, slice_keys=10))  # its yields
+    reg, writer, reader = fresh()
+    rows_before = reg._records.lookup_in_state(joined, State.COMMITTED)[0].copy()
+    steps = reg.retrieve_sliced(reader, joined, slice_keys=10)
+    for _ in range(before_the_pin):
+        next(steps)  # all but the step that pins
+    reg._evict(10**6)
+    store(reg, writer, list(reversed(keys)))  # new places, new generations
+    assert np.array_equal(reg._records.lookup_in_state(joined, State.COMMITTED)[0], rows_before)  # the same rows
+    answer = run_to_end(steps)
+    assert answer.misses() == 0
+    assert bytes(answer.to_wire()) == bytes(reg.retrieve(reg.open_lease("x"), joined).to_wire())
+    accounting_adds_up(reg)
 
 
 def _interleaved(*operations):

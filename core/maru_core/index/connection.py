@@ -313,6 +313,11 @@ class Connection(asyncio.BufferedProtocol):
         except StopIteration as done:
             self._job = None
             if done.value is not None:
+                if turn.over() and _payload_bytes(done.value) > WRITE_PIECE_BYTES:
+                    # Encoding a large reply and writing its first piece is a step of its own.
+                    self._job = _reply_job(done.value)
+                    self._after_ready_io(self._step_job)
+                    return
                 self._send(done.value)
             if self._job is None:
                 self._update_reading()
@@ -377,3 +382,15 @@ class Connection(asyncio.BufferedProtocol):
         self._job = None
         self.closed_by_server = True
         self._frames.discard()
+
+
+def _reply_job(reply: Reply) -> Job:
+    """A job whose one step returns ``reply``: a finished job's large reply, sent at its next turn."""
+    return reply
+    yield  # a generator: ``_step_job`` runs it as any job
+
+
+def _payload_bytes(reply: Reply) -> int:
+    """The bytes of a reply's binary fields (keys, locations, slots): most of what encoding it costs."""
+    return sum(value.nbytes if isinstance(value, memoryview) else len(value)
+               for value in reply.values() if isinstance(value, (bytes, bytearray, memoryview)))  # fmt: skip

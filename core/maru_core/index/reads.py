@@ -12,7 +12,7 @@ table's removal count, before it pins.
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, NamedTuple, NoReturn
 
 import numpy as np
 
@@ -92,14 +92,13 @@ class Reads:
         joined = joined_keys(keys)
         removals = self._records.removals
         rows, committed = yield from self._committed_sliced(joined, slice_keys, stop_at_miss=False)
-        merge = (yield from self._planned_ahead(lease_id, joined, rows, slice_keys)) if committed.all() else None
+        ahead = (yield from self._planned_ahead(lease_id, joined, rows, slice_keys)) if committed.all() else None
         if self._records.removals != removals and committed.all():
             # records went meanwhile (evicted, expired): their rows may hold other keys now
             committed = self._records.still_in_state(rows, joined, State.COMMITTED)
         if not committed.all():
             return self._locations(rows, committed)
-        self._pin(lease_id, rows, joined, merge)
-        return self._locations(rows, None)
+        return self._pin_and_locate(lease_id, rows, joined, ahead)
 
     def retrieve_prefix_sliced(
         self, lease_id: str, keys: Keys, group: int, slice_keys: int
@@ -117,14 +116,13 @@ class Reads:
             return matched, None
         found = rows[:pinned]
         prefix = joined[: pinned * KEY_BYTES]
-        merge = yield from self._planned_ahead(lease_id, prefix, found, slice_keys)
+        ahead = yield from self._planned_ahead(lease_id, prefix, found, slice_keys)
         if self._records.removals != removals:
             # records went meanwhile: a row found before may hold another key now
             still = self._records.still_in_state(found, prefix, State.COMMITTED)
             if not still.all():
                 return matched, None
-        self._pin(lease_id, found, prefix, merge)
-        return matched, self._locations(found, None)
+        return matched, self._pin_and_locate(lease_id, found, prefix, ahead)
 
     def retrieve_prefix(self, lease_id: str, keys: Keys, group: int) -> tuple[int, LocationList | None]:
         """``match_prefix`` and ``retrieve`` in one call: how many leading
@@ -143,12 +141,14 @@ class Reads:
         return run_to_end(self.retrieve_prefix_sliced(lease_id, joined, group, max(1, len(joined) // KEY_BYTES)))
 
     def _planned_ahead(self, lease_id: str, joined: bytes, rows: np.ndarray,
-                       slice_keys: int) -> Generator[None, None, PinMerge | None]:  # fmt: skip
-        """For a retrieve of more than one slice, the plan of its pin (``rows``, of
-        ``joined``'s keys, all committed), in steps of their own: the sort of its
-        rows (none when the lease pinned exactly these keys before and still
-        does: ``LeasePins.remembered``), then their search among the lease's
-        pins, ``slice_keys`` rows a step. ``None`` for a smaller one: planned when pinned."""
+                       slice_keys: int) -> Generator[None, None, PinAhead | None]:  # fmt: skip
+        """For a retrieve of more than one slice, what its pin (``rows``, of ``joined``'s
+        keys, all committed) can do before the step that pins, in steps of their own:
+        the sort of its rows (none when the lease pinned exactly these keys before
+        and still does: ``LeasePins.remembered``), their search among the lease's pins,
+        ``slice_keys`` rows a step, then the rows made most recently used and their
+        locations read. Only the pin must be one step with the checks it depends on.
+        ``None`` for a smaller one: all of it done in the step that pins."""
         if len(rows) <= slice_keys:
             return None
         yield
@@ -157,14 +157,27 @@ class Reads:
         yield
         merge = yield from pins.plan_sliced(batch, slice_keys)
         yield
-        return merge
+        self._touch(rows)  # a record removed before the pin makes it a miss; a touch of its row is harmless
+        ahead = PinAhead(merge, self._locations(rows, None), self._records.removals)
+        yield
+        return ahead
 
-    def _pin(self, lease_id: str, rows: np.ndarray, joined: bytes, merge: PinMerge | None) -> None:
+    def _pin_and_locate(self, lease_id: str, rows: np.ndarray, joined: bytes, ahead: PinAhead | None) -> LocationList:
+        """Pin ``rows`` (``_pin``) and return their locations: those read ahead, unless a
+        record was removed since (its row may hold another object now, at another place)."""
+        self._pin(lease_id, rows, joined, ahead.merge if ahead else None, touch=ahead is None)
+        if ahead is not None and ahead.removals == self._records.removals:
+            return ahead.locations
+        return self._locations(rows, None)
+
+    def _pin(self, lease_id: str, rows: np.ndarray, joined: bytes, merge: PinMerge | None,
+             touch: bool = True) -> None:  # fmt: skip
         """Pin ``rows`` (committed records of ``joined``'s keys, in order) for the lease,
         counted once per object (``leases.LeasePins``); ``QuotaExceeded`` and nothing
         pinned when its distinct objects would pass ``max_lease_pin_pages``, or
         those of all its peer's leases (each lease's distinct objects) ``max_peer_pin_pages``.
-        ``merge``: the plan made a step ahead, used unless the lease's pins changed since."""
+        ``merge``: the plan made a step ahead, used unless the lease's pins changed since;
+        ``touch``: make ``rows`` most recently used (unless that was done ahead)."""
         lease = self._lease(lease_id)  # still live after the slices, or nothing is pinned
         if merge is None or not lease.pins.still_fits(merge):
             merge = lease.pins.plan(lease.pins.remembered(joined) or SortedBatch(rows))
@@ -185,7 +198,8 @@ class Reads:
                 f"retrieve would pin {new_pages} more; one peer's leases together may pin "
                 f"{self.max_peer_pin_pages} of the pool's {self.geometry.num_pages} pages "
                 "(--max-peer-pin-fraction): unpin what they have read", quota="peer_pins"))  # fmt: skip
-        self._touch(rows)
+        if touch:
+            self._touch(rows)
         lease.pins.add(merge, joined)
         self._add_pins(new)  # the leases pinning each object: one more for the new ones
         lease.pins.pages += new_pages
@@ -295,6 +309,14 @@ class Reads:
         self._records.last_used[rows] = ticks
         self._tick += n + 1
         return bool(np.array_equal(self._records.last_used.take(rows), ticks))
+
+
+class PinAhead(NamedTuple):
+    """What a large retrieve did before the step that pins (``Reads._planned_ahead``)."""
+
+    merge: PinMerge  # the pin's plan among the lease's pins
+    locations: LocationList  # the rows' locations, read when ...
+    removals: int  # ... the record table had removed this many records
 
 
 def _leading(committed: np.ndarray) -> int:
