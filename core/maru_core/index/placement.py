@@ -176,8 +176,8 @@ class Placement:
     def _refuse_at_quota(self, lease: Lease, lengths: np.ndarray) -> None:
         """Refuse a large batch before its keys are looked up when the lease or its peer has no
         page left under its quota (``QuotaExceeded``): a flood of reserves at the quota then
-        costs a step each, not a look-up of every key. It is told what the batch asks for at
-        least, a page per object: its exact pages took the index 0.4 ms for 131,072 objects."""
+        costs a step each, not a look-up of every key. The refusal gives what the batch asks
+        for at least, a page per object: summing its exact pages took 0.4 ms for 131,072 objects."""
         for room, quota in self._reservation_rooms(lease):
             if room <= 0:
                 self._refuse(lease, self._reservation_refusal(lease, quota, f"at least {len(lengths)}"))
