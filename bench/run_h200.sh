@@ -14,11 +14,15 @@
 #   SKIP_CUDA_TESTS=1 PAIRED_ARMS="SCATTER_BATCHES=0 SCATTER_BATCHES=1" \
 #       bash bench/verify_h200.sh OUT paired-ab
 #   bash bench/attacks_16core.sh OUT
-# Next lease: the paired A/B for 16k and 32k hits and 4k + 512 on an H200
-# (`python3 bench/ttft_gpu.py --paired --sizes 16384 32768 --partial 4096 512
+# Next lease: the CUDA tests (a host test of the issue loop is new), then
+# the head start's batch scattered at the hand-over against after it, the
+# likely cost of a verified 4k + 512 hit
+# (`PAIRED_ARMS="SCATTER_AT_HANDOVER=0 SCATTER_AT_HANDOVER=1" bash
+# bench/verify_h200.sh OUT paired-ab`), the paired A/B for 16k and 32k hits
+# on an H200 (`python3 bench/ttft_gpu.py --paired --sizes 16384 32768
 # --modes sync_overlap_graphs sync_overlap_graphs_unverified --repeats 21`),
-# and `bash bench/attacks_16core.sh OUT` once pin_flood's and reserve_flood's
-# single long callbacks are split.
+# and on a 16-core host `bash bench/attacks_16core.sh OUT` (pin_flood's
+# plan is now sliced, reserve_flood's refusal cheaper, hello_flood closed).
 set -u
 out=${1:?usage: run_h200.sh OUT_DIR [STAGE ...]}
 shift

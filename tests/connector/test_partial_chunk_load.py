@@ -266,6 +266,58 @@ def test_a_verified_load_s_sum_batches_check_the_layers_they_complete(engines, p
         assert raised[-1] == 1 and set(raised[:-1]) <= {0}, raised
 
 
+@pytest.mark.parametrize("layerwise", [False, True], ids=["chunkwise", "layerwise"])
+@pytest.mark.parametrize("verified", [False, True], ids=["unverified", "verified"])
+@pytest.mark.parametrize("at_handover", [False, True], ids=["by-the-copy-thread", "at-handover"])
+def test_a_load_issued_in_two_parts_after_a_head_start_lands_every_block(engines, pool, monkeypatch, layerwise,
+                                                                        verified, at_handover):
+    """``_issue_fills`` itself on host memory, driven as ``_issue_here`` drives a load
+    beside a long forward: a head start's fill copied before it, two fills issued on the
+    submitting thread, the rest later on another. Every block lands, each layer's check
+    passes; the head start's fill is scattered before the hand-over when the submitting
+    thread asks for it (``SCATTER_AT_HANDOVER``), else only once the rest is issued."""
+    from types import SimpleNamespace
+
+    from maru_connector.transfer import LoadHandle
+    from maru_connector.transfer import cuda as cuda_engine
+    from maru_connector.transfer.plan import layer_pieces
+
+    monkeypatch.setattr(cuda_engine, "GROUP_BELOW_BYTES", 0)  # a layer a fill, as large layers are
+    fmt, offsets, src, src_ids, checksums = _stored(engines, pool, "cpu", "flash_hnd", layerwise, True)
+    dst = make_kv_caches("flash_hnd", layers=LAYERS, blocks=BLOCKS, seed=2)
+    before = {name: dst[name].clone() for name in fmt.layout.layer_names}
+    engine = _host_cuda_engine(pool, dst, fmt, 64, True)
+    engine._staging = cuda_engine._StagingRing(64 * fmt.layer_bytes * LAYERS, "cpu")
+    engine.load_stream = engine.scatter_stream = SimpleNamespace(cuda_stream=0, wait_event=lambda event: None)
+    engine._device_ids = lambda job, stream: torch.tensor(job.block_ids)
+    engine._release_head, engine.heads_used = (lambda head: None), 0
+    engine._compare_counter = torch.zeros(1, dtype=torch.int32)
+    sources = [tuple(o) for o in offsets]
+    head_unit = next(engine._units(layer_pieces(fmt, sources, 64)))
+    engine._head_buffer = torch.empty(engine._unit_bytes(head_unit), dtype=torch.uint8)
+    head = SimpleNamespace(fills=[(head_unit, engine._copy_unit(head_unit, 0, engine._head_buffer))])
+    dst_ids = random.Random(7).sample(range(BLOCKS), CHUNKS * BPC)
+    n = len(checksums)
+    expected = torch.tensor([c - (1 << 64) if c >= 1 << 63 else c for c in checksums], dtype=torch.int64)
+    state = [torch.zeros(n, dtype=torch.int64), expected, torch.ones(n, dtype=torch.int64),
+             torch.zeros(LAYERS, dtype=torch.int32), 0]
+    job = SimpleNamespace(check=True if verified else None, check_state=state if verified else None,
+                          block_ids=dst_ids, handle=LoadHandle(LAYERS, 0), beside_long_forward=True,
+                          ready=object(), head=head, offsets=sources)
+    fills = engine._issue_fills(job)
+    for done, _ in enumerate(fills, 1):  # as _issue_here: the head, then hand the rest over
+        if done >= 2:
+            if at_handover:
+                fills.send(True)
+            break
+    assert job.handle.layer_ready(0) == at_handover  # the head start's layer
+    assert not any(job.handle.layer_ready(layer) for layer in range(1, LAYERS))
+    for _ in fills:  # the rest, as the copy thread issues it
+        pass
+    assert all(job.handle.layer_ready(layer) for layer in range(LAYERS)) and job.handle.error is None
+    _assert_only_written(fmt, "flash_hnd", dst, src, before, dict(zip(dst_ids, src_ids)))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_skipped_blocks_only_lead_a_load_s_first_chunk(engines, pool, device):
     fmt, offsets, _, _, _ = _stored(engines, pool, device, "cpu", False, adjacent=False)
