@@ -105,7 +105,7 @@ class Placement:
                 done = end
         finally:
             self._unplace(starts[done:], pages[done:])
-        return SlotList(words.tobytes())
+        return SlotList(words.data.cast("B") if len(words) else b"")  # no copy: the words are this call's own
 
     def _add_slice(self, lease: Lease, joined: bytes, lengths: np.ndarray, words: np.ndarray,
                    idx: np.ndarray, starts: np.ndarray, pages: np.ndarray) -> None:  # fmt: skip

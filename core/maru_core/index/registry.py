@@ -289,7 +289,7 @@ class Registry(LeaseBook, Reads, Placement, Maintenance):
         rows = self._add_reserved(lease, chosen, starts, pages, lengths[idx])
         words = np.zeros((len(candidates), 2), dtype="<u8")
         self._fill_slots(words, idx, starts, rows)
-        return SlotList(words.tobytes())
+        return SlotList(words.data.cast("B") if len(words) else b"")  # no copy: the words are this call's own
 
     def absent_keys(self, keys: Keys) -> np.ndarray:
         """Which of ``keys`` no record holds (a read, for a reserve looked up in slices)."""
