@@ -239,15 +239,21 @@ def test_a_large_request_that_starts_right_after_another_peer_s_runs_in_quarter_
         mine.close(), other.close()
 
 
-def test_a_job_begins_no_slice_that_would_end_past_its_share(monkeypatch) -> None:
-    """A slice begun with any time left ran up to a whole slice past the share (a 0.15 ms slice
-    in a 0.2 ms share: 0.3 ms), and another peer's request that arrived meanwhile waited for it."""
+def _connection_on_a_test_clock(monkeypatch) -> tuple[Connection, SimpleNamespace, list]:
+    """A connection with a 0.4 ms share, its clock ``clock.now`` (the test moves it), and the
+    callbacks it left for its next turn (``waits``)."""
     clock = SimpleNamespace(now=100.0)
     monkeypatch.setattr(connection, "time", SimpleNamespace(perf_counter=lambda: clock.now, monotonic=time.monotonic))
     waits: list = []
     host = SimpleNamespace(limits=ServerLimits(), check_receive_growth=lambda current, wanted: None,
                            turns=SimpleNamespace(share_s=0.0004, wait_turn=lambda conn, turn: waits.append(turn)))
-    conn = Connection(host, "10.0.0.1")
+    return Connection(host, "10.0.0.1"), clock, waits
+
+
+def test_a_job_begins_no_slice_that_would_end_past_its_share(monkeypatch) -> None:
+    """A slice begun with any time left ran up to a whole slice past the share (a 0.15 ms slice
+    in a 0.2 ms share: 0.3 ms), and another peer's request that arrived meanwhile waited for it."""
+    conn, clock, waits = _connection_on_a_test_clock(monkeypatch)
     steps: list[float] = []
 
     def job():
@@ -272,12 +278,7 @@ def test_a_job_that_ends_past_its_share_sends_a_large_reply_at_its_next_turn(
         monkeypatch, payload_bytes, deferred) -> None:
     """Encoding a large reply and writing its first piece came on top of the job's last step,
     which often used the share already (a 20,000-key retrieve's pin, then 320 KiB of locations)."""
-    clock = SimpleNamespace(now=100.0)
-    monkeypatch.setattr(connection, "time", SimpleNamespace(perf_counter=lambda: clock.now, monotonic=time.monotonic))
-    waits: list = []
-    host = SimpleNamespace(limits=ServerLimits(), check_receive_growth=lambda current, wanted: None,
-                           turns=SimpleNamespace(share_s=0.0004, wait_turn=lambda conn, turn: waits.append(turn)))
-    conn = Connection(host, "10.0.0.1")
+    conn, clock, waits = _connection_on_a_test_clock(monkeypatch)
     sent: list = []
     monkeypatch.setattr(conn, "_send", lambda reply, whole=False: sent.append(reply))
     monkeypatch.setattr(conn, "_answer_buffered", lambda: None)
