@@ -861,7 +861,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"    {'own ms':>9} {'cum ms':>9} {'calls':>8}  the loop thread's functions of most own time",
                       *loop_results[name]["profile"], sep="\n    ", flush=True)  # fmt: skip
             _write(args.out, {**header, "longest_callbacks_ms": {n: r["longest_ms"] for n, r in loop_results.items()},
-                              "long_callbacks": {n: r["long_callbacks"] for n, r in loop_results.items()}})
+                              "long_callbacks": {n: r["long_callbacks"] for n, r in loop_results.items()},
+                              "profile": {n: r["profile"] for n, r in loop_results.items() if r["profile"]}})
         return 0
     workdir = tempfile.mkdtemp(prefix="bench-attacks-")
     token_file = os.path.join(workdir, "token")

@@ -266,8 +266,7 @@ class FrameBuffer:
     def discard(self) -> None:
         """Drop what is buffered and give a grown buffer back at once (its connection is closing)."""
         self._start = self._end = 0
-        if len(self._buf) > self._initial:
-            self._buf = bytearray(self._initial)  # a new one: a caller may still hold a view of the old
+        self.shrink(self._initial)
 
     def shrink(self, keep_bytes: int) -> bool:
         """Give back a buffer larger than ``keep_bytes`` while it holds nothing; whether it did."""
