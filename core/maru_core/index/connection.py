@@ -100,7 +100,7 @@ class Connection(asyncio.BufferedProtocol):
         self.closed_by_server = False
         limits = server.limits
         self._frames = FrameBuffer(_INITIAL_BYTES, _INITIAL_BYTES, limits.pre_auth_frame_bytes, 2 * MAX_FRAME_BYTES,
-                                   may_grow=server.check_receive_growth)
+                                   may_grow=server.check_receive_growth, views=True)
         self._writer = FrameWriter()
         self._transport: asyncio.Transport | None = None
         self._job: Job | None = None  # a sliced request under way: read nothing more meanwhile

@@ -22,6 +22,7 @@ from maru_core.index.registry_types import (
     checked_lengths,
     first_occurrences_sliced,
     joined_keys,
+    key_count,
     select_keys,
 )
 from maru_core.protocol.locations import SlotList
@@ -78,11 +79,11 @@ class Placement:
         (a miss). Pages placed for records not added yet are freed should the
         generator be closed before its end.
         """
-        joined = joined_keys(keys)
-        n = len(joined) // KEY_BYTES
+        n = key_count(keys)
         lengths = checked_lengths(lengths, n)
         self._refuse_at_quota(self._lease(lease_id), lengths)
         self._refuse_when_full(self._lease(lease_id), n)
+        joined = joined_keys(keys)  # a copy when they came as a view of a frame: not for a refusal
         first = yield from first_occurrences_sliced(joined, 4 * slice_keys)
         candidates = np.empty(n, dtype=bool)
         for start in range(0, n, slice_keys):

@@ -116,6 +116,15 @@ def joined_keys(keys: Keys) -> bytes:
         raise BadRequest(str(exc)) from None
 
 
+def key_count(keys: Keys) -> int:
+    """How many keys ``keys`` holds, read without packing them; ``BadRequest`` as ``joined_keys``."""
+    if isinstance(keys, (bytes, bytearray, memoryview)):
+        if len(keys) % KEY_BYTES:
+            raise BadRequest(f"packed keys must be a multiple of {KEY_BYTES} bytes, got {len(keys)}")
+        return len(keys) // KEY_BYTES
+    return len(keys)
+
+
 def select_keys(joined: bytes, positions: np.ndarray) -> bytes:
     """The keys of ``joined`` at ``positions``, packed."""
     return np.frombuffer(joined, dtype=f"V{KEY_BYTES}").take(positions).tobytes()

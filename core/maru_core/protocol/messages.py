@@ -81,7 +81,8 @@ _U32 = (1 << 32) - 1
 
 class Request(NamedTuple):
     """A validated request: ``args`` holds exactly the fields of ``op``;
-    ``keys`` always packed (one ``bytes``), ``lengths`` an int64 array."""
+    ``keys`` always packed (one ``bytes``, or a read-only ``memoryview`` of a large
+    frame's receive buffer: read it, never keep it), ``lengths`` an int64 array."""
 
     id: int
     op: Op
@@ -136,9 +137,14 @@ def _too_many(count: int) -> ProtocolError:
     )
 
 
-def _check_keys(field: str, value: Any) -> bytes:
-    """The keys packed, whichever form they came in."""
-    if type(value) is bytes:
+#: The types a packed bin arrives as: ``bytes``, or a read-only ``memoryview`` of the
+#: receive buffer for a large frame (``maru_core.protocol.framing.decode_with_views``).
+_PACKED = (bytes, memoryview)
+
+
+def _check_keys(field: str, value: Any) -> bytes | memoryview:
+    """The keys packed, whichever form they came in (a view as it came, else ``bytes``)."""
+    if type(value) in _PACKED:
         if len(value) % KEY_BYTES:
             raise ProtocolError(
                 ErrorType.BAD_REQUEST,
@@ -173,7 +179,7 @@ def _bad_lengths(field: str) -> ProtocolError:
 
 def _check_lengths(field: str, value: Any) -> np.ndarray:
     """The lengths as an int64 array, whichever form they came in."""
-    if type(value) is bytes:
+    if type(value) in _PACKED:
         if len(value) % 8:
             raise ProtocolError(
                 ErrorType.BAD_REQUEST,
@@ -212,7 +218,7 @@ def pack_counts(counts: Any) -> bytes:
 
 def _check_counts(field: str, value: Any) -> list[int]:
     """Keys per list (``match_prefixes``), one bin of u64 words or an array of ints."""
-    if type(value) is bytes and len(value) % 8 == 0:
+    if type(value) in _PACKED and len(value) % 8 == 0:
         counts = np.frombuffer(value, dtype="<i8").tolist()  # read as signed: >= 2**63 turns negative
     elif type(value) is list and set(map(type, value)) <= {int}:
         counts = value
@@ -236,7 +242,7 @@ def _keys_at_most(most: int, what: str, advice: str) -> Callable[[str, Any], byt
                 ErrorType.TOO_LARGE,
                 f"{len(keys) // KEY_BYTES} {what} in one request, more than {most}; {advice}",
             )
-        return keys
+        return bytes(keys)  # kept by the alias table: never a view of a receive buffer
 
     return check
 
