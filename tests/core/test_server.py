@@ -155,6 +155,15 @@ def test_store_then_retrieve_pins_and_unpin(raw, pool, index):
     assert raw.call(op="stats")["pinned_keys"] == 0
 
 
+def test_the_stats_reply_carries_every_counter_of_the_registry_as_it_is(raw, pool, index):
+    raw.hello()
+    assert store(raw, pool, [key(i) for i in range(3)]) == [True] * 3
+    reply = raw.call(op="stats")
+    registry = index.on_loop(index.service.server.registry.stats)
+    assert {k: v for k, v in reply.items() if k not in ("id", "ok", "aliases")} == vars(registry)
+    assert reply["keys"] == 3 and reply["aliases"] == 0 and reply["quarantined"] is False
+
+
 def test_packed_keys_are_the_same_keys(raw, pool):
     raw.hello()
     keys = [key(i) for i in range(3)]
