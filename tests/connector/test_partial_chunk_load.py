@@ -268,14 +268,12 @@ def test_a_verified_load_s_sum_batches_check_the_layers_they_complete(engines, p
 
 @pytest.mark.parametrize("layerwise", [False, True], ids=["chunkwise", "layerwise"])
 @pytest.mark.parametrize("verified", [False, True], ids=["unverified", "verified"])
-@pytest.mark.parametrize("at_handover", [False, True], ids=["by-the-copy-thread", "at-handover"])
 def test_a_load_issued_in_two_parts_after_a_head_start_lands_every_block(engines, pool, monkeypatch, layerwise,
-                                                                        verified, at_handover):
+                                                                        verified):
     """``_issue_fills`` itself on host memory, driven as ``_issue_here`` drives a load
     beside a long forward: a head start's fill copied before it, two fills issued on the
     submitting thread, the rest later on another. Every block lands, each layer's check
-    passes; the head start's fill is scattered before the hand-over when the submitting
-    thread asks for it (``SCATTER_AT_HANDOVER``), else only once the rest is issued."""
+    passes; the head start's fill is scattered only once the rest is issued."""
     from types import SimpleNamespace
 
     from maru_connector.transfer import LoadHandle
@@ -307,10 +305,8 @@ def test_a_load_issued_in_two_parts_after_a_head_start_lands_every_block(engines
     fills = engine._issue_fills(job)
     for done, _ in enumerate(fills, 1):  # as _issue_here: the head, then hand the rest over
         if done >= 2:
-            if at_handover:
-                fills.send(True)
             break
-    assert job.handle.layer_ready(0) == at_handover  # the head start's layer
+    assert not job.handle.layer_ready(0)  # the head start's layer: scattered with the rest
     assert not any(job.handle.layer_ready(layer) for layer in range(1, LAYERS))
     for _ in fills:  # the rest, as the copy thread issues it
         pass

@@ -30,7 +30,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Generator
+from collections.abc import Iterator
 from typing import cast
 
 import numpy as np
@@ -100,13 +100,6 @@ HEAD_ONLY_BESIDE_LONG_FORWARD = True
 # Only the head inline for every load, a full hit's too (an experiment:
 # `bench/h200_ab.sh fullhead`; off as shipped).
 HEAD_ONLY_ALWAYS = False
-# When the submitting thread hands a load's rest over to the copy thread, it
-# first scatters the fills already admitted (a head start's batch, by then):
-# else they wait for the copy thread's next copies, and that thread picks a
-# load up 0.5-0.7 ms late beside a busy forward, a likely cost of a verified
-# partial hit (bench/RESULTS.md, round 10). An experiment, off until measured:
-# `PAIRED_ARMS="SCATTER_AT_HANDOVER=0 SCATTER_AT_HANDOVER=1" bash bench/verify_h200.sh OUT paired-ab`.
-SCATTER_AT_HANDOVER = False
 # A head start (``start_head``) copies at most this much of a load before
 # vLLM has allocated its blocks: about 1.2 ms of copies at the PCIe peak,
 # more than the 0.7-1.4 ms from a lookup's answer to its load's submit on an
@@ -512,8 +505,6 @@ class CudaTransferEngine(TransferEngine):
                 # the caller's current device and stream are restored
                 for done, _ in enumerate(fills, 1):
                     if not whole and done >= self._inline_head_fills:
-                        if SCATTER_AT_HANDOVER:
-                            fills.send(True)
                         break
         except BaseException as exc:  # as on the copy thread: the handle fails
             job.issue_failed = True
@@ -532,12 +523,10 @@ class CudaTransferEngine(TransferEngine):
             for _ in rest if rest is not None else self._issue_fills(job):
                 pass
 
-    def _issue_fills(self, job: LoadJob) -> Generator[None, bool | None, None]:
+    def _issue_fills(self, job: LoadJob) -> Iterator[None]:
         """Queue a load's copies and scatters, yielding after each fill's
         copies, so that issuing can stop after any fill and go on later on
-        another thread (under the issue lock, nothing else issued between);
-        the thread that stops may first send True, to have the fills already
-        admitted scattered (``SCATTER_AT_HANDOVER``).
+        another thread (under the issue lock, nothing else issued between).
 
         A fill's scatter is queued once the copies of ``1 + COPIES_AHEAD``
         later fills are (or the ring needs its span), so the copy engine
@@ -614,10 +603,7 @@ class CudaTransferEngine(TransferEngine):
                     offset = self._staging.take(nbytes, self.load_stream)
                 copied((unit, self._copy_unit(unit, offset)))
                 busy += time.perf_counter() - resumed
-                if (yield):  # sent by the thread that hands the rest over (``SCATTER_AT_HANDOVER``)
-                    if pending:
-                        scatter()
-                    yield  # the rest: on the copy thread
+                yield
                 resumed = time.perf_counter()
             scatter_all()
         except TransferError:  # a bad extent: the layers before it still land
