@@ -8,21 +8,19 @@
 # into OUT_DIR and prints its summary; a stage that fails does not stop the
 # others (the script exits non-zero at the end).
 #
-# Last run (bench/RESULTS.md: "Verified loads" round 10, "Accept and slice
-# turns that end on time"): one H100 lease,
+# Last run (bench/RESULTS.md: "Verified loads" round 11, "The 16-core
+# verdict on the three misses' fixes"): one H100 lease,
 #   bash bench/run_h200.sh OUT cuda-tests
-#   SKIP_CUDA_TESTS=1 PAIRED_ARMS="SCATTER_BATCHES=0 SCATTER_BATCHES=1" \
-#       bash bench/verify_h200.sh OUT paired-ab
+#   SKIP_CUDA_TESTS=1 PAIRED_ARMS="SCATTER_AT_HANDOVER=0 SCATTER_AT_HANDOVER=1" \
+#       bash bench/verify_h200.sh OUT paired-ab        (the knob is gone since)
+#   python3 bench/ttft_gpu.py --paired --formats chunkwise layerwise --sizes 16384 32768 \
+#       --modes sync_overlap_graphs sync_overlap_graphs_unverified --repeats 21
 #   bash bench/attacks_16core.sh OUT
-# Next lease: the CUDA tests (a host test of the issue loop is new), then
-# the head start's batch scattered at the hand-over against after it, the
-# likely cost of a verified 4k + 512 hit
-# (`PAIRED_ARMS="SCATTER_AT_HANDOVER=0 SCATTER_AT_HANDOVER=1" bash
-# bench/verify_h200.sh OUT paired-ab`), the paired A/B for 16k and 32k hits
-# on an H200 (`python3 bench/ttft_gpu.py --paired --sizes 16384 32768
-# --modes sync_overlap_graphs sync_overlap_graphs_unverified --repeats 21`),
-# and on a 16-core host `bash bench/attacks_16core.sh OUT` (pin_flood's
-# plan is now sliced, reserve_flood's refusal cheaper, hello_flood closed).
+# Next lease: the CUDA tests; on an H200 the paired 4k, 4k + 512 (`bash
+# bench/verify_h200.sh OUT paired-ab` with PAIRED_ARMS="COPIES_AHEAD=2")
+# and 16k / 32k runs above, the verified 4k + 512 layerwise hit (+2.8 % on
+# the H100, the one case over 2 %) first of all, with `--timeline
+# 4096+512/sync_overlap_graphs 4096+512/sync_overlap_graphs_unverified`.
 set -u
 out=${1:?usage: run_h200.sh OUT_DIR [STAGE ...]}
 shift
