@@ -329,9 +329,9 @@ class FrameBuffer:
     def pop(self) -> Any:
         """Decode and consume the next frame (``complete()`` must be true); ``FrameError`` if undecodable.
 
-        With ``views``, a payload of ``VIEW_BINS_FROM`` bytes or more has its bins decoded as views of this
-        buffer (``decode_with_views``); the buffer is then left to them, never written again,
-        and the bytes after the frame move into a fresh one."""
+        With ``views``, a payload of ``VIEW_BINS_FROM`` bytes or more has its bins decoded
+        as views of this buffer (``decode_with_views``); the buffer is then left to them,
+        not written again while one lives, and the bytes after the frame move into a fresh one."""
         start = self._start + HEADER_BYTES
         end = start + payload_length(self._buf, self._start, self.max_frame)
         if self._views and end - start >= VIEW_BINS_FROM:
@@ -362,8 +362,8 @@ class FrameBuffer:
     def _take_back_lent(self, least: int) -> bytearray | None:
         """The buffer left to views, when it holds ``least`` bytes and no view of it is left."""
         lent = self._lent
-        # A view holds its bytearray through its buffer export: beyond ``self._lent``, this
-        # local and getrefcount's own argument, any reference means a view may still read it.
+        # In CPython a view holds its bytearray through its buffer export: beyond ``self._lent``,
+        # this local and getrefcount's own argument, any reference means a view may still read it.
         if lent is None or len(lent) < least or sys.getrefcount(lent) > 3:
             return None
         self._lent = None
