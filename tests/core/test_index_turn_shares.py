@@ -215,24 +215,24 @@ def test_a_lone_client_s_large_commit_runs_many_slices_a_turn(pool, monkeypatch)
         raw.close()
 
 
-def test_a_large_request_that_starts_right_after_another_peer_s_runs_in_smaller_slices(pool, monkeypatch) -> None:
+def test_a_large_request_that_starts_right_after_another_peer_s_runs_in_quarter_slices(pool, monkeypatch) -> None:
     monkeypatch.setattr(turns, "CONTENDED_WINDOW_S", 0.05, raising=False)
     with ThreadedIndex(pool, token=TOKEN) as index:
         server = server_of(index)
-        set_slice_keys(index, 16)
+        set_slice_keys(index, 8)
         mine, other = Raw(index.url), raw_from(index.url, "127.0.0.2")
         mine.hello(), other.hello()
         assert mine.call(op="heartbeat")["ok"]
         assert wait_for(lambda: not contended(index))  # the switches of the hellos are past
         sizes = record_commit_slices(index)
-        keys = b"".join(key(i) for i in range(128))
+        keys = b"".join(key(i) for i in range(64))
         assert mine.call(op="commit", keys=keys)["ok"]
-        assert sizes == [16] * 8  # served alone: whole slices
+        assert sizes == [8] * 8  # served alone: whole slices
         monkeypatch.setattr(turns, "CONTENDED_WINDOW_S", 5.0)  # long enough for the checks below
         assert other.call(op="heartbeat")["ok"]
         sizes.clear()
         assert mine.call(op="commit", keys=keys)["ok"]
-        assert sizes == [2] * 64  # started right after the other peer's request: eighth slices
+        assert sizes == [2] * 32  # started right after the other peer's request: quarter slices
         assert contended(index)
         assert index.on_loop(server._slice_keys_now) == 2
         assert index.on_loop(server._lookup_slice_keys) == 8

@@ -119,10 +119,9 @@ _ALWAYS_SLICED = frozenset({Op.UNPIN, Op.BYE, Op.MATCH_PREFIXES, Op.LIST_OBJECTS
 #: Keys per slice of a large ``commit`` or ``abort`` (a slice is about a millisecond of work).
 SLICE_KEYS = 2048
 #: While other peers are served too (``PeerTurns.contended``), a large request that starts then
-#: runs in slices this many times smaller (a lookup slice of 1,024 keys, about 0.1 ms on 16
-#: cores), at some cost in its own time: the others wait for a slice at most. At 4, a neighbour
-#: retrieving pinned keys in a loop ran 1.4 times as many callbacks over 0.2 ms (bench/RESULTS.md).
-CONTENDED_SLICE_DIVISOR = 8
+#: runs in slices this many times smaller (a slice about 0.2 ms, a few shares), at some cost in
+#: its own time: the others wait for a slice at most.
+CONTENDED_SLICE_DIVISOR = 4
 #: SO_LINGER on, zero seconds: close() resets the connection.
 _RESET_ON_CLOSE = struct.pack("ii", 1, 0)
 
