@@ -16,11 +16,14 @@
 #   python3 bench/ttft_gpu.py --paired --formats chunkwise layerwise --sizes 16384 32768 \
 #       --modes sync_overlap_graphs sync_overlap_graphs_unverified --repeats 21
 #   bash bench/attacks_16core.sh OUT
-# Next lease: the CUDA tests; on an H200 the paired 4k, 4k + 512 (`bash
-# bench/verify_h200.sh OUT paired-ab` with PAIRED_ARMS="COPIES_AHEAD=2")
-# and 16k / 32k runs above, the verified 4k + 512 layerwise hit (+2.8 % on
-# the H100, the one case over 2 %) first of all, with `--timeline
-# 4096+512/sync_overlap_graphs 4096+512/sync_overlap_graphs_unverified`.
+#   python3 bench/ttft_gpu.py --formats layerwise --sizes 4096 --partial 4096 512 ... --timeline
+#       4096+512/sync_overlap_graphs 4096+512/sync_overlap_graphs_unverified
+# Next lease: `bash bench/attacks_16core.sh OUT` on the tree as it stands
+# (quarter slices, the stats fix: not run on 16 cores yet); the CUDA tests;
+# for the verified 4k + 512 layerwise hit (+2.8 % on the H100, the one case
+# over 2 %), an A/B of smaller first sum batches beside a long forward,
+# then on an H200 the paired 4k, 4k + 512 (`bash bench/verify_h200.sh OUT
+# paired-ab` with PAIRED_ARMS="COPIES_AHEAD=2") and 16k / 32k runs above.
 set -u
 out=${1:?usage: run_h200.sh OUT_DIR [STAGE ...]}
 shift
