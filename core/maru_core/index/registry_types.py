@@ -106,10 +106,8 @@ def joined_keys(keys: Keys) -> bytes:
     """``keys`` packed into one ``bytes`` (the very object when it already is); ``BadRequest``
     for anything but 16-byte keys."""
     if isinstance(keys, (bytes, bytearray, memoryview)):
-        data = bytes(keys)
-        if len(data) % KEY_BYTES:
-            raise BadRequest(f"packed keys must be a multiple of {KEY_BYTES} bytes, got {len(data)}")
-        return data
+        key_count(keys)  # checks the length
+        return bytes(keys)
     try:
         return join_keys(keys)  # checks the total length only: the protocol checks each key
     except ValueError as exc:
@@ -119,9 +117,10 @@ def joined_keys(keys: Keys) -> bytes:
 def key_count(keys: Keys) -> int:
     """How many keys ``keys`` holds, read without packing them; ``BadRequest`` as ``joined_keys``."""
     if isinstance(keys, (bytes, bytearray, memoryview)):
-        if len(keys) % KEY_BYTES:
-            raise BadRequest(f"packed keys must be a multiple of {KEY_BYTES} bytes, got {len(keys)}")
-        return len(keys) // KEY_BYTES
+        size = keys.nbytes if isinstance(keys, memoryview) else len(keys)
+        if size % KEY_BYTES:
+            raise BadRequest(f"packed keys must be a multiple of {KEY_BYTES} bytes, got {size}")
+        return size // KEY_BYTES
     return len(keys)
 
 

@@ -189,7 +189,11 @@ def _item_extent(payload: memoryview, at: int) -> tuple[int, int] | None:
     return (start, end) if end <= len(payload) else None
 
 
-def decode_with_views(payload: memoryview) -> dict[str, Any] | None:
+#: A field's value in a payload decoded with views: a msgpack scalar or str, or a bin's view.
+ViewedValue = None | bool | int | float | str | memoryview
+
+
+def decode_with_views(payload: memoryview) -> dict[str, ViewedValue] | None:
     """``payload`` decoded as ``decode_payload`` would, but each bin a read-only view of
     ``payload`` (no copy), when it is one map of at most ``_VIEW_MAX_FIELDS`` fields whose
     names are strs and whose values are scalars, strs or bins (every request of the
@@ -206,7 +210,7 @@ def decode_with_views(payload: memoryview) -> dict[str, Any] | None:
         return None  # no request is a map 32, nor anything but a map
     if fields > _VIEW_MAX_FIELDS:
         return None
-    message: dict[str, Any] = {}
+    message: dict[str, ViewedValue] = {}
     for _ in range(fields):
         if at >= len(payload) or (name := _item_extent(payload, at)) is None:
             return None
