@@ -133,3 +133,28 @@ def test_a_buffer_left_to_views_is_not_written_while_one_lives_and_is_received_i
     [last] = feed(buffer, frames[3], [1000, 5000])
     assert id(last["keys"].obj) == lent, "the next large frame was received into the buffer no view held"
     assert buffer.capacity < 4 * framing.VIEW_BINS_FROM
+
+
+replies = st.dictionaries(st.sampled_from(["id", "ok", "locations", "slots", "matched"]),
+                          st.integers(0, 2**32) | st.binary(max_size=3000)
+                          | st.binary(min_size=framing.INLINE_BIN_BYTES + 1, max_size=40_000), max_size=5)  # fmt: skip
+
+
+@FAST
+@given(reply=replies, size=st.integers(1, 70_000))
+def test_a_reply_s_parts_cut_into_pieces_are_its_frame(reply, size):
+    """A large reply goes out as ``FrameWriter.parts``, its bins not copied, cut into pieces of
+    ``size`` bytes a turn: joined, they are the frame ``frame()`` and ``encode_frame`` build."""
+    from maru_core.index.connection import _pieces
+
+    writer = framing.FrameWriter()
+    parts = writer.parts(reply)
+    frame = bytes(writer.frame(reply))
+    assert b"".join(parts) == frame
+    assert feed(FrameBuffer(4096, 4096), frame, []) == [reply]
+    pieces = [b"".join(piece) for piece in _pieces(parts, size)]
+    assert b"".join(pieces) == frame
+    assert all(len(p) == size for p in pieces[:-1]) and 0 < len(pieces[-1]) <= size
+    large = [v for v in reply.values() if isinstance(v, bytes) and len(v) > framing.INLINE_BIN_BYTES]
+    assert [bytes(p) for p in parts[2::2]] == large  # each large bin is a part of its own, uncopied
+    assert all(isinstance(p, memoryview) and p.obj is v for p, v in zip(parts[2::2], large))

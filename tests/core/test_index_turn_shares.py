@@ -523,9 +523,9 @@ def test_a_large_reply_goes_out_a_piece_per_turn_while_contended_and_arrives_who
     pieces: list[int] = []
     write_pieces = Connection._write_pieces
 
-    def counting(self, frame):
-        pieces.append(len(frame))
-        return (yield from write_pieces(self, frame))
+    def counting(self, parts):
+        pieces.append(sum(map(len, parts)))
+        return (yield from write_pieces(self, parts))
 
     monkeypatch.setattr(Connection, "_write_pieces", counting)
     keys = b"".join(key(i) for i in range(8000))  # a retrieve's locations: 16 bytes a key

@@ -5,9 +5,14 @@ pin quota, the window on a lease's evictions, and an abandoned ``bye``."""
 from __future__ import annotations
 
 import tracemalloc
+from collections import Counter
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from maru_core.index.leases import LeasePins, SortedBatch
 from maru_core.index.registry import NoSpace, Registry
 from maru_core.index.registry_types import QuotaExceeded
 from test_registry import PAGE, Clock, accounting_adds_up, geometry, key, store
@@ -52,6 +57,21 @@ def test_pinning_the_same_objects_again_takes_no_memory(clock: Clock = Clock()) 
     assert reg.describe(key(7)).pins == 301 and reg.stats().pinned_keys == 2000
     assert reg.unpin(lease, keys) == 2000  # one per occurrence: 300 left on each
     assert reg.describe(key(7)).pins == 300
+
+
+@settings(max_examples=300, deadline=None)
+@given(batches=st.lists(st.lists(st.integers(0, 24), max_size=12), max_size=10))
+def test_a_lease_s_pins_count_every_occurrence_of_each_retrieve_as_a_counter_does(batches) -> None:
+    """Pins added batch by batch (new objects, objects pinned again, a run of the pins or
+    scattered among them, repeated in a batch) hold what a ``Counter`` of the rows holds."""
+    pins, model = LeasePins(), Counter()
+    for rows in batches:
+        pins.add(pins.plan(SortedBatch(np.array(rows, dtype=np.int64))),
+                 b"".join(row.to_bytes(16, "little") for row in rows))  # fmt: skip
+        model.update(rows)
+        assert pins.rows.tolist() == sorted(model)
+        assert [pins.count_of(row) for row in sorted(model)] == [model[row] for row in sorted(model)]
+        assert pins.total == sum(model.values())
 
 
 def test_a_lease_that_pins_the_same_objects_under_ever_new_batches_cannot_grow_what_it_remembers(

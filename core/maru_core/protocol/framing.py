@@ -89,33 +89,44 @@ class FrameWriter:
 
     def frame(self, message: dict[str, Any]) -> bytes | memoryview:
         """The frame of ``message`` (``FrameError`` above ``MAX_FRAME_BYTES``)."""
+        parts = self.parts(message)
+        if len(parts) == 1:
+            return parts[0]
+        length = sum(map(len, parts))
+        if len(self._out) < length:
+            self._out = bytearray(max(length, 2 * len(self._out)))
+        out = memoryview(self._out)
+        at = 0
+        for part in parts:
+            out[at : at + len(part)] = part
+            at += len(part)
+        return out[:at]
+
+    def parts(self, message: dict[str, Any]) -> list[bytes | memoryview]:
+        """The frame of ``message`` as consecutive parts, its bins longer than
+        ``INLINE_BIN_BYTES`` not copied at all: the header with the other
+        fields, then each such bin's name and length, and the bin itself (a
+        view of the message's value: leave that unchanged until written).
+        ``FrameError`` above ``MAX_FRAME_BYTES``."""
         large = [k for k, v in message.items() if isinstance(v, (bytes, memoryview)) and len(v) > INLINE_BIN_BYTES]
         if not large:
-            return encode_frame(message, self._packer)
+            return [encode_frame(message, self._packer)]
         pack = self._packer.pack
-        parts = [self._packer.pack_map_header(len(message))]
-        parts += [pack(k) + pack(v) for k, v in message.items() if k not in large]
+        fields = [self._packer.pack_map_header(len(message))]
+        fields += [pack(k) + pack(v) for k, v in message.items() if k not in large]
         bins = [memoryview(message[k]).cast("B") for k in large]
         heads = [pack(k) + _bin_header(len(b)) for k, b in zip(large, bins)]
-        small = b"".join(parts)
+        small = b"".join(fields)
         length = len(small) + sum(map(len, heads)) + sum(map(len, bins))
         if length > MAX_FRAME_BYTES:
             raise FrameError(
                 f"frame of {length} bytes exceeds MAX_FRAME_BYTES={MAX_FRAME_BYTES}; "
                 "split the batch into smaller requests"
             )
-        if len(self._out) < HEADER_BYTES + length:
-            self._out = bytearray(max(HEADER_BYTES + length, 2 * len(self._out)))
-        out = memoryview(self._out)
-        HEADER.pack_into(out, 0, length)
-        at = HEADER_BYTES + len(small)
-        out[HEADER_BYTES:at] = small
+        parts: list[bytes | memoryview] = [HEADER.pack(length) + small]
         for head, data in zip(heads, bins):
-            out[at : at + len(head)] = head
-            at += len(head)
-            out[at : at + len(data)] = data
-            at += len(data)
-        return out[:at]
+            parts += [head, data]
+        return parts
 
     def release(self) -> None:
         """Give up the buffer of the last frame (someone else may still read it)."""
