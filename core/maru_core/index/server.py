@@ -90,6 +90,7 @@ from maru_core.pool.commit_records import CommitRecords
 from maru_core.pool.pool_identity import PoolIdentity
 from maru_core.pool.slot_check import SlotHeaderCheck
 from maru_core.pool.slots import SlotState
+from maru_core.protocol.framing import VIEW_BINS_FROM
 from maru_core.protocol import (
     KEY_BYTES,
     Address,
@@ -121,6 +122,10 @@ SLICE_KEYS = 2048
 #: runs in slices this many times smaller (a slice about 0.2 ms, a few shares), at some cost in
 #: its own time: the others wait for a slice at most.
 CONTENDED_SLICE_DIVISOR = 4
+#: A retrieve with this many bytes of keys or more (20,000 keys) looks up none in the turn
+#: that received and decoded it: with its first slice that turn was the longest of a
+#: retrieve. An engine's largest (a 64k-token prompt: 8,000 keys) is not delayed so.
+LOOKUP_NEXT_TURN_FROM = VIEW_BINS_FROM
 #: SO_LINGER on, zero seconds: close() resets the connection.
 _RESET_ON_CLOSE = struct.pack("ii", 1, 0)
 
@@ -590,11 +595,15 @@ class IndexServer:
         return {"matched": matched}
 
     def _retrieve_sliced(self, conn: Connection, args: dict) -> Generator[None, None, dict]:
+        if len(args["keys"]) >= LOOKUP_NEXT_TURN_FROM:
+            yield
         lease_id = self._renewed(conn)
         locations = yield from self.registry.retrieve_sliced(lease_id, args["keys"], self._lookup_slice_keys())
         return {"locations": pack_locations(locations)}
 
     def _retrieve_prefix_sliced(self, conn: Connection, args: dict) -> Generator[None, None, dict]:
+        if len(args["keys"]) >= LOOKUP_NEXT_TURN_FROM:
+            yield
         lease_id = self._renewed(conn)
         matched, locations = yield from self.registry.retrieve_prefix_sliced(
             lease_id, args["keys"], args["group"], self._lookup_slice_keys()
