@@ -366,10 +366,8 @@ class Connection(asyncio.BufferedProtocol):
                 yield
             if self._transport is None or self._transport.is_closing():
                 return None
-            if len(piece) == 1:
-                self._transport.write(piece[0])
-            else:
-                self._transport.writelines(piece)
+            for view in piece:  # a few bytes of header and field names, the rest one view
+                self._transport.write(view)
         return None
 
     def close(self) -> None:
