@@ -79,6 +79,7 @@ from maru_core.index.service import freeze_startup_objects
 from maru_core.pool import Pool, SlotHeader
 from maru_core.protocol import MAX_BATCH_KEYS, PROTOCOL_VERSION, FrameDecoder, encode_frame, pack_lengths, parse_url
 from maru_core.protocol.framing import HEADER
+from loop_steps import StepTimer, step_lines
 from quota_attacks import ATTACKS as TOKEN_ATTACKS
 from quota_attacks import Attacker, still_open
 
@@ -660,7 +661,8 @@ def _callback_kind(callback) -> str:
     return f"{what} of {getattr(protocol, 'peer_key', '?')}" if protocol else what
 
 
-def longest_callbacks(name: str, seconds: float, source: str, pods: bool = False, profile_top: int = 0) -> dict:
+def longest_callbacks(name: str, seconds: float, source: str, pods: bool = False, profile_top: int = 0,
+                      steps_top: int = 0) -> dict:  # fmt: skip
     """The five longest event-loop callbacks of an index (in this process) while the attack runs
     (in another) and the normal client (in a third) keeps the index contended, as honest clients
     do: each in CPU milliseconds of the loop's thread, with what ran (what one request or turn
@@ -669,7 +671,9 @@ def longest_callbacks(name: str, seconds: float, source: str, pods: bool = False
     time, and their share of the wall time, and of it on the CPU (the rest: the loop's thread
     preempted), counted while the normal client runs: wall time is what a heartbeat waits for.
     ``profile_top``: also the loop thread's ``profile_top`` functions of most own time meanwhile
-    (cProfile: what inside those callbacks costs; its overhead inflates every figure above)."""
+    (cProfile: what inside those callbacks costs; its overhead inflates every figure above).
+    ``steps_top``: also the ``steps_top`` kinds of a connection's turn with the longest 99th
+    percentile (``loop_steps.StepTimer``: a sliced request's turns by where its job stood)."""
     from asyncio import events
 
     from maru_core.index.launcher import ThreadedIndex
@@ -695,6 +699,9 @@ def longest_callbacks(name: str, seconds: float, source: str, pods: bool = False
             counts[-2] += wall
             counts[-1] += took
 
+    steps = StepTimer()
+    if steps_top:
+        steps.install()
     pool_path = unique_shm_path("bench-attacks-loop")
     pool = Pool.create(pool_path, 256 * 1024 * 1024, page_size=4096)
     ctx = multiprocessing.get_context("spawn")
@@ -723,11 +730,13 @@ def longest_callbacks(name: str, seconds: float, source: str, pods: bool = False
             profiler = cProfile.Profile() if profile_top else None
             if profiler is not None:
                 index.on_loop(profiler.enable)  # cProfile follows the thread that enables it
+            steps.counting = True
             counting_from = time.perf_counter()
             normal.start()
             time.sleep(seconds)
             counted_s = time.perf_counter() - counting_from
             counting_from = float("inf")
+            steps.counting = False
             if profiler is not None:
                 index.on_loop(profiler.disable)
             stop.set()
@@ -740,6 +749,7 @@ def longest_callbacks(name: str, seconds: float, source: str, pods: bool = False
             events.Handle._run = run
     finally:
         events.Handle._run = run
+        steps.uninstall()
         gc.unfreeze()
         pool.close()
         os.unlink(pool_path)
@@ -747,7 +757,8 @@ def longest_callbacks(name: str, seconds: float, source: str, pods: bool = False
                        "wall_share": round(c[-2] / counted_s, 4), "cpu_share": round(c[-1] / counted_s, 4)}
                 for kind, c in sorted(long.items(), key=lambda item: -item[1][-2])}  # fmt: skip
     return {"longest_ms": [[round(1000 * d, 2), what] for d, what in sorted(durations, reverse=True)[:5]],
-            "long_callbacks": per_kind, "profile": _top_functions(profiler, profile_top) if profiler else []}
+            "long_callbacks": per_kind, "profile": _top_functions(profiler, profile_top) if profiler else [],
+            "steps": steps.table(steps_top) if steps_top else []}
 
 
 def _top_functions(profiler: cProfile.Profile, top: int) -> list[str]:
@@ -782,6 +793,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="with --loop: also list the N functions of the index's loop thread with the most "
                              "own time while counting (cProfile, which slows every call it sees)")
+    parser.add_argument("--steps", type=int, default=0, metavar="N",
+                        help="with --loop: also list the N kinds of a connection's turn with the longest 99th "
+                             "percentile (CPU ms), by where its job stood before the turn (bench/loop_steps.py)")
     parser.add_argument("--honest-clients", type=int, default=0,
                         help="also run this many clients behind the normal client's address, a heartbeat every "
                              "0.5 s each, and report how many got in and their answers per second")
@@ -854,15 +868,18 @@ def main(argv: list[str] | None = None) -> int:
         loop_results = {}
         for name in args.only or ATTACKS:
             loop_results[name] = longest_callbacks(name, args.seconds, args.attacker_address, args.pods,
-                                                   args.profile)  # fmt: skip
+                                                   args.profile, args.steps)  # fmt: skip
             print(f"{name:16} longest callbacks, CPU ms: {loop_results[name]['longest_ms']}", flush=True)
             print(_long_lines(loop_results[name]["long_callbacks"]), flush=True)
             if args.profile:
                 print(f"    {'own ms':>9} {'cum ms':>9} {'calls':>8}  the loop thread's functions of most own time",
                       *loop_results[name]["profile"], sep="\n    ", flush=True)  # fmt: skip
+            if args.steps:
+                print(step_lines(loop_results[name]["steps"]), flush=True)
             _write(args.out, {**header, "longest_callbacks_ms": {n: r["longest_ms"] for n, r in loop_results.items()},
                               "long_callbacks": {n: r["long_callbacks"] for n, r in loop_results.items()},
-                              "profile": {n: r["profile"] for n, r in loop_results.items() if r["profile"]}})
+                              "profile": {n: r["profile"] for n, r in loop_results.items() if r["profile"]},
+                              "steps": {n: r["steps"] for n, r in loop_results.items() if r["steps"]}})
         return 0
     workdir = tempfile.mkdtemp(prefix="bench-attacks-")
     token_file = os.path.join(workdir, "token")

@@ -313,8 +313,9 @@ class Connection(asyncio.BufferedProtocol):
         except StopIteration as done:
             self._job = None
             if done.value is not None:
-                if turn.over() and _payload_bytes(done.value) > WRITE_PIECE_BYTES:
-                    # Encoding a large reply and writing its first piece is a step of its own.
+                if _payload_bytes(done.value) > WRITE_PIECE_BYTES and not turn.another_fits():
+                    # Encoding a large reply and writing its first piece is a step of its own,
+                    # begun in this turn only if it would likely end within it (as any step).
                     self._job = _reply_job(done.value)
                     self._after_ready_io(self._step_job)
                     return

@@ -83,7 +83,7 @@ from maru_core.index.listen import RateLimitedLog, UnixListenerPath
 from maru_core.index.object_ops import FlushArgs, ListArgs, ObjectOps
 from maru_core.index.peers import peer_of
 from maru_core.index.registry import RegistryError
-from maru_core.index.registry_types import RegistryStats
+from maru_core.index.registry_types import RegistryStats, joined_keys
 from maru_core.index.turns import PeerTurns
 from maru_core.index.pool_watch import PoolSizeWatch
 from maru_core.pool.commit_records import CommitRecords
@@ -595,18 +595,20 @@ class IndexServer:
         return {"matched": matched}
 
     def _retrieve_sliced(self, conn: Connection, args: dict) -> Generator[None, None, dict]:
-        if len(args["keys"]) >= LOOKUP_NEXT_TURN_FROM:
+        keys = joined_keys(args["keys"])  # a copy: the receive buffer is free for the next request
+        if len(keys) >= LOOKUP_NEXT_TURN_FROM:
             yield
         lease_id = self._renewed(conn)
-        locations = yield from self.registry.retrieve_sliced(lease_id, args["keys"], self._lookup_slice_keys())
+        locations = yield from self.registry.retrieve_sliced(lease_id, keys, self._lookup_slice_keys())
         return {"locations": pack_locations(locations)}
 
     def _retrieve_prefix_sliced(self, conn: Connection, args: dict) -> Generator[None, None, dict]:
-        if len(args["keys"]) >= LOOKUP_NEXT_TURN_FROM:
+        keys = joined_keys(args["keys"])
+        if len(keys) >= LOOKUP_NEXT_TURN_FROM:
             yield
         lease_id = self._renewed(conn)
         matched, locations = yield from self.registry.retrieve_prefix_sliced(
-            lease_id, args["keys"], args["group"], self._lookup_slice_keys()
+            lease_id, keys, args["group"], self._lookup_slice_keys()
         )
         return prefix_reply(matched, locations)
 

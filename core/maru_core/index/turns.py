@@ -79,10 +79,6 @@ class TurnEnd:
         self._before = now
         return now + self._longest <= self._ends
 
-    def over(self) -> bool:
-        """Whether the turn's time is used up."""
-        return self._clock() >= self._ends
-
 
 class TurnTaker(Hashable, Protocol):
     """What waits for a turn: a connection, with the peer whose share it uses."""
