@@ -19,11 +19,16 @@
 #   python3 bench/ttft_gpu.py --formats layerwise --sizes 4096 --partial 4096 512 ... --timeline
 #       4096+512/sync_overlap_graphs 4096+512/sync_overlap_graphs_unverified
 # Next lease: `bash bench/attacks_16core.sh OUT` on the tree as it stands
-# (quarter slices, the stats fix: not run on 16 cores yet); the CUDA tests;
-# for the verified 4k + 512 layerwise hit (+2.8 % on the H100, the one case
-# over 2 %), an A/B of smaller first sum batches beside a long forward,
-# then on an H200 the paired 4k, 4k + 512 (`bash bench/verify_h200.sh OUT
-# paired-ab` with PAIRED_ARMS="COPIES_AHEAD=2") and 16k / 32k runs above.
+# (quarter slices, the stats fix, and a large retrieve's cheaper turns: not
+# run on 16 cores yet); the CUDA tests; for the verified 4k + 512 layerwise
+# hit (+2.8 % on the H100, the one case over 2 %), the A/B of growing sum
+# batches beside a long forward (off as shipped until measured):
+#   SKIP_CUDA_TESTS=1 PAIRED_FORMATS="layerwise chunkwise" PAIRED_ARMS=\
+#     "GROWING_SUM_BATCHES_BESIDE_LONG_FORWARD=0 GROWING_SUM_BATCHES_BESIDE_LONG_FORWARD=1" \
+#     bash bench/verify_h200.sh OUT paired-ab
+# and the same arms for the 16k + 2k hit (`python3 bench/ttft_gpu.py --paired
+# --sizes 16384 --partial 16384 2048 --arms ...`); then on an H200 the paired
+# 4k, 4k + 512 and 16k / 32k runs above.
 set -u
 out=${1:?usage: run_h200.sh OUT_DIR [STAGE ...]}
 shift
