@@ -122,7 +122,7 @@ SLICE_KEYS = 2048
 #: runs in slices this many times smaller (a slice about 0.2 ms, a few shares), at some cost in
 #: its own time: the others wait for a slice at most.
 CONTENDED_SLICE_DIVISOR = 4
-#: A retrieve with this many bytes of keys or more (20,000 keys) looks up none in the turn
+#: A retrieve with this many bytes of keys or more (16,384 keys) looks up none in the turn
 #: that received and decoded it: with its first slice that turn was the longest of a
 #: retrieve. An engine's largest (a 64k-token prompt: 8,000 keys) is not delayed so.
 LOOKUP_NEXT_TURN_FROM = VIEW_BINS_FROM
