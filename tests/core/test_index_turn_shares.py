@@ -543,6 +543,30 @@ def test_a_large_reply_goes_out_a_piece_per_turn_while_contended_and_arrives_who
         raw.close()
 
 
+@pytest.mark.parametrize("count, first_turn_looks_up", [(2049, True), (16_384, False)])
+def test_a_retrieve_of_256_kib_of_keys_looks_up_none_in_the_turn_that_decoded_it(pool, monkeypatch, count,
+                                                                                  first_turn_looks_up) -> None:
+    """Decoding a large request is its first turn's work: a retrieve of 256 KiB of keys or more
+    starts its lookups in the next turn; a smaller one in the first."""
+    from maru_core.index import server as server_module
+
+    assert count * KEY_BYTES >= server_module.LOOKUP_NEXT_TURN_FROM or first_turn_looks_up
+    keys = memoryview(b"".join(key(i) for i in range(count)))  # as decoded: a view of the receive buffer
+    with ThreadedIndex(pool, token=TOKEN) as index:
+        registry = server_of(index).registry
+        looked_up: list[int] = []
+        lookup = registry._lookup_in_state
+        monkeypatch.setattr(registry, "_lookup_in_state", lambda keys, state: (looked_up.append(len(keys)),
+                                                                                lookup(keys, state))[1])
+
+        def first_turn() -> None:
+            conn = SimpleNamespace(lease_id=registry.open_lease("reader"))
+            next(server_of(index)._retrieve_sliced(conn, {"keys": keys}), None)
+
+        index.on_loop(first_turn)
+    assert bool(looked_up) == first_turn_looks_up
+
+
 # -- the deadline sweep ------------------------------------------------------------------------
 
 
