@@ -748,7 +748,8 @@ class CudaTransferEngine(TransferEngine):
         if job.check is None or not SUM_BATCHES:
             return False
         growing = GROWING_SUM_BATCHES_ALWAYS or (job.beside_long_forward and GROWING_SUM_BATCHES_BESIDE_LONG_FORWARD)
-        if growing and len(pending) > pending[0][0][0][0] + 1:
+        (first_layers, _, _), _ = pending[0]
+        if growing and len(pending) > first_layers[0] + 1:
             return False
         ((layers0, pieces0, whole0), copied0), ((layers1, pieces1, whole1), copied1) = pending[-2], pending[-1]
         offset0, used0, _, interleaved0, staging0 = copied0

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from maru_core.index.api import MalformedReply
-from maru_core.index.client_ops import Message
+from maru_core.protocol.framing import Message
 from maru_core.keys import KEY_BYTES
 from maru_core.protocol import Op, pack_keys
 

@@ -40,9 +40,7 @@ from maru_core.protocol import (
     pack_keys,
     pack_lengths,
 )
-
-#: A request or a reply as it travels: a msgpack map (see ``maru_core.protocol.messages``).
-Message = dict[str, Any]
+from maru_core.protocol.framing import Message
 
 DEFAULT_TIMEOUT_S = 5.0
 #: After a failed connect, calls fail fast for this long instead of each

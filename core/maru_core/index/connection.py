@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Generator, Iterator, Protocol
 
 from maru_core.index.turns import TurnEnd
 from maru_core.protocol import ErrorType, FrameError, FrameTooLarge, ProtocolError, error_reply
-from maru_core.protocol.framing import MAX_FRAME_BYTES, FrameBuffer, FrameWriter
+from maru_core.protocol.framing import MAX_FRAME_BYTES, FrameBuffer, FrameWriter, Message
 
 if TYPE_CHECKING:
     from maru_core.index.heap import HeapTrimmer
@@ -58,7 +58,7 @@ WRITE_PIECE_BYTES = 64 * 1024
 #: whatever a neighbour behind the same address sends; large frames wait for the budget.
 NEVER_HELD_BYTES = 64 * 1024
 
-Reply = dict[str, Any]
+Reply = Message
 #: A sliced request: yields between slices, returns its reply (``None``: a reply written
 #: a piece per step, already sent).
 Job = Generator[None, None, "Reply | None"]

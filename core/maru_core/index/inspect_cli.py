@@ -21,7 +21,7 @@ from maru_core.index.admin import (
     table,
 )
 from maru_core.index.client import IndexClient
-from maru_core.index.client_ops import Message
+from maru_core.protocol.framing import Message
 from maru_core.index.inventory import ObjectGroup
 
 

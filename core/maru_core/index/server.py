@@ -595,17 +595,13 @@ class IndexServer:
         return {"matched": matched}
 
     def _retrieve_sliced(self, conn: Connection, args: dict) -> Generator[None, None, dict]:
-        keys = joined_keys(args["keys"])  # a copy: the receive buffer is free for the next request
-        if len(keys) >= LOOKUP_NEXT_TURN_FROM:
-            yield
+        keys = yield from _copied_keys(args)
         lease_id = self._renewed(conn)
         locations = yield from self.registry.retrieve_sliced(lease_id, keys, self._lookup_slice_keys())
         return {"locations": pack_locations(locations)}
 
     def _retrieve_prefix_sliced(self, conn: Connection, args: dict) -> Generator[None, None, dict]:
-        keys = joined_keys(args["keys"])
-        if len(keys) >= LOOKUP_NEXT_TURN_FROM:
-            yield
+        keys = yield from _copied_keys(args)
         lease_id = self._renewed(conn)
         matched, locations = yield from self.registry.retrieve_prefix_sliced(
             lease_id, keys, args["group"], self._lookup_slice_keys()
@@ -658,6 +654,15 @@ class IndexServer:
         lease_id, conn.lease_id = conn.lease_id, None
         closed = yield from self.registry.close_lease_sliced(lease_id)
         return {"closed": closed}
+
+
+def _copied_keys(args: dict) -> Generator[None, None, bytes]:
+    """A retrieve's keys copied out of the receive buffer (free then for the next request),
+    ending the turn that decoded them when they are ``LOOKUP_NEXT_TURN_FROM`` bytes or more."""
+    keys = joined_keys(args["keys"])
+    if len(keys) >= LOOKUP_NEXT_TURN_FROM:
+        yield
+    return keys
 
 
 def _drop_tracebacks(exc: BaseException | None) -> None:

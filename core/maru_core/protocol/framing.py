@@ -39,7 +39,11 @@ def new_packer() -> msgpack.Packer:
     return msgpack.Packer(use_bin_type=True, autoreset=True, buf_size=PACKER_BUFFER_BYTES)
 
 
-def encode_frame(message: dict[str, Any], packer: msgpack.Packer | None = None) -> bytes:
+#: A request or a reply as it travels: a msgpack map (see ``maru_core.protocol.messages``).
+Message = dict[str, Any]
+
+
+def encode_frame(message: Message, packer: msgpack.Packer | None = None) -> bytes:
     """Serialise ``message`` into one frame (header and payload).
 
     Raises ``FrameError`` if the payload would exceed ``MAX_FRAME_BYTES``:
@@ -87,7 +91,7 @@ class FrameWriter:
         self._packer = packer or new_packer()
         self._out = bytearray(0)
 
-    def frame(self, message: dict[str, Any]) -> bytes | memoryview:
+    def frame(self, message: Message) -> bytes | memoryview:
         """The frame of ``message`` (``FrameError`` above ``MAX_FRAME_BYTES``)."""
         parts = self.parts(message)
         if len(parts) == 1:
@@ -102,7 +106,7 @@ class FrameWriter:
             at += len(part)
         return out[:at]
 
-    def parts(self, message: dict[str, Any]) -> list[bytes | memoryview]:
+    def parts(self, message: Message) -> list[bytes | memoryview]:
         """The frame of ``message`` as consecutive parts, its bins longer than
         ``INLINE_BIN_BYTES`` not copied at all: the header with the other
         fields, then each such bin's name and length, and the bin itself (a
