@@ -543,26 +543,6 @@ def test_a_large_reply_goes_out_a_piece_per_turn_while_contended_and_arrives_who
         raw.close()
 
 
-def test_a_backlog_of_replies_a_peer_reads_at_once_goes_out_a_send_buffer_per_callback(pool) -> None:
-    """Left to autotuning, the kernel's send buffer of a loopback connection grew to 4 MiB
-    while a peer let replies pile up, and the loop then copied that much to it in one
-    callback. The index fixes each connection's send buffer, whatever its peer does."""
-    keys = b"".join(key(i) for i in range(8000))  # a reply of 128 KiB of locations and more
-    with ThreadedIndex(pool, token=TOKEN) as index:
-        raw = Raw(index.url)
-        raw.hello()
-        raw.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 * 1024 * 1024)
-        rids = [raw.send({"op": "retrieve", "keys": keys}) for _ in range(48)]  # 6 MiB of replies, unread
-        time.sleep(0.5)
-        replies = [raw.recv() for _ in rids]
-        assert [r["id"] for r in replies] == rids and all(r["ok"] for r in replies)
-        send_buffers = index.on_loop(lambda: [
-            c._transport.get_extra_info("socket").getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
-            for c in server_of(index)._connections])  # fmt: skip
-        assert send_buffers == [2 * connection.SEND_BUFFER_BYTES]  # Linux doubles what it is given
-        raw.close()
-
-
 @pytest.mark.parametrize("count, first_turn_looks_up", [(2049, True), (16_384, False)])
 def test_a_retrieve_of_256_kib_of_keys_looks_up_none_in_the_turn_that_decoded_it(pool, monkeypatch, count,
                                                                                   first_turn_looks_up) -> None:

@@ -35,13 +35,6 @@ if TYPE_CHECKING:
 
 #: Pending reply bytes above which a connection stops reading until its peer has read them.
 WRITE_HIGH_WATER = 4 * 1024 * 1024
-#: The kernel's send buffer of each connection (``SO_SNDBUF``; Linux doubles it for its own
-#: bookkeeping): what one ``send`` of the event loop copies at most. Left to autotuning, a
-#: loopback TCP socket's grew to 4 MiB, and a peer that read a backlog of pipelined replies
-#: at once had the loop copy up to 4 MiB to it in one callback (1.8 ms on a 2-core VM); at
-#: 256 KiB a callback copies 0.1 ms at most. The price: over a network, a connection's
-#: replies flow at most 256 KiB per round trip (250 MB/s at 1 ms), plenty for metadata.
-SEND_BUFFER_BYTES = 128 * 1024
 #: A connection's receive buffer starts this small (an idle connection costs a few KiB).
 #: Grown for large frames, it is kept while they keep coming (growing it again for each
 #: one would cost an allocation and a copy of megabytes per frame), and given back to

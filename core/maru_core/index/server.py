@@ -76,7 +76,7 @@ from maru_core.index.accept import Acceptor, bind_tcp
 from maru_core.index.admission import Admission
 from maru_core.index.alias_ops import AliasOps, MatchAliasArgs, PutAliasesArgs
 from maru_core.index.aliases import AliasTable
-from maru_core.index.connection import SEND_BUFFER_BYTES, Connection, Job, Reply
+from maru_core.index.connection import Connection, Job, Reply
 from maru_core.index.heap import HeapTrimmer
 from maru_core.index.limits import SMALL_RECEIVE_BYTES, ServerLimits
 from maru_core.index.listen import RateLimitedLog, UnixListenerPath
@@ -292,7 +292,6 @@ class IndexServer:
             sock.close()
             return False
         sock.setblocking(False)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
         protocol = lambda: Connection(self, peer)  # noqa: E731
         task = self.loop.create_task(self.loop.connect_accepted_socket(protocol, sock))
         self._handshakes[task] = sock
