@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import cProfile
 import gc
 import json
@@ -185,18 +186,39 @@ def slowloris(url: str, stop, attacker: Attacker) -> None:
         stop.wait(1.0)
 
 
+def _read_until_closed(sock: socket.socket) -> None:
+    try:
+        while sock.recv(1 << 20):
+            pass
+    except OSError:
+        pass
+
+
 def stats_pipeline(url: str, stop, attacker: Attacker) -> None:
-    """One connection (with the token) pipelines stats requests as fast as it can, reading the replies."""
-    sock = _connect(url, attacker)
-    sock.sendall(_hello(attacker.token))
+    """One connection (with the token) pipelines stats requests as fast as the index takes them,
+    a thread of its own reading the replies all along. (It read them only between batches
+    before: the replies piled up until the index stopped reading from it, its ``sendall`` then
+    blocked, and the attack paused for seconds in some runs and not in others.)"""
     batch = b"".join(encode_frame({"id": i, "op": "stats"}) for i in range(1, 2001))
     while not stop.is_set():
         try:
-            sock.sendall(batch)
-            _drain(sock)
-        except OSError:
             sock = _connect(url, attacker)
+        except OSError:
+            stop.wait(0.01)
+            continue
+        reader = threading.Thread(target=_read_until_closed, args=(sock,), daemon=True)
+        reader.start()
+        try:
             sock.sendall(_hello(attacker.token))
+            while not stop.is_set():
+                sock.sendall(batch)
+        except OSError:
+            pass  # closed by the index: connect again
+        finally:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the reader (a close would not)
+            reader.join()
+            sock.close()
 
 
 def hello_flood(url: str, stop, attacker: Attacker) -> None:
