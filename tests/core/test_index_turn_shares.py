@@ -35,6 +35,7 @@ from maru_core.index.records import KEY_BYTES
 from maru_core.index.registry import Registry
 from maru_core.index.registry_types import NoSpace, QuotaExceeded, run_to_end
 from maru_core.index.turns import PeerTurns
+from maru_core.protocol import encode_frame
 from test_registry import PAGE, Clock, accounting_adds_up, geometry
 from test_registry import key as registry_key
 from test_server import TOKEN, Raw, key
@@ -541,6 +542,29 @@ def test_a_large_reply_goes_out_a_piece_per_turn_while_contended_and_arrives_who
         assert len(pieces) == 1 and pieces[0] > 2 * connection.WRITE_PIECE_BYTES
         assert raw.call(op="heartbeat")["ok"]  # the connection reads again after the last piece
         raw.close()
+
+
+def test_a_pipelining_connection_s_turns_leave_its_reading_paused(pool, monkeypatch) -> None:
+    """A connection with frames still buffered answers one a turn (here) and waits for the next:
+    its reading stays paused until they are all answered. Resumed before each turn and paused
+    after it, it cost two epoll calls a turn, about a fifth of such a turn's time."""
+    from asyncio import selector_events
+
+    transport_type = selector_events._SelectorSocketTransport
+    resumes: list[int] = []
+    resume = transport_type.resume_reading
+    monkeypatch.setattr(transport_type, "resume_reading", lambda self: (resumes.append(1), resume(self))[1])
+    monkeypatch.setattr(PeerTurns, "share_s", property(lambda self: 1e-9))  # a frame per turn
+    with ThreadedIndex(pool, token=TOKEN) as index:
+        raw = Raw(index.url)
+        raw.hello()
+        resumes.clear()
+        rids = list(range(100, 300))
+        raw.sock.sendall(b"".join(encode_frame({"id": rid, "op": "stats"}) for rid in rids))
+        assert [raw.recv()["id"] for _ in rids] == rids
+        assert raw.call(op="heartbeat")["ok"]  # reading again
+        raw.close()
+    assert 1 <= len(resumes) <= 5, len(resumes)  # once per read of the batch, not once per frame
 
 
 @pytest.mark.parametrize("count, first_turn_looks_up", [(2049, True), (16_384, False)])
