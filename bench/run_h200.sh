@@ -19,11 +19,12 @@
 #   python3 bench/ttft_gpu.py --formats layerwise --sizes 4096 --partial 4096 512 ... --timeline
 #       4096+512/sync_overlap_graphs 4096+512/sync_overlap_graphs_unverified
 # Next lease: `bash bench/attacks_16core.sh OUT` on the tree as it stands
-# (quarter slices, the stats fix, a large retrieve's cheaper turns, and the
+# (quarter slices, the stats fix, a large retrieve's cheaper turns, the
 # pipelining attackers that read their replies all along, a pipelining
-# connection's reading paused once: not run on 16 cores yet); the CUDA tests; for the verified 4k + 512 layerwise
-# hit (+2.8 % on the H100, the one case over 2 %), the A/B of growing sum
-# batches beside a long forward (off as shipped until measured):
+# connection's reading paused once: not run on 16 cores yet); the CUDA
+# tests; for the verified 4k + 512 layerwise hit (+2.8 % on the H100, the
+# one case over 2 %), the A/B of growing sum batches beside a long forward
+# (off as shipped until measured):
 #   SKIP_CUDA_TESTS=1 PAIRED_FORMATS="layerwise chunkwise" PAIRED_ARMS=\
 #     "GROWING_SUM_BATCHES_BESIDE_LONG_FORWARD=0 GROWING_SUM_BATCHES_BESIDE_LONG_FORWARD=1" \
 #     bash bench/verify_h200.sh OUT paired-ab

@@ -7,9 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from maru_core.index.api import MalformedReply
-from maru_core.protocol.framing import Message
 from maru_core.keys import KEY_BYTES
-from maru_core.protocol import Op, pack_keys
+from maru_core.protocol import Message, Op, pack_keys
 
 
 def put_aliases_request(items: Sequence[tuple[bytes, bytes]]) -> Message:

@@ -34,13 +34,13 @@ from maru_core.protocol import (
     LocationList,
     MAX_BATCH_KEYS,
     MIN_PROTOCOL_VERSION,
+    Message,
     Op,
     SlotList,
     pack_counts,
     pack_keys,
     pack_lengths,
 )
-from maru_core.protocol.framing import Message
 
 DEFAULT_TIMEOUT_S = 5.0
 #: After a failed connect, calls fail fast for this long instead of each

@@ -21,8 +21,8 @@ from maru_core.index.admin import (
     table,
 )
 from maru_core.index.client import IndexClient
-from maru_core.protocol.framing import Message
 from maru_core.index.inventory import ObjectGroup
+from maru_core.protocol import Message
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

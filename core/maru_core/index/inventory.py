@@ -7,8 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from maru_core.index.api import MalformedReply
-from maru_core.protocol.framing import Message
-from maru_core.protocol import Op
+from maru_core.protocol import Message, Op
 from maru_core.protocol.messages import MAX_SCAN_ROWS, OBJECT_FORMATS
 
 #: Rows a client asks the index to scan per request by default.
