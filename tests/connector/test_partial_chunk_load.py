@@ -196,15 +196,13 @@ def test_the_cuda_engine_s_scatters_leave_the_skipped_blocks_out_in_every_stagin
 
 @pytest.mark.parametrize("layerwise", [False, True], ids=["chunkwise", "layerwise"])
 @pytest.mark.parametrize("whole", [False, True], ids=["batches-shrink-at-the-end", "one-batch"])
-@pytest.mark.parametrize("scatter_batches, beside_long_forward, growing",
-                         [(True, False, False), (False, False, False), (True, True, False), (True, True, True)],
-                         ids=["a-scatter-a-batch", "a-scatter-a-fill", "beside-a-long-forward",
-                              "growing-beside-a-long-forward"])
+@pytest.mark.parametrize("scatter_batches, beside_long_forward",
+                         [(True, False), (False, False), (True, True)],
+                         ids=["a-scatter-a-batch", "a-scatter-a-fill", "beside-a-long-forward"])
 def test_a_verified_load_s_sum_batches_check_the_layers_they_complete(engines, pool, monkeypatch, layerwise, whole,
-                                                                      scatter_batches, beside_long_forward, growing):
+                                                                      scatter_batches, beside_long_forward):
     """A verified load's fills of single layers, summed a batch at a time
-    (``_joins``; beside a long forward, in batches of at most one layer more
-    than the layers before them, where they grow) and scattered on the host,
+    (``_joins``) and scattered on the host,
     a batch in one scatter of its layers (``SCATTER_BATCHES``, unless the
     load is beside a long forward) or a scatter per fill: every block lands;
     layerwise, a batch's comparison is the check of each layer in it;
@@ -220,7 +218,6 @@ def test_a_verified_load_s_sum_batches_check_the_layers_they_complete(engines, p
 
     monkeypatch.setattr(cuda_engine, "GROUP_BELOW_BYTES", 0)  # a layer a fill, as large layers are
     monkeypatch.setattr(cuda_engine, "SCATTER_BATCHES", scatter_batches)
-    monkeypatch.setattr(cuda_engine, "GROWING_SUM_BATCHES_BESIDE_LONG_FORWARD", growing)
     fmt, offsets, src, src_ids, checksums = _stored(engines, pool, "cpu", "flash_hnd", layerwise, True)
     dst = make_kv_caches("flash_hnd", layers=LAYERS, blocks=BLOCKS, seed=2)
     before = {name: dst[name].clone() for name in fmt.layout.layer_names}
@@ -256,8 +253,7 @@ def test_a_verified_load_s_sum_batches_check_the_layers_they_complete(engines, p
             engine._scatter_fills(job, torch.tensor(dst_ids), [pending.popleft() for _ in range(len(pending) - 1)])
     sizes.append(len(pending))
     engine._scatter_fills(job, torch.tensor(dst_ids), list(pending))
-    grown = [1, 2]  # three layers: from layer 0 one, from layer 1 up to two
-    assert LAYERS == 3 and sizes == ((grown if growing else [LAYERS]) if whole else [1] * LAYERS)
+    assert LAYERS == 3 and sizes == ([LAYERS] if whole else [1] * LAYERS)
     one_scatter = whole and scatter_batches and not beside_long_forward
     assert scatters == ([list(range(LAYERS))] if one_scatter else [[i] for i in range(LAYERS)])
     _assert_only_written(fmt, "flash_hnd", dst, src, before, dict(zip(dst_ids, src_ids)), sizes)
@@ -265,9 +261,7 @@ def test_a_verified_load_s_sum_batches_check_the_layers_they_complete(engines, p
     checked = [c is not None for c in checks]
     assert checked == ([True] * LAYERS if layerwise or one_scatter else [False] * (LAYERS - 1) + [True])
     raised = [int(c[1][c[2]]) for c in checks if c is not None]
-    if (layerwise or one_scatter) and whole and growing:  # the last batch's comparison: its layers' checks
-        assert raised == [0, 1, 1]
-    elif (layerwise or one_scatter) and whole:  # one comparison for all layers: every layer's check says mismatch
+    if (layerwise or one_scatter) and whole:  # one comparison for all layers: every layer's check says mismatch
         assert raised == [1] * LAYERS
     else:  # the last layer's check covers the wrong object; the others none
         assert raised[-1] == 1 and set(raised[:-1]) <= {0}, raised

@@ -274,9 +274,8 @@ def _fills_engine(pool, fmt, rows_cap: int, copy_2d: bool):
 @pytest.mark.parametrize("rows_cap", [1, 3, 64])
 @pytest.mark.parametrize("copy_2d", [True, False], ids=["2d", "rows"])
 @pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "a-layer-a-fill"])
-@pytest.mark.parametrize("growing", [False, True], ids=["batches", "growing-batches"])
 def test_the_cuda_engine_s_fills_sum_to_each_object_s_checksum(pool, monkeypatch, layerwise, adjacent, rows_cap,
-                                                               copy_2d, grouped, growing):
+                                                               copy_2d, grouped):
     """Every way the CUDA engine stages a load (one layer or a group of layers a
     fill, layer-major or as wide chunk-major rows, a layer over several fills)
     read by ``_sum_fills`` as rows of (chunk, layer), a fill at a time or in
@@ -290,7 +289,6 @@ def test_the_cuda_engine_s_fills_sum_to_each_object_s_checksum(pool, monkeypatch
 
     if not grouped:  # every layer its own fill, as large layers are
         monkeypatch.setattr(cuda_engine, "GROUP_BELOW_BYTES", 0)
-    monkeypatch.setattr(cuda_engine, "GROWING_SUM_BATCHES_ALWAYS", growing)
     layout = detect_kv_layout(make_kv_caches("flash_hnd", layers=5, blocks=24))
     fmt = ObjectFormat(layout, BPC * layout.block_size, layerwise)
     chunks, per, size = 6, fmt.objects_per_chunk, fmt.object_bytes
@@ -324,9 +322,8 @@ def test_the_cuda_engine_s_fills_sum_to_each_object_s_checksum(pool, monkeypatch
             engine._sum_fills(job, batch, None)
         assert device_checksum.as_uint64(sums) == want, (one_by_one, [len(b) for b in batches])
     if not grouped and rows_cap == 64 and adjacent:  # whole layers with the same runs, side by side
-        # batches no larger than what is left to copy after them: 5 layers go as 2 + 1 + 1 + 1;
-        # growing, the first holds one layer, the next up to two
-        assert [len(b) for b in batches] == ([1, 2, 1, 1] if growing else [2, 1, 1, 1]), [len(b) for b in batches]
+        # batches no larger than what is left to copy after them: 5 layers go as 2 + 1 + 1 + 1
+        assert [len(b) for b in batches] == [2, 1, 1, 1], [len(b) for b in batches]
 
 
 class _Event:

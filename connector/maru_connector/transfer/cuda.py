@@ -69,17 +69,6 @@ SUM_BATCHES = True
 # overtakes only at its first layers: there it cost 1.6-1.7 % more. (False:
 # a scatter per fill always, as before, for the A/B.)
 SCATTER_BATCHES = True
-# A load beside a long forward sums its first layers in growing batches (a
-# batch from the load's layer L holds at most L + 1 layers: 1, 2, 4, ...): a
-# layer is ready only once its batch's last layer has landed and been
-# compared, so a first batch of four held the forward's first layers back
-# (a verified 4k + 512 layerwise hit: the forward waited 1.4 ms longer,
-# bench/RESULTS.md round 11). A full hit's short forward waits for the whole
-# load anyway, and each batch more is a launch on the engine thread. (False:
-# batches as large as ``_joins`` allows from the start, for the A/B;
-# ``GROWING_SUM_BATCHES_ALWAYS``: growing for every load, an experiment.)
-GROWING_SUM_BATCHES_BESIDE_LONG_FORWARD = False
-GROWING_SUM_BATCHES_ALWAYS = False
 # A fill joins the fills waiting for their scatter once the copies of this
 # many later fills are queued (head-start fills count as queued before all);
 # a batch is scattered when the fill after it joins, so the host's calls for
@@ -742,14 +731,9 @@ class CudaTransferEngine(TransferEngine):
         (the copies after them go on into the other half) and up to the
         ``left`` bytes still to copy after them: a batch's layers wait for its
         last copy, so batches shrink towards a load's end, where the forward
-        may already be waiting; and, where they grow
-        (``GROWING_SUM_BATCHES_*``), up to one layer more than the load's
-        layers before the batch."""
+        may already be waiting. (Batches that grow from one layer beside a
+        long forward were measured and did not pay: bench/RESULTS.md, round 12.)"""
         if job.check is None or not SUM_BATCHES:
-            return False
-        growing = GROWING_SUM_BATCHES_ALWAYS or (job.beside_long_forward and GROWING_SUM_BATCHES_BESIDE_LONG_FORWARD)
-        (first_layers, _, _), _ = pending[0]
-        if growing and len(pending) > first_layers[0] + 1:
             return False
         ((layers0, pieces0, whole0), copied0), ((layers1, pieces1, whole1), copied1) = pending[-2], pending[-1]
         offset0, used0, _, interleaved0, staging0 = copied0
