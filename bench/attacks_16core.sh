@@ -16,6 +16,11 @@
 #   OUT_DIR/attacks.txt    the table as printed (a line per scenario)
 #   OUT_DIR/attacks.png    heartbeat p99 / its baseline, index RSS over time
 #
+# With ROUNDS=N (default 1) it runs N times, into OUT_DIR/round-K/ each, and
+# then prints the verdict of bench/attack_rounds.py: each attack's median over
+# the rounds of its p99 / own baseline p99 (a noisy host moves one round's
+# baseline p99 by 3x; give --only a few attacks to keep the rounds short).
+#
 # About 5 minutes on 16 cores; within 9 in all: the benchmark starts no attack
 # that would end past 480 s (--time-budget; those left are listed as skipped),
 # and each step has a hard time limit. Flags after OUT_DIR are passed on (the
@@ -72,17 +77,34 @@ if ! "$python" -c "import matplotlib" 2>/dev/null; then
     plot=0
 fi
 
+run_once() {  # $1: where its figures go; the rest: flags for the benchmark
+    local dir=$1 status
+    shift
+    mkdir -p "$dir" || return 2
+    timeout -k 10 510 "$python" bench/index_attacks.py --seconds 4 --alternate --pin-cores --honest-clients 200 \
+        --heartbeat-ms "${HEARTBEAT_MS:-1}" --time-budget 480 --out "$dir/attacks.json" "$@" 2>&1 | tee "$dir/attacks.txt"
+    status=${PIPESTATUS[0]}
+    if [ "$status" -ne 0 ]; then
+        say "the benchmark failed (exit $status); what it measured is in $dir/attacks.json"
+    fi
+    if [ "$plot" = 1 ] && [ -s "$dir/attacks.json" ]; then
+        say "plot"
+        timeout 60 "$python" bench/plot_index_attacks.py "$dir/attacks.json" "$dir/attacks.png" || status=1
+    fi
+    return "$status"
+}
+
 say "benchmark: a line per scenario as it ends (columns: see bench/index_attacks.py)"
 status=0
-timeout -k 10 510 "$python" bench/index_attacks.py --seconds 4 --alternate --pin-cores --honest-clients 200 --heartbeat-ms "${HEARTBEAT_MS:-1}" \
-    --time-budget 480 --out "$out/attacks.json" "$@" 2>&1 | tee "$out/attacks.txt"
-status=${PIPESTATUS[0]}
-if [ "$status" -ne 0 ]; then
-    say "the benchmark failed (exit $status); what it measured is in $out/attacks.json"
-fi
-if [ "$plot" = 1 ] && [ -s "$out/attacks.json" ]; then
-    say "plot"
-    timeout 60 "$python" bench/plot_index_attacks.py "$out/attacks.json" "$out/attacks.png" || status=1
+rounds=${ROUNDS:-1}
+if [ "$rounds" -le 1 ]; then
+    run_once "$out" "$@" || status=$?
+else
+    for k in $(seq "$rounds"); do
+        say "round $k of $rounds"
+        run_once "$out/round-$k" "$@" || status=$?
+    done
+    "$python" bench/attack_rounds.py "$out"/round-*/attacks.json | tee "$out/verdict.txt" || status=1
 fi
 say "done (exit $status): $out"
 exit "$status"
