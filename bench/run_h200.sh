@@ -8,29 +8,21 @@
 # into OUT_DIR and prints its summary; a stage that fails does not stop the
 # others (the script exits non-zero at the end).
 #
-# Last run (bench/RESULTS.md: "Verified loads" round 11, "The 16-core
-# verdict on the three misses' fixes"): one H100 lease,
-#   bash bench/run_h200.sh OUT cuda-tests
-#   SKIP_CUDA_TESTS=1 PAIRED_ARMS="SCATTER_AT_HANDOVER=0 SCATTER_AT_HANDOVER=1" \
-#       bash bench/verify_h200.sh OUT paired-ab        (the knob is gone since)
-#   python3 bench/ttft_gpu.py --paired --formats chunkwise layerwise --sizes 16384 32768 \
-#       --modes sync_overlap_graphs sync_overlap_graphs_unverified --repeats 21
+# Last run (bench/RESULTS.md: "Round 12: growing sum batches measured", "The
+# 16-core verdict on the tree of ee7940e"): one H100 lease,
 #   bash bench/attacks_16core.sh OUT
-#   python3 bench/ttft_gpu.py --formats layerwise --sizes 4096 --partial 4096 512 ... --timeline
-#       4096+512/sync_overlap_graphs 4096+512/sync_overlap_graphs_unverified
-# Next lease: `bash bench/attacks_16core.sh OUT` on the tree as it stands
-# (quarter slices, the stats fix, a large retrieve's cheaper turns, the
-# pipelining attackers that read their replies all along, a pipelining
-# connection's reading paused once: not run on 16 cores yet); the CUDA
-# tests; for the verified 4k + 512 layerwise hit (+2.8 % on the H100, the
-# one case over 2 %), the A/B of growing sum batches beside a long forward
-# (off as shipped until measured):
-#   SKIP_CUDA_TESTS=1 PAIRED_FORMATS="layerwise chunkwise" PAIRED_ARMS=\
+#   SKIP_CUDA_TESTS=1 PAIRED_ROUNDS=25 PAIRED_FORMATS=FORMAT PAIRED_ARMS=\
 #     "GROWING_SUM_BATCHES_BESIDE_LONG_FORWARD=0 GROWING_SUM_BATCHES_BESIDE_LONG_FORWARD=1" \
-#     bash bench/verify_h200.sh OUT paired-ab
-# and the same arms for the 16k + 2k hit (`python3 bench/ttft_gpu.py --paired
-# --sizes 16384 --partial 16384 2048 --arms ...`); then on an H200 the paired
-# 4k, 4k + 512 and 16k / 32k runs above.
+#     bash bench/verify_h200.sh OUT paired-ab          (the knob is gone since)
+#   bash bench/run_h200.sh OUT cuda-tests
+# Next lease: the attacks that missed, in rounds, on 16 cores
+#   ROUNDS=3 bash bench/attacks_16core.sh OUT --only preauth_memory reserve_flood \
+#     stats_pipeline pin_flood unpin_bye
+# the CUDA tests; then on an H200 (not lent since round 7) the paired 4k and
+# 4k + 512 hits (`SKIP_CUDA_TESTS=1 bash bench/verify_h200.sh OUT paired-ab`)
+# and the 16k / 32k ones (`python3 bench/ttft_gpu.py --paired --formats
+# chunkwise layerwise --sizes 16384 32768 --modes sync_overlap_graphs
+# sync_overlap_graphs_unverified --repeats 21`).
 set -u
 out=${1:?usage: run_h200.sh OUT_DIR [STAGE ...]}
 shift
