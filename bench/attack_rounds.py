@@ -18,15 +18,20 @@ import sys
 TARGET = 2.0  # honest heartbeat p99 <= 2 x its own baseline
 
 
-def ratios(path: str) -> dict[str, float]:
-    """Each attack's heartbeat p99 over its own baseline's, in one run (``--alternate``)."""
-    results = json.load(open(path))["results"]
+def p99_over_own_baseline(results: dict[str, dict]) -> dict[str, float]:
+    """Each attack's heartbeat p99 over its own baseline's (``alone#NAME``, ``--alternate``);
+    an attack without both figures (no baseline, or it failed) is left out."""
     out = {}
     for run, figures in results.items():
         base = results.get(f"alone#{run}", {}).get("heartbeat_p99_ms")
         if not run.startswith("alone") and base and figures.get("heartbeat_p99_ms"):
             out[run] = figures["heartbeat_p99_ms"] / base
     return out
+
+
+def ratios(path: str) -> dict[str, float]:
+    """``p99_over_own_baseline`` of one run's JSON (``--out``)."""
+    return p99_over_own_baseline(json.load(open(path))["results"])
 
 
 def verdict(paths: list[str]) -> str:

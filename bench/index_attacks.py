@@ -80,6 +80,7 @@ from maru_core.index.service import freeze_startup_objects
 from maru_core.pool import Pool, SlotHeader
 from maru_core.protocol import MAX_BATCH_KEYS, PROTOCOL_VERSION, FrameDecoder, encode_frame, pack_lengths, parse_url
 from maru_core.protocol.framing import HEADER
+from attack_rounds import p99_over_own_baseline
 from loop_steps import StepTimer, step_lines
 from quota_attacks import ATTACKS as TOKEN_ATTACKS
 from quota_attacks import Attacker, still_open
@@ -954,11 +955,8 @@ def _p99_ratios(results: dict[str, dict]) -> str:
     median = statistics.median(baselines)
     lines = [f"baselines' heartbeat p99: {min(baselines)}-{max(baselines)} ms, median {median:g} ms",
              f"{'attack':32} {'p99 / own':>9} {'p99 / median':>12}"]
-    for run, f in results.items():
-        own = results.get(f"alone#{run}", {}).get("heartbeat_p99_ms")
-        if run.startswith("alone") or "heartbeat_p99_ms" not in f or not own:
-            continue
-        lines.append(f"{run:32} {f['heartbeat_p99_ms'] / own:>9.2f} {f['heartbeat_p99_ms'] / median:>12.2f}")
+    for run, over_own in p99_over_own_baseline(results).items():
+        lines.append(f"{run:32} {over_own:>9.2f} {results[run]['heartbeat_p99_ms'] / median:>12.2f}")
     return "\n".join(lines)
 
 
