@@ -95,3 +95,24 @@ def test_a_table_that_removes_as_much_as_it_adds_is_not_rebuilt(monkeypatch) -> 
         live = np.concatenate((np.delete(live, gone), added))
     assert not rebuilds
     assert len(table) == 20_000 and (table.lookup(table.keys[live].tobytes()) == live).all()
+
+
+def test_room_made_for_a_batch_lets_its_slices_grow_nothing(monkeypatch) -> None:
+    """A large reserve adds its records a slice per step; were each slice to grow the columns
+    (by half) or rebuild the key table, each growth would be a long step of the index's loop.
+    ``make_room`` grows once, for the whole batch."""
+    table = RecordTable()
+    keys = np.random.default_rng(2).bytes(16 * 30_000)
+    before = table.add(keys[: 16 * 1000])
+    table.remove(before[::2])  # free rows to reuse, and tombstones, as a live table has
+    grown = []
+    for name in ("_grow", "_rebuild"):
+        method = getattr(table, name)
+        monkeypatch.setattr(table, name, lambda n, method=method, name=name: grown.append(name) or method(n))
+    table.make_room(29_000)
+    assert grown == ["_grow", "_rebuild"]
+    rows = [table.add(keys[16 * i : 16 * (i + 1000)]) for i in range(1000, 30_000, 1000)]
+    assert grown == ["_grow", "_rebuild"]  # the slices grew nothing more
+    assert (table.lookup(keys[16 * 1000 :]) == np.concatenate(rows)).all()
+    kept = b"".join(keys[16 * i : 16 * (i + 1)] for i in range(1, 1000, 2))
+    assert (table.lookup(kept) == before[1::2]).all()  # the rows kept are still found

@@ -52,6 +52,33 @@ def test_each_step_adds_at_most_a_slice_of_records_and_the_batch_stays_contiguou
     accounting_adds_up(reg)
 
 
+def test_the_record_table_grows_once_for_a_batch_not_in_its_slices(monkeypatch) -> None:
+    """Each growth of the record table copies every column or rebuilds the key table: a long
+    step of the index's loop. A batch of 10,000 records added 1,000 at a time into a fresh
+    table grew it by half six times among its slices; now once, in a step of its own."""
+    reg = Registry(geometry(20_000), clock=Clock())
+    lease = reg.open_lease("big")
+    table, growths = reg._records, []
+    for name in ("_grow", "_rebuild"):
+        method = getattr(table, name)
+        monkeypatch.setattr(table, name, lambda n, method=method, name=name: growths.append(name) or method(n))
+    keys = [key(i) for i in range(10_000)]
+    steps = reg.reserve_sliced(lease, b"".join(keys), [PAGE] * len(keys), slice_keys=1000)
+    grew_in, step = [], 0
+    for step in range(1000):
+        before = len(growths)
+        try:
+            next(steps)
+        except StopIteration as done:
+            slots = done.value
+            break
+        if len(growths) > before:
+            grew_in.append(step)
+    assert growths == ["_grow", "_rebuild"] and len(grew_in) == 1, (growths, grew_in)
+    assert reg.stats().reserved_keys == 10_000 and None not in slots
+    accounting_adds_up(reg)
+
+
 def test_a_key_reserved_by_another_lease_between_steps_is_not_reserved_twice() -> None:
     reg = Registry(geometry(1000), clock=Clock())
     big, other = reg.open_lease("big"), reg.open_lease("other")

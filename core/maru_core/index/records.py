@@ -261,6 +261,18 @@ class RecordTable:
             self._insert(rows)
         return rows
 
+    def make_room(self, n: int) -> None:
+        """Grow now, in one call, as far as adding ``n`` rows would (the columns and the key
+        table): a large batch then added a slice at a time grows nothing in its slices. Each
+        growth copies every column or rebuilds the key table, 1.5-2.8 ms at 46,000 rows on
+        the 2-core VM, and a batch growing the table by half at a time did so several times
+        among its slices, each a long step of the index's loop."""
+        fresh = n - len(self._free_rows)
+        if fresh > 0 and self.high_water + fresh > self.capacity:
+            self._grow(self.high_water + fresh)
+        if self.count + n + self._tombstones > _MAX_LOAD * len(self._table):
+            self._rebuild(self.count + n)
+
     def remove(self, rows: np.ndarray) -> None:
         """Forget the records at ``rows`` (distinct, live) and make the rows free."""
         slots, _ = self._probe(self.keys.take(rows, axis=0), want_slots=True)
