@@ -81,7 +81,7 @@ from maru_core.pool import Pool, SlotHeader
 from maru_core.protocol import MAX_BATCH_KEYS, PROTOCOL_VERSION, FrameDecoder, encode_frame, pack_lengths, parse_url
 from maru_core.protocol.framing import HEADER
 from attack_rounds import p99_over_own_baseline
-from loop_steps import StepTimer, step_lines
+from loop_steps import StepTimer, long_turn_lines, step_lines
 from quota_attacks import ATTACKS as TOKEN_ATTACKS
 from quota_attacks import Attacker, still_open
 
@@ -696,7 +696,8 @@ def longest_callbacks(name: str, seconds: float, source: str, pods: bool = False
     ``profile_top``: also the loop thread's ``profile_top`` functions of most own time meanwhile
     (cProfile: what inside those callbacks costs; its overhead inflates every figure above).
     ``steps_top``: also the ``steps_top`` kinds of a connection's turn with the longest 99th
-    percentile (``loop_steps.StepTimer``: a sliced request's turns by where its job stood)."""
+    percentile (``loop_steps.StepTimer``: a sliced request's turns by where its job stood), and
+    per peer its turns over ``loop_steps.LONG_TURN_MS``, however rare their kind."""
     from asyncio import events
 
     from maru_core.index.launcher import ThreadedIndex
@@ -781,7 +782,8 @@ def longest_callbacks(name: str, seconds: float, source: str, pods: bool = False
                 for kind, c in sorted(long.items(), key=lambda item: -item[1][-2])}  # fmt: skip
     return {"longest_ms": [[round(1000 * d, 2), what] for d, what in sorted(durations, reverse=True)[:5]],
             "long_callbacks": per_kind, "profile": _top_functions(profiler, profile_top) if profiler else [],
-            "steps": steps.table(steps_top) if steps_top else []}
+            "steps": steps.table(steps_top) if steps_top else [],
+            "long_turns": steps.long_turns() if steps_top else {}}
 
 
 def _top_functions(profiler: cProfile.Profile, top: int) -> list[str]:
@@ -818,7 +820,8 @@ def _parser() -> argparse.ArgumentParser:
                              "own time while counting (cProfile, which slows every call it sees)")
     parser.add_argument("--steps", type=int, default=0, metavar="N",
                         help="with --loop: also list the N kinds of a connection's turn with the longest 99th "
-                             "percentile (CPU ms), by where its job stood before the turn (bench/loop_steps.py)")
+                             "percentile (CPU ms), by where its job stood before the turn, and each peer's turns "
+                             "over 0.5, 1 and 2 ms (bench/loop_steps.py)")
     parser.add_argument("--honest-clients", type=int, default=0,
                         help="also run this many clients behind the normal client's address, a heartbeat every "
                              "0.5 s each, and report how many got in and their answers per second")
@@ -899,10 +902,12 @@ def main(argv: list[str] | None = None) -> int:
                       *loop_results[name]["profile"], sep="\n    ", flush=True)  # fmt: skip
             if args.steps:
                 print(step_lines(loop_results[name]["steps"]), flush=True)
+                print(long_turn_lines(loop_results[name]["long_turns"]), flush=True)
             _write(args.out, {**header, "longest_callbacks_ms": {n: r["longest_ms"] for n, r in loop_results.items()},
                               "long_callbacks": {n: r["long_callbacks"] for n, r in loop_results.items()},
                               "profile": {n: r["profile"] for n, r in loop_results.items() if r["profile"]},
-                              "steps": {n: r["steps"] for n, r in loop_results.items() if r["steps"]}})
+                              "steps": {n: r["steps"] for n, r in loop_results.items() if r["steps"]},
+                              "long_turns": {n: r["long_turns"] for n, r in loop_results.items() if r["long_turns"]}})
         return 0
     workdir = tempfile.mkdtemp(prefix="bench-attacks-")
     token_file = os.path.join(workdir, "token")

@@ -27,13 +27,35 @@ def where(job) -> str:
     return " > ".join(frames[-2:])
 
 
+#: CPU ms above which a turn is counted per peer whatever its kind (``StepTimer.long_turns``):
+#: a handful of rare long steps in a 4 s window, too few to show in a kind's p99, set a
+#: heartbeat's p99 (a 2 ms placement step of a reserve flood did).
+LONG_TURN_MS = (0.5, 1.0, 2.0)
+
+
 class StepTimer:
     """Times the turns of every ``Connection`` while installed and ``counting``."""
 
     def __init__(self) -> None:
         self.counting = False
         self.samples: dict[str, list[float]] = defaultdict(list)
+        self._long: dict[str, list] = {}  # peer: [count over each LONG_TURN_MS..., [(ms, label), ...]]
         self._step_job = self._answer_buffered = None
+
+    def _record(self, conn: Connection, label: str, seconds: float) -> None:
+        self.samples[label].append(seconds)
+        ms = 1000 * seconds
+        if ms > LONG_TURN_MS[0]:
+            entry = self._long.setdefault(conn.peer_key, [0] * len(LONG_TURN_MS) + [[]])
+            for i, limit in enumerate(LONG_TURN_MS):
+                entry[i] += ms > limit
+            entry[-1] = sorted(entry[-1] + [(round(ms, 3), label)], reverse=True)[:3]
+
+    def long_turns(self) -> dict[str, dict]:
+        """Per peer: how many of its turns took longer than each of ``LONG_TURN_MS`` (CPU ms),
+        and its three longest, with where they stood."""
+        return {peer: {**{f"over_{ms}ms": entry[i] for i, ms in enumerate(LONG_TURN_MS)}, "longest": entry[-1]}
+                for peer, entry in sorted(self._long.items())}  # fmt: skip
 
     def install(self) -> None:
         step_job, answer_buffered = Connection._step_job, Connection._answer_buffered
@@ -46,7 +68,7 @@ class StepTimer:
             label = f"{where(conn._job)} [{'contended' if conn._server.turns.contended else 'alone'}]"
             started = time.thread_time()
             step_job(conn)
-            timer.samples[label].append(time.thread_time() - started)
+            timer._record(conn, label, time.thread_time() - started)
 
         def timed_answer(conn: Connection) -> None:
             if not timer.counting:
@@ -54,7 +76,7 @@ class StepTimer:
             started = time.thread_time()
             answer_buffered(conn)
             label = "answer frames" + (", a job's first step" if conn._job is not None else "")
-            timer.samples[label].append(time.thread_time() - started)
+            timer._record(conn, label, time.thread_time() - started)
 
         Connection._step_job, Connection._answer_buffered = timed_step, timed_answer
 
@@ -74,6 +96,15 @@ class StepTimer:
                          "p99_ms": round(1000 * ordered[int(0.99 * (len(ordered) - 1))], 3),
                          "max_ms": round(1000 * ordered[-1], 3)})  # fmt: skip
         return sorted(rows, key=lambda row: -row["p99_ms"])[:top]
+
+
+def long_turn_lines(long_turns: dict[str, dict]) -> str:
+    """``StepTimer.long_turns`` a line per peer."""
+    limits = ", ".join(f">{ms} ms" for ms in LONG_TURN_MS)
+    lines = [f"    long turns by peer (CPU ms; counts {limits}; the longest)"]
+    lines += [f"    {peer:16} {[counts[f'over_{ms}ms'] for ms in LONG_TURN_MS]} {counts['longest']}"
+              for peer, counts in long_turns.items()]  # fmt: skip
+    return "\n".join(lines)
 
 
 def step_lines(rows: list[dict]) -> str:
