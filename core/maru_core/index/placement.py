@@ -159,7 +159,7 @@ class Placement:
         # Every object takes a page at least: no more of them than the pages left under the
         # quotas (or in the pool) can be placed, so the rest of a larger batch is not counted.
         # Counting all of a flood's 131,072 one-page objects against a room of 32,768 pages
-        # took one step of 3-4 ms of the index's loop (2-core VM, bench/RESULTS.md).
+        # made its placement a step of 2-4 ms of the index's loop (2-core VM, bench/RESULTS.md).
         most = min([g.num_pages, *(room for room, _ in rooms)])
         beyond = max(0, len(cand_idx) - max(1, most))  # objects not counted: a page each at least
         cand_idx = cand_idx[: len(cand_idx) - beyond]
