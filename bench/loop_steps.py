@@ -28,8 +28,8 @@ def where(job) -> str:
 
 
 #: CPU ms above which a turn is counted per peer whatever its kind (``StepTimer.long_turns``):
-#: a handful of rare long steps in a 4 s window, too few to show in a kind's p99, set a
-#: heartbeat's p99 (a 2 ms placement step of a reserve flood did).
+#: a handful of rare long steps in a 4 s window, too few to show in a kind's p99, can set a
+#: heartbeat's p99 (a large reserve's placement is one such step: 1-3 ms on 2 cores).
 LONG_TURN_MS = (0.5, 1.0, 2.0)
 
 
