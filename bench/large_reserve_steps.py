@@ -25,6 +25,7 @@ import numpy as np
 
 from maru_core.index.registry import MAX_LEASE_POOL_FRACTION, Registry
 from maru_core.pool.geometry import PoolGeometry
+from loop_steps import where
 
 _PAGE = 4096
 
@@ -41,18 +42,16 @@ def longest_steps(keys: int, pages: int, stored: int, slice_keys: int, seed: int
     flood = registry.open_lease("flood", peer="flood")
     batch = np.random.default_rng(seed + 1).bytes(16 * keys)
     steps = registry.reserve_sliced(flood, batch, np.ones(keys, dtype=np.int64), slice_keys)
-    timed = []
-    while True:
-        frame = steps.gi_yieldfrom or steps
-        where = f"{frame.gi_code.co_name}:{frame.gi_frame.f_lineno}" if frame.gi_frame else "start"
+    timed, running = [], True
+    while running:
+        stood = where(steps)
         began = time.perf_counter()
         try:
             next(steps)
         except StopIteration:
-            timed.append((1000 * (time.perf_counter() - began), where))
-            break
-        timed.append((1000 * (time.perf_counter() - began), where))
-    return [(round(ms, 3), where) for ms, where in sorted(timed, reverse=True)[:5]]
+            running = False
+        timed.append((round(1000 * (time.perf_counter() - began), 3), stood))
+    return sorted(timed, reverse=True)[:5]
 
 
 def main(argv: list[str] | None = None) -> int:
