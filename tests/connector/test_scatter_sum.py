@@ -41,7 +41,8 @@ def _layers(kv: dict, layout) -> list[torch.Tensor]:
 
 
 def _check_kernel(device: str, kinds=ALL_KINDS) -> None:
-    """For each layout, format, staging order and a fill of one layer or two:
+    """For each layout, format, staging order, a fill of one layer or two and
+    one on 16 bytes or not (the kernel's two units):
     the written blocks hold the staged bytes, every other block is as it
     was, and the sums are torch's (``device_checksum``) of the staged rows."""
     from maru_connector.transfer.cuda import _evenly_spaced
@@ -57,22 +58,22 @@ def _check_kernel(device: str, kinds=ALL_KINDS) -> None:
         bpl = layout.block_bytes_per_layer
         for layerwise in (False, True):
             for count in (1, 2) if evenly else (1,):
-                for interleaved in (0, 3) if count > 1 else (0,):
+                for interleaved, offset in [(0, 8), (0, 16)] + ([(3, 16)] if count > 1 else []):
                     # the load's blocks 2-7 (chunks 1-3); its first and last are left out
                     ids = torch.tensor(random.Random(f"{kind}{count}").sample(range(12), 8), device=device)
                     ids[2] = ids[7] = SKIP_BLOCK
                     by_layer = torch.randint(0, 256, (count, 6, bpl), generator=gen, dtype=torch.uint8)
                     staged = (by_layer.view(count, 3, BPC, bpl).transpose(0, 1) if interleaved else by_layer)
-                    staging = torch.cat([torch.zeros(8, dtype=torch.uint8), staged.reshape(-1)]).to(device)
+                    staging = torch.cat([torch.zeros(offset, dtype=torch.uint8), staged.reshape(-1)]).to(device)
                     before = [v.clone() for v in views]
                     sums = torch.zeros(4 * 3 if layerwise else 4, dtype=torch.int64, device=device)
-                    fill = scatter_sum.Fill(staging, 8, 1, count, 2, 6, interleaved, 1, 5)
+                    fill = scatter_sum.Fill(staging, offset, 1, count, 2, 6, interleaved, 1, 5)
                     scatter_sum.scatter(target, fill, ids, sums=sums, layerwise=layerwise, total_layers=3)
                     want = torch.zeros_like(sums, device="cpu")
                     device_checksum.add_row_sums(want, by_layer.reshape(-1), 0, BPC * bpl, first_chunk=1,
                                                  n_chunks=3, first_layer=1, n_layers=count, chunk_major=False,
                                                  layerwise=layerwise, total_layers=3, backend="torch")
-                    case = (kind, layerwise, count, interleaved)
+                    case = (kind, layerwise, count, interleaved, offset)
                     assert torch.equal(sums.cpu(), want), case
                     for k, view in enumerate(views):
                         for block in range(12):
@@ -227,8 +228,9 @@ def test_a_cuda_engine_scatters_through_the_driver_with_its_checked_variants(eng
     for layerwise in (False, True):
         loader = _round_trip(engines, pool, "flash_hnd", layerwise, adjacent=False)
         assert loader._fused_scatter()
-        assert {key[1:] for key in scatter_sum._DIRECT if key[0] == 0} >= {(False, False, False), (True, False, layerwise),
-                                                                           (True, True, layerwise)}
+        assert {key[1:] for key in scatter_sum._DIRECT if key[0] == 0} >= {
+            (with_sum, compare, layerwise and with_sum, unit) for with_sum, compare in ((False, False), (True, False),
+                                                                                     (True, True)) for unit in (1, 4)}
     assert launched[True] > 0 and launched[False] == 0, launched
 
 

@@ -51,8 +51,8 @@ _BLOCK = 1024  # words per step of one program
 _MAX_PARTS = 16  # programs per segment at most
 # The kernel's parameters in order, constants left out (``direct_launch``).
 _KERNEL_PARAMS = (POINTER,) * 8 + (INT32,) * 22
-# The direct launch of each variant warm_up checked, by (device index, sum, compare, layerwise).
-_DIRECT: dict[tuple[int | None, bool, bool, bool], DirectLaunch] = {}
+# The direct launch of each variant warm_up checked, by (device index, sum, compare, layerwise, unit).
+_DIRECT: dict[tuple[int | None, bool, bool, bool, int], DirectLaunch] = {}
 # Devices (index) where warm_up found the kernel agrees with torch.
 _READY: set[int | None] = set()
 
@@ -68,7 +68,16 @@ if triton is not None:
                         first_chunk, first_layer, total_layers, bpc, block_words, segments, segment_words,
                         segment_stride, block_stride, layer_stride, flag_index, cmp_rows, cmp_stride,
                         cmp_first, cmp_cols, SUM: tl.constexpr, COMPARE: tl.constexpr,
-                        LAYERWISE: tl.constexpr, BLOCK: tl.constexpr):
+                        LAYERWISE: tl.constexpr, UNIT: tl.constexpr, BLOCK: tl.constexpr):
+        # Offsets and strides come in units of UNIT words: with UNIT 4 the
+        # compiler knows every run starts on 16 bytes and copies 16 bytes an
+        # instruction (4 words one at a time ran at 0.6 of torch's index_copy_).
+        start_word = start_word.to(tl.int64) * UNIT
+        block_words = block_words * UNIT
+        segment_words = segment_words * UNIT
+        segment_stride = segment_stride.to(tl.int64) * UNIT
+        block_stride = block_stride.to(tl.int64) * UNIT
+        layer_stride = layer_stride.to(tl.int64) * UNIT
         row = tl.program_id(0)  # (layer k of the fill, block b of the fill, segment s), s fastest
         part = tl.program_id(1)
         parts = tl.num_programs(1)
@@ -126,6 +135,13 @@ class ScatterTarget:
     def block_words(self) -> int:
         return self.segments * self.segment_words
 
+    @property
+    def aligned(self) -> bool:
+        """Whether every block's segments start on 16 bytes (each layer's
+        tensor does: ``of`` and ``direct_launch`` check it)."""
+        return all(n % 4 == 0 for n in (self.segment_words, self.segment_stride, self.block_stride,
+                                        self.layer_stride))
+
     @classmethod
     def of(cls, block_views: list[torch.Tensor], layout, blocks_per_chunk: int,
            evenly_spaced: bool) -> "ScatterTarget | None":
@@ -182,17 +198,19 @@ def scatter(target: ScatterTarget, fill: Fill, ids: torch.Tensor, *, sums: torch
     with_sum = sums is not None
     c = compare if with_sum else None
     staging = fill.staging
+    start_word = fill.byte_offset // 4
+    unit = 4 if target.aligned and start_word % 4 == 0 else 1
     grid = (fill.count * fill.blocks * target.segments,
             max(1, min(_MAX_PARTS, -(-target.segment_words // (4 * _BLOCK)))))
     dst = target.layers[fill.first_layer]
     spare = staging if sums is None else sums  # for the pointers a variant never reads
     pointers = (spare,) + ((spare,) * 4 if c is None else (c.counter, c.expected, c.verify, c.flags))
-    ints = (fill.byte_offset // 4, fill.blocks, fill.count, fill.interleaved, fill.first_block, fill.write_from,
+    ints = (start_word // unit, fill.blocks, fill.count, fill.interleaved, fill.first_block, fill.write_from,
             fill.write_to, fill.first_block // target.blocks_per_chunk, fill.first_layer, total_layers,
-            target.blocks_per_chunk, target.block_words, target.segments, target.segment_words,
-            target.segment_stride, target.block_stride, target.layer_stride,
+            target.blocks_per_chunk, target.block_words // unit, target.segments, target.segment_words // unit,
+            target.segment_stride // unit, target.block_stride // unit, target.layer_stride // unit,
             *((0, 0, 0, 0, 1) if c is None else (c.flag_index, c.rows, c.stride, c.first, c.cols)))
-    key = (staging.device.index, with_sum, c is not None, layerwise and with_sum)
+    key = (staging.device.index, with_sum, c is not None, layerwise and with_sum, unit)
     handle = torch.cuda.current_stream(staging.device).cuda_stream if stream is None and staging.is_cuda else stream
     direct = _DIRECT.get(key) if handle is not None else None
     args = (staging.data_ptr(), dst.data_ptr(), ids.data_ptr(), *(p.data_ptr() for p in pointers), *ints)
@@ -208,12 +226,12 @@ def _on_stream(stream: int | None, device: torch.device):
 
 
 def _jit_launch(grid, staging: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor, pointers: tuple, ints: tuple,
-                variant: tuple[bool, bool, bool]):
+                variant: tuple[bool, bool, bool, int]):
     """The kernel launched through Triton on the current stream: the variant it compiled."""
     words = staging[: staging.numel() // 4 * 4].view(torch.int32)
-    with_sum, compare, layerwise = variant
+    with_sum, compare, layerwise, unit = variant
     return _scatter_kernel[grid](words, dst, ids, *pointers, *ints, SUM=with_sum, COMPARE=compare,
-                                 LAYERWISE=layerwise, BLOCK=_BLOCK)
+                                 LAYERWISE=layerwise, UNIT=unit, BLOCK=_BLOCK)
 
 
 def warm_up(device: torch.device, layerwise: bool) -> bool:
@@ -237,15 +255,16 @@ def warm_up(device: torch.device, layerwise: bool) -> bool:
 
 
 class _WarmUp:
-    """A small cache (2 layers of 6 blocks, each of 2 segments of 40 words
-    that sit apart, as K and V do; the layers evenly spaced), a fill of both
+    """A small cache (2 layers of 6 blocks, each of 2 segments of ``words``
+    words that sit apart, as K and V do; the layers evenly spaced; 40 words:
+    every segment on 16 bytes, 42: not), a fill of both
     layers' blocks 2-5 of the load (chunks 1 and 2 of 2 blocks) of which
     the middle two are written, and what torch makes of it."""
 
-    def __init__(self, device: torch.device, layerwise: bool, interleaved: bool) -> None:
+    def __init__(self, device: torch.device, layerwise: bool, interleaved: bool, words: int = 40) -> None:
         gen = torch.Generator().manual_seed(7)
         self.layerwise = layerwise
-        layers, blocks, segments, words = 2, 6, 2, 40
+        layers, blocks, segments = 2, 6, 2
         self.segment_words = words
         self.cache = torch.zeros(layers, segments, blocks, words, dtype=torch.int32, device=device).transpose(1, 2)
         self.target = ScatterTarget(tuple(self.cache[i] for i in range(layers)), self.cache.stride(0),
@@ -293,10 +312,10 @@ class _WarmUp:
 
 
 def _check_variants(device: torch.device, layerwise: bool) -> None:
-    """Each variant scatters and sums as torch, both staging orders, and
-    the comparison flags a wrong total and only that."""
-    for interleaved in (False, True):
-        w = _WarmUp(device, layerwise, interleaved)
+    """Each variant scatters and sums as torch, both staging orders, segments
+    on 16 bytes and not, and the comparison flags a wrong total and only that."""
+    for interleaved, words in ((False, 40), (True, 40), (False, 42), (True, 42)):
+        w = _WarmUp(device, layerwise, interleaved, words)
         for with_sum in (False, True):
             w.check(w.run(with_sum))
         flags = torch.full((2,), 7, dtype=torch.int32, pin_memory=device.type == "cuda")
@@ -312,24 +331,26 @@ def _check_variants(device: torch.device, layerwise: bool) -> None:
 def _enable_direct_launch(device: torch.device, layerwise: bool) -> None:
     """Launch this format's variants through the driver from now on, once each
     can be (``direct_launch``) and the launches agree with torch."""
-    made: dict[tuple[int | None, bool, bool, bool], DirectLaunch] = {}
-    w = _WarmUp(device, layerwise, False)
-    for with_sum, compare in ((False, False), (True, False), (True, True)):
-        variant = (with_sum, compare, layerwise and with_sum)
-        sums = torch.zeros(len(w.want_sums), dtype=torch.int64, device=device) if with_sum else w.staging
-        c = None if not compare else device_checksum.Compare(
-            expected=torch.zeros_like(sums), verify=torch.zeros_like(sums),
-            flags=torch.zeros(1, dtype=torch.int32, pin_memory=True), flag_index=0,
-            counter=torch.zeros(1, dtype=torch.int32, device=device), rows=1, stride=1, first=0, cols=1)
-        pointers = (sums,) + ((sums,) * 4 if c is None else (c.counter, c.expected, c.verify, c.flags))
-        ints = (4, 1, 1, 0, 2, 0, 1, 1, 0, 2, 2, w.target.block_words, 2, w.segment_words, w.target.segment_stride,
-                w.target.block_stride, w.target.layer_stride, 0, 1, 1, 0, 1)  # one block of one layer
-        compiled = _jit_launch((1, 1), w.staging, w.target.layers[0], w.ids, pointers, ints, variant)
-        launch, why = direct_launch(compiled, _KERNEL_PARAMS)
-        if launch is None:
-            logger.info("the scatter kernel is launched through Triton: %s", why)
-            return
-        made[(device.index, with_sum, compare, variant[2])] = launch
+    made: dict[tuple[int | None, bool, bool, bool, int], DirectLaunch] = {}
+    for words, unit in ((40, 4), (42, 1)):
+        w = _WarmUp(device, layerwise, False, words)
+        t = w.target
+        for with_sum, compare in ((False, False), (True, False), (True, True)):
+            variant = (with_sum, compare, layerwise and with_sum, unit)
+            sums = torch.zeros(len(w.want_sums), dtype=torch.int64, device=device) if with_sum else w.staging
+            c = None if not compare else device_checksum.Compare(
+                expected=torch.zeros_like(sums), verify=torch.zeros_like(sums),
+                flags=torch.zeros(1, dtype=torch.int32, pin_memory=True), flag_index=0,
+                counter=torch.zeros(1, dtype=torch.int32, device=device), rows=1, stride=1, first=0, cols=1)
+            pointers = (sums,) + ((sums,) * 4 if c is None else (c.counter, c.expected, c.verify, c.flags))
+            ints = (4 // unit, 1, 1, 0, 2, 0, 1, 1, 0, 2, 2, t.block_words // unit, 2, t.segment_words // unit,
+                    t.segment_stride // unit, t.block_stride // unit, t.layer_stride // unit, 0, 1, 1, 0, 1)
+            compiled = _jit_launch((1, 1), w.staging, t.layers[0], w.ids, pointers, ints, variant)  # one block
+            launch, why = direct_launch(compiled, _KERNEL_PARAMS)
+            if launch is None:
+                logger.info("the scatter kernel is launched through Triton: %s", why)
+                return
+            made[(device.index, with_sum, compare, variant[2], unit)] = launch
     torch.cuda.synchronize(device)
     _DIRECT.update(made)
     try:
