@@ -263,7 +263,6 @@ def _fills_engine(pool, fmt, rows_cap: int, copy_2d: bool):
     engine.pool = torch.frombuffer(pool.buffer, dtype=torch.uint8)
     engine.pool_size, engine._pool_ptr = engine.pool.numel(), engine.pool.data_ptr()
     engine._rows_cap, engine._stacked = rows_cap, {}
-    engine._scatter_target = None  # fills summed by their own launches (test_scatter_sum.py: the fused scatter)
     engine._memcpy, engine._memcpy2d = _HostCopies.memcpy, _HostCopies.memcpy2d if copy_2d else None
     engine._event = lambda: SimpleNamespace(record=lambda stream: None)
     engine.load_stream = engine.scatter_stream = SimpleNamespace(cuda_stream=0)

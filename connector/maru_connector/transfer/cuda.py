@@ -36,7 +36,7 @@ from typing import cast
 import numpy as np
 import torch
 
-from . import device_checksum, scatter_sum
+from . import device_checksum
 from .checks import checkable
 from .cudart import D2H, H2D, find_memcpy, find_memcpy2d, register_host, unregister_host
 from ..object_format import ObjectFormat
@@ -55,17 +55,8 @@ HIGH_PRIORITY = -1  # above the default 0 (lower numbers are served first)
 # the copy thread's calls per layer show (on an H200 a 4 MiB strided copy
 # ran at 0.94 of the pinned peak, a 64 MiB one at 1.0).
 GROUP_BELOW_BYTES = 8 << 20
-# Fills are scattered by one Triton kernel (``scatter_sum.py``), which for a
-# verified load also sums the bytes as it copies them and compares the
-# objects the fill completes: verification adds no launch to the scatter,
-# and no batches (below). Where the kernel cannot run (no Triton, a layout
-# not in whole words, a warm-up that disagreed with torch) torch's
-# ``index_copy_`` scatters and a verified fill is summed by its own launch.
-# Off until measured on a GPU (bench/scatter_kernel_ab.py, and the paired
-# A/B of `bench/verify_h200.sh OUT paired-ab` with FUSED_SCATTER=0 and =1).
-FUSED_SCATTER = False
-# Without the fused scatter, a verified load sums fills of single layers side
-# by side in staging in one launch (``_joins``): each launch is host time on the thread that issues
+# A verified load sums fills of single layers side by side in staging in one
+# launch (``_joins``): each launch is host time on the thread that issues
 # the load, 32 of them for a 4k-token hit of 16 MiB layers (a benchmark
 # turns this off to measure a launch per fill).
 SUM_BATCHES = True
@@ -246,7 +237,6 @@ def staging_sizes(fmt, staging_bytes: int = DEFAULT_STAGING_BYTES,
 
 class CudaTransferEngine(TransferEngine):
     backend = TransferBackend.CUDA
-    _scatter_target: scatter_sum.ScatterTarget | None  # the fused scatter's view of the KV cache, if it runs
 
     def __init__(self, pool_buffer: memoryview, kv_caches: dict[str, torch.Tensor], fmt: ObjectFormat,
                  staging_bytes: int = DEFAULT_STAGING_BYTES,
@@ -274,8 +264,6 @@ class CudaTransferEngine(TransferEngine):
                         "vLLM's gpu_memory_utilization (docs/connector.md, 'GPU memory')") from exc
                 if checkable(fmt):  # compile the checksum kernel now, not in the first hit
                     device_checksum.warm_up(self.device, fmt.layerwise)
-                if self._scatter_target is not None and not scatter_sum.warm_up(self.device, fmt.layerwise):
-                    self._scatter_target = None
             except BaseException:
                 self._release()
                 raise
@@ -317,8 +305,6 @@ class CudaTransferEngine(TransferEngine):
         # scattered together; None: one layer at a time.
         self._stacked: dict[tuple[int, int], torch.Tensor] | None = (
             {} if _evenly_spaced(self.block_views, self.layout.layer_stride_bytes) else None)
-        self._scatter_target = scatter_sum.ScatterTarget.of(self.block_views, self.layout, fmt.blocks_per_chunk,
-                                                            self._stacked is not None)
 
     def device_bytes(self, with_head_start: bool = True) -> int:
         """Device memory this engine takes beside vLLM's KV cache: the load
@@ -747,7 +733,7 @@ class CudaTransferEngine(TransferEngine):
         last copy, so batches shrink towards a load's end, where the forward
         may already be waiting. (Batches that grow from one layer beside a
         long forward were measured and did not pay: bench/RESULTS.md, round 12.)"""
-        if job.check is None or not SUM_BATCHES or self._fused_scatter():
+        if job.check is None or not SUM_BATCHES:
             return False
         ((layers0, pieces0, whole0), copied0), ((layers1, pieces1, whole1), copied1) = pending[-2], pending[-1]
         offset0, used0, _, interleaved0, staging0 = copied0
@@ -761,19 +747,10 @@ class CudaTransferEngine(TransferEngine):
         return (single_whole_layers and side_by_side and same_chunks
                 and total <= min(self._staging.buffer.numel() // 2, left))
 
-    def _fused_scatter(self) -> bool:
-        return FUSED_SCATTER and self._scatter_target is not None
-
     def _scatter_fills(self, job: LoadJob, ids: torch.Tensor, batch: list) -> None:
-        """Scatter fills in order; a verified load's are summed (by the
-        fused scatter itself, else first, one launch for the batch),
-        comparing the objects each fill (the batch) completes."""
+        """Scatter fills in order; a verified load's are summed first (one
+        launch for the batch), comparing the objects the batch completes."""
         self.scatter_stream.wait_event(batch[-1][1][2])  # copies land in order: the last covers all
-        if self._fused_scatter():
-            for unit, copied in batch:
-                due = self._due(job, unit[0]) if job.check is not None and unit[2] else None
-                self._scatter_unit(job, ids, unit, copied, due, fused=True)
-            return
         due = None
         if job.check is not None:  # the bytes as they landed, before anything reads them
             last_unit = batch[-1][0]
@@ -796,11 +773,9 @@ class CudaTransferEngine(TransferEngine):
             self._scatter_unit(job, ids, unit, copied, due if self.fmt.layerwise or last else None)
 
     def _scatter_unit(self, job: LoadJob, ids: torch.Tensor, unit, copied, due=None,
-                      spans: list[int] | None = None, fused: bool = False) -> None:
-        """Scatter one fill into the blocks of its layers (with ``fused``,
-        by the kernel that also sums a verified load's bytes and compares
-        ``due``; else one index copy, through the layers' common stride for
-        a group), then free the
+                      spans: list[int] | None = None) -> None:
+        """Scatter one fill into the blocks of its layers (one index copy
+        through the layers' common stride for a group), then free the
         staging buffer (its ``spans`` of the ring: the fill's own by
         default); the fill's last event lands its layers, with the
         comparison ``due`` (if any) for them to read. The scatter stream waits
@@ -817,16 +792,7 @@ class CudaTransferEngine(TransferEngine):
         head = skipped_head(job.block_ids) if first == 0 else 0
         tail = skipped_tail(job.block_ids) if first + blocks == len(job.block_ids) else 0
         end = blocks - tail
-        if fused:
-            sums = None
-            if job.check is not None:
-                self._fill_chunks(layers, pieces, used, interleaved)
-                sums = self._check_state(job)[0]
-            fill = scatter_sum.Fill(staging, offset, layers[0], count, first, blocks, interleaved, head, end)
-            scatter_sum.scatter(cast(scatter_sum.ScatterTarget, self._scatter_target), fill, ids, sums=sums,
-                                layerwise=self.fmt.layerwise, total_layers=self.layout.num_layers,
-                                compare=due[0] if due is not None else None, stream=self.scatter_stream.cuda_stream)
-        elif interleaved:  # staged [chunk][layer][block]: index by (chunk, block)
+        if interleaved:  # staged [chunk][layer][block]: index by (chunk, block)
             per = blocks // interleaved
             source = self._piece_view(staging, offset, per, count * interleaved)
             source = source.view(interleaved, count, *source.shape[1:]).transpose(0, 1)
@@ -922,18 +888,6 @@ class CudaTransferEngine(TransferEngine):
             layers = [layer for unit, _ in batch for layer in unit[0]]
             pieces = [piece for unit, _ in batch for piece in unit[1]]
         used = sum(copied[1] for _, copied in batch)
-        first_chunk, n_chunks = self._fill_chunks(layers, pieces, used, interleaved)
-        sums = self._check_state(job)[0]  # one per object of the load
-        device_checksum.add_row_sums(
-            sums, staging, offset, self.fmt.layer_bytes, first_chunk=first_chunk, n_chunks=n_chunks, first_layer=layers[0],
-            n_layers=len(layers), chunk_major=bool(interleaved), layerwise=self.fmt.layerwise,
-            total_layers=self.layout.num_layers, compare=due[0] if due is not None else None,
-            stream=self.scatter_stream.cuda_stream)
-
-    def _fill_chunks(self, layers: list[int], pieces: list, used: int, interleaved: int) -> tuple[int, int]:
-        """(first chunk, chunks) of a fill whose rows are summed: rows of
-        consecutive layers and of consecutive whole chunks, as the kernels
-        read them (a plan that staged anything else is a bug)."""
         bpc, row = self.fmt.blocks_per_chunk, self.fmt.layer_bytes
         first_chunk = pieces[0][0].first_block // bpc
         n_chunks = interleaved or sum(run.rows for run in pieces[0])
@@ -947,7 +901,12 @@ class CudaTransferEngine(TransferEngine):
             raise AssertionError("a fill's bytes are not its rows")
         if len(layers) > 1 and layers != list(range(layers[0], layers[0] + len(layers))):
             raise AssertionError("a fill's layers are not consecutive")
-        return first_chunk, n_chunks
+        sums = self._check_state(job)[0]  # one per object of the load
+        device_checksum.add_row_sums(
+            sums, staging, offset, row, first_chunk=first_chunk, n_chunks=n_chunks, first_layer=layers[0],
+            n_layers=len(layers), chunk_major=bool(interleaved), layerwise=self.fmt.layerwise,
+            total_layers=self.layout.num_layers, compare=due[0] if due is not None else None,
+            stream=self.scatter_stream.cuda_stream)
 
     def _stacked_view(self, layer0: int, count: int) -> torch.Tensor:
         """Layers ``layer0 .. layer0 + count - 1`` as one view

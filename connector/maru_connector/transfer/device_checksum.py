@@ -93,31 +93,6 @@ _DIRECT: dict[tuple[int | None, bool, bool, bool], DirectLaunch] = {}
 
 if triton is not None:
 
-    @triton.jit
-    def compare_when_last(sums_ptr, counter_ptr, expected_ptr, verify_ptr, flags_ptr, flag_index, cmp_rows,
-                          cmp_stride, cmp_first, cmp_cols, BLOCK: tl.constexpr):
-        """In the launch's last program to finish (a ticket counter, as CUDA's
-        threadfence reduction does it), after its own sums: set
-        ``flags[flag_index]`` to whether any object ``Compare`` names that is
-        to be verified has a total other than its expected checksum."""
-        # acq_rel: the program that draws the last ticket sees every
-        # other program's sums, which each added before drawing its own.
-        ticket = tl.atomic_add(counter_ptr, 1)
-        if ticket == tl.num_programs(0) * tl.num_programs(1) - 1:
-            tl.store(counter_ptr, 0)  # ready for the next fill's launch
-            offsets = tl.arange(0, BLOCK)
-            n = cmp_rows * cmp_cols
-            bad = tl.zeros([BLOCK], dtype=tl.int32)
-            for first in range(0, n, BLOCK):
-                i = first + offsets
-                inside = i < n
-                o = (i // cmp_cols).to(tl.int64) * cmp_stride + cmp_first + i % cmp_cols
-                got = tl.load(sums_ptr + o, mask=inside, other=0, volatile=True)  # not an L1 copy
-                want = tl.load(expected_ptr + o, mask=inside, other=0)
-                checked = tl.load(verify_ptr + o, mask=inside, other=0)
-                bad = bad | ((got != want) & (checked != 0) & inside).to(tl.int32)
-            tl.store(flags_ptr + flag_index, tl.max(bad, axis=0))
-
     @triton.jit(do_not_specialize=["start_word", "row_words", "n_chunks", "n_layers", "first_chunk",
                                    "first_layer", "total_layers", "layer_words", "flag_index",
                                    "cmp_rows", "cmp_stride", "cmp_first", "cmp_cols"])
@@ -154,8 +129,22 @@ if triton is not None:
             acc += (base + idx.to(tl.int64) + 1) * words
         tl.atomic_add(sums_ptr + obj, tl.sum(acc, axis=0))
         if COMPARE:
-            compare_when_last(sums_ptr, counter_ptr, expected_ptr, verify_ptr, flags_ptr, flag_index, cmp_rows,
-                              cmp_stride, cmp_first, cmp_cols, BLOCK)
+            # acq_rel: the program that draws the last ticket sees every
+            # other program's sums, which each added before drawing its own.
+            ticket = tl.atomic_add(counter_ptr, 1)
+            if ticket == tl.num_programs(0) * parts - 1:
+                tl.store(counter_ptr, 0)  # ready for the next fill's launch
+                n = cmp_rows * cmp_cols
+                bad = tl.zeros([BLOCK], dtype=tl.int32)
+                for first in range(0, n, BLOCK):
+                    i = first + offsets
+                    inside = i < n
+                    o = (i // cmp_cols).to(tl.int64) * cmp_stride + cmp_first + i % cmp_cols
+                    got = tl.load(sums_ptr + o, mask=inside, other=0, volatile=True)  # not an L1 copy
+                    want = tl.load(expected_ptr + o, mask=inside, other=0)
+                    checked = tl.load(verify_ptr + o, mask=inside, other=0)
+                    bad = bad | ((got != want) & (checked != 0) & inside).to(tl.int32)
+                tl.store(flags_ptr + flag_index, tl.max(bad, axis=0))
 
     BACKEND = "triton"
 else:  # pragma: no cover
