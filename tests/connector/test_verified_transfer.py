@@ -359,6 +359,37 @@ def test_a_wait_reads_a_layer_s_device_check_before_it_returns_the_layer():
     assert handle.done() and not handle.wait_all(1)
 
 
+class _Flags:
+    """Pinned flags as a wait reads them, counting the reads."""
+
+    def __init__(self, values) -> None:
+        self.values, self.reads = list(values), 0
+
+    def __getitem__(self, index: int) -> int:
+        self.reads += 1
+        return self.values[index]
+
+
+def test_a_check_seen_to_pass_is_not_waited_for_or_read_again():
+    """The forward's wait for a layer waits for its check and reads its flag
+    once; the step's later waits for the whole load (``wait_all``, ``done``,
+    ``layer_ready``) do neither again for a layer that passed, and still
+    fail the load on a layer whose check fails."""
+    from maru_connector.transfer import LoadHandle
+
+    handle = LoadHandle(3, 300)
+    flags = _Flags([0, 0, 1])
+    events = [_Event(False), _Event(False), _Event(True)]
+    for layer in range(3):
+        handle._mark_layer(layer, None, (events[layer], flags, layer, f"layer {layer}"))
+    assert handle.wait_layer_on_device(0) and handle.wait_layer(1)
+    assert (flags.reads, events[0].synchronized, events[1].synchronized) == (2, 1, 1)
+    assert handle.layer_ready(0) and handle.layer_ready(1) and flags.reads == 2
+    assert not handle.wait_all(1) and isinstance(handle.error, ChecksumMismatch) and "layer 2" in str(handle.error)
+    assert (flags.reads, events[0].synchronized, events[1].synchronized) == (3, 1, 1)
+    assert handle.done() and not handle.wait_layer(2)
+
+
 @pytest.mark.parametrize("layerwise", [False, True], ids=["chunkwise", "layerwise"])
 def test_the_cuda_engine_compares_exactly_the_objects_due_at_each_fill(pool, layerwise):
     """``_due`` and the comparison it asks for (torch's, on host tensors): after

@@ -820,7 +820,8 @@ class CudaTransferEngine(TransferEngine):
                 self._staging.freed(start, freed)
         if completes:
             # the comparison ran before the scatter on this stream: ``freed`` covers it
-            check = (freed, due[0].flags, due[0].flag_index, due[1]) if due is not None else None
+            # the flags as numpy: a wait reads one for each layer (a tensor's item is microseconds)
+            check = (freed, due[0].flags.numpy(), due[0].flag_index, due[1]) if due is not None else None
             for layer in layers:
                 job.handle._mark_layer(layer, freed, check)
 
