@@ -8,18 +8,16 @@
 # into OUT_DIR and prints its summary; a stage that fails does not stop the
 # others (the script exits non-zero at the end).
 #
-# Last run (bench/RESULTS.md: "The 16-core verdict in rounds"): one H100 lease,
-#   ROUNDS=3 bash bench/attacks_16core.sh OUT --only preauth_memory reserve_flood \
-#     stats_pipeline pin_flood unpin_bye
+# Last run (bench/RESULTS.md: "Round 13"): four H100 leases,
 #   bash bench/run_h200.sh OUT cuda-tests
-# Next lease: on an H200 (not lent since round 7) the paired 4k and 4k + 512
-# verified hits (`SKIP_CUDA_TESTS=1 PAIRED_ARMS="COPIES_AHEAD=2" bash
-# bench/verify_h200.sh OUT paired-ab`) and the 16k / 32k ones (`python3
-# bench/ttft_gpu.py --paired --formats chunkwise layerwise --sizes 16384 32768
-# --modes sync_overlap_graphs sync_overlap_graphs_unverified --repeats 21
-# --store-size 4096 --concurrent-size 4096 --concurrency 1`); on any 16-core
-# host, all 17 attacks in rounds on the final tree (`ROUNDS=3 bash
-# bench/attacks_16core.sh OUT`, about 15 minutes).
+#   SKIP_CUDA_TESTS=1 PAIRED_ROUNDS=25 PAIRED_ARMS="COPIES_AHEAD=2" bash bench/verify_h200.sh OUT paired-ab
+#   python3 bench/ttft_gpu.py --paired --formats chunkwise layerwise --sizes 16384 32768 \
+#     --modes sync_overlap_graphs sync_overlap_graphs_unverified --repeats 21 \
+#     --store-size 4096 --concurrent-size 4096 --concurrency 1
+# Next lease: on an H200 (not lent since round 7) the same three, so the
+# final tree's CUDA tests and verified-load figures stand on the card the
+# targets name; on any 16-core host, all 17 attacks in rounds on the final
+# tree (`ROUNDS=3 bash bench/attacks_16core.sh OUT`, about 15 minutes).
 set -u
 out=${1:?usage: run_h200.sh OUT_DIR [STAGE ...]}
 shift
