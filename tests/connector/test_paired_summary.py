@@ -44,3 +44,24 @@ def test_runs_pool_row_by_row(tmp_path):
     assert list(rows) == ["mp-off chunkwise full-1024"]
     assert rows["mp-off chunkwise full-1024"]["sync"]["ttft_s"] == [1.0, 1.0, 2.0]
     assert "| mp-off chunkwise full-1024 | 3 |" in table(rows)
+
+
+def test_the_verified_cost_plot_reads_each_run_s_pairs_and_arms(tmp_path, capsys, monkeypatch):
+    """``bench/plot_verified_cost.py`` over two recorded GPU runs (round 13):
+    the medians it plots are the ones their harness printed, a run's arm
+    labels its points, and the plot is written."""
+    import plot_verified_cost
+
+    rounds = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "results", "verify_h200", "round13")
+    big = os.path.join(rounds, "lease4", "big", "ttft.json")
+    armed = os.path.join(rounds, "lease4", "new3", "ttft_layerwise_paired", "ttft.json")
+    rows = {(r[0], r[1]): r for r in plot_verified_cost.costs("big", big) + plot_verified_cost.costs("4k", armed)}
+    printed = {("chunkwise 16384", "big"): 1.4, ("chunkwise 32768", "big"): 1.0, ("layerwise 32768", "big"): 0.4,
+               ("layerwise 16384+2048", "big"): 1.4, ("layerwise 4096+512", "4k COPIES_AHEAD=2"): 3.9}
+    for key, percent in printed.items():
+        median, q1, q3 = rows[key][2:]
+        assert round((median - 1) * 100, 1) == percent and q1 <= median <= q3, key
+    out = tmp_path / "cost.png"
+    monkeypatch.setattr(sys, "argv", ["plot_verified_cost.py", str(out), f"big={big}", f"4k={armed}"])
+    plot_verified_cost.main()
+    assert out.stat().st_size > 10_000 and "layerwise 4096: 4k COPIES_AHEAD=2 +1.5%" in capsys.readouterr().out
