@@ -45,7 +45,9 @@ def test_the_arguments_reach_the_driver_in_their_slots_and_the_scratch_pointers_
     [16, 16, 1 << 31, 0, 32, 0],  # an integer past 32 bits: Triton's int64 variant
     [16, 16, 0, -(1 << 31) - 1, 32, 0],
     [16, 16, 0, 0, 32],  # an argument missing
-], ids=["unaligned", "too-large", "too-small", "missing"])
+    [16, 16, 0, 0],  # a pointer's among them
+    [16, 16, 0, 0, 32, 0, 7],  # one too many
+], ids=["unaligned", "too-large", "too-small", "missing", "missing-pointer", "extra"])
 def test_arguments_the_variant_was_not_compiled_for_launch_nothing(launched, args):
     kernel = DirectLaunch(0xABC, KINDS, extra=2, threads=128, shared=0)
     assert not kernel((1, 1), 0, args) and launched == []

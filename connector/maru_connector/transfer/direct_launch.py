@@ -111,7 +111,7 @@ class DirectLaunch:
         int), or return False, launching nothing, where the compiled variant
         is not the one these arguments would pick: a pointer not on 16 bytes,
         an integer past 32 bits."""
-        if any(args[i] % 16 for i in self._pointers):
+        if len(args) != len(self.kinds) or any(args[i] % 16 for i in self._pointers):
             return False
         buffer, params = self._slots()
         try:

@@ -134,13 +134,14 @@ class LoadHandle:
         A check seen to pass is dropped: the waits after the forward's (a
         sync load's ``wait_all`` and ``done`` in ``wait_for_save``, before
         the step's token) would wait for each of a layerwise hit's 32 checks
-        and read its flag again (``wait_for_save`` took 0.81 ms of a verified
-        4k + 512 layerwise hit against 0.44 ms unverified: bench/RESULTS.md,
-        round 11)."""
+        and read its flag twice more (host work the pairs of bench/RESULTS.md,
+        round 13, do not resolve in TTFT)."""
         checks = self._checks
-        if checks is None or checks[layer] is None:
+        if checks is None:
             return True
-        check = checks[layer]
+        check = checks[layer]  # read once: another thread may drop it meanwhile
+        if check is None:
+            return True
         event, flags, index, what = check
         if not block and not event.query():
             return False
