@@ -390,31 +390,6 @@ def test_a_check_seen_to_pass_is_not_waited_for_or_read_again():
     assert handle.done() and not handle.wait_layer(2)
 
 
-def test_a_check_is_done_once_its_flag_is_written_and_a_flag_never_written_fails_the_load():
-    """``CHECK_BY_FLAG``: a wait learns a verified layer's verdict from the
-    flag the comparison writes, not from the fill's event; a flag still
-    pending once the fill's event completed was never written and fails the
-    load (any doubt means recompute)."""
-    import threading
-
-    from maru_connector.transfer import LoadHandle
-    from maru_connector.transfer.cuda import _CHECK_PENDING, _CheckDone
-
-    flags = np.full(3, _CHECK_PENDING, dtype=np.int32)
-    fills = [_Event(False), _Event(False), _Event(False)]
-    handle = LoadHandle(3, 300)
-    for layer in range(3):
-        handle._mark_layer(layer, None, (_CheckDone(flags, layer, fills[layer]), flags, layer, f"layer {layer}"))
-    assert not handle.layer_ready(0)  # the comparison has not run
-    threading.Timer(0.05, flags.__setitem__, (0, 0)).start()
-    assert handle.wait_layer_on_device(0, timeout=5) and fills[0].synchronized == 0  # the flag, not the event
-    flags[1] = 1
-    assert not handle.wait_layer_on_device(1, timeout=5) and "layer 1" in str(handle.error)
-    pending = LoadHandle(1, 100)
-    pending._mark_layer(0, None, (_CheckDone(flags, 2, _Event(True)), flags, 2, "layer 2"))
-    assert not pending.wait_layer_on_device(0) and isinstance(pending.error, ChecksumMismatch)
-
-
 @pytest.mark.parametrize("layerwise", [False, True], ids=["chunkwise", "layerwise"])
 def test_the_cuda_engine_compares_exactly_the_objects_due_at_each_fill(pool, layerwise):
     """``_due`` and the comparison it asks for (torch's, on host tensors): after

@@ -81,13 +81,6 @@ SCATTER_BATCHES = True
 # 64 MiB fills) bounds it: a fill that needs a span still waiting for its
 # scatter has every fill before it scattered first.
 COPIES_AHEAD = 2
-# A wait for a verified layer learns its check's verdict from the flag the
-# comparison writes into pinned memory (``_CheckDone``), not from an event
-# recorded after the fill's scatter: the host hands the layer over as soon as
-# the comparison has run, and the forward is ordered after the scatter on the
-# device (False: the host waits for the scatter's event, for the A/B).
-CHECK_BY_FLAG = True
-_CHECK_PENDING = -1  # a check's flag until its comparison writes 0 (match) or 1
 # Loads up to this size are issued on the submitting thread when nothing is
 # queued before them. Issuing is host work only (the copies are queued, not
 # waited for): on the copy thread it shares the interpreter lock with the
@@ -193,24 +186,6 @@ class _CudaHeadStart(HeadStart):
             self.state = "dropped"
             if self._engine._head_owner is self:
                 self._engine._head_owner = None
-
-
-class _CheckDone:
-    """A device check's completion as a load handle waits for it: its flag
-    in pinned memory leaves ``_CHECK_PENDING`` once the comparison has run.
-    ``fill_done`` (recorded after the comparison and the fill's scatter)
-    bounds the wait: a flag still pending once it completed was never
-    written, and reads as a failed check."""
-
-    def __init__(self, flags: np.ndarray, index: int, fill_done: torch.cuda.Event) -> None:
-        self._flags, self._index, self._fill_done = flags, index, fill_done
-
-    def query(self) -> bool:
-        return self._flags[self._index] != _CHECK_PENDING or bool(self._fill_done.query())
-
-    def synchronize(self) -> None:
-        while self._flags[self._index] == _CHECK_PENDING and not self._fill_done.query():
-            time.sleep(0)  # give the interpreter to the copy thread meanwhile
 
 
 class _IdsRing:
@@ -845,10 +820,8 @@ class CudaTransferEngine(TransferEngine):
                 self._staging.freed(start, freed)
         if completes:
             # the comparison ran before the scatter on this stream: ``freed`` covers it
-            check = None
-            if due is not None:  # the flags as numpy: a wait reads one for each layer (a tensor's item is microseconds)
-                flags, index = due[0].flags.numpy(), due[0].flag_index
-                check = (_CheckDone(flags, index, freed) if CHECK_BY_FLAG else freed, flags, index, due[1])
+            # the flags as numpy: a wait reads one for each layer (a tensor's item is microseconds)
+            check = (freed, due[0].flags.numpy(), due[0].flag_index, due[1]) if due is not None else None
             for layer in layers:
                 job.handle._mark_layer(layer, freed, check)
 
@@ -875,7 +848,7 @@ class CudaTransferEngine(TransferEngine):
             host[n:2 * n] = check.expected.view(np.int64)
             host[2 * n:] = check.verify
             device = staged.to(self.device, non_blocking=True)
-            flags = torch.full((self.layout.num_layers,), _CHECK_PENDING, dtype=torch.int32, pin_memory=True)
+            flags = torch.zeros(self.layout.num_layers, dtype=torch.int32, pin_memory=True)
             state = job.check_state = [device[:n], device[n:2 * n], device[2 * n:], flags, 0]
         return state
 
