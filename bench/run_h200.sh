@@ -8,7 +8,7 @@
 # into OUT_DIR and prints its summary; a stage that fails does not stop the
 # others (the script exits non-zero at the end).
 #
-# Last run (bench/RESULTS.md: "Round 13"): five H100 leases,
+# Last run (bench/RESULTS.md: "Round 13"): six H100 leases,
 #   bash bench/run_h200.sh OUT cuda-tests
 #   SKIP_CUDA_TESTS=1 PAIRED_ROUNDS=25 PAIRED_ARMS="COPIES_AHEAD=2" bash bench/verify_h200.sh OUT paired-ab
 #   python3 bench/ttft_gpu.py --paired --formats chunkwise layerwise --sizes 16384 32768 \
