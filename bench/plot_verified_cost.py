@@ -39,7 +39,7 @@ def main() -> None:
     rows = [row for arg in sys.argv[2:] for row in costs(*arg.split("=", 1))]
     cases = sorted({r[0] for r in rows}, key=lambda c: (c.split()[0], int(c.split()[1].split("+")[0]), c))
     runs = list(dict.fromkeys(r[1] for r in rows))
-    fig, ax = plt.subplots(figsize=(9, 0.45 * len(cases) * max(1, len(runs) / 2) + 1.5))
+    fig, ax = plt.subplots(figsize=(11, 0.45 * len(cases) * max(1, len(runs) / 2) + 1.5))
     step = 0.8 / max(1, len(runs))
     for i, run in enumerate(runs):
         mine = {r[0]: r for r in rows if r[1] == run}
@@ -53,7 +53,7 @@ def main() -> None:
     ax.set_yticks(range(len(cases)), cases)
     ax.invert_yaxis()
     ax.set_xlabel("verified over unverified TTFT, % (median of the per-round ratios; bars: quartiles)")
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the points, not over them
     fig.tight_layout()
     fig.savefig(sys.argv[1], dpi=120)
     for case in cases:
