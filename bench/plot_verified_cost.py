@@ -25,7 +25,9 @@ TARGET = 1.02
 def costs(label: str, path: str) -> list[tuple[str, str, float, float, float]]:
     """(case "format hit", run label, median, first quartile, third quartile) of one run's pairs."""
     rows = []
-    for fmt in json.load(open(path, encoding="utf-8"))["formats"]:
+    with open(path, encoding="utf-8") as f:
+        formats = json.load(f)["formats"]
+    for fmt in formats:
         for hit, data in fmt["hits"].items():
             for variant, r in data.get("paired", {}).items():
                 arm = variant.split("@", 1)[1] if "@" in variant else ""
