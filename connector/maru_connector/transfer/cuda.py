@@ -105,11 +105,6 @@ HEAD_ONLY_ALWAYS = False
 # more than the 0.7-1.4 ms from a lookup's answer to its load's submit on an
 # H200 host (bench/RESULTS.md).
 HEAD_START_BYTES = 64 << 20
-# An experiment (bench/RESULTS.md, round 14): the copy calls keep the
-# interpreter lock (1) instead of giving it up for the few microseconds of
-# each call (0, as shipped), after which the thread may wait a switch
-# interval to get it back from a busy forward.
-COPY_CALLS_KEEP_GIL = 0
 
 
 class _StagingRing:
@@ -291,8 +286,6 @@ class CudaTransferEngine(TransferEngine):
         self.store_stream = torch.cuda.Stream(self.device)
         self.copy_2d_backend, self._memcpy2d = find_memcpy2d() if copy_2d else ("rows", None)
         self._memcpy = find_memcpy()
-        self._memcpy2d_keep = find_memcpy2d(keep_gil=True)[1] if copy_2d else None
-        self._memcpy_keep = find_memcpy(keep_gil=True)
         row = fmt.layer_bytes
         self._rows_cap = max(1, staging_bytes // row)
         ring, store, _ = staging_sizes(fmt, staging_bytes, 0)
@@ -380,13 +373,12 @@ class CudaTransferEngine(TransferEngine):
         if run.rows == 1 or (run.stride == row and device_pitch == row):
             self._copy_1d(host, device_ptr, run.rows * row, kind, stream)
         elif self._memcpy2d is not None:
-            memcpy2d = self._memcpy2d_keep if COPY_CALLS_KEEP_GIL and self._memcpy2d_keep else self._memcpy2d
             if kind == H2D:
-                memcpy2d(device_ptr, device_pitch, host, run.stride, row, run.rows,
-                         kind, stream.cuda_stream)
+                self._memcpy2d(device_ptr, device_pitch, host, run.stride, row, run.rows,
+                               kind, stream.cuda_stream)
             else:
-                memcpy2d(host, run.stride, device_ptr, device_pitch, row, run.rows,
-                         kind, stream.cuda_stream)
+                self._memcpy2d(host, run.stride, device_ptr, device_pitch, row, run.rows,
+                               kind, stream.cuda_stream)
         else:
             for r in range(run.rows):
                 self._copy_1d(host + r * run.stride, device_ptr + r * device_pitch, row,
@@ -396,8 +388,7 @@ class CudaTransferEngine(TransferEngine):
                  stream: torch.cuda.Stream) -> None:
         if self._memcpy is not None:
             dst, src = (device, host) if kind == H2D else (host, device)
-            memcpy = self._memcpy_keep if COPY_CALLS_KEEP_GIL and self._memcpy_keep else self._memcpy
-            memcpy(dst, src, nbytes, kind, stream.cuda_stream)
+            self._memcpy(dst, src, nbytes, kind, stream.cuda_stream)
             return
         offset = host - self._pool_ptr
         pool = self.pool[offset:offset + nbytes]

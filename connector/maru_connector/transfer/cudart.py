@@ -60,14 +60,8 @@ def _loaded_cudart() -> str | None:
     return None
 
 
-def _library(path: str, keep_gil: bool) -> ctypes.CDLL:
-    """The runtime library: calls through a ``PyDLL`` keep the interpreter
-    lock, through a ``CDLL`` they give it up for the call."""
-    return (ctypes.PyDLL if keep_gil else ctypes.CDLL)(path)
-
-
-def _from_cudart(path: str, keep_gil: bool = False) -> Memcpy2D:
-    fn = _library(path, keep_gil).cudaMemcpy2DAsync
+def _from_cudart(path: str) -> Memcpy2D:
+    fn = ctypes.CDLL(path).cudaMemcpy2DAsync
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
                    ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
@@ -80,8 +74,8 @@ def _from_cudart(path: str, keep_gil: bool = False) -> Memcpy2D:
     return copy
 
 
-def _from_cudart_1d(path: str, keep_gil: bool = False) -> Memcpy:
-    fn = _library(path, keep_gil).cudaMemcpyAsync
+def _from_cudart_1d(path: str) -> Memcpy:
+    fn = ctypes.CDLL(path).cudaMemcpyAsync
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
                    ctypes.c_void_p]
@@ -106,28 +100,27 @@ def _from_cupy() -> Memcpy2D | None:
     return copy
 
 
-def find_memcpy(keep_gil: bool = False) -> Memcpy | None:
+def find_memcpy() -> Memcpy | None:
     """``cudaMemcpyAsync`` of the CUDA runtime in the process; None when it
-    cannot be found (copy with ``Tensor.copy_`` then). ``keep_gil``: the
-    call keeps the interpreter lock."""
+    cannot be found (copy with ``Tensor.copy_`` then)."""
     torch.cuda.init()
     path = _loaded_cudart()
     if path:
         try:
-            return _from_cudart_1d(path, keep_gil)
+            return _from_cudart_1d(path)
         except (OSError, AttributeError):
             pass
     return None
 
 
-def find_memcpy2d(keep_gil: bool = False) -> tuple[str, Memcpy2D | None]:
+def find_memcpy2d() -> tuple[str, Memcpy2D | None]:
     """The strided copy to use and where it comes from: ``"cudart"``,
     ``"cupy"`` or ``"rows"`` (none: copy row by row)."""
     torch.cuda.init()
     path = _loaded_cudart()
     if path:
         try:
-            return "cudart", _from_cudart(path, keep_gil)
+            return "cudart", _from_cudart(path)
         except (OSError, AttributeError):
             pass
     copy = _from_cupy()
