@@ -18,8 +18,8 @@ Two knobs join the CUDA engine's for ``--paired --arms``: ``PROBE_SWITCH_US``
 (the interpreter's switch interval during a hit, 5000 as CPython ships) and
 ``PROBE_GC`` (0: garbage collection off during a hit).
 
-Writes ``handover.json`` (every load's steps) and prints, per kind of load,
-the medians of each step.
+Writes ``handover.json`` (every load's steps) and prints, per kind of load
+and arm (the knobs it sets), the medians of each step.
 """
 
 from __future__ import annotations
@@ -110,9 +110,15 @@ def _job_end(where: str):
     return after
 
 
+def _knobs() -> dict:
+    """The CUDA engine's module knobs (upper-case ints and flags), as they are now."""
+    return {k: v for k, v in vars(cuda_engine).items() if k.isupper() and type(v) in (int, bool)}
+
+
 def install() -> None:
     cuda_engine.PROBE_SWITCH_US = 5000
     cuda_engine.PROBE_GC = 1
+    defaults = _knobs()
     engine_cls = cuda_engine.CudaTransferEngine
     init = engine_cls.__init__
 
@@ -144,7 +150,8 @@ def install() -> None:
         gc_off = not cuda_engine.PROBE_GC and gc.isenabled()
         if gc_off:
             gc.disable()
-        log("hit", None, {"tag": tag, "switch_us": cuda_engine.PROBE_SWITCH_US, "gc": cuda_engine.PROBE_GC})
+        arm = ",".join(f"{k}={v}" for k, v in _knobs().items() if v != defaults.get(k)) or "as shipped"
+        log("hit", None, {"tag": tag, "arm": arm})
         try:
             return one_hit(self, eng, toks, cached, tag, *args, **kwargs)
         finally:
@@ -233,8 +240,8 @@ def report(summaries: list[dict]) -> str:
     groups: dict = {}
     for s in summaries:
         hit = s["hit"] or {}
-        groups.setdefault((s["partial"], s["verified"], hit.get("switch_us"), hit.get("gc")), []).append(s)
-    for (partial, verified, switch, gc_on), group in sorted(groups.items(), key=str):
+        groups.setdefault((s["partial"], s["verified"], hit.get("arm", "no hit")), []).append(s)
+    for (partial, verified, arm), group in sorted(groups.items(), key=str):
         group = group[1:]  # the first is a warm-up
         if not group:
             continue
@@ -245,7 +252,7 @@ def report(summaries: list[dict]) -> str:
         gc_ms = [sum(p["ms"] for p in s["gc"]) for s in group]
         lines.append(
             f"{'partial' if partial else 'full'} {'verified' if verified else 'unverified'} "
-            f"switch {switch} us gc {gc_on}: {len(group)} loads; medians (ms from submit) "
+            f"({arm}): {len(group)} loads; medians (ms from submit) "
             + ", ".join(f"{k} {v:.2f}" for k, v in med.items())
             + (f"; hand-over (release to the copy thread's first copy) median "
                f"{statistics.median(handover):.2f}, max {max(handover):.2f}" if handover else "")

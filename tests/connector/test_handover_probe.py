@@ -18,7 +18,7 @@ ENGINE, COPY = 1, 2
 def _partial_load(t0: int, load: int, verified: bool) -> list[tuple]:
     meta = {"verified": verified, "partial": True, "bytes": 1 << 29}
     return [
-        (t0, ENGINE, "hit", None, {"tag": "p1", "switch_us": 5000, "gc": 1}),
+        (t0, ENGINE, "hit", None, {"tag": "p1", "arm": "as shipped"}),
         (t0, ENGINE, "issue_here", load, meta),
         (t0 + 1 * MS, ENGINE, "lock", load, t0 + 1 * MS),
         (t0 + 1 * MS, COPY, "run_load", load, meta),
@@ -50,5 +50,5 @@ def test_a_hand_over_is_read_from_the_threads_steps():
 def test_the_report_leaves_out_each_groups_first_load():
     events = _partial_load(0, 1, verified=True) + _partial_load(20 * MS, 2, verified=True)
     line = report(loads(events))
-    assert line.startswith("partial verified switch 5000 us gc 1: 1 loads")
+    assert line.startswith("partial verified (as shipped): 1 loads")
     assert "hand-over (release to the copy thread's first copy) median 5.00" in line
