@@ -267,10 +267,14 @@ def test_a_verified_load_s_sum_batches_check_the_layers_they_complete(engines, p
         assert raised[-1] == 1 and set(raised[:-1]) <= {0}, raised
 
 
-def _head_started_load(engines, pool, monkeypatch, layerwise: bool, verified: bool, rows_cap: int = 64):
-    """``_issue_fills`` itself on host memory, for a load beside a long forward
-    whose head start copied its first fill: (engine, job, its issue, the KV
-    caches, what they held before, the source and destination block ids)."""
+@pytest.mark.parametrize("layerwise", [False, True], ids=["chunkwise", "layerwise"])
+@pytest.mark.parametrize("verified", [False, True], ids=["unverified", "verified"])
+def test_a_load_issued_in_two_parts_after_a_head_start_lands_every_block(engines, pool, monkeypatch, layerwise,
+                                                                        verified):
+    """``_issue_fills`` itself on host memory, driven as ``_issue_here`` drives a load
+    beside a long forward: a head start's fill copied before it, two fills issued on the
+    submitting thread, the rest later on another. Every block lands, each layer's check
+    passes; the head start's fill is scattered only once the rest is issued."""
     from types import SimpleNamespace
 
     from maru_connector.transfer import LoadHandle
@@ -281,14 +285,14 @@ def _head_started_load(engines, pool, monkeypatch, layerwise: bool, verified: bo
     fmt, offsets, src, src_ids, checksums = _stored(engines, pool, "cpu", "flash_hnd", layerwise, True)
     dst = make_kv_caches("flash_hnd", layers=LAYERS, blocks=BLOCKS, seed=2)
     before = {name: dst[name].clone() for name in fmt.layout.layer_names}
-    engine = _host_cuda_engine(pool, dst, fmt, rows_cap, True)
+    engine = _host_cuda_engine(pool, dst, fmt, 64, True)
     engine._staging = cuda_engine._StagingRing(64 * fmt.layer_bytes * LAYERS, "cpu")
     engine.load_stream = engine.scatter_stream = SimpleNamespace(cuda_stream=0, wait_event=lambda event: None)
     engine._device_ids = lambda job, stream: torch.tensor(job.block_ids)
     engine._release_head, engine.heads_used = (lambda head: None), 0
     engine._compare_counter = torch.zeros(1, dtype=torch.int32)
     sources = [tuple(o) for o in offsets]
-    head_unit = next(engine._units(layer_pieces(fmt, sources, rows_cap)))
+    head_unit = next(engine._units(layer_pieces(fmt, sources, 64)))
     engine._head_buffer = torch.empty(engine._unit_bytes(head_unit), dtype=torch.uint8)
     head = SimpleNamespace(fills=[(head_unit, engine._copy_unit(head_unit, 0, engine._head_buffer))])
     dst_ids = random.Random(7).sample(range(BLOCKS), CHUNKS * BPC)
@@ -299,60 +303,14 @@ def _head_started_load(engines, pool, monkeypatch, layerwise: bool, verified: bo
     job = SimpleNamespace(check=True if verified else None, check_state=state if verified else None,
                           block_ids=dst_ids, handle=LoadHandle(LAYERS, 0), beside_long_forward=True,
                           ready=object(), head=head, offsets=sources)
-    return engine, job, engine._issue_fills(job), fmt, dst, src, before, src_ids, dst_ids
-
-
-def _issue_the_head(fills) -> None:
+    fills = engine._issue_fills(job)
     for done, _ in enumerate(fills, 1):  # as _issue_here: the head, then hand the rest over
         if done >= 2:
             break
-
-
-@pytest.mark.parametrize("layerwise", [False, True], ids=["chunkwise", "layerwise"])
-@pytest.mark.parametrize("verified", [False, True], ids=["unverified", "verified"])
-def test_a_load_issued_in_two_parts_after_a_head_start_lands_every_block(engines, pool, monkeypatch, layerwise,
-                                                                        verified):
-    """Driven as ``_issue_here`` drives a load beside a long forward: two
-    fills issued on the submitting thread, the rest later. Every block
-    lands, each layer's check passes; the head start's fill is scattered
-    only once the rest is issued."""
-    engine, job, fills, fmt, dst, src, before, src_ids, dst_ids = _head_started_load(
-        engines, pool, monkeypatch, layerwise, verified)
-    _issue_the_head(fills)
     assert not job.handle.layer_ready(0)  # the head start's layer: scattered with the rest
     assert not any(job.handle.layer_ready(layer) for layer in range(1, LAYERS))
     for _ in fills:  # the rest, as the copy thread issues it
         pass
-    assert all(job.handle.layer_ready(layer) for layer in range(LAYERS)) and job.handle.error is None
-    _assert_only_written(fmt, "flash_hnd", dst, src, before, dict(zip(dst_ids, src_ids)))
-
-
-@pytest.mark.parametrize("verified", [False, True], ids=["unverified", "verified"])
-@pytest.mark.parametrize("at_pickup", [True, False], ids=["scatter-at-pickup", "copy-first"])
-def test_the_copy_thread_scatters_the_fills_waiting_before_it_queues_more_copies(engines, pool, monkeypatch,
-                                                                                 verified, at_pickup):
-    """The thread that picks a load up scatters the fills copied and
-    waiting (the head start's, which the forward needs first) before it
-    queues a copy of its own (``SCATTER_AT_PICKUP``; else after its first)."""
-    import threading
-
-    from maru_connector.transfer import cuda as cuda_engine
-
-    monkeypatch.setattr(cuda_engine, "SCATTER_AT_PICKUP", at_pickup)
-    engine, job, fills, fmt, dst, src, before, src_ids, dst_ids = _head_started_load(
-        engines, pool, monkeypatch, True, verified, rows_cap=1)  # a fill a chunk: 9 fills
-    steps: list[tuple[str, str]] = []
-    copy_unit, scatter_fills = engine._copy_unit, engine._scatter_fills
-    engine._copy_unit = lambda *a: steps.append(("copy", threading.current_thread().name)) or copy_unit(*a)
-    engine._scatter_fills = (lambda *a: steps.append(("scatter", threading.current_thread().name))
-                             or scatter_fills(*a))
-    _issue_the_head(fills)
-    assert ("scatter", "MainThread") not in steps  # the head start's fill waits
-    copy_thread = threading.Thread(target=lambda: [None for _ in fills], name="copy")
-    copy_thread.start()
-    copy_thread.join()
-    picked_up = [what for what, thread in steps if thread == "copy"]
-    assert picked_up[:2] == (["scatter", "copy"] if at_pickup else ["copy", "scatter"])
     assert all(job.handle.layer_ready(layer) for layer in range(LAYERS)) and job.handle.error is None
     _assert_only_written(fmt, "flash_hnd", dst, src, before, dict(zip(dst_ids, src_ids)))
 

@@ -97,12 +97,6 @@ INLINE_HEAD_FILLS = 2  # two fills keep the copy engine busy >= 2 ms for a 16k-t
 # 2.0-2.6 ms, all of it before that forward's first kernel (False: the
 # engine before, for `bench/h200_ab.sh head`).
 HEAD_ONLY_BESIDE_LONG_FORWARD = True
-# When the copy thread picks up a load whose head the submitting thread
-# issued, it first scatters the fills copied and waiting (a verified load's
-# head-start batch, the first layers the forward waits for), then queues
-# more copies (False: after its first copy, as before; bench/RESULTS.md,
-# round 14).
-SCATTER_AT_PICKUP = True
 # Only the head inline for every load, a full hit's too (an experiment:
 # `bench/h200_ab.sh fullhead`; off as shipped).
 HEAD_ONLY_ALWAYS = False
@@ -609,11 +603,8 @@ class CudaTransferEngine(TransferEngine):
                     offset = self._staging.take(nbytes, self.load_stream)
                 copied((unit, self._copy_unit(unit, offset)))
                 busy += time.perf_counter() - resumed
-                issuer = threading.get_ident()
                 yield
                 resumed = time.perf_counter()
-                if SCATTER_AT_PICKUP and pending and threading.get_ident() != issuer:
-                    scatter()  # handed over: land what was copied before queueing more
             scatter_all()
         except TransferError:  # a bad extent: the layers before it still land
             scatter_all()
