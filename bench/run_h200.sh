@@ -8,17 +8,21 @@
 # into OUT_DIR and prints its summary; a stage that fails does not stop the
 # others (the script exits non-zero at the end).
 #
-# Last run (bench/RESULTS.md: "Round 13"): seven H100 leases,
+# Last run (bench/RESULTS.md: "Round 14"): two H100 leases,
 #   bash bench/run_h200.sh OUT cuda-tests
+#   python3 bench/handover_probe.py --probe-out OUT/FMT -- --paired --formats FMT \
+#     --sizes 4096 --partial 4096 512 --modes sync_overlap_graphs \
+#     sync_overlap_graphs_unverified --store-size 4096 --concurrent-size 4096 \
+#     --concurrency 1 --repeats 41 --arms KNOB=0 KNOB=1
+# Next lease: on an H200 (not lent since round 7) the final tree's CUDA
+# tests and verified-load figures, so they stand on the card the targets
+# name: the cuda-tests stage, then
 #   SKIP_CUDA_TESTS=1 PAIRED_ROUNDS=25 PAIRED_ARMS="COPIES_AHEAD=2" bash bench/verify_h200.sh OUT paired-ab
 #   python3 bench/ttft_gpu.py --paired --formats chunkwise layerwise --sizes 16384 32768 \
 #     --modes sync_overlap_graphs sync_overlap_graphs_unverified --repeats 21 \
 #     --store-size 4096 --concurrent-size 4096 --concurrency 1
-# Next lease: on an H200 (not lent since round 7) the same three, so the
-# final tree's CUDA tests and verified-load figures stand on the card the
-# targets name; on any GPU, why a verified 4k + 512 hit's copy thread takes
-# its load up late (RESULTS.md, round 13: "A lead for the partial hit"); on any 16-core host, all 17 attacks in rounds on the final
-# tree (`ROUNDS=3 bash bench/attacks_16core.sh OUT`, about 15 minutes).
+# On any 16-core host, all 17 attacks in rounds on the final tree
+# (`ROUNDS=3 bash bench/attacks_16core.sh OUT`, about 15 minutes).
 set -u
 out=${1:?usage: run_h200.sh OUT_DIR [STAGE ...]}
 shift
