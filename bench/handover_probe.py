@@ -18,8 +18,8 @@ Two knobs join the CUDA engine's for ``--paired --arms``: ``PROBE_SWITCH_US``
 (the interpreter's switch interval during a hit, 5000 as CPython ships) and
 ``PROBE_GC`` (0: garbage collection off during a hit).
 
-Writes ``handover.json`` (every load's steps) and prints, per kind of load
-and arm (the knobs it sets), the medians of each step.
+Writes ``handover.json`` (each load's steps, in ms from its submit) and
+prints, per kind of load and arm (the knobs it sets), each step's median.
 """
 
 from __future__ import annotations
@@ -175,7 +175,6 @@ def gil_probe(stop: threading.Event) -> None:
 
 def loads(events: list[tuple]) -> list[dict]:
     """Each load's steps, in ms from its submit (None: not seen)."""
-    names = {}
     hit = None
     out: dict = {}
     for ns, tid, what, load, detail in events:
@@ -183,7 +182,6 @@ def loads(events: list[tuple]) -> list[dict]:
             hit = detail
         if what in ("issue_here", "run_load") and load not in out and isinstance(detail, dict):
             out[load] = {"hit": hit, **detail, "t0": ns, "submitter": tid, "steps": []}
-            names[load] = tid
         if load in out:
             out[load]["steps"].append((ns, tid, what, detail))
     gcs = [(ns, tid, what, d) for ns, tid, what, _, d in events if what.startswith("gc_") or what == "late"]
