@@ -14,6 +14,9 @@ with ``--gil-probe``, when a thread that sleeps 50 us at a time wakes more
 than 200 us late (the interpreter lock held elsewhere; the probe thread is
 one more contender, so timings shift).
 
+``hit_phases.py`` times the connector's calls per hit; this probe times
+the transfer engine's own steps inside them.
+
 Two knobs join the CUDA engine's for ``--paired --arms``: ``PROBE_SWITCH_US``
 (the interpreter's switch interval during a hit, 5000 as CPython ships) and
 ``PROBE_GC`` (0: garbage collection off during a hit).
@@ -180,15 +183,16 @@ def loads(events: list[tuple]) -> list[dict]:
     for ns, tid, what, load, detail in events:
         if what == "hit":
             hit = detail
-        if what in ("issue_here", "run_load") and load not in out and isinstance(detail, dict):
+        if what in ("issue_here", "run_load") and load not in out:
             out[load] = {"hit": hit, **detail, "t0": ns, "submitter": tid, "steps": []}
         if load in out:
             out[load]["steps"].append((ns, tid, what, detail))
-    gcs = [(ns, tid, what, d) for ns, tid, what, _, d in events if what.startswith("gc_") or what == "late"]
-    return [_summary(load, gcs) for load in out.values()]
+    others = [(ns, tid, what, d) for ns, tid, what, _, d in events if what.startswith("gc_") or what == "late"]
+    return [_summary(load, others) for load in out.values()]
 
 
-def _summary(load: dict, gcs: list) -> dict:
+def _summary(load: dict, others: list) -> dict:
+    """One load's steps; ``others``: the collections and late wakes of every thread."""
     t0, submitter, steps = load["t0"], load["submitter"], load["steps"]
 
     def ms(ns):
@@ -210,13 +214,12 @@ def _summary(load: dict, gcs: list) -> dict:
     waited0 = first(lambda s: s[2] == "waited" and s[3] == 0)
     mark0 = first(lambda s: s[2] == "mark" and s[3] == 0)
     end = steps[-1][0]
-    pauses, late = [], []
-    for ns, tid, what, detail in gcs:
-        if what == "late" and t0 <= ns <= end:
-            late.append((ms(detail), ms(ns)))
-    starts = {}
-    for ns, tid, what, detail in gcs:
-        if what == "gc_start":
+    pauses, late, starts = [], [], {}
+    for ns, tid, what, detail in others:
+        if what == "late":
+            if t0 <= ns <= end:
+                late.append((ms(detail), ms(ns)))
+        elif what == "gc_start":
             starts[tid] = (ns, detail)
         elif what == "gc_stop" and tid in starts:
             begin, gen = starts.pop(tid)
