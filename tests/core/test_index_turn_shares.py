@@ -548,12 +548,15 @@ def test_a_pipelining_connection_s_turns_leave_its_reading_paused(pool, monkeypa
     """A connection with frames still buffered answers one a turn (here) and waits for the next:
     its reading stays paused until they are all answered. Resumed before each turn and paused
     after it, it cost two epoll calls a turn, about a fifth of such a turn's time."""
-    from asyncio import selector_events
-
-    transport_type = selector_events._SelectorSocketTransport
     resumes: list[int] = []
-    resume = transport_type.resume_reading
-    monkeypatch.setattr(transport_type, "resume_reading", lambda self: (resumes.append(1), resume(self))[1])
+    made = Connection.connection_made
+
+    def counting_resumes(self, transport) -> None:
+        made(self, transport)
+        resume = transport.resume_reading  # counted on this transport only
+        transport.resume_reading = lambda: (resumes.append(1), resume())[1]
+
+    monkeypatch.setattr(Connection, "connection_made", counting_resumes)
     monkeypatch.setattr(PeerTurns, "share_s", property(lambda self: 1e-9))  # a frame per turn
     with ThreadedIndex(pool, token=TOKEN) as index:
         raw = Raw(index.url)
