@@ -21,8 +21,9 @@
 #   python3 bench/ttft_gpu.py --paired --formats chunkwise layerwise --sizes 16384 32768 \
 #     --modes sync_overlap_graphs sync_overlap_graphs_unverified --repeats 21 \
 #     --store-size 4096 --concurrent-size 4096 --concurrency 1
-# On any 16-core host, all 17 attacks in rounds on the final tree
-# (`ROUNDS=3 bash bench/attacks_16core.sh OUT`, about 15 minutes).
+# (All 17 index attacks ran on the final tree in one run on a 16-core host,
+# bench/RESULTS.md; `ROUNDS=3 bash bench/attacks_16core.sh OUT`, about 12
+# minutes, reads them in rounds.)
 set -u
 out=${1:?usage: run_h200.sh OUT_DIR [STAGE ...]}
 shift
