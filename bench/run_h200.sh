@@ -8,13 +8,14 @@
 # into OUT_DIR and prints its summary; a stage that fails does not stop the
 # others (the script exits non-zero at the end).
 #
-# Last run (bench/RESULTS.md: "Round 14"): two H100 leases,
+# Last run: the final tree's cuda-tests stage on an H100 (bench/RESULTS.md:
+# "CUDA tests"); before it ("Round 14"), two H100 leases,
 #   bash bench/run_h200.sh OUT cuda-tests
 #   python3 bench/handover_probe.py --probe-out OUT/FMT -- --paired --formats FMT \
 #     --sizes 4096 --partial 4096 512 --modes sync_overlap_graphs \
 #     sync_overlap_graphs_unverified --store-size 4096 --concurrent-size 4096 \
 #     --concurrency 1 --repeats 41 --arms KNOB=0 KNOB=1
-# Next lease: on an H200 (not lent since round 7) the final tree's CUDA
+# Next lease: on an H200 (last lent in round 9) the final tree's CUDA
 # tests and verified-load figures, so they stand on the card the targets
 # name: the cuda-tests stage, then
 #   SKIP_CUDA_TESTS=1 PAIRED_ROUNDS=25 PAIRED_ARMS="COPIES_AHEAD=2" bash bench/verify_h200.sh OUT paired-ab
