@@ -13,7 +13,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from maru_core.index.memory_bench import bytes_per_key
+from maru_core.index.memory_bench import bytes_per_key, growth_steps
 from maru_core.pool.slot_check import SlotHeaderCheck
 from maru_core.index.registry import BadRequest, NoLease, NoSpace, Quarantined, Registry, RegistryError
 from maru_core.pool import Pool, SlotHeader, SlotState
@@ -524,6 +524,18 @@ def test_many_keys_with_removals_stay_findable(clock: Clock) -> None:
 
 def test_one_million_keys_fit_in_256_bytes_each() -> None:
     assert bytes_per_key(1_000_000) <= 256
+
+
+def test_the_growth_report_names_each_step_that_grew_the_table() -> None:
+    # 40,000 keys, 4,096 at a time: the columns grow by half from 1,024 rows and
+    # the key table is rebuilt at powers of two, so the steps are known in advance.
+    report = growth_steps(40_000, batch=4096)
+    grown = {(step["rows_before"], tuple(step["grew"])) for step in report["growth_steps"]}
+    assert (0, ("columns", "key table")) in grown
+    assert any("key table" in grew and rows >= 16_384 for rows, grew in grown)
+    assert all(step["seconds"] > 0 for step in report["growth_steps"])
+    # most batches grow nothing: the report's scale is one of those
+    assert len(grown) < 40_000 // 4096 and report["plain_batch_median_s"] > 0
 
 
 # -- the state machine ----------------------------------------------------------------------------

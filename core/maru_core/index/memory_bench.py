@@ -120,6 +120,34 @@ def retrieve_seconds(n_keys: int, batch: int = 8000, repeats: int = 50) -> dict[
     }
 
 
+def growth_steps(n_keys: int, batch: int = _BATCH) -> dict:
+    """Fill a registry with ``n_keys`` committed keys, ``batch`` at a time,
+    timing each reserve + commit: the batches during which the record table
+    grew its columns or rebuilt its key table (each a single step of the
+    index's loop, which serves no one else meanwhile), and the median of the
+    batches that grew nothing, for scale."""
+    registry = Registry(_geometry(n_keys, _OBJECT_BYTES))
+    lease = registry.open_lease("bench")
+    records = registry._records  # read for its sizes only
+    steps, plain = [], []
+    for start in range(0, n_keys, batch):
+        keys = _keys(start, min(batch, n_keys - start))
+        capacity, slots = records.capacity, records.key_slots
+        t0 = time.perf_counter()
+        registry.reserve(lease, [(k, _OBJECT_BYTES) for k in keys])
+        registry.commit(lease, keys)
+        seconds = time.perf_counter() - t0
+        what = [name for name, grew in (("columns", records.capacity != capacity),
+                                         ("key table", records.key_slots != slots)) if grew]
+        if what:
+            steps.append({"rows_before": start, "grew": what, "seconds": seconds})
+        else:
+            plain.append(seconds)
+    plain.sort()
+    return {"keys": n_keys, "batch": batch, "growth_steps": steps,
+            "plain_batch_median_s": plain[len(plain) // 2] if plain else None}
+
+
 def _all_good(joined: bytes, offsets: np.ndarray, generations: np.ndarray) -> np.ndarray:
     return np.ones(len(offsets), dtype=bool)
 
@@ -130,7 +158,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--keys", type=int, default=1_000_000, help="committed keys in the registry")
     parser.add_argument("--batch", type=int, default=8000, help="keys per retrieve / reserve")
     parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--growth", action="store_true",
+                        help="instead: time each batch of a fill that grew the record table")
     args = parser.parse_args(argv)
+    if args.growth:
+        print(json.dumps(growth_steps(args.keys, args.batch), indent=1))
+        return
     figures = {"keys": args.keys, "batch": args.batch, "bytes_per_key": bytes_per_key(args.keys)}
     figures.update(retrieve_seconds(args.keys, args.batch, args.repeats))
     figures.update(python=platform.python_version(), cpu=platform.processor() or platform.machine())

@@ -125,6 +125,11 @@ class RecordTable:
     def __len__(self) -> int:
         return self.count
 
+    @property
+    def key_slots(self) -> int:
+        """Slots of the key table (it is rebuilt larger as rows are added)."""
+        return len(self._table)
+
     def _set_group(self, name: str, array: np.ndarray) -> None:
         setattr(self, name, array)
         for i, column in enumerate(_GROUPS[name][1]):
