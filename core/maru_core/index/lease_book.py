@@ -149,7 +149,8 @@ class LeaseBook:
 
     def expire_sliced(self) -> Generator[None, None, ExpiryReport]:
         """``expire`` in slices: lapsed leases end at once, their pins are released
-        a chunk per step (see ``_drop_leases_sliced``)."""
+        a chunk per step (see ``_drop_leases_sliced``); a rebuild of the key table
+        that additions left under way is finished, a slice per step."""
         now = self._clock()
         lapsed = [lease for lease in self._leases.values() if lease.expires_at <= now]
         pins = reservations = 0
@@ -167,4 +168,5 @@ class LeaseBook:
             self._stale_from = float(left.min()) if len(left) else math.inf
         self._free_fenced(self._fence.due(now))
         self._peers.prune(now, self.evict_window_s)
+        yield from self._records.finish_rebuild_sliced()
         return ExpiryReport(tuple(lease.lease_id for lease in lapsed), pins, reservations)

@@ -122,30 +122,33 @@ def retrieve_seconds(n_keys: int, batch: int = 8000, repeats: int = 50) -> dict[
 
 def growth_steps(n_keys: int, batch: int = _BATCH) -> dict:
     """Fill a registry with ``n_keys`` committed keys, ``batch`` at a time,
-    timing each reserve + commit: the batches during which the record table
-    grew its columns or rebuilt its key table (each a single step of the
-    index's loop, which serves no one else meanwhile), and the median of the
-    batches that grew nothing, for scale."""
+    timing each reserve + commit (each a single step of the index's loop,
+    which serves no one else meanwhile): the batches during which the key
+    table began a rebuild or did a share of one, the median of the
+    batches that did neither, for scale, and the longest batch of all."""
     registry = Registry(_geometry(n_keys, _OBJECT_BYTES))
     lease = registry.open_lease("bench")
-    records = registry._records  # read for its sizes only
-    steps, plain = [], []
+    records = registry._records  # read for its state only
+    steps: list[dict] = []
+    plain: list[float] = []
+    longest = 0.0
     for start in range(0, n_keys, batch):
         keys = _keys(start, min(batch, n_keys - start))
-        capacity, slots = records.capacity, records.key_slots
+        slots, under_way = records.key_slots, records.key_table_rebuilding
         t0 = time.perf_counter()
         registry.reserve(lease, [(k, _OBJECT_BYTES) for k in keys])
         registry.commit(lease, keys)
         seconds = time.perf_counter() - t0
-        what = [name for name, grew in (("columns", records.capacity != capacity),
-                                         ("key table", records.key_slots != slots)) if grew]
-        if what:
-            steps.append({"rows_before": start, "grew": what, "seconds": seconds})
+        longest = max(longest, seconds)
+        began = records.key_table_rebuilding or records.key_slots != slots
+        did = "worked on a rebuild" if under_way else "began a rebuild" if began else None
+        if did:
+            steps.append({"rows_before": start, "key_slots": records.key_slots, "did": did, "seconds": seconds})
         else:
             plain.append(seconds)
     plain.sort()
-    return {"keys": n_keys, "batch": batch, "growth_steps": steps,
-            "plain_batch_median_s": plain[len(plain) // 2] if plain else None}
+    return {"keys": n_keys, "batch": batch, "rebuild_steps": steps,
+            "plain_batch_median_s": plain[len(plain) // 2] if plain else None, "longest_batch_s": longest}
 
 
 def _all_good(joined: bytes, offsets: np.ndarray, generations: np.ndarray) -> np.ndarray:
@@ -159,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=8000, help="keys per retrieve / reserve")
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--growth", action="store_true",
-                        help="instead: time each batch of a fill that grew the record table")
+                        help="instead: time each batch of a fill, those that rebuilt the key table listed")
     args = parser.parse_args(argv)
     if args.growth:
         print(json.dumps(growth_steps(args.keys, args.batch), indent=1))

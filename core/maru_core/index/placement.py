@@ -100,7 +100,7 @@ class Placement:
             yield
             words = np.zeros((n, 2), dtype="<u8")  # megabytes of fresh memory: a step of its own
             yield
-            self._records.make_room(len(idx))  # the table's growth for the batch, once, in a step of its own
+            yield from self._records.make_room(len(idx))  # the key table readied for the batch, in steps
             while done < len(idx):
                 yield
                 end = done + slice_keys

@@ -210,7 +210,7 @@ class Registry(LeaseBook, Reads, Placement, Maintenance):
         self.evict_window_s = float(evict_window_s)
         self.quota_listener: QuotaListener | None = None
         self._clock = clock
-        self._records = RecordTable()
+        self._records = RecordTable(geometry.num_pages)  # an object spans a page at least
         self._alloc = ExtentAllocator(geometry.num_pages)
         self._leases: dict[str, Lease] = {}
         self._lease_by_number: dict[int, Lease] = {}
