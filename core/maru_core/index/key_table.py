@@ -202,7 +202,8 @@ class KeyIndex:
 
     def enter(self, rows: np.ndarray, live: int) -> None:
         """Enter ``rows`` (new, their keys set); ``live`` counts them too. Begins a
-        rebuild where the table in use is past its load, and does a share of one."""
+        rebuild where the table in use is past two thirds of its load, and does a
+        share of the one under way."""
         if self.needs_rebuild(live) and not self.rebuilding:
             self.begin_rebuild(live, live)  # twice the slots, as the table grows
         while live + self.table.tombstones > 2 * self.table.max_rows:
