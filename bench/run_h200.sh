@@ -22,9 +22,6 @@
 #   python3 bench/ttft_gpu.py --paired --formats chunkwise layerwise --sizes 16384 32768 \
 #     --modes sync_overlap_graphs sync_overlap_graphs_unverified --repeats 21 \
 #     --store-size 4096 --concurrent-size 4096 --concurrency 1
-# On a quiet 16-core host, the three attacks a noisy host put over 2x (all 17
-# ran on the final tree: bench/RESULTS.md), in rounds, about 3 minutes:
-#   ROUNDS=3 bash bench/attacks_16core.sh OUT --only pin_flood token_connection_hoard idle_flood
 set -u
 out=${1:?usage: run_h200.sh OUT_DIR [STAGE ...]}
 shift
