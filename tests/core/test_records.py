@@ -32,8 +32,9 @@ KEYS = [clustered_key(i) for i in range(250)] + [colliding_key(i) for i in range
 class RecordTableMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        # A first key table of 1,024 slots, rebuilt at 128 rows and again at 512, 64 slots
-        # of a rebuild a step: adds, removes and lookups meet half-filled and half-copied tables.
+        # A first key table of 1,024 slots, rebuilt from 86 rows on and again from 171, 64
+        # slots of a rebuild a step: adds, removes and lookups meet half-filled and
+        # half-copied next tables.
         self.table = RecordTable(len(KEYS), first_key_rows=1, rebuild_slice_slots=64)
         self.rows: dict[bytes, int] = {}
         self.room = None  # a make_room under way, run a step at a time
@@ -86,7 +87,7 @@ class RecordTableMachine(RuleBasedStateMachine):
             assert self.table.key_of(row) == k
 
     @invariant()
-    def every_key_is_found_in_whichever_table_holds_it(self) -> None:
+    def every_key_is_found(self) -> None:
         if self.rows:
             assert self.table.lookup(list(self.rows)).tolist() == list(self.rows.values())
 
