@@ -10,8 +10,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from maru_core.index.key_table import TOMBSTONE, KeyIndex
-from maru_core.index.records import RecordTable, State
+from maru_core.index.key_table import EMPTY, TOMBSTONE, KeyIndex
+from maru_core.index.records import RecordTable, State, key_words
 
 
 def clustered_key(i: int) -> bytes:
@@ -221,19 +221,25 @@ def test_room_made_for_a_batch_lets_its_slices_rebuild_nothing(monkeypatch) -> N
     assert (table.lookup(kept) == before[1::2]).all()  # the rows kept are still found
 
 
-def test_a_rebuild_under_way_finds_removes_and_copies_keys_of_one_long_run(monkeypatch) -> None:
-    """Fifty keys of one home slot, in a table rebuilt 32 slots a step: a key added or
-    removed where the copy has passed must be added to or removed from the next table
-    too, and the keys the copy meets later must not be copied twice."""
+def rebuilt_32_slots_a_step(monkeypatch) -> tuple[RecordTable, KeyIndex]:
+    """A table for 1,000 rows whose rebuilds do the least share a step: 32 slots."""
     table = RecordTable(1000, first_key_rows=1, rebuild_slice_slots=32)
     index = table._index
     begin = index.begin_rebuild
 
-    def slowly(rows_to_hold: int, live: int) -> None:  # the least share a step: 32 slots
+    def slowly(rows_to_hold: int, live: int) -> None:
         begin(rows_to_hold, live)
         index._work_per_row = 0
 
     monkeypatch.setattr(index, "begin_rebuild", slowly)
+    return table, index
+
+
+def test_a_rebuild_under_way_finds_removes_and_copies_keys_of_one_long_run(monkeypatch) -> None:
+    """Fifty keys of one home slot, in a table rebuilt 32 slots a step: a key added or
+    removed where the copy has passed must be added to or removed from the next table
+    too, and the keys the copy meets later must not be copied twice."""
+    table, index = rebuilt_32_slots_a_step(monkeypatch)
     run = [colliding_key(i) for i in range(50)]
     others = [clustered_key(i) for i in range(250)]
     rows = dict(zip(run, table.add(run).tolist()))
@@ -252,6 +258,40 @@ def test_a_rebuild_under_way_finds_removes_and_copies_keys_of_one_long_run(monke
     index.finish()
     assert table.lookup(list(rows)).tolist() == list(rows.values()) and (table.lookup(removed) == -1).all()
     assert_complete_and_copied(index, len(rows))
+
+
+def test_keys_added_and_removed_at_the_copy_position(monkeypatch) -> None:
+    """The slot the copy comes to next is not behind the copy: a key added there is
+    copied by the copy itself, so the addition must not put it in the next table too,
+    and a key removed from there was never copied, so its removal must not look for it
+    in the next table."""
+    table, index = rebuilt_32_slots_a_step(monkeypatch)
+    keys = iter(clustered_key(i) for i in range(250))
+    rows: dict[bytes, int] = {}
+
+    def add(key: bytes) -> int:
+        rows[key] = int(table.add([key])[0])
+        return rows[key]
+
+    while index._copying() is None or index.table.slots[index._copied] != EMPTY:
+        add(next(keys))
+    at = index._copied
+    candidates = np.random.default_rng(7).integers(0, 256, size=(20_000, 16), dtype=np.uint8)
+    homes = index.table.home(key_words(candidates.tobytes()))
+    landing = candidates[np.flatnonzero(homes == at)[0]].tobytes()
+    row = add(landing)
+    assert index.table.slots[at] == row  # it landed at the copy position
+    assert_complete_and_copied(index, len(rows))
+
+    while index._copying() is None or index.table.slots[index._copied] < 0:
+        add(next(keys))
+    at = index._copied
+    leaving = next(k for k, r in rows.items() if r == index.table.slots[at])
+    table.remove(np.array([rows.pop(leaving)]))  # before the copy reaches it
+    assert_complete_and_copied(index, len(rows))
+    index.finish()
+    assert_complete_and_copied(index, len(rows))
+    assert table.lookup(list(rows)).tolist() == list(rows.values()) and table.row_of(leaving) is None
 
 
 def test_columns_too_large_for_the_address_space_are_refused_with_what_to_change() -> None:
